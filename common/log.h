@@ -1,0 +1,43 @@
+// Minimal thread-safe logging to stderr: one line per message, with time, level, file and line.
+//
+//   GT_LOG(INFO) << "worker " << id << " joined site " << site;
+//
+// Debian 12's Abseil (20220623) predates absl/log, so geotrain carries this small logger.
+#pragma once
+
+#include <sstream>
+#include <string_view>
+
+namespace geotrain {
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
+
+// Messages below this level are dropped. Set from GEOTRAIN_LOG_LEVEL (debug|info|warning|error).
+LogLevel MinLogLevel();
+void SetMinLogLevel(LogLevel level);
+// A short name for this process written in every line ("head", "worker w-1"); defaults to "geotrain".
+void SetLogProcessName(std::string_view name);
+
+class LogMessage {
+ public:
+  LogMessage(LogLevel level, const char* file, int line);
+  ~LogMessage();
+  LogMessage(const LogMessage&) = delete;
+  LogMessage& operator=(const LogMessage&) = delete;
+  std::ostream& stream() { return stream_; }
+
+ private:
+  LogLevel level_;
+  std::ostringstream stream_;
+};
+
+}  // namespace geotrain
+
+#define GT_LOG_LEVEL_DEBUG ::geotrain::LogLevel::kDebug
+#define GT_LOG_LEVEL_INFO ::geotrain::LogLevel::kInfo
+#define GT_LOG_LEVEL_WARNING ::geotrain::LogLevel::kWarning
+#define GT_LOG_LEVEL_ERROR ::geotrain::LogLevel::kError
+#define GT_LOG(level)                                                 \
+  if (GT_LOG_LEVEL_##level < ::geotrain::MinLogLevel()) {             \
+  } else                                                              \
+    ::geotrain::LogMessage(GT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
