@@ -71,7 +71,9 @@ class YamlToJson {
       const std::string key = kv.first.as<std::string>();
       const std::string child = path.empty() ? key : absl::StrCat(path, ".", key);
       const FieldDescriptor* f = d->FindFieldByName(key);
-      if (f == nullptr) f = d->FindFieldByJsonName(key);
+      for (int i = 0; f == nullptr && i < d->field_count(); ++i) {
+        if (d->field(i)->json_name() == key) f = d->field(i);
+      }
       if (f == nullptr) {
         return absl::InvalidArgumentError(
             absl::StrCat(source_, ": unknown key '", child, "'; known keys of ",
@@ -99,7 +101,7 @@ class YamlToJson {
   }
 
  private:
-  absl::Status Error(const std::string& path, std::string_view what) {
+  absl::Status Error(const std::string& path, absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(source_, ": key '", path, "': ", what));
   }
 
@@ -207,7 +209,7 @@ absl::Status ParseYamlOrJson(std::string_view text, std::string_view source,
   try {
     root = YAML::Load(std::string(text));
   } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid YAML or JSON at line ",
+    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()), ": not valid YAML or JSON at line ",
                                                    e.mark.line + 1, ", column ", e.mark.column + 1,
                                                    ": ", e.msg));
   }
@@ -218,13 +220,13 @@ absl::Status ParseYamlOrJson(std::string_view text, std::string_view source,
       return s;
     }
   } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()), ": ", e.what()));
   }
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
   const auto status = google::protobuf::util::JsonStringToMessage(json, message, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.message()));
+    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()), ": ", std::string(status.message())));
   }
   return absl::OkStatus();
 }
@@ -265,7 +267,7 @@ void ApplyJobDefaults(JobSpec* spec) {
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   const TrainSpec& t = spec.train();
-  auto bad = [](std::string_view key, std::string_view what) {
+  auto bad = [](absl::string_view key, absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("job spec: ", key, " ", what));
   };
   if (t.global_batch() <= 0) return bad("train.global_batch", "must be positive");

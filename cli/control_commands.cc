@@ -1,0 +1,471 @@
+// CLI verbs of the control plane: `head start`, `worker start`, `status`, and `job submit|list|status|
+// cancel|logs`. Every verb that talks to a head resolves it from --head/--token, GEOTRAIN_HEAD/
+// GEOTRAIN_TOKEN, or the record a head on this machine leaves (see common/rpc.h).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cli/registry.h"
+#include "common/log.h"
+#include "common/rpc.h"
+#include "common/spec.h"
+#include "control.grpc.pb.h"
+#include "head/head_server.h"
+#include "head/job_manager.h"
+#include "worker/devices.h"
+#include "worker/worker_server.h"
+
+namespace geotrain::cli {
+namespace {
+
+// Prints "geotrain: <message>" and returns the exit code for it.
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kUnauthenticated ? 3 : 1;
+}
+
+// Explains an RPC failure in terms of what the user can do.
+absl::Status Explain(const grpc::Status& s, const std::string& address) {
+  switch (s.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the head at ", address, " (", s.error_message(),
+          "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return absl::UnauthenticatedError(absl::StrCat("the head at ", address, " refused the call: ",
+                                                     s.error_message()));
+    default:
+      return FromGrpc(s);
+  }
+}
+
+// Blocks SIGINT and SIGTERM in every thread and waits for one on a dedicated thread, which then runs
+// `on_signal` (a Shutdown) outside signal context.
+std::thread StopOnSignal(std::function<void()> on_signal) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  return std::thread([set, on_signal = std::move(on_signal)] {
+    int sig = 0;
+    sigwait(&set, &sig);
+    GT_LOG(INFO) << "received signal " << sig << "; shutting down";
+    on_signal();
+  });
+}
+
+struct HeadFlags {
+  std::string head;
+  std::string token;
+  std::string tls_ca;
+  void Add(CLI::App* cmd) {
+    cmd->add_option("--head", head, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
+    cmd->add_option("--token", token, "cluster token (default: GEOTRAIN_TOKEN or the head's token file)");
+    cmd->add_option("--tls-ca", tls_ca, "CA certificate (PEM) to verify a TLS head");
+  }
+};
+
+// A connected stub and the token to call it with.
+struct HeadClient {
+  std::unique_ptr<Head::Stub> stub;
+  HeadEndpoint endpoint;
+  grpc::ClientContext* Prepare(grpc::ClientContext* ctx, int64_t deadline_ms = 10000) const {
+    AttachToken(ctx, endpoint.token);
+    if (deadline_ms > 0) SetDeadlineMillis(ctx, deadline_ms);
+    return ctx;
+  }
+};
+
+absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
+  auto endpoint = ResolveHead(flags.head, flags.token);
+  if (!endpoint.ok()) return endpoint.status();
+  TlsFiles tls;
+  tls.ca = flags.tls_ca;
+  auto channel = MakeChannel(endpoint->address, tls);
+  if (!channel.ok()) return channel.status();
+  return HeadClient{Head::NewStub(*channel), *endpoint};
+}
+
+std::string FormatTime(int64_t unix_ms) {
+  if (unix_ms <= 0) return "-";
+  std::time_t t = unix_ms / 1000;
+  std::tm tm;
+  localtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tm);
+  return buf;
+}
+
+const char* ActorStateText(ActorState s) {
+  switch (s) {
+    case ACTOR_PENDING_CREATION: return "PENDING_CREATION";
+    case ACTOR_ALIVE: return "ALIVE";
+    case ACTOR_RESTARTING: return "RESTARTING";
+    case ACTOR_DEAD: return "DEAD";
+    default: return "UNKNOWN";
+  }
+}
+
+// ---- head start ----
+void AddHeadCommands(CLI::App& app, Context& context) {
+  CLI::App* head = app.add_subcommand("head", "run the head node");
+  head->require_subcommand(1);
+  CLI::App* start = head->add_subcommand("start", "start the head in the foreground (stop with Ctrl-C or SIGTERM)");
+  auto options = std::make_shared<HeadOptions>();
+  options->state_dir = absl::StrCat(GeotrainHome(), "/head");
+  start->add_option("--port", options->port, "gRPC port")->capture_default_str();
+  start->add_option("--metrics-port", options->metrics_port, "Prometheus metrics port (0: any free, -1: off)")
+      ->capture_default_str();
+  start->add_option("--bind", options->bind_host, "address to listen on")->capture_default_str();
+  start->add_option("--advertise-host", options->advertise_host, "host the CLI and workers should dial");
+  start->add_option("--state-dir", options->state_dir, "where the head persists its state")->capture_default_str();
+  start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN, the state dir's, or new)");
+  start->add_option("--heartbeat-interval-ms", options->heartbeat_interval_ms, "worker heartbeat interval")
+      ->capture_default_str();
+  start->add_option("--heartbeat-timeout-ms", options->heartbeat_timeout_ms,
+                    "silence after which a worker is declared dead")
+      ->capture_default_str();
+  start->add_option("--tls-cert", options->tls.cert, "server certificate (PEM) for TLS");
+  start->add_option("--tls-key", options->tls.key, "server private key (PEM) for TLS");
+  start->add_option("--tls-ca", options->tls.ca, "CA (PEM) for verifying clients");
+  start->callback([options, &context] {
+    SetLogProcessName("head");
+    if (options->token.empty()) {
+      if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) options->token = env;
+    }
+    if (options->heartbeat_timeout_ms <= options->heartbeat_interval_ms) {
+      context.exit_code = Fail(absl::InvalidArgumentError(
+          "--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms"));
+      return;
+    }
+    HeadServer server(*options);
+    if (absl::Status s = server.Start(); !s.ok()) {
+      context.exit_code = Fail(s);
+      return;
+    }
+    std::printf("geotrain head %s listening on port %d (metrics on %d); token in %s/token\n",
+                server.head_id().c_str(), server.port(), server.metrics_port(), options->state_dir.c_str());
+    std::printf("join workers with: geotrain worker start --head <this-host>:%d --site NAME --token <token>\n",
+                server.port());
+    std::fflush(stdout);
+    std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
+    server.Wait();
+    waiter.detach();
+  });
+}
+
+// ---- worker start ----
+void AddWorkerCommands(CLI::App& app, Context& context) {
+  CLI::App* worker = app.add_subcommand("worker", "run a worker node");
+  worker->require_subcommand(1);
+  CLI::App* start = worker->add_subcommand("start", "start a worker in the foreground and join a head");
+  auto options = std::make_shared<WorkerOptions>();
+  auto emulate = std::make_shared<std::vector<std::string>>();
+  auto head_flag = std::make_shared<std::string>();
+  start->add_option("--head", *head_flag, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
+  start->add_option("--site", options->site, "site this worker belongs to")->required();
+  start->add_option("--port", options->port, "gRPC port (0: any free port)")->capture_default_str();
+  start->add_option("--bind", options->bind_host, "address to listen on")->capture_default_str();
+  start->add_option("--advertise-address", options->advertise_address,
+                    "HOST[:PORT] the head and peers dial (behind NAT or a proxy)");
+  start->add_option("--metrics-port", options->metrics_port, "Prometheus metrics port (0: any free, -1: off)")
+      ->capture_default_str();
+  start->add_option("--worker-id", options->worker_id, "stable worker id (default: assigned by the head)");
+  start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN or this machine's head)");
+  start->add_option("--emulate-device", *emulate,
+                    "stand in for a GPU: NAME:TFLOPS:MEM_GB (repeatable), e.g. T4:65:16");
+  start->add_option("--tls-cert", options->tls.cert, "client certificate (PEM)");
+  start->add_option("--tls-key", options->tls.key, "client private key (PEM)");
+  start->add_option("--tls-ca", options->tls.ca, "CA (PEM) that signed the head's certificate");
+  start->callback([options, emulate, head_flag, &context] {
+    SetLogProcessName(absl::StrCat("worker ", options->site));
+    for (const std::string& text : *emulate) {
+      auto device = ParseEmulatedDevice(text);
+      if (!device.ok()) {
+        context.exit_code = Fail(device.status());
+        return;
+      }
+      options->emulated_devices.push_back(*device);
+    }
+    auto endpoint = ResolveHead(*head_flag, options->token);
+    if (!endpoint.ok()) {
+      context.exit_code = Fail(endpoint.status());
+      return;
+    }
+    options->head_address = endpoint->address;
+    options->token = endpoint->token;
+    WorkerServer server(*options);
+    if (absl::Status s = server.Start(); !s.ok()) {
+      context.exit_code = Fail(s);
+      return;
+    }
+    std::printf("geotrain worker (site %s) listening on port %d, joining %s\n", options->site.c_str(),
+                server.port(), options->head_address.c_str());
+    std::fflush(stdout);
+    std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
+    server.Wait();
+    waiter.detach();
+  });
+}
+
+// ---- status ----
+void PrintStatus(const ClusterStatus& status, const std::string& address) {
+  std::printf("head %s at %s, up since %s\n", status.head_id().c_str(), address.c_str(),
+              FormatTime(status.head_started_unix_ms()).c_str());
+  std::printf("\n%-14s %6s %6s %8s %10s\n", "SITE", "ALIVE", "DEAD", "DEVICES", "TFLOP/S");
+  for (const SiteStatus& s : status.sites()) {
+    std::printf("%-14s %6d %6d %8d %10.1f\n", s.name().c_str(), s.alive_workers(), s.dead_workers(),
+                s.devices(), s.tflops());
+  }
+  std::printf("\n%-12s %-10s %-6s %-22s %-34s %s\n", "WORKER", "SITE", "STATE", "ADDRESS", "DEVICES",
+              "LAST HEARTBEAT");
+  for (const WorkerInfo& w : status.workers()) {
+    std::string devices;
+    for (const Device& d : w.devices()) {
+      if (!devices.empty()) devices += ", ";
+      devices += absl::StrFormat("%s %.1fTF %.0fGB", d.name(), d.tflops(), d.memory_bytes() / 1e9);
+    }
+    std::printf("%-12s %-10s %-6s %-22s %-34s %s%s\n", w.worker_id().c_str(), w.site().c_str(),
+                w.state() == WORKER_ALIVE ? "ALIVE" : "DEAD", w.address().c_str(), devices.c_str(),
+                FormatTime(w.last_heartbeat_unix_ms()).c_str(),
+                w.dead_reason().empty() ? "" : absl::StrCat("  (", w.dead_reason(), ")").c_str());
+  }
+  if (status.actors_size() > 0) {
+    std::printf("\n%-16s %-12s %-12s %4s %5s %3s %s\n", "ACTOR", "JOB", "WORKER", "REPL", "STAGE", "TP",
+                "STATE");
+    for (const ActorRecord& a : status.actors()) {
+      std::printf("%-16s %-12s %-12s %4d %5d %3d %s\n", a.actor_id().c_str(), a.job_id().c_str(),
+                  a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateText(a.state()));
+    }
+  }
+  std::printf("\njobs:");
+  for (const auto& [state, n] : status.jobs_by_state()) std::printf(" %s %d", state.c_str(), n);
+  std::printf("\n");
+}
+
+void AddStatusCommand(CLI::App& app, Context& context) {
+  CLI::App* cmd = app.add_subcommand("status", "show sites, workers, devices, liveness and actors");
+  auto flags = std::make_shared<HeadFlags>();
+  auto json = std::make_shared<bool>(false);
+  flags->Add(cmd);
+  cmd->add_flag("--json", *json, "print JSON instead of a table");
+  cmd->callback([flags, json, &context] {
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    grpc::ClientContext ctx;
+    ClusterStatus status;
+    grpc::Status s = client->stub->GetClusterStatus(client->Prepare(&ctx), ClusterStatusRequest(), &status);
+    if (!s.ok()) {
+      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      return;
+    }
+    status.set_head_address(client->endpoint.address);
+    if (*json) {
+      std::printf("%s\n", ToJson(status, true).c_str());
+    } else {
+      PrintStatus(status, client->endpoint.address);
+    }
+  });
+}
+
+// ---- job ... ----
+void PrintJob(const JobInfo& job) {
+  std::printf("job %s (%s): %s\n", job.job_id().c_str(), job.name().c_str(), JobStateName(job.state()));
+  if (!job.message().empty()) std::printf("  %s\n", job.message().c_str());
+  std::printf("  submitted %s, updated %s\n", FormatTime(job.submitted_unix_ms()).c_str(),
+              FormatTime(job.updated_unix_ms()).c_str());
+  const ParallelSpec& p = job.spec().parallel();
+  std::printf("  model %s, global batch %d x seq %d, %d steps; plan %s (dp %d, pp %d, tp %d, %d microbatches, %s)\n",
+              job.spec().model().preset().empty() ? "custom" : job.spec().model().preset().c_str(),
+              job.spec().train().global_batch(), job.spec().train().seq_len(), job.spec().train().steps(),
+              p.plan().c_str(), p.dp(), p.pp(), p.tp(), p.microbatches(), p.schedule().c_str());
+  if (job.step() > 0) {
+    std::printf("  step %ld, loss %.4f, %.0f tokens/s\n", static_cast<long>(job.step()), job.loss(),
+                job.tokens_per_second());
+  }
+  if (job.predicted_step_seconds() > 0 || job.measured_step_seconds() > 0) {
+    std::printf("  step time: predicted %.3f s, measured %.3f s\n", job.predicted_step_seconds(),
+                job.measured_step_seconds());
+  }
+  for (const ActorRecord& a : job.actors()) {
+    std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(),
+                a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateText(a.state()),
+                a.message().c_str());
+  }
+}
+
+// Streams a job's events; returns the exit code (0 when the job ended well or follow is off).
+int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow) {
+  grpc::ClientContext ctx;
+  client.Prepare(&ctx, follow ? 0 : 30000);
+  WatchJobRequest request;
+  request.set_job_id(job_id);
+  request.set_follow(follow);
+  auto reader = client.stub->WatchJob(&ctx, request);
+  JobEvent event;
+  JobState last = JOB_STATE_UNSPECIFIED;
+  while (reader->Read(&event)) {
+    std::printf("%s %s\n", FormatTime(event.unix_ms()).c_str(), event.line().c_str());
+    std::fflush(stdout);
+    last = event.state();
+  }
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return Fail(Explain(s, client.endpoint.address));
+  if (follow && (last == JOB_FAILED || last == JOB_CANCELLED)) return 1;
+  return 0;
+}
+
+void AddJobCommands(CLI::App& app, Context& context) {
+  CLI::App* job = app.add_subcommand("job", "submit and follow training jobs");
+  job->require_subcommand(1);
+  auto flags = std::make_shared<HeadFlags>();
+
+  CLI::App* submit = job->add_subcommand("submit", "submit a job spec (YAML or JSON)");
+  auto spec_path = std::make_shared<std::string>();
+  auto follow = std::make_shared<bool>(false);
+  submit->add_option("spec", *spec_path, "job spec file")->required();
+  submit->add_flag("--follow", *follow, "stream the job's log until it ends");
+  flags->Add(submit);
+  submit->callback([flags, spec_path, follow, &context] {
+    auto spec = LoadJobSpecFile(*spec_path);
+    if (!spec.ok()) {
+      context.exit_code = Fail(spec.status());
+      return;
+    }
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    grpc::ClientContext ctx;
+    SubmitJobRequest request;
+    *request.mutable_spec() = *spec;
+    request.set_spec_source(*spec_path);
+    SubmitJobReply reply;
+    grpc::Status s = client->stub->SubmitJob(client->Prepare(&ctx), request, &reply);
+    if (!s.ok()) {
+      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      return;
+    }
+    std::printf("submitted %s (%s): %s\n", reply.job().job_id().c_str(), reply.job().name().c_str(),
+                JobStateName(reply.job().state()));
+    std::fflush(stdout);
+    if (*follow) context.exit_code = StreamLogs(*client, reply.job().job_id(), true);
+  });
+
+  CLI::App* list = job->add_subcommand("list", "list jobs");
+  auto list_json = std::make_shared<bool>(false);
+  list->add_flag("--json", *list_json, "print JSON");
+  flags->Add(list);
+  list->callback([flags, list_json, &context] {
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    grpc::ClientContext ctx;
+    ListJobsReply reply;
+    grpc::Status s = client->stub->ListJobs(client->Prepare(&ctx), ListJobsRequest(), &reply);
+    if (!s.ok()) {
+      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      return;
+    }
+    if (*list_json) {
+      std::printf("%s\n", ToJson(reply, true).c_str());
+      return;
+    }
+    std::printf("%-12s %-24s %-10s %-20s %s\n", "JOB", "NAME", "STATE", "SUBMITTED", "MESSAGE");
+    for (const JobInfo& j : reply.jobs()) {
+      std::printf("%-12s %-24s %-10s %-20s %s\n", j.job_id().c_str(), j.name().c_str(),
+                  JobStateName(j.state()), FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
+    }
+  });
+
+  auto job_id = std::make_shared<std::string>();
+  CLI::App* status = job->add_subcommand("status", "show one job, its actors and its progress");
+  status->add_option("id", *job_id, "job id")->required();
+  auto status_json = std::make_shared<bool>(false);
+  status->add_flag("--json", *status_json, "print JSON");
+  flags->Add(status);
+  status->callback([flags, job_id, status_json, &context] {
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    grpc::ClientContext ctx;
+    GetJobRequest request;
+    request.set_job_id(*job_id);
+    JobInfo reply;
+    grpc::Status s = client->stub->GetJob(client->Prepare(&ctx), request, &reply);
+    if (!s.ok()) {
+      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      return;
+    }
+    if (*status_json) {
+      std::printf("%s\n", ToJson(reply, true).c_str());
+    } else {
+      PrintJob(reply);
+    }
+  });
+
+  CLI::App* cancel = job->add_subcommand("cancel", "cancel a job and stop its actors");
+  cancel->add_option("id", *job_id, "job id")->required();
+  flags->Add(cancel);
+  cancel->callback([flags, job_id, &context] {
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    grpc::ClientContext ctx;
+    CancelJobRequest request;
+    request.set_job_id(*job_id);
+    JobInfo reply;
+    grpc::Status s = client->stub->CancelJob(client->Prepare(&ctx), request, &reply);
+    if (!s.ok()) {
+      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      return;
+    }
+    std::printf("job %s: %s\n", reply.job_id().c_str(), JobStateName(reply.state()));
+  });
+
+  CLI::App* logs = job->add_subcommand("logs", "print a job's log; --follow streams it until the job ends");
+  logs->add_option("id", *job_id, "job id")->required();
+  auto logs_follow = std::make_shared<bool>(false);
+  logs->add_flag("--follow,-f", *logs_follow, "keep streaming until the job ends");
+  flags->Add(logs);
+  logs->callback([flags, job_id, logs_follow, &context] {
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    context.exit_code = StreamLogs(*client, *job_id, *logs_follow);
+  });
+}
+
+void AddControlCommands(CLI::App& app, Context& context) {
+  AddHeadCommands(app, context);
+  AddWorkerCommands(app, context);
+  AddStatusCommand(app, context);
+  AddJobCommands(app, context);
+}
+
+bool registered = RegisterCommands("control", &AddControlCommands);
+
+}  // namespace
+}  // namespace geotrain::cli

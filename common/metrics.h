@@ -1,0 +1,80 @@
+// Prometheus metrics for geotrain processes: one registry per process, served in the text format over
+// HTTP (prometheus-cpp pull), with the process basics (CPU seconds, resident memory, start time, open
+// file descriptors) read from /proc on each scrape, and RPC counts and latencies per method.
+//
+//   MetricsServer metrics;
+//   absl::Status s = metrics.Start("0.0.0.0:9470");     // port 0 picks a free one; see port()
+//   auto& jobs = metrics.Gauges("geotrain_jobs", "Jobs by state");
+//   jobs.Add({{"state", "PENDING"}}).Set(3);
+//   { RpcTimer t(metrics.rpc(), "SubmitJob"); ... t.set_code(status.error_code()); }
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace geotrain {
+
+// RPC count and latency families: geotrain_rpc_duration_seconds{method} (histogram) and
+// geotrain_rpc_total{method,code}. prometheus-cpp's families are thread-safe.
+class RpcMetrics {
+ public:
+  explicit RpcMetrics(prometheus::Registry& registry);
+  void Observe(const std::string& method, int grpc_code, double seconds);
+
+ private:
+  prometheus::Family<prometheus::Histogram>& duration_;
+  prometheus::Family<prometheus::Counter>& total_;
+};
+
+// Times one RPC handler and records it when it goes out of scope.
+class RpcTimer {
+ public:
+  RpcTimer(RpcMetrics* metrics, const char* method)
+      : metrics_(metrics), method_(method), start_(std::chrono::steady_clock::now()) {}
+  ~RpcTimer();
+  RpcTimer(const RpcTimer&) = delete;
+  RpcTimer& operator=(const RpcTimer&) = delete;
+  void set_code(int code) { code_ = code; }
+
+ private:
+  RpcMetrics* metrics_;
+  const char* method_;
+  std::chrono::steady_clock::time_point start_;
+  int code_ = 0;
+};
+
+class MetricsServer {
+ public:
+  MetricsServer();
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  // Starts serving /metrics on `bind_address` (host:port). Port 0 picks a free port.
+  absl::Status Start(const std::string& bind_address);
+  int port() const { return port_; }
+
+  prometheus::Registry& registry() { return *registry_; }
+  RpcMetrics* rpc() { return &rpc_; }
+  prometheus::Family<prometheus::Gauge>& Gauges(const std::string& name, const std::string& help);
+  prometheus::Family<prometheus::Counter>& Counters(const std::string& name, const std::string& help);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> process_;
+  RpcMetrics rpc_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+}  // namespace geotrain

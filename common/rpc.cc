@@ -1,0 +1,274 @@
+// Token checks, TLS credentials, status conversion and the cluster record.
+#include "common/rpc.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "yaml-cpp/yaml.h"
+
+namespace geotrain {
+namespace {
+
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  // Length is not secret; content is.
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+std::string RandomHex(int bytes) {
+  std::string raw(bytes, '\0');
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  if (!urandom.read(raw.data(), bytes)) {
+    std::random_device rd;
+    for (char& c : raw) c = static_cast<char>(rd());
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out += kHex[c >> 4];
+    out += kHex[c & 15];
+  }
+  return out;
+}
+
+}  // namespace
+
+grpc::Status TokenAuth::CheckMetadata(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, const std::string& peer) const {
+  auto it = metadata.find(kTokenMetadataKey);
+  if (it == metadata.end()) {
+    GT_LOG(WARNING) << "refused a call from " << peer << ": no cluster token";
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's token file "
+                        "is <state-dir>/token)");
+  }
+  if (!ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()), token_)) {
+    GT_LOG(WARNING) << "refused a call from " << peer << ": wrong cluster token";
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "wrong cluster token; use the token in the head's <state-dir>/token file");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status TokenAuth::Check(grpc::ServerContext* context) const {
+  return CheckMetadata(context->client_metadata(), context->peer());
+}
+grpc::Status TokenAuth::Check(grpc::CallbackServerContext* context) const {
+  return CheckMetadata(context->client_metadata(), context->peer());
+}
+
+void AttachToken(grpc::ClientContext* context, const std::string& token) {
+  context->AddMetadata(kTokenMetadataKey, token);
+}
+
+void SetDeadlineMillis(grpc::ClientContext* context, int64_t millis) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(millis));
+}
+
+std::string GenerateToken() { return RandomHex(16); }
+std::string GenerateId(const std::string& prefix) { return absl::StrCat(prefix, "-", RandomHex(4)); }
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno)));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents, int mode) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create '", tmp, "': ", std::strerror(errno), "; check the directory"));
+  }
+  ::fchmod(fd, mode);
+  size_t done = 0;
+  while (done < contents.size()) {
+    ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const std::string err = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return absl::InternalError(absl::StrCat("writing '", tmp, "': ", err));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat("flushing '", tmp, "': ", std::strerror(errno)));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat("renaming to '", path, "': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  if (tls.cert.empty() || tls.key.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
+  }
+  auto cert = ReadSmallFile(tls.cert);
+  if (!cert.ok()) return cert.status();
+  auto key = ReadSmallFile(tls.key);
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions options;
+  options.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!tls.ca.empty()) {
+    auto ca = ReadSmallFile(tls.ca);
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *ca;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls) {
+  if (!tls.enabled()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  if (!tls.ca.empty()) {
+    auto ca = ReadSmallFile(tls.ca);
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *ca;
+  }
+  if (!tls.cert.empty() && !tls.key.empty()) {
+    auto cert = ReadSmallFile(tls.cert);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadSmallFile(tls.key);
+    if (!key.ok()) return key.status();
+    options.pem_cert_chain = *cert;
+    options.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(options);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
+                                                           const TlsFiles& tls) {
+  auto creds = MakeChannelCredentials(tls);
+  if (!creds.ok()) return creds.status();
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Reconnect quickly after a peer restarts (the default backoff grows to two minutes).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(address, *creds, args);
+}
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+std::string GeotrainHome() {
+  if (const char* home = std::getenv("GEOTRAIN_HOME"); home != nullptr && *home) return home;
+  const char* user_home = std::getenv("HOME");
+  return absl::StrCat(user_home ? user_home : "/tmp", "/.geotrain");
+}
+
+absl::Status WriteClusterRecord(const ClusterRecord& record) {
+  const std::string dir = GeotrainHome();
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create '", dir, "': ", std::strerror(errno),
+                                                    "; set GEOTRAIN_HOME to a writable directory"));
+  }
+  YAML::Emitter out;
+  out << YAML::DoubleQuoted << YAML::Flow << YAML::BeginMap;
+  out << YAML::Key << "address" << YAML::Value << record.address;
+  out << YAML::Key << "token_file" << YAML::Value << record.token_file;
+  out << YAML::Key << "metrics_address" << YAML::Value << record.metrics_address;
+  out << YAML::Key << "state_dir" << YAML::Value << record.state_dir;
+  out << YAML::Key << "pid" << YAML::Value << std::to_string(record.pid);
+  out << YAML::EndMap;
+  return WriteFileAtomically(absl::StrCat(dir, "/current_cluster.json"), std::string(out.c_str()) + "\n",
+                             0600);
+}
+
+absl::StatusOr<ClusterRecord> ReadClusterRecord() {
+  const std::string path = absl::StrCat(GeotrainHome(), "/current_cluster.json");
+  auto text = ReadSmallFile(path);
+  if (!text.ok()) return text.status();
+  try {
+    YAML::Node node = YAML::Load(*text);
+    ClusterRecord r;
+    r.address = node["address"].as<std::string>("");
+    r.token_file = node["token_file"].as<std::string>("");
+    r.metrics_address = node["metrics_address"].as<std::string>("");
+    r.state_dir = node["state_dir"].as<std::string>("");
+    r.pid = std::atoll(node["pid"].as<std::string>("0").c_str());
+    if (r.address.empty()) return absl::DataLossError(absl::StrCat(path, ": no address"));
+    return r;
+  } catch (const YAML::Exception& e) {
+    return absl::DataLossError(absl::StrCat(path, ": ", e.what()));
+  }
+}
+
+void RemoveClusterRecordIfOwned(int64_t pid) {
+  auto record = ReadClusterRecord();
+  if (record.ok() && record->pid == pid) {
+    ::unlink(absl::StrCat(GeotrainHome(), "/current_cluster.json").c_str());
+  }
+}
+
+absl::StatusOr<HeadEndpoint> ResolveHead(const std::string& head_flag, const std::string& token_flag) {
+  HeadEndpoint endpoint;
+  endpoint.address = head_flag;
+  endpoint.token = token_flag;
+  if (endpoint.address.empty()) {
+    if (const char* env = std::getenv("GEOTRAIN_HEAD"); env != nullptr) endpoint.address = env;
+  }
+  if (endpoint.token.empty()) {
+    if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) endpoint.token = env;
+  }
+  if (endpoint.address.empty() || endpoint.token.empty()) {
+    auto record = ReadClusterRecord();
+    if (record.ok()) {
+      if (endpoint.address.empty()) endpoint.address = record->address;
+      if (endpoint.token.empty()) {
+        auto token = ReadSmallFile(record->token_file);
+        if (token.ok()) {
+          endpoint.token = *token;
+          while (!endpoint.token.empty() && (endpoint.token.back() == '\n' || endpoint.token.back() == ' ')) {
+            endpoint.token.pop_back();
+          }
+        }
+      }
+    }
+  }
+  if (endpoint.address.empty()) {
+    return absl::NotFoundError(
+        "no head to talk to: pass --head HOST:PORT or set GEOTRAIN_HEAD (no head was started on this "
+        "machine; start one with `geotrain head start`)");
+  }
+  if (endpoint.token.empty()) {
+    return absl::UnauthenticatedError(
+        "no cluster token: pass --token or set GEOTRAIN_TOKEN (the head writes it to <state-dir>/token)");
+  }
+  return endpoint;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,88 @@
+// RPC plumbing shared by every geotrain service and client: the cluster token, TLS credentials,
+// Status conversion, and where the CLI finds a head started on this machine.
+//
+//   Server side, first line of every handler:
+//     if (grpc::Status s = auth.Check(context); !s.ok()) return s;
+//   Client side:
+//     grpc::ClientContext ctx; AttachToken(&ctx, token); SetDeadline(&ctx, 5000);
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace geotrain {
+
+inline constexpr char kTokenMetadataKey[] = "x-geotrain-token";
+
+// Checks the token of incoming calls. Thread-safe (immutable after construction).
+class TokenAuth {
+ public:
+  explicit TokenAuth(std::string token) : token_(std::move(token)) {}
+  // OK when the call carries the cluster token; UNAUTHENTICATED (and a log line naming the peer and
+  // the method) otherwise. The comparison takes the same time wherever the strings differ.
+  grpc::Status Check(grpc::ServerContext* context) const;
+  grpc::Status Check(grpc::CallbackServerContext* context) const;
+  const std::string& token() const { return token_; }
+
+ private:
+  grpc::Status CheckMetadata(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
+                             const std::string& peer) const;
+  std::string token_;
+};
+
+void AttachToken(grpc::ClientContext* context, const std::string& token);
+void SetDeadlineMillis(grpc::ClientContext* context, int64_t millis);
+
+// A fresh random token (32 hex characters from the OS's random source).
+std::string GenerateToken();
+// A fresh random id with a prefix ("h-3f2a91c0").
+std::string GenerateId(const std::string& prefix);
+
+// TLS is optional: with all three files empty, connections are plaintext.
+struct TlsFiles {
+  std::string cert;  // PEM certificate of this process (server side)
+  std::string key;   // PEM private key
+  std::string ca;    // PEM CA that signed the peer's certificate (client side: the server's)
+  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
+};
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls);
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls);
+// A channel to `address` with keepalive settings suited to long-lived control streams.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls);
+
+absl::Status FromGrpc(const grpc::Status& status);
+grpc::Status ToGrpc(const absl::Status& status);
+
+// Reads a whole file (for PEM files and token files).
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
+// Writes `contents` to `path` atomically (temporary file, fsync, rename) with the given mode.
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents, int mode);
+
+// Where a head started on this machine records itself, like `ray start --head`:
+// $GEOTRAIN_HOME (default ~/.geotrain)/current_cluster.json holds {"address", "token_file", ...}.
+std::string GeotrainHome();
+struct ClusterRecord {
+  std::string address;        // host:port of the head's gRPC service
+  std::string token_file;     // mode 0600 file with the token
+  std::string metrics_address;
+  std::string state_dir;
+  int64_t pid = 0;
+};
+absl::Status WriteClusterRecord(const ClusterRecord& record);
+absl::StatusOr<ClusterRecord> ReadClusterRecord();
+void RemoveClusterRecordIfOwned(int64_t pid);
+
+// Resolves the head's address and the token for a CLI call: flags first, then GEOTRAIN_HEAD and
+// GEOTRAIN_TOKEN, then the cluster record. Errors say which flag or variable to set.
+struct HeadEndpoint {
+  std::string address;
+  std::string token;
+};
+absl::StatusOr<HeadEndpoint> ResolveHead(const std::string& head_flag, const std::string& token_flag);
+
+}  // namespace geotrain

@@ -1,0 +1,84 @@
+// Token resolution order, the cluster record, atomic writes with their mode.
+#include "common/rpc.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+namespace geotrain {
+namespace {
+
+using ::testing::HasSubstr;
+
+class RpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("geotrain_rpc_test_" + GenerateToken());
+    std::filesystem::create_directories(dir_);
+    setenv("GEOTRAIN_HOME", dir_.c_str(), 1);
+    unsetenv("GEOTRAIN_HEAD");
+    unsetenv("GEOTRAIN_TOKEN");
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(RpcTest, AtomicWriteSetsMode) {
+  const std::string path = (dir_ / "token").string();
+  ASSERT_TRUE(WriteFileAtomically(path, "secret\n", 0600).ok());
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(*ReadSmallFile(path), "secret\n");
+}
+
+TEST_F(RpcTest, ResolveHeadOrder) {
+  absl::StatusOr<HeadEndpoint> e = ResolveHead("", "");
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(e.status().message(), HasSubstr("--head"));
+
+  const std::string token_file = (dir_ / "token").string();
+  ASSERT_TRUE(WriteFileAtomically(token_file, "from-file\n", 0600).ok());
+  ClusterRecord record;
+  record.address = "127.0.0.1:7000";
+  record.token_file = token_file;
+  record.pid = 42;
+  ASSERT_TRUE(WriteClusterRecord(record).ok());
+  e = ResolveHead("", "");
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->address, "127.0.0.1:7000");
+  EXPECT_EQ(e->token, "from-file");
+
+  setenv("GEOTRAIN_HEAD", "10.0.0.1:1", 1);
+  setenv("GEOTRAIN_TOKEN", "from-env", 1);
+  e = ResolveHead("", "");
+  EXPECT_EQ(e->address, "10.0.0.1:1");
+  EXPECT_EQ(e->token, "from-env");
+  e = ResolveHead("h:2", "from-flag");
+  EXPECT_EQ(e->address, "h:2");
+  EXPECT_EQ(e->token, "from-flag");
+
+  RemoveClusterRecordIfOwned(41);
+  EXPECT_TRUE(ReadClusterRecord().ok());
+  RemoveClusterRecordIfOwned(42);
+  EXPECT_FALSE(ReadClusterRecord().ok());
+}
+
+TEST_F(RpcTest, TokensAndIdsAreFresh) {
+  EXPECT_EQ(GenerateToken().size(), 32u);
+  EXPECT_NE(GenerateToken(), GenerateToken());
+  EXPECT_THAT(GenerateId("w"), ::testing::StartsWith("w-"));
+}
+
+TEST_F(RpcTest, TlsNeedsCertAndKey) {
+  TlsFiles tls;
+  tls.cert = "/nonexistent.pem";
+  EXPECT_FALSE(MakeServerCredentials(tls).ok());
+  EXPECT_TRUE(MakeServerCredentials(TlsFiles{}).ok());
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,343 @@
+// The head daemon: gRPC adapter, failure detector thread, metrics and the cluster record.
+#include "head/head_server.h"
+
+#include <unistd.h>
+
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/log.h"
+#include "control.grpc.pb.h"
+
+namespace geotrain {
+
+namespace {
+const char* WorkerStateName(WorkerState s) { return s == WORKER_ALIVE ? "ALIVE" : "DEAD"; }
+const char* ActorStateName(ActorState s) {
+  switch (s) {
+    case ACTOR_PENDING_CREATION: return "PENDING_CREATION";
+    case ACTOR_ALIVE: return "ALIVE";
+    case ACTOR_RESTARTING: return "RESTARTING";
+    case ACTOR_DEAD: return "DEAD";
+    default: return "UNKNOWN";
+  }
+}
+const char* DeviceKindName(DeviceKind k) {
+  switch (k) {
+    case DEVICE_KIND_CPU: return "cpu";
+    case DEVICE_KIND_CUDA: return "cuda";
+    case DEVICE_KIND_EMULATED: return "emulated";
+    default: return "unknown";
+  }
+}
+}  // namespace
+
+// The thin gRPC adapter: checks the token, times the call, and forwards to the components.
+class HeadServer::Service final : public Head::Service {
+ public:
+  explicit Service(HeadServer* head) : head_(head), auth_(head->token_) {}
+
+#define GT_HEAD_RPC_PROLOGUE(method)                                      \
+  RpcTimer timer(head_->metrics_ ? head_->metrics_->rpc() : nullptr, method); \
+  if (grpc::Status s = auth_.Check(context); !s.ok()) {                  \
+    timer.set_code(s.error_code());                                      \
+    return s;                                                            \
+  }
+
+  grpc::Status RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
+                              RegisterWorkerReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("RegisterWorker");
+    if (request->site().empty() || request->address().empty()) {
+      return Fail(timer, absl::InvalidArgumentError(
+                             "RegisterWorker: site and address are required; start the worker with "
+                             "--site NAME"));
+    }
+    if (request->devices_size() > 1024) {
+      return Fail(timer, absl::InvalidArgumentError("RegisterWorker: more than 1024 devices"));
+    }
+    WorkerInfo stored;
+    *reply = head_->registry_->Register(*request, &stored);
+    if (absl::Status s = head_->store_->PutWorker(stored); !s.ok()) {
+      GT_LOG(ERROR) << "persisting worker " << stored.worker_id() << ": " << s;
+    }
+    head_->RefreshMetrics();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext* context, const HeartbeatRequest* request,
+                         HeartbeatReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("Heartbeat");
+    *reply = head_->registry_->Heartbeat(*request);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetClusterStatus(grpc::ServerContext* context, const ClusterStatusRequest*,
+                                ClusterStatus* reply) override {
+    GT_HEAD_RPC_PROLOGUE("GetClusterStatus");
+    reply->set_head_id(head_->head_id_);
+    reply->set_head_started_unix_ms(head_->started_unix_ms_);
+    std::map<std::string, SiteStatus> sites;
+    for (const WorkerInfo& w : head_->registry_->Workers()) {
+      SiteStatus& site = sites[w.site()];
+      site.set_name(w.site());
+      if (w.state() == WORKER_ALIVE) {
+        site.set_alive_workers(site.alive_workers() + 1);
+        site.set_devices(site.devices() + w.devices_size());
+        for (const Device& d : w.devices()) site.set_tflops(site.tflops() + d.tflops());
+      } else {
+        site.set_dead_workers(site.dead_workers() + 1);
+      }
+      *reply->add_workers() = w;
+    }
+    for (auto& [name, site] : sites) *reply->add_sites() = site;
+    for (const ActorRecord& a : head_->registry_->Actors()) *reply->add_actors() = a;
+    for (const auto& [state, count] : head_->jobs_->CountByState()) {
+      (*reply->mutable_jobs_by_state())[JobStateName(state)] = count;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SubmitJob(grpc::ServerContext* context, const SubmitJobRequest* request,
+                         SubmitJobReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("SubmitJob");
+    auto job = head_->jobs_->Submit(request->spec(), request->spec_source());
+    if (!job.ok()) return Fail(timer, job.status());
+    *reply->mutable_job() = *job;
+    head_->RefreshMetrics();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request,
+                      JobInfo* reply) override {
+    GT_HEAD_RPC_PROLOGUE("GetJob");
+    auto job = head_->jobs_->Get(request->job_id());
+    if (!job.ok()) return Fail(timer, job.status());
+    *reply = *job;
+    for (const ActorRecord& a : head_->registry_->Actors()) {
+      if (a.job_id() == reply->job_id()) *reply->add_actors() = a;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListJobs(grpc::ServerContext* context, const ListJobsRequest*,
+                        ListJobsReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("ListJobs");
+    for (JobInfo& job : head_->jobs_->List()) *reply->add_jobs() = std::move(job);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CancelJob(grpc::ServerContext* context, const CancelJobRequest* request,
+                         JobInfo* reply) override {
+    GT_HEAD_RPC_PROLOGUE("CancelJob");
+    auto job = head_->jobs_->Cancel(request->job_id());
+    if (!job.ok()) return Fail(timer, job.status());
+    *reply = *job;
+    head_->RefreshMetrics();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
+                        grpc::ServerWriter<JobEvent>* writer) override {
+    GT_HEAD_RPC_PROLOGUE("WatchJob");
+    int64_t after = request->after_seq();
+    while (!context->IsCancelled()) {
+      bool ended = false;
+      auto events = head_->jobs_->WaitEvents(request->job_id(), after, 500, &ended);
+      if (!events.ok()) return Fail(timer, events.status());
+      for (const JobEvent& e : *events) {
+        if (!writer->Write(e)) return grpc::Status::OK;  // the client went away
+        after = e.seq();
+      }
+      if (!request->follow() || (ended && events->empty())) break;
+      if (head_->IsStopping()) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the head is shutting down; watch again");
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request,
+                    PingReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("Ping");
+    reply->set_payload(request->payload());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PingStream(grpc::ServerContext* context,
+                          grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
+    GT_HEAD_RPC_PROLOGUE("PingStream");
+    PingRequest request;
+    PingReply reply;
+    while (stream->Read(&request)) {
+      reply.set_payload(request.payload());
+      if (!stream->Write(reply)) break;
+    }
+    return grpc::Status::OK;
+  }
+#undef GT_HEAD_RPC_PROLOGUE
+
+ private:
+  static grpc::Status Fail(RpcTimer& timer, const absl::Status& status) {
+    grpc::Status s = ToGrpc(status);
+    timer.set_code(s.error_code());
+    return s;
+  }
+
+  HeadServer* head_;
+  TokenAuth auth_;
+};
+
+HeadServer::HeadServer(HeadOptions options, const Clock* clock)
+    : options_(std::move(options)), clock_(clock) {}
+
+HeadServer::~HeadServer() { Shutdown(); }
+
+bool HeadServer::IsStopping() {
+  absl::MutexLock lock(&stop_mu_);
+  return stopping_;
+}
+
+absl::Status HeadServer::Start() {
+  if (options_.state_dir.empty()) {
+    return absl::InvalidArgumentError("head: no state dir; pass --state-dir DIR");
+  }
+  auto store = HeadStore::Open(options_.state_dir);
+  if (!store.ok()) return store.status();
+  store_ = std::move(*store);
+
+  // The token survives restarts so that workers and users keep theirs.
+  const std::string token_path = absl::StrCat(options_.state_dir, "/token");
+  token_ = options_.token;
+  if (token_.empty()) {
+    if (auto existing = ReadSmallFile(token_path); existing.ok() && !existing->empty()) {
+      token_ = std::string(absl::StripTrailingAsciiWhitespace(*existing));
+    } else {
+      token_ = GenerateToken();
+    }
+  }
+  if (absl::Status s = WriteFileAtomically(token_path, token_ + "\n", 0600); !s.ok()) return s;
+
+  // A new head id per start: workers that see it change register again.
+  head_id_ = GenerateId("h");
+  started_unix_ms_ = clock_->UnixMillis();
+  registry_ = std::make_unique<WorkerRegistry>(
+      clock_,
+      WorkerRegistry::Options{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms},
+      head_id_);
+  auto workers = store_->LoadWorkers();
+  if (!workers.ok()) return workers.status();
+  registry_->Restore(*workers);
+  jobs_ = std::make_unique<JobManager>(clock_, store_.get());
+  if (absl::Status s = jobs_->Restore(); !s.ok()) return s;
+
+  if (options_.metrics_port >= 0) {
+    metrics_ = std::make_unique<MetricsServer>();
+    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port));
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  auto creds = MakeServerCredentials(options_.tls);
+  if (!creds.ok()) return creds.status();
+  service_ = std::make_unique<Service>(this);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
+  builder.RegisterService(service_.get());
+  builder.SetMaxReceiveMessageSize(16 << 20);
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("head: cannot listen on ", options_.bind_host, ":",
+                                               options_.port,
+                                               " (port in use?); choose another with --port"));
+  }
+  const std::string host = options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host;
+  if (options_.write_cluster_record) {
+    ClusterRecord record;
+    record.address = absl::StrCat(host, ":", port_);
+    record.token_file = token_path;
+    record.metrics_address = metrics_ ? absl::StrCat(host, ":", metrics_->port()) : "";
+    record.state_dir = options_.state_dir;
+    record.pid = getpid();
+    if (absl::Status s = WriteClusterRecord(record); !s.ok()) {
+      GT_LOG(WARNING) << "could not record the cluster for the CLI: " << s;
+    }
+  }
+  RefreshMetrics();
+  detector_ = std::thread([this] { DetectorLoop(); });
+  GT_LOG(INFO) << "head " << head_id_ << " serving on " << host << ":" << port_ << ", metrics on port "
+               << metrics_port() << ", state in " << options_.state_dir << ", "
+               << workers->size() << " known worker(s), " << jobs_->List().size() << " job(s)";
+  return absl::OkStatus();
+}
+
+void HeadServer::DetectorLoop() {
+  // Checking at a quarter of the timeout bounds detection time by timeout + timeout / 4.
+  const int64_t period = std::max<int64_t>(50, std::min(options_.heartbeat_interval_ms,
+                                                        options_.heartbeat_timeout_ms / 4));
+  absl::MutexLock lock(&stop_mu_);
+  while (!stopping_) {
+    stop_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(period));
+    if (stopping_) break;
+    stop_mu_.Unlock();
+    for (const WorkerInfo& dead : registry_->CheckLiveness()) {
+      if (absl::Status s = store_->PutWorker(dead); !s.ok()) {
+        GT_LOG(ERROR) << "persisting worker " << dead.worker_id() << ": " << s;
+      }
+    }
+    RefreshMetrics();
+    stop_mu_.Lock();
+  }
+}
+
+void HeadServer::RefreshMetrics() {
+  if (!metrics_) return;
+  auto& workers = metrics_->Gauges("geotrain_workers", "Workers known to the head, by site and state");
+  auto& devices = metrics_->Gauges("geotrain_devices", "Devices of alive workers, by site and kind");
+  auto& tflops = metrics_->Gauges("geotrain_device_tflops", "Sum of device TFLOP/s of alive workers, by site");
+  auto& jobs = metrics_->Gauges("geotrain_jobs", "Jobs by state");
+  auto& actors = metrics_->Gauges("geotrain_actors", "Actors by state");
+  std::map<std::pair<std::string, std::string>, int> worker_counts;
+  std::map<std::pair<std::string, std::string>, int> device_counts;
+  std::map<std::string, double> site_tflops;
+  for (const WorkerInfo& w : registry_->Workers()) {
+    worker_counts[{w.site(), "ALIVE"}] += 0;
+    worker_counts[{w.site(), "DEAD"}] += 0;
+    ++worker_counts[{w.site(), WorkerStateName(w.state())}];
+    site_tflops[w.site()] += 0;
+    for (const Device& d : w.devices()) {
+      device_counts[{w.site(), DeviceKindName(d.kind())}] += w.state() == WORKER_ALIVE ? 1 : 0;
+      if (w.state() == WORKER_ALIVE) site_tflops[w.site()] += d.tflops();
+    }
+  }
+  for (const auto& [key, n] : worker_counts) workers.Add({{"site", key.first}, {"state", key.second}}).Set(n);
+  for (const auto& [key, n] : device_counts) devices.Add({{"site", key.first}, {"kind", key.second}}).Set(n);
+  for (const auto& [site, t] : site_tflops) tflops.Add({{"site", site}}).Set(t);
+  for (const auto& [state, n] : jobs_->CountByState()) jobs.Add({{"state", JobStateName(state)}}).Set(n);
+  std::map<std::string, int> actor_counts = {
+      {"PENDING_CREATION", 0}, {"ALIVE", 0}, {"RESTARTING", 0}, {"DEAD", 0}};
+  for (const ActorRecord& a : registry_->Actors()) ++actor_counts[ActorStateName(a.state())];
+  for (const auto& [state, n] : actor_counts) actors.Add({{"state", state}}).Set(n);
+}
+
+void HeadServer::Wait() {
+  if (server_) server_->Wait();
+}
+
+void HeadServer::Shutdown() {
+  {
+    absl::MutexLock lock(&stop_mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (detector_.joinable()) detector_.join();
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (options_.write_cluster_record) RemoveClusterRecordIfOwned(getpid());
+  GT_LOG(INFO) << "head " << head_id_ << " stopped";
+}
+
+}  // namespace geotrain

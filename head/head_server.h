@@ -1,0 +1,87 @@
+// The head daemon: one per cluster. It serves the Head gRPC service (workers register and heartbeat;
+// the CLI submits and follows jobs), runs the failure detector, keeps the job table, persists its state
+// under the state dir, serves Prometheus metrics, and records its address and token so that the CLI on
+// this machine finds it with no flags.
+//
+//   HeadOptions options;  options.state_dir = "/var/lib/geotrain";
+//   HeadServer head(options);
+//   if (absl::Status s = head.Start(); !s.ok()) { ... }
+//   head.Wait();  // until Shutdown() from another thread (e.g. on SIGTERM)
+//
+// Threads: gRPC's sync server threads run the handlers; they call the registry and job manager, which
+// lock their own state. One detector thread calls CheckLiveness() and refreshes metrics every
+// interval. Shutdown() stops the detector, then the server.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "common/rpc.h"
+#include "head/job_manager.h"
+#include "head/registry.h"
+#include "head/store.h"
+
+namespace geotrain {
+
+struct HeadOptions {
+  std::string bind_host = "0.0.0.0";
+  int port = 6380;
+  int metrics_port = 9470;         // -1 disables metrics; 0 picks a free port
+  std::string advertise_host;      // host written to the cluster record; default 127.0.0.1
+  std::string state_dir;           // required
+  std::string token;               // empty: reuse <state_dir>/token or make a new one
+  int64_t heartbeat_interval_ms = 1000;
+  int64_t heartbeat_timeout_ms = 4000;
+  TlsFiles tls;
+  bool write_cluster_record = true;
+};
+
+class HeadServer {
+ public:
+  explicit HeadServer(HeadOptions options, const Clock* clock = RealClock::Get());
+  ~HeadServer();
+  HeadServer(const HeadServer&) = delete;
+  HeadServer& operator=(const HeadServer&) = delete;
+
+  // Opens the state, binds the ports and starts serving. Errors name the cause and the fix
+  // (port in use, unwritable state dir, bad TLS files).
+  absl::Status Start();
+  void Wait();
+  void Shutdown();
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  const std::string& head_id() const { return head_id_; }
+  const std::string& token() const { return token_; }
+  bool IsStopping();
+
+ private:
+  class Service;
+  void DetectorLoop();
+  void RefreshMetrics();
+
+  HeadOptions options_;
+  const Clock* clock_;
+  std::string head_id_;
+  std::string token_;
+  int port_ = 0;
+  int64_t started_unix_ms_ = 0;
+
+  std::unique_ptr<HeadStore> store_;
+  std::unique_ptr<WorkerRegistry> registry_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<MetricsServer> metrics_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+
+  absl::Mutex stop_mu_;
+  bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
+  std::thread detector_;
+};
+
+}  // namespace geotrain

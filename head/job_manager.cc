@@ -1,0 +1,180 @@
+// Job table: submission, the state machine, persistence and the event log.
+#include "head/job_manager.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/log.h"
+#include "common/spec.h"
+
+namespace geotrain {
+
+bool IsTerminal(JobState state) {
+  return state == JOB_SUCCEEDED || state == JOB_FAILED || state == JOB_CANCELLED;
+}
+
+const char* JobStateName(JobState state) {
+  switch (state) {
+    case JOB_PENDING: return "PENDING";
+    case JOB_RUNNING: return "RUNNING";
+    case JOB_SUCCEEDED: return "SUCCEEDED";
+    case JOB_FAILED: return "FAILED";
+    case JOB_CANCELLED: return "CANCELLED";
+    default: return "UNKNOWN";
+  }
+}
+
+namespace {
+bool Allowed(JobState from, JobState to) {
+  if (from == JOB_PENDING) return to == JOB_RUNNING || to == JOB_FAILED || to == JOB_CANCELLED;
+  if (from == JOB_RUNNING) return to == JOB_SUCCEEDED || to == JOB_FAILED || to == JOB_CANCELLED;
+  return false;
+}
+}  // namespace
+
+JobManager::JobManager(const Clock* clock, HeadStore* store) : clock_(clock), store_(store) {}
+
+absl::Status JobManager::Restore() {
+  auto jobs = store_->LoadJobs();
+  if (!jobs.ok()) return jobs.status();
+  auto seq = store_->MaxEventSeq();
+  if (!seq.ok()) return seq.status();
+  absl::MutexLock lock(&mu_);
+  for (JobInfo& job : *jobs) {
+    int64_t number = 0;
+    if (std::sscanf(job.job_id().c_str(), "job-%ld", &number) == 1 && number >= next_job_number_) {
+      next_job_number_ = number + 1;
+    }
+    jobs_[job.job_id()] = std::move(job);
+  }
+  last_seq_ = *seq;
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind,
+                                           const std::string& line) {
+  JobEvent event;
+  event.set_seq(last_seq_ + 1);
+  event.set_unix_ms(clock_->UnixMillis());
+  event.set_job_id(job.job_id());
+  event.set_state(job.state());
+  event.set_kind(kind);
+  event.set_line(line);
+  if (absl::Status s = store_->AppendEvent(event); !s.ok()) return s;
+  ++last_seq_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobInfo> JobManager::Submit(JobSpec spec, const std::string& source) {
+  ApplyJobDefaults(&spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source.empty() ? "" : absl::StrCat(source, ": "), s.message()));
+  }
+  absl::MutexLock lock(&mu_);
+  char id[32];
+  std::snprintf(id, sizeof(id), "job-%06ld", static_cast<long>(next_job_number_));
+  JobInfo job;
+  job.set_job_id(id);
+  job.set_name(spec.name());
+  job.set_state(JOB_PENDING);
+  *job.mutable_spec() = std::move(spec);
+  job.set_submitted_unix_ms(clock_->UnixMillis());
+  job.set_updated_unix_ms(job.submitted_unix_ms());
+  job.set_message("waiting for the distributed runtime to place its actors");
+  if (absl::Status s = store_->PutJob(job); !s.ok()) return s;
+  ++next_job_number_;
+  jobs_[job.job_id()] = job;
+  if (absl::Status s = AppendEventLocked(jobs_[job.job_id()], "state",
+                                         absl::StrCat("submitted ", job.name(), ": PENDING"));
+      !s.ok()) {
+    return s;
+  }
+  GT_LOG(INFO) << "job " << job.job_id() << " (" << job.name() << ") submitted";
+  return job;
+}
+
+absl::StatusOr<JobInfo> JobManager::Get(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job '", job_id, "'; `geotrain job list` shows the jobs"));
+  }
+  return it->second;
+}
+
+std::vector<JobInfo> JobManager::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<JobInfo> out;
+  for (const auto& [id, job] : jobs_) out.push_back(job);
+  return out;
+}
+
+absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobState to,
+                                               const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job '", job_id, "'; `geotrain job list` shows the jobs"));
+  }
+  JobInfo& job = it->second;
+  if (!Allowed(job.state(), to)) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ", JobStateName(job.state()),
+                                                      "; it cannot become ", JobStateName(to)));
+  }
+  JobInfo updated = job;
+  updated.set_state(to);
+  updated.set_message(message);
+  updated.set_updated_unix_ms(clock_->UnixMillis());
+  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
+  job = std::move(updated);
+  if (absl::Status s = AppendEventLocked(
+          job, "state", absl::StrCat(JobStateName(to), message.empty() ? "" : ": ", message));
+      !s.ok()) {
+    return s;
+  }
+  GT_LOG(INFO) << "job " << job_id << " is now " << JobStateName(to) << (message.empty() ? "" : ": ")
+               << message;
+  return job;
+}
+
+absl::StatusOr<JobInfo> JobManager::Cancel(const std::string& job_id) {
+  return Transition(job_id, JOB_CANCELLED, "cancelled by the user");
+}
+
+absl::Status JobManager::Log(const std::string& job_id, const std::string& line) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  return AppendEventLocked(it->second, "log", line);
+}
+
+absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& job_id,
+                                                             int64_t after_seq, int64_t timeout_ms,
+                                                             bool* ended) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat("no job '", job_id, "'; `geotrain job list` shows the jobs"));
+    }
+    auto has_news = [this, after_seq, &job_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return last_seq_ > after_seq || IsTerminal(jobs_[job_id].state());
+    };
+    // The global sequence moving is a cheap hint; the store decides what belongs to this job.
+    mu_.AwaitWithTimeout(absl::Condition(&has_news), absl::Milliseconds(timeout_ms));
+    *ended = IsTerminal(it->second.state());
+  }
+  return store_->LoadEvents(job_id, after_seq);
+}
+
+std::map<JobState, int> JobManager::CountByState() const {
+  absl::MutexLock lock(&mu_);
+  std::map<JobState, int> out;
+  for (JobState s : {JOB_PENDING, JOB_RUNNING, JOB_SUCCEEDED, JOB_FAILED, JOB_CANCELLED}) out[s] = 0;
+  for (const auto& [id, job] : jobs_) ++out[job.state()];
+  return out;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,68 @@
+// The head's job table and each job's state machine:
+//
+//   PENDING ──▶ RUNNING ──▶ SUCCEEDED | FAILED | CANCELLED
+//      └──────────────────▶ FAILED | CANCELLED
+//
+// Terminal states are final. Every change is persisted (HeadStore) before it is visible, and appended
+// to the job's event log, which WatchJob streams. Until the distributed runtime lands, nothing moves a
+// job out of PENDING except cancellation.
+//
+// Thread-safety: all methods may be called from any thread; WaitEvents blocks on a condition variable
+// that every new event signals.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "control.pb.h"
+#include "head/store.h"
+
+namespace geotrain {
+
+bool IsTerminal(JobState state);
+const char* JobStateName(JobState state);  // "PENDING", ...
+
+class JobManager {
+ public:
+  JobManager(const Clock* clock, HeadStore* store);
+
+  // Loads jobs and the event sequence from the store.
+  absl::Status Restore();
+
+  // Validates and records a new job in PENDING. `source` names the spec file in errors.
+  absl::StatusOr<JobInfo> Submit(JobSpec spec, const std::string& source);
+  absl::StatusOr<JobInfo> Get(const std::string& job_id) const;
+  std::vector<JobInfo> List() const;
+  // Cancels a job that has not ended; cancelling an ended job is FAILED_PRECONDITION with its state.
+  absl::StatusOr<JobInfo> Cancel(const std::string& job_id);
+  // Moves a job to `to`; refuses transitions the state machine does not allow.
+  absl::StatusOr<JobInfo> Transition(const std::string& job_id, JobState to, const std::string& message);
+  // Appends a log line to the job's event stream.
+  absl::Status Log(const std::string& job_id, const std::string& line);
+
+  // Events of `job_id` with seq > after_seq; waits up to timeout_ms for at least one when there are
+  // none and the job has not ended. `ended` tells whether the job is in a terminal state.
+  absl::StatusOr<std::vector<JobEvent>> WaitEvents(const std::string& job_id, int64_t after_seq,
+                                                   int64_t timeout_ms, bool* ended);
+
+  std::map<JobState, int> CountByState() const;
+
+ private:
+  absl::Status AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Clock* clock_;
+  HeadStore* store_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, JobInfo> jobs_ ABSL_GUARDED_BY(mu_);
+  int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace geotrain

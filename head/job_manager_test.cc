@@ -1,0 +1,93 @@
+// Job table: state machine, persistence across a reopen of the store, event log.
+#include "head/job_manager.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "common/rpc.h"
+
+namespace geotrain {
+namespace {
+
+using ::testing::HasSubstr;
+
+class JobManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() / ("geotrain_jobs_" + GenerateToken())).string();
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+  FakeClock clock_;
+};
+
+TEST_F(JobManagerTest, StateMachine) {
+  auto store = HeadStore::Open(dir_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobManager jobs(&clock_, store->get());
+  ASSERT_TRUE(jobs.Restore().ok());
+  JobSpec spec;
+  spec.set_name("first");
+  auto job = jobs.Submit(spec, "a.yaml");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->job_id(), "job-000001");
+  EXPECT_EQ(job->state(), JOB_PENDING);
+  EXPECT_EQ(job->spec().train().lr(), 6e-4);  // defaults applied
+
+  EXPECT_EQ(jobs.Transition(job->job_id(), JOB_SUCCEEDED, "").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(jobs.Transition(job->job_id(), JOB_RUNNING, "").ok());
+  ASSERT_TRUE(jobs.Transition(job->job_id(), JOB_SUCCEEDED, "done").ok());
+  auto again = jobs.Cancel(job->job_id());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.status().message(), HasSubstr("SUCCEEDED"));
+  EXPECT_EQ(jobs.Get("job-999").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(JobManagerTest, BadSpecIsRefusedWithTheSource) {
+  auto store = HeadStore::Open(dir_);
+  JobManager jobs(&clock_, store->get());
+  JobSpec spec;
+  spec.mutable_train()->set_steps(-3);
+  auto job = jobs.Submit(spec, "bad.yaml");
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(job.status().message(), HasSubstr("bad.yaml"));
+  EXPECT_THAT(job.status().message(), HasSubstr("train.steps"));
+  EXPECT_TRUE(jobs.List().empty());
+}
+
+TEST_F(JobManagerTest, JobsAndEventsSurviveAReopen) {
+  std::string id;
+  {
+    auto store = HeadStore::Open(dir_);
+    JobManager jobs(&clock_, store->get());
+    ASSERT_TRUE(jobs.Restore().ok());
+    JobSpec spec;
+    spec.set_name("kept");
+    id = jobs.Submit(spec, "")->job_id();
+    ASSERT_TRUE(jobs.Log(id, "hello").ok());
+    ASSERT_TRUE(jobs.Cancel(id).ok());
+  }
+  auto store = HeadStore::Open(dir_);
+  JobManager jobs(&clock_, store->get());
+  ASSERT_TRUE(jobs.Restore().ok());
+  auto job = jobs.Get(id);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->name(), "kept");
+  EXPECT_EQ(job->state(), JOB_CANCELLED);
+  bool ended = false;
+  auto events = jobs.WaitEvents(id, 0, 10, &ended);
+  ASSERT_TRUE(events.ok());
+  ASSERT_EQ(events->size(), 3u);
+  EXPECT_EQ((*events)[1].line(), "hello");
+  EXPECT_EQ((*events)[2].state(), JOB_CANCELLED);
+  EXPECT_TRUE(ended);
+  // New jobs continue the numbering.
+  JobSpec spec;
+  EXPECT_EQ(jobs.Submit(spec, "")->job_id(), "job-000002");
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,108 @@
+// Worker registry and heartbeat failure detector.
+#include "head/registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/rpc.h"
+
+namespace geotrain {
+
+WorkerRegistry::WorkerRegistry(const Clock* clock, Options options, std::string head_id)
+    : clock_(clock), options_(options), head_id_(std::move(head_id)) {}
+
+void WorkerRegistry::Restore(const std::vector<WorkerInfo>& workers) {
+  absl::MutexLock lock(&mu_);
+  for (const WorkerInfo& w : workers) {
+    workers_[w.worker_id()] = w;
+    last_seen_ms_[w.worker_id()] = clock_->NowMillis();
+  }
+}
+
+RegisterWorkerReply WorkerRegistry::Register(const RegisterWorkerRequest& request, WorkerInfo* stored) {
+  absl::MutexLock lock(&mu_);
+  std::string id = request.worker_id();
+  if (id.empty()) {
+    do {
+      id = GenerateId("w");
+    } while (workers_.count(id));
+  }
+  WorkerInfo& w = workers_[id];
+  const uint64_t incarnation = w.incarnation() + 1;
+  const bool returning = w.incarnation() > 0;
+  w.set_worker_id(id);
+  w.set_site(request.site());
+  w.set_address(request.address());
+  w.set_listen_address(request.listen_address());
+  *w.mutable_devices() = request.devices();
+  w.set_state(WORKER_ALIVE);
+  w.set_hostname(request.hostname());
+  w.set_pid(request.pid());
+  w.set_metrics_address(request.metrics_address());
+  w.set_incarnation(incarnation);
+  w.set_registered_unix_ms(clock_->UnixMillis());
+  w.set_last_heartbeat_unix_ms(clock_->UnixMillis());
+  w.clear_dead_reason();
+  last_seen_ms_[id] = clock_->NowMillis();
+  GT_LOG(INFO) << (returning ? "worker re-registered: " : "worker joined: ") << id << " site "
+               << w.site() << " at " << w.address() << " with " << w.devices_size() << " device(s)";
+  if (stored != nullptr) *stored = w;
+  RegisterWorkerReply reply;
+  reply.set_worker_id(id);
+  reply.set_incarnation(incarnation);
+  reply.set_heartbeat_interval_ms(static_cast<int32_t>(options_.heartbeat_interval_ms));
+  reply.set_head_id(head_id_);
+  return reply;
+}
+
+HeartbeatReply WorkerRegistry::Heartbeat(const HeartbeatRequest& request) {
+  HeartbeatReply reply;
+  reply.set_head_id(head_id_);
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(request.worker_id());
+  if (it == workers_.end() || it->second.state() != WORKER_ALIVE ||
+      it->second.incarnation() != request.incarnation()) {
+    reply.set_reregister(true);
+    return reply;
+  }
+  last_seen_ms_[request.worker_id()] = clock_->NowMillis();
+  it->second.set_last_heartbeat_unix_ms(clock_->UnixMillis());
+  actors_[request.worker_id()].assign(request.actors().begin(), request.actors().end());
+  return reply;
+}
+
+std::vector<WorkerInfo> WorkerRegistry::CheckLiveness() {
+  std::vector<WorkerInfo> dead;
+  const int64_t now = clock_->NowMillis();
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, w] : workers_) {
+    if (w.state() != WORKER_ALIVE) continue;
+    const int64_t silent = now - last_seen_ms_[id];
+    if (silent <= options_.timeout_ms) continue;
+    w.set_state(WORKER_DEAD);
+    w.set_dead_reason(absl::StrCat("no heartbeat for ", silent, " ms (timeout ", options_.timeout_ms, " ms)"));
+    for (ActorRecord& actor : actors_[id]) {
+      if (actor.state() == ACTOR_DEAD) continue;
+      actor.set_state(ACTOR_DEAD);
+      actor.set_message(absl::StrCat("worker ", id, " died: ", w.dead_reason()));
+    }
+    GT_LOG(WARNING) << "worker " << id << " (site " << w.site() << ") declared dead: " << w.dead_reason();
+    dead.push_back(w);
+  }
+  return dead;
+}
+
+std::vector<WorkerInfo> WorkerRegistry::Workers() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerInfo> out;
+  for (const auto& [id, w] : workers_) out.push_back(w);
+  return out;
+}
+
+std::vector<ActorRecord> WorkerRegistry::Actors() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ActorRecord> out;
+  for (const auto& [id, actors] : actors_) out.insert(out.end(), actors.begin(), actors.end());
+  return out;
+}
+
+}  // namespace geotrain

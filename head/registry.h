@@ -1,0 +1,65 @@
+// The head's worker registry: who is in the cluster, at which site, with which devices, and whether it
+// is alive. Failure detection is heartbeat-based: a worker not heard from for `timeout_ms` is declared
+// dead by CheckLiveness(), together with every actor it hosted.
+//
+//   WorkerRegistry registry(clock, {.heartbeat_interval_ms = 1000, .timeout_ms = 4000}, head_id);
+//   RegisterWorkerReply r = registry.Register(request);
+//   HeartbeatReply h = registry.Heartbeat(beat);
+//   for (const WorkerInfo& dead : registry.CheckLiveness()) ...   // call every interval
+//
+// Thread-safety: all methods are safe to call from any thread (one mutex guards the table).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "control.pb.h"
+
+namespace geotrain {
+
+class WorkerRegistry {
+ public:
+  struct Options {
+    int64_t heartbeat_interval_ms = 1000;
+    int64_t timeout_ms = 4000;
+  };
+
+  WorkerRegistry(const Clock* clock, Options options, std::string head_id);
+
+  // Restores workers from persisted state. Workers that were alive get a fresh grace period: they are
+  // declared dead if they do not come back within the timeout.
+  void Restore(const std::vector<WorkerInfo>& workers);
+
+  // Adds or re-admits a worker. A request without worker_id gets a new one. The stored record is
+  // returned in `stored` (for persistence).
+  RegisterWorkerReply Register(const RegisterWorkerRequest& request, WorkerInfo* stored);
+
+  // Records liveness and the worker's actors. Asks the worker to register again when the head does not
+  // know it, has declared it dead, or the incarnation is stale.
+  HeartbeatReply Heartbeat(const HeartbeatRequest& request);
+
+  // Declares dead every alive worker silent for longer than the timeout, marks its actors dead, and
+  // returns the newly dead workers.
+  std::vector<WorkerInfo> CheckLiveness();
+
+  std::vector<WorkerInfo> Workers() const;
+  std::vector<ActorRecord> Actors() const;
+  const Options& options() const { return options_; }
+
+ private:
+  const Clock* clock_;
+  const Options options_;
+  const std::string head_id_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, WorkerInfo> workers_ ABSL_GUARDED_BY(mu_);
+  // Last seen heartbeat on the monotonic clock, by worker id.
+  std::map<std::string, int64_t> last_seen_ms_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<ActorRecord>> actors_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain

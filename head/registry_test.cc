@@ -1,0 +1,100 @@
+// Worker registry and failure detector, driven by a fake clock.
+#include "head/registry.h"
+
+#include <gtest/gtest.h>
+
+namespace geotrain {
+namespace {
+
+RegisterWorkerRequest Request(const std::string& id, const std::string& site) {
+  RegisterWorkerRequest r;
+  r.set_worker_id(id);
+  r.set_site(site);
+  r.set_address("127.0.0.1:1");
+  Device* d = r.add_devices();
+  d->set_kind(DEVICE_KIND_EMULATED);
+  d->set_name("T4");
+  d->set_tflops(65);
+  return r;
+}
+
+TEST(RegistryTest, RegistersAndAssignsIds) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 4000}, "h-1");
+  RegisterWorkerReply a = registry.Register(Request("", "utah"), nullptr);
+  EXPECT_FALSE(a.worker_id().empty());
+  EXPECT_EQ(a.incarnation(), 1u);
+  EXPECT_EQ(a.head_id(), "h-1");
+  RegisterWorkerReply b = registry.Register(Request("w-fixed", "amsterdam"), nullptr);
+  EXPECT_EQ(b.worker_id(), "w-fixed");
+  ASSERT_EQ(registry.Workers().size(), 2u);
+  // Registering again raises the incarnation.
+  EXPECT_EQ(registry.Register(Request("w-fixed", "amsterdam"), nullptr).incarnation(), 2u);
+}
+
+TEST(RegistryTest, SilentWorkerIsDeclaredDeadAfterTimeoutWithItsActors) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 4000}, "h-1");
+  RegisterWorkerReply a = registry.Register(Request("w-a", "utah"), nullptr);
+  registry.Register(Request("w-b", "utah"), nullptr);
+  HeartbeatRequest beat;
+  beat.set_worker_id("w-a");
+  beat.set_incarnation(a.incarnation());
+  ActorRecord* actor = beat.add_actors();
+  actor->set_actor_id("a-1");
+  actor->set_state(ACTOR_ALIVE);
+  for (int i = 0; i < 3; ++i) {
+    clock.AdvanceMillis(1000);
+    EXPECT_FALSE(registry.Heartbeat(beat).reregister());
+    // w-b is silent (3000 ms so far): dead only once more than 4000 ms have passed.
+    std::vector<WorkerInfo> dead = registry.CheckLiveness();
+    EXPECT_TRUE(dead.empty()) << "at step " << i;
+  }
+  clock.AdvanceMillis(1500);  // w-b silent for 4500 ms; w-a for 1500 ms
+  std::vector<WorkerInfo> dead = registry.CheckLiveness();
+  ASSERT_EQ(dead.size(), 1u);
+  EXPECT_EQ(dead[0].worker_id(), "w-b");
+  EXPECT_NE(dead[0].dead_reason().find("no heartbeat"), std::string::npos);
+  // Now silence w-a: its actor dies with it.
+  clock.AdvanceMillis(4001);
+  dead = registry.CheckLiveness();
+  ASSERT_EQ(dead.size(), 1u);
+  ASSERT_EQ(registry.Actors().size(), 1u);
+  EXPECT_EQ(registry.Actors()[0].state(), ACTOR_DEAD);
+  EXPECT_NE(registry.Actors()[0].message().find("w-a"), std::string::npos);
+  // A dead worker's heartbeat is told to register again; doing so revives it.
+  EXPECT_TRUE(registry.Heartbeat(beat).reregister());
+  RegisterWorkerReply again = registry.Register(Request("w-a", "utah"), nullptr);
+  beat.set_incarnation(again.incarnation());
+  EXPECT_FALSE(registry.Heartbeat(beat).reregister());
+}
+
+TEST(RegistryTest, UnknownOrStaleWorkerMustReregister) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 4000}, "h-2");
+  HeartbeatRequest beat;
+  beat.set_worker_id("w-nobody");
+  EXPECT_TRUE(registry.Heartbeat(beat).reregister());
+  RegisterWorkerReply r = registry.Register(Request("w-x", "s"), nullptr);
+  beat.set_worker_id("w-x");
+  beat.set_incarnation(r.incarnation() + 5);
+  EXPECT_TRUE(registry.Heartbeat(beat).reregister());
+}
+
+TEST(RegistryTest, RestoredWorkersGetAGracePeriod) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 4000}, "h-3");
+  WorkerInfo w;
+  w.set_worker_id("w-old");
+  w.set_site("utah");
+  w.set_state(WORKER_ALIVE);
+  w.set_incarnation(3);
+  registry.Restore({w});
+  clock.AdvanceMillis(3000);
+  EXPECT_TRUE(registry.CheckLiveness().empty());
+  clock.AdvanceMillis(2000);
+  EXPECT_EQ(registry.CheckLiveness().size(), 1u);
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,286 @@
+// Worker daemon: Worker service adapter, the join/heartbeat loop with backoff, actor table.
+#include "worker/worker_server.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/log.h"
+#include "worker/devices.h"
+
+namespace geotrain {
+
+class WorkerServer::Service final : public Worker::Service {
+ public:
+  Service(WorkerServer* worker, const std::string& token, MetricsServer* metrics)
+      : worker_(worker), auth_(token), metrics_(metrics) {}
+
+#define GT_WORKER_RPC_PROLOGUE(method)                                 \
+  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method);       \
+  if (grpc::Status s = auth_.Check(context); !s.ok()) {               \
+    timer.set_code(s.error_code());                                   \
+    return s;                                                         \
+  }
+
+  grpc::Status CreateActor(grpc::ServerContext* context, const CreateActorRequest* request,
+                           CreateActorReply* reply) override {
+    GT_WORKER_RPC_PROLOGUE("CreateActor");
+    const ActorRecord& a = request->actor();
+    if (a.actor_id().empty() || a.job_id().empty()) {
+      timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "CreateActor: actor_id and job_id are required");
+    }
+    if (a.device_index() < 0 || a.device_index() >= static_cast<int>(worker_->devices_.size())) {
+      timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("CreateActor: device_index ", a.device_index(), " out of range [0, ",
+                                       worker_->devices_.size(), ")"));
+    }
+    absl::MutexLock lock(&worker_->mu_);
+    auto [it, inserted] = worker_->actors_.emplace(a.actor_id(), a);
+    if (!inserted && it->second.state() != ACTOR_DEAD) {
+      timer.set_code(grpc::StatusCode::ALREADY_EXISTS);
+      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                          absl::StrCat("actor ", a.actor_id(), " already exists on this worker"));
+    }
+    it->second = a;
+    it->second.set_worker_id(worker_->worker_id_);
+    it->second.set_state(ACTOR_ALIVE);
+    it->second.set_message("hosted");
+    *reply->mutable_actor() = it->second;
+    GT_LOG(INFO) << "actor " << a.actor_id() << " of job " << a.job_id() << " (replica " << a.replica()
+                 << ", stage " << a.stage() << ", tp rank " << a.tp_rank() << ") created";
+    return grpc::Status::OK;
+  }
+
+  grpc::Status StopActor(grpc::ServerContext* context, const StopActorRequest* request,
+                         StopActorReply* reply) override {
+    GT_WORKER_RPC_PROLOGUE("StopActor");
+    absl::MutexLock lock(&worker_->mu_);
+    auto it = worker_->actors_.find(request->actor_id());
+    if (it == worker_->actors_.end()) {
+      timer.set_code(grpc::StatusCode::NOT_FOUND);
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("no actor ", request->actor_id(), " on this worker"));
+    }
+    it->second.set_state(ACTOR_DEAD);
+    it->second.set_message(request->reason().empty() ? "stopped" : request->reason());
+    *reply->mutable_actor() = it->second;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListActors(grpc::ServerContext* context, const ListActorsRequest*,
+                          ListActorsReply* reply) override {
+    GT_WORKER_RPC_PROLOGUE("ListActors");
+    for (const ActorRecord& a : worker_->Actors()) *reply->add_actors() = a;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
+    GT_WORKER_RPC_PROLOGUE("Ping");
+    reply->set_payload(request->payload());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PingStream(grpc::ServerContext* context,
+                          grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
+    GT_WORKER_RPC_PROLOGUE("PingStream");
+    PingRequest request;
+    PingReply reply;
+    while (stream->Read(&request)) {
+      reply.set_payload(request.payload());
+      if (!stream->Write(reply)) break;
+    }
+    return grpc::Status::OK;
+  }
+#undef GT_WORKER_RPC_PROLOGUE
+
+ private:
+  WorkerServer* worker_;
+  TokenAuth auth_;
+  MetricsServer* metrics_;
+};
+
+WorkerServer::WorkerServer(WorkerOptions options) : options_(std::move(options)) {
+  absl::MutexLock lock(&mu_);
+  worker_id_ = options_.worker_id;
+}
+
+WorkerServer::~WorkerServer() { Shutdown(); }
+
+std::string WorkerServer::worker_id() const {
+  absl::MutexLock lock(&mu_);
+  return worker_id_;
+}
+
+bool WorkerServer::registered() const {
+  absl::MutexLock lock(&mu_);
+  return registered_;
+}
+
+std::vector<ActorRecord> WorkerServer::Actors() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ActorRecord> out;
+  for (const auto& [id, a] : actors_) out.push_back(a);
+  return out;
+}
+
+absl::Status WorkerServer::Start() {
+  if (options_.site.empty()) return absl::InvalidArgumentError("worker: no site; pass --site NAME");
+  if (options_.head_address.empty()) {
+    return absl::InvalidArgumentError("worker: no head; pass --head HOST:PORT or set GEOTRAIN_HEAD");
+  }
+  if (options_.token.empty()) {
+    return absl::InvalidArgumentError(
+        "worker: no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's <state-dir>/token)");
+  }
+  devices_ = DiscoverDevices(options_.emulated_devices);
+
+  if (options_.metrics_port >= 0) {
+    metrics_ = std::make_unique<MetricsServer>();
+    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port));
+        !s.ok()) {
+      return s;
+    }
+    auto& devices = metrics_->Gauges("geotrain_devices", "Devices of this worker, by kind and name");
+    for (const Device& d : devices_) {
+      devices.Add({{"site", options_.site}, {"name", d.name()}}).Increment();
+    }
+  }
+
+  auto creds = MakeServerCredentials(options_.tls);
+  if (!creds.ok()) return creds.status();
+  service_ = std::make_unique<Service>(this, options_.token, metrics_.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", options_.bind_host, ":",
+                                               options_.port, " (port in use?); choose another with --port"));
+  }
+  advertise_address_ = options_.advertise_address;
+  if (advertise_address_.empty()) {
+    advertise_address_ = absl::StrCat("127.0.0.1:", port_);
+  } else if (advertise_address_.find(':') == std::string::npos) {
+    advertise_address_ = absl::StrCat(advertise_address_, ":", port_);
+  }
+  auto channel = MakeChannel(options_.head_address, options_.tls);
+  if (!channel.ok()) return channel.status();
+  head_channel_ = *channel;
+  head_ = Head::NewStub(head_channel_);
+  join_thread_ = std::thread([this] { JoinLoop(); });
+  GT_LOG(INFO) << "worker serving on " << options_.bind_host << ":" << port_ << " (advertised as "
+               << advertise_address_ << "), site " << options_.site << ", " << devices_.size()
+               << " device(s): " << devices_[0].name() << " " << devices_[0].tflops() << " TFLOP/s";
+  return absl::OkStatus();
+}
+
+absl::Status WorkerServer::RegisterOnce() {
+  RegisterWorkerRequest request;
+  {
+    absl::MutexLock lock(&mu_);
+    request.set_worker_id(worker_id_);
+  }
+  request.set_site(options_.site);
+  request.set_address(advertise_address_);
+  request.set_listen_address(absl::StrCat(options_.bind_host, ":", port_));
+  for (const Device& d : devices_) *request.add_devices() = d;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  request.set_hostname(host);
+  request.set_pid(getpid());
+  if (metrics_) request.set_metrics_address(absl::StrCat(host, ":", metrics_->port()));
+  grpc::ClientContext context;
+  AttachToken(&context, options_.token);
+  SetDeadlineMillis(&context, 3000);
+  RegisterWorkerReply reply;
+  grpc::Status s = head_->RegisterWorker(&context, request, &reply);
+  if (!s.ok()) return FromGrpc(s);
+  absl::MutexLock lock(&mu_);
+  worker_id_ = reply.worker_id();
+  incarnation_ = reply.incarnation();
+  head_id_ = reply.head_id();
+  heartbeat_interval_ms_ = std::max(50, reply.heartbeat_interval_ms());
+  registered_ = true;
+  return absl::OkStatus();
+}
+
+bool WorkerServer::SleepMillis(int64_t ms) {
+  absl::MutexLock lock(&mu_);
+  mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(ms));
+  return !stopping_;
+}
+
+void WorkerServer::JoinLoop() {
+  int64_t backoff_ms = 200;
+  int failures = 0;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+    }
+    if (!registered()) {
+      absl::Status s = RegisterOnce();
+      if (!s.ok()) {
+        ++failures;
+        // Log the first failure, then every tenth, so a long outage does not flood the log.
+        if (failures == 1 || failures % 10 == 0) {
+          GT_LOG(WARNING) << "cannot join the head at " << options_.head_address << " (attempt "
+                          << failures << "): " << s << "; retrying in " << backoff_ms << " ms";
+        }
+        if (!SleepMillis(backoff_ms)) return;
+        backoff_ms = std::min<int64_t>(backoff_ms * 2, 5000);
+        continue;
+      }
+      GT_LOG(INFO) << "joined the head at " << options_.head_address << " as " << worker_id()
+                   << (failures > 0 ? absl::StrCat(" after ", failures, " failed attempt(s)") : "");
+      failures = 0;
+      backoff_ms = 200;
+    }
+    int64_t interval;
+    HeartbeatRequest beat;
+    {
+      absl::MutexLock lock(&mu_);
+      interval = heartbeat_interval_ms_;
+      beat.set_worker_id(worker_id_);
+      beat.set_incarnation(incarnation_);
+      for (const auto& [id, a] : actors_) *beat.add_actors() = a;
+    }
+    if (!SleepMillis(interval)) return;
+    grpc::ClientContext context;
+    AttachToken(&context, options_.token);
+    SetDeadlineMillis(&context, std::max<int64_t>(1000, interval * 2));
+    HeartbeatReply reply;
+    grpc::Status s = head_->Heartbeat(&context, beat, &reply);
+    absl::MutexLock lock(&mu_);
+    if (!s.ok()) {
+      GT_LOG(WARNING) << "lost the head at " << options_.head_address << ": " << s.error_message()
+                      << "; reconnecting";
+      registered_ = false;
+    } else if (reply.reregister() || reply.head_id() != head_id_) {
+      GT_LOG(INFO) << "the head asks this worker to register again (head "
+                   << (reply.head_id() != head_id_ ? "restarted" : "declared it dead") << ")";
+      registered_ = false;
+    }
+  }
+}
+
+void WorkerServer::Wait() {
+  if (server_) server_->Wait();
+}
+
+void WorkerServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (join_thread_.joinable()) join_thread_.join();
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+}
+
+}  // namespace geotrain

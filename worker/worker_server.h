@@ -1,0 +1,89 @@
+// The worker daemon: one per node (or per GPU). It discovers its devices, serves the Worker gRPC
+// service (the head creates and stops actors on it), joins the head and keeps heartbeating.
+//
+//   WorkerOptions options;  options.head_address = "10.0.0.1:6380";  options.site = "utah";
+//   WorkerServer worker(options);
+//   absl::Status s = worker.Start();  // binds and serves; joining the head happens in the background
+//   worker.Wait();
+//
+// A worker that loses the head keeps trying with exponential backoff (0.2 s to 5 s) and logs it; it
+// never exits on its own. When the head restarts (its head id changes) or declares the worker dead,
+// the worker registers again under the same worker id.
+//
+// Threads: gRPC's sync server threads run the Worker service; one "join" thread owns the connection to
+// the head (registration and heartbeats). The actor table is shared and guarded by mu_.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
+#include "common/rpc.h"
+#include "control.grpc.pb.h"
+
+namespace geotrain {
+
+struct WorkerOptions {
+  std::string head_address;       // host:port of the head
+  std::string site;               // required
+  std::string bind_host = "0.0.0.0";
+  int port = 0;                   // 0 picks a free port
+  std::string advertise_address;  // host[:port] others dial; default 127.0.0.1:<port>
+  int metrics_port = 0;           // -1 disables; 0 picks a free port
+  std::string worker_id;          // stable id; empty lets the head assign one
+  std::string token;
+  TlsFiles tls;
+  std::vector<Device> emulated_devices;
+};
+
+class WorkerServer {
+ public:
+  explicit WorkerServer(WorkerOptions options);
+  ~WorkerServer();
+  WorkerServer(const WorkerServer&) = delete;
+  WorkerServer& operator=(const WorkerServer&) = delete;
+
+  absl::Status Start();
+  void Wait();
+  void Shutdown();
+
+  int port() const { return port_; }
+  std::string worker_id() const;
+  bool registered() const;
+  std::vector<ActorRecord> Actors() const;
+
+ private:
+  class Service;
+  void JoinLoop();
+  absl::Status RegisterOnce();
+  // Sleeps up to `ms` or until Shutdown(); returns false when stopping.
+  bool SleepMillis(int64_t ms);
+
+  WorkerOptions options_;
+  std::vector<Device> devices_;
+  int port_ = 0;
+  std::string advertise_address_;
+  std::unique_ptr<MetricsServer> metrics_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> head_channel_;
+  std::unique_ptr<Head::Stub> head_;
+  std::thread join_thread_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string head_id_ ABSL_GUARDED_BY(mu_);
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
+  std::map<std::string, ActorRecord> actors_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain
