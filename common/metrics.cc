@@ -1,8 +1,17 @@
 // Metrics server, RPC metrics and a /proc-based process collector.
 #include "common/metrics.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <prometheus/text_serializer.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <fstream>
 #include <sstream>
@@ -104,21 +113,103 @@ MetricsServer::MetricsServer()
       process_(std::make_shared<ProcessCollector>()),
       rpc_(*registry_) {}
 
-MetricsServer::~MetricsServer() = default;
+MetricsServer::~MetricsServer() {
+  if (listen_fd_ >= 0) {
+    // Waking accept(): shutdown makes poll() report the socket; the loop then sees the fd closed.
+    ::shutdown(listen_fd_, SHUT_RDWR);
+  }
+  if (server_thread_.joinable()) server_thread_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+}
 
 absl::Status MetricsServer::Start(const std::string& bind_address) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(bind_address, 2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", bind_address, ": ", e.what(),
-                                               "; the port may be in use: choose another with "
-                                               "--metrics-port"));
+  const size_t colon = bind_address.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics address '", bind_address, "' is not HOST:PORT"));
   }
-  exposer_->RegisterCollectable(registry_);
-  exposer_->RegisterCollectable(process_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  port_ = ports.empty() ? 0 : ports[0];
+  const std::string host = bind_address.substr(0, colon);
+  const std::string port = bind_address.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics address '", bind_address, "': ", gai_strerror(rc)));
+  }
+  int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const bool bound = fd >= 0 && ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 && ::listen(fd, 64) == 0;
+  const std::string error = std::strerror(errno);
+  freeaddrinfo(found);
+  if (!bound) {
+    if (fd >= 0) ::close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", bind_address, ": ", error,
+                                               "; choose another port with --metrics-port"));
+  }
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  listen_fd_ = fd;
+  server_thread_ = std::thread([this] { ServeLoop(); });
   return absl::OkStatus();
+}
+
+std::string MetricsServer::Scrape() {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> process = process_->Collect();
+  families.insert(families.end(), process.begin(), process.end());
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void MetricsServer::ServeLoop() {
+  while (true) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (::poll(&p, 1, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return;
+    int conn = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return;
+    }
+    timeval timeout{5, 0};
+    ::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    // Read the request head (bounded); only the request line matters.
+    std::string request;
+    char buf[2048];
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+      ssize_t n = ::recv(conn, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    std::string status = "200 OK", body;
+    if (request.rfind("GET /metrics", 0) == 0 || request.rfind("GET / ", 0) == 0) {
+      body = Scrape();
+    } else if (request.rfind("GET ", 0) == 0) {
+      status = "404 Not Found";
+      body = "geotrain serves metrics at /metrics\n";
+    } else {
+      status = "405 Method Not Allowed";
+      body = "only GET /metrics\n";
+    }
+    const std::string response =
+        absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n",
+                     "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+    size_t sent = 0;
+    while (sent < response.size()) {
+      ssize_t n = ::send(conn, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      sent += static_cast<size_t>(n);
+    }
+    ::close(conn);
+  }
 }
 
 prometheus::Family<prometheus::Gauge>& MetricsServer::Gauges(const std::string& name,

@@ -1,5 +1,6 @@
-// Prometheus metrics for geotrain processes: one registry per process, served in the text format over
-// HTTP (prometheus-cpp pull), with the process basics (CPU seconds, resident memory, start time, open
+// Prometheus metrics for geotrain processes: one registry per process (prometheus-cpp core), served in
+// the text format over HTTP by a small built-in server (GET /metrics; Debian's civetweb-based exposer
+// crashes on the first scrape, see docs/architecture.md), with the process basics (CPU seconds, resident memory, start time, open
 // file descriptors) read from /proc on each scrape, and RPC counts and latencies per method.
 //
 //   MetricsServer metrics;
@@ -10,7 +11,6 @@
 #pragma once
 
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -19,6 +19,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 
@@ -73,8 +74,12 @@ class MetricsServer {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> process_;
   RpcMetrics rpc_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  void ServeLoop();
+  std::string Scrape();
+
+  int listen_fd_ = -1;
   int port_ = 0;
+  std::thread server_thread_;  // owns the listening socket; answers one connection at a time
 };
 
 }  // namespace geotrain

@@ -1,0 +1,108 @@
+// Every RPC of the head's and the worker's services refuses calls without the cluster token or with a
+// wrong one (UNAUTHENTICATED), and accepts the right one. Methods are enumerated from the service
+// descriptors and called through a generic stub, so a method added later is covered too.
+#include <grpcpp/generic/generic_stub.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "common/rpc.h"
+#include "control.grpc.pb.h"
+#include "google/protobuf/descriptor.h"
+#include "head/head_server.h"
+#include "worker/worker_server.h"
+
+namespace geotrain {
+namespace {
+
+grpc::StatusCode CallWithToken(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                               const std::string* token) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  if (token != nullptr) AttachToken(&context, *token);
+  SetDeadlineMillis(&context, 5000);
+  grpc::CompletionQueue cq;
+  grpc::Slice empty("", 0);
+  grpc::ByteBuffer request(&empty, 1);
+  auto call = stub.PrepareUnaryCall(&context, method, request, &cq);
+  call->StartCall();
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag;
+  bool ok;
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status.error_code();
+}
+
+std::vector<std::string> Methods(const google::protobuf::ServiceDescriptor* service) {
+  std::vector<std::string> out;
+  for (int i = 0; i < service->method_count(); ++i) {
+    out.push_back("/" + service->full_name() + "/" + service->method(i)->name());
+  }
+  return out;
+}
+
+class AuthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() / ("geotrain_auth_" + GenerateToken())).string();
+    setenv("GEOTRAIN_HOME", (dir_ + "/home").c_str(), 1);
+    HeadOptions options;
+    options.bind_host = "127.0.0.1";
+    options.port = 0;
+    options.metrics_port = -1;
+    options.state_dir = dir_ + "/state";
+    options.token = "right-token";
+    options.write_cluster_record = false;
+    head_ = std::make_unique<HeadServer>(options);
+    absl::Status started = head_->Start();
+    ASSERT_TRUE(started.ok()) << started;
+    WorkerOptions w;
+    w.head_address = "127.0.0.1:" + std::to_string(head_->port());
+    w.site = "s";
+    w.bind_host = "127.0.0.1";
+    w.metrics_port = -1;
+    w.token = "right-token";
+    w.emulated_devices.push_back(Device());
+    w.emulated_devices[0].set_name("T4");
+    w.emulated_devices[0].set_tflops(65);
+    worker_ = std::make_unique<WorkerServer>(w);
+    started = worker_->Start();
+    ASSERT_TRUE(started.ok()) << started;
+  }
+  void TearDown() override {
+    worker_->Shutdown();
+    head_->Shutdown();
+    std::filesystem::remove_all(dir_);
+  }
+  std::string dir_;
+  std::unique_ptr<HeadServer> head_;
+  std::unique_ptr<WorkerServer> worker_;
+};
+
+TEST_F(AuthTest, EveryMethodNeedsTheToken) {
+  const std::string wrong = "wrong-token";
+  const std::string right = "right-token";
+  struct Target {
+    int port;
+    const google::protobuf::ServiceDescriptor* service;
+  };
+  const auto* pool = google::protobuf::DescriptorPool::generated_pool();
+  for (const Target& t : {Target{head_->port(), pool->FindServiceByName("geotrain.Head")},
+                          Target{worker_->port(), pool->FindServiceByName("geotrain.Worker")}}) {
+    ASSERT_NE(t.service, nullptr);
+    auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(t.port), grpc::InsecureChannelCredentials());
+    for (const std::string& method : Methods(t.service)) {
+      EXPECT_EQ(CallWithToken(channel, method, nullptr), grpc::StatusCode::UNAUTHENTICATED) << method;
+      EXPECT_EQ(CallWithToken(channel, method, &wrong), grpc::StatusCode::UNAUTHENTICATED) << method;
+      EXPECT_NE(CallWithToken(channel, method, &right), grpc::StatusCode::UNAUTHENTICATED) << method;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace geotrain
