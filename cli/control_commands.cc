@@ -249,7 +249,10 @@ void PrintStatus(const ClusterStatus& status, const std::string& address) {
     }
   }
   std::printf("\njobs:");
-  for (const auto& [state, n] : status.jobs_by_state()) std::printf(" %s %d", state.c_str(), n);
+  for (const char* state : {"PENDING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"}) {
+    auto it = status.jobs_by_state().find(state);
+    std::printf(" %s %d", state, it == status.jobs_by_state().end() ? 0 : it->second);
+  }
   std::printf("\n");
 }
 

@@ -150,11 +150,16 @@ absl::Status WorkerServer::Start() {
     }
   }
 
-  auto creds = MakeServerCredentials(options_.tls);
+  // The worker's own service uses TLS when it has a certificate and key; --tls-ca alone only makes its
+  // calls to the head use TLS.
+  TlsFiles server_tls = options_.tls;
+  if (server_tls.cert.empty() && server_tls.key.empty()) server_tls = TlsFiles{};
+  auto creds = MakeServerCredentials(server_tls);
   if (!creds.ok()) return creds.status();
   service_ = std::make_unique<Service>(this, options_.token, metrics_.get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use must fail, not be shared
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {

@@ -119,5 +119,31 @@ class ControlPlaneTest(unittest.TestCase):
         self.assertIn('geotrain_rpc_total{code="0",method="Heartbeat"}', body)
 
 
+class TlsTest(unittest.TestCase):
+    def test_tls_cluster(self):
+        import subprocess
+        c = LocalCluster(GEOTRAIN)
+        try:
+            certs = os.path.join(c.dir, "certs")
+            subprocess.run(["bash", os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "make-certs.sh"),
+                            certs], check=True, capture_output=True)
+            c.heartbeat_args = ["--tls-cert", os.path.join(certs, "server.pem"),
+                                "--tls-key", os.path.join(certs, "server.key")]
+            ca = ["--tls-ca", os.path.join(certs, "ca.pem")]
+            c.head = c._spawn(["head", "start", "--port", str(c.port), "--metrics-port", "-1",
+                               "--state-dir", c.state_dir] + c.heartbeat_args, "head.log")
+            wait_for(lambda: c.cli(["status"] + ca, check=False).returncode == 0, 15, "the TLS head")
+            # A plaintext client cannot talk to a TLS head.
+            self.assertNotEqual(c.cli(["status"], check=False).returncode, 0)
+            c.workers["w"] = c._spawn(["worker", "start", "--site", "s", "--worker-id", "w-tls",
+                                       "--metrics-port", "-1", "--emulate-device", "T4"] + ca, "worker.log")
+            wait_for(lambda: "w-tls" in c.cli(["status"] + ca, check=False).stdout, 15, "the TLS worker")
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.close()
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
