@@ -246,6 +246,7 @@ absl::Status HeadServer::Start() {
   service_ = std::make_unique<Service>(this);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use must fail, not be shared
   builder.RegisterService(service_.get());
   builder.SetMaxReceiveMessageSize(16 << 20);
   server_ = builder.BuildAndStart();

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 
@@ -31,11 +32,13 @@ absl::Status SqlError(sqlite3* db, const char* what) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HeadStore>> HeadStore::Open(const std::string& dir) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot create state dir '", dir,
-                                                    "': ", std::strerror(errno),
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create state dir '", dir, "': ", ec.message(),
                                                     "; choose a writable --state-dir"));
   }
+  ::chmod(dir.c_str(), 0700);
   const std::string path = absl::StrCat(dir, "/head.db");
   sqlite3* db = nullptr;
   if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
