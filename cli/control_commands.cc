@@ -1,9 +1,11 @@
 // CLI verbs of the control plane: `head start`, `worker start`, `status`, and `job submit|list|status|
 // cancel|logs`. Every verb that talks to a head resolves it from --head/--token, GEOTRAIN_HEAD/
 // GEOTRAIN_TOKEN, or the record a head on this machine leaves (see common/rpc.h).
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <ctime>
 #include <iostream>
@@ -48,18 +50,32 @@ absl::Status Explain(const grpc::Status& s, const std::string& address) {
   }
 }
 
-// Blocks SIGINT and SIGTERM in every thread and waits for one on a dedicated thread, which then runs
-// `on_signal` (a Shutdown) outside signal context.
+// SIGINT and SIGTERM stop a daemon cleanly. Threads that libraries start before main() (OpenBLAS's
+// pool) may receive the signal, so masks are no use: the handler writes the signal number to a pipe,
+// and a dedicated thread reads it and runs `on_signal` (a Shutdown) outside signal context.
+int g_signal_pipe[2] = {-1, -1};
+
+void OnStopSignal(int sig) {
+  const char byte = static_cast<char>(sig);
+  ssize_t ignored = ::write(g_signal_pipe[1], &byte, 1);
+  (void)ignored;
+}
+
+void InstallStopSignals() {
+  if (g_signal_pipe[0] < 0 && ::pipe2(g_signal_pipe, O_CLOEXEC) != 0) return;
+  struct sigaction action = {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
 std::thread StopOnSignal(std::function<void()> on_signal) {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  return std::thread([set, on_signal = std::move(on_signal)] {
-    int sig = 0;
-    sigwait(&set, &sig);
-    GT_LOG(INFO) << "received signal " << sig << "; shutting down";
+  return std::thread([on_signal = std::move(on_signal)] {
+    char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
+    GT_LOG(INFO) << "received signal " << static_cast<int>(sig) << "; shutting down";
     on_signal();
   });
 }
@@ -148,6 +164,7 @@ void AddHeadCommands(CLI::App& app, Context& context) {
           "--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms"));
       return;
     }
+    InstallStopSignals();
     HeadServer server(*options);
     if (absl::Status s = server.Start(); !s.ok()) {
       context.exit_code = Fail(s);
@@ -160,7 +177,7 @@ void AddHeadCommands(CLI::App& app, Context& context) {
     std::fflush(stdout);
     std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
     server.Wait();
-    waiter.detach();
+    waiter.join();  // Wait() returns only after the signal thread has called Shutdown()
   });
 }
 
@@ -182,13 +199,28 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       ->capture_default_str();
   start->add_option("--worker-id", options->worker_id, "stable worker id (default: assigned by the head)");
   start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN or this machine's head)");
+  auto advertise_for = std::make_shared<std::vector<std::string>>();
+  start->add_option("--advertise-for", *advertise_for,
+                    "SITE=HOST:PORT: the address peers at SITE dial (repeatable; e.g. a WAN emulator route)");
+  start->add_option("--probe-interval-ms", options->probe_interval_ms,
+                    "how often to measure latency and bandwidth to peers (0: never)")
+      ->capture_default_str();
   start->add_option("--emulate-device", *emulate,
                     "stand in for a GPU: NAME:TFLOPS:MEM_GB (repeatable), e.g. T4:65:16");
   start->add_option("--tls-cert", options->tls.cert, "client certificate (PEM)");
   start->add_option("--tls-key", options->tls.key, "client private key (PEM)");
   start->add_option("--tls-ca", options->tls.ca, "CA (PEM) that signed the head's certificate");
-  start->callback([options, emulate, head_flag, &context] {
+  start->callback([options, emulate, head_flag, advertise_for, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));
+    for (const std::string& pair : *advertise_for) {
+      const size_t eq = pair.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == pair.size()) {
+        context.exit_code = Fail(absl::InvalidArgumentError(
+            absl::StrCat("--advertise-for '", pair, "': expected SITE=HOST:PORT")));
+        return;
+      }
+      options->address_for_site[pair.substr(0, eq)] = pair.substr(eq + 1);
+    }
     for (const std::string& text : *emulate) {
       auto device = ParseEmulatedDevice(text);
       if (!device.ok()) {
@@ -204,6 +236,7 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
     }
     options->head_address = endpoint->address;
     options->token = endpoint->token;
+    InstallStopSignals();
     WorkerServer server(*options);
     if (absl::Status s = server.Start(); !s.ok()) {
       context.exit_code = Fail(s);
@@ -214,7 +247,7 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
     std::fflush(stdout);
     std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
     server.Wait();
-    waiter.detach();
+    waiter.join();  // Wait() returns only after the signal thread has called Shutdown()
   });
 }
 
@@ -239,6 +272,14 @@ void PrintStatus(const ClusterStatus& status, const std::string& address) {
                 w.state() == WORKER_ALIVE ? "ALIVE" : "DEAD", w.address().c_str(), devices.c_str(),
                 FormatTime(w.last_heartbeat_unix_ms()).c_str(),
                 w.dead_reason().empty() ? "" : absl::StrCat("  (", w.dead_reason(), ")").c_str());
+  }
+  if (status.site_links_size() > 0) {
+    std::printf("\n%-14s %-14s %12s %16s %8s\n", "SITE A", "SITE B", "LATENCY MS", "BANDWIDTH MBIT/S",
+                "SAMPLES");
+    for (const SiteLink& l : status.site_links()) {
+      std::printf("%-14s %-14s %12.2f %16.0f %8d\n", l.a().c_str(), l.b().c_str(), l.latency_ms(),
+                  l.bandwidth_mbps(), l.samples());
+    }
   }
   if (status.actors_size() > 0) {
     std::printf("\n%-16s %-12s %-12s %4s %5s %3s %s\n", "ACTOR", "JOB", "WORKER", "REPL", "STAGE", "TP",

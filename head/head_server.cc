@@ -94,6 +94,7 @@ class HeadServer::Service final : public Head::Service {
     }
     for (auto& [name, site] : sites) *reply->add_sites() = site;
     for (const ActorRecord& a : head_->registry_->Actors()) *reply->add_actors() = a;
+    for (const SiteLink& link : head_->registry_->SiteLinks()) *reply->add_site_links() = link;
     for (const auto& [state, count] : head_->jobs_->CountByState()) {
       (*reply->mutable_jobs_by_state())[JobStateName(state)] = count;
     }
@@ -162,7 +163,7 @@ class HeadServer::Service final : public Head::Service {
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request,
                     PingReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("Ping");
-    reply->set_payload(request->payload());
+    if (!request->no_echo()) reply->set_payload(request->payload());
     return grpc::Status::OK;
   }
 

@@ -1,6 +1,8 @@
 // Worker registry and heartbeat failure detector.
 #include "head/registry.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/rpc.h"
@@ -38,6 +40,7 @@ RegisterWorkerReply WorkerRegistry::Register(const RegisterWorkerRequest& reques
   w.set_hostname(request.hostname());
   w.set_pid(request.pid());
   w.set_metrics_address(request.metrics_address());
+  *w.mutable_address_for_site() = request.address_for_site();
   w.set_incarnation(incarnation);
   w.set_registered_unix_ms(clock_->UnixMillis());
   w.set_last_heartbeat_unix_ms(clock_->UnixMillis());
@@ -67,6 +70,23 @@ HeartbeatReply WorkerRegistry::Heartbeat(const HeartbeatRequest& request) {
   last_seen_ms_[request.worker_id()] = clock_->NowMillis();
   it->second.set_last_heartbeat_unix_ms(clock_->UnixMillis());
   actors_[request.worker_id()].assign(request.actors().begin(), request.actors().end());
+  for (const LinkMeasurement& link : request.links()) {
+    if (link.rtt_ms() < 0 || link.bandwidth_mbps() < 0 || !workers_.count(link.dst_worker())) continue;
+    LinkMeasurement& stored = links_[{request.worker_id(), link.dst_worker()}];
+    stored = link;
+    stored.set_src_worker(request.worker_id());
+    stored.set_src_site(it->second.site());
+    stored.set_dst_site(workers_[link.dst_worker()].site());
+  }
+  const std::string& my_site = it->second.site();
+  for (const auto& [id, peer] : workers_) {
+    if (id == request.worker_id() || peer.state() != WORKER_ALIVE) continue;
+    PeerInfo* p = reply.add_peers();
+    p->set_worker_id(id);
+    p->set_site(peer.site());
+    auto via = peer.address_for_site().find(my_site);
+    p->set_address(via != peer.address_for_site().end() ? via->second : peer.address());
+  }
   return reply;
 }
 
@@ -95,6 +115,39 @@ std::vector<WorkerInfo> WorkerRegistry::Workers() const {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerInfo> out;
   for (const auto& [id, w] : workers_) out.push_back(w);
+  return out;
+}
+
+std::vector<SiteLink> WorkerRegistry::SiteLinks() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::pair<std::string, std::string>, std::pair<std::vector<double>, std::vector<double>>> by_pair;
+  for (const auto& [key, link] : links_) {
+    auto src = workers_.find(key.first);
+    auto dst = workers_.find(key.second);
+    if (src == workers_.end() || dst == workers_.end() || src->second.state() != WORKER_ALIVE ||
+        dst->second.state() != WORKER_ALIVE) {
+      continue;
+    }
+    auto sites = std::minmax(link.src_site(), link.dst_site());
+    auto& samples = by_pair[{sites.first, sites.second}];
+    samples.first.push_back(link.rtt_ms());
+    if (link.bandwidth_mbps() > 0) samples.second.push_back(link.bandwidth_mbps());
+  }
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  std::vector<SiteLink> out;
+  for (const auto& [sites, samples] : by_pair) {
+    SiteLink link;
+    link.set_a(sites.first);
+    link.set_b(sites.second);
+    link.set_latency_ms(median(samples.first) / 2);
+    link.set_bandwidth_mbps(median(samples.second));
+    link.set_samples(static_cast<int32_t>(samples.first.size()));
+    out.push_back(link);
+  }
   return out;
 }
 

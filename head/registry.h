@@ -38,7 +38,8 @@ class WorkerRegistry {
   // returned in `stored` (for persistence).
   RegisterWorkerReply Register(const RegisterWorkerRequest& request, WorkerInfo* stored);
 
-  // Records liveness and the worker's actors. Asks the worker to register again when the head does not
+  // Records liveness, the worker's actors and its link probes, and hands it the other alive workers
+  // (with the address to dial from its site). Asks the worker to register again when the head does not
   // know it, has declared it dead, or the incarnation is stale.
   HeartbeatReply Heartbeat(const HeartbeatRequest& request);
 
@@ -48,6 +49,9 @@ class WorkerRegistry {
 
   std::vector<WorkerInfo> Workers() const;
   std::vector<ActorRecord> Actors() const;
+  // Site-to-site links from the latest probe of each worker pair whose ends are alive: one-way latency
+  // (half the median round trip) and median bandwidth.
+  std::vector<SiteLink> SiteLinks() const;
   const Options& options() const { return options_; }
 
  private:
@@ -60,6 +64,8 @@ class WorkerRegistry {
   // Last seen heartbeat on the monotonic clock, by worker id.
   std::map<std::string, int64_t> last_seen_ms_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<ActorRecord>> actors_ ABSL_GUARDED_BY(mu_);
+  // Latest probe by (src worker, dst worker).
+  std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain

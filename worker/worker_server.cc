@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/log.h"
 #include "worker/devices.h"
 
@@ -80,7 +81,7 @@ class WorkerServer::Service final : public Worker::Service {
 
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
     GT_WORKER_RPC_PROLOGUE("Ping");
-    reply->set_payload(request->payload());
+    if (!request->no_echo()) reply->set_payload(request->payload());
     return grpc::Status::OK;
   }
 
@@ -178,6 +179,7 @@ absl::Status WorkerServer::Start() {
   head_channel_ = *channel;
   head_ = Head::NewStub(head_channel_);
   join_thread_ = std::thread([this] { JoinLoop(); });
+  if (options_.probe_interval_ms > 0) probe_thread_ = std::thread([this] { ProbeLoop(); });
   GT_LOG(INFO) << "worker serving on " << options_.bind_host << ":" << port_ << " (advertised as "
                << advertise_address_ << "), site " << options_.site << ", " << devices_.size()
                << " device(s): " << devices_[0].name() << " " << devices_[0].tflops() << " TFLOP/s";
@@ -193,6 +195,7 @@ absl::Status WorkerServer::RegisterOnce() {
   request.set_site(options_.site);
   request.set_address(advertise_address_);
   request.set_listen_address(absl::StrCat(options_.bind_host, ":", port_));
+  for (const auto& [site, address] : options_.address_for_site) (*request.mutable_address_for_site())[site] = address;
   for (const Device& d : devices_) *request.add_devices() = d;
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
@@ -256,6 +259,12 @@ void WorkerServer::JoinLoop() {
       for (const auto& [id, a] : actors_) *beat.add_actors() = a;
     }
     if (!SleepMillis(interval)) return;
+    std::vector<LinkMeasurement> links;
+    {
+      absl::MutexLock lock(&mu_);
+      links.swap(pending_links_);
+    }
+    for (const LinkMeasurement& link : links) *beat.add_links() = link;
     grpc::ClientContext context;
     AttachToken(&context, options_.token);
     SetDeadlineMillis(&context, std::max<int64_t>(1000, interval * 2));
@@ -266,11 +275,84 @@ void WorkerServer::JoinLoop() {
       GT_LOG(WARNING) << "lost the head at " << options_.head_address << ": " << s.error_message()
                       << "; reconnecting";
       registered_ = false;
-    } else if (reply.reregister() || reply.head_id() != head_id_) {
+    } else if (!reply.reregister() && reply.head_id() == head_id_) {
+      peers_.assign(reply.peers().begin(), reply.peers().end());
+    }
+    if (s.ok() && (reply.reregister() || reply.head_id() != head_id_)) {
       GT_LOG(INFO) << "the head asks this worker to register again (head "
                    << (reply.head_id() != head_id_ ? "restarted" : "declared it dead") << ")";
       registered_ = false;
     }
+  }
+}
+
+absl::StatusOr<LinkMeasurement> WorkerServer::ProbePeer(const std::string& address,
+                                                        const std::string& token, const TlsFiles& tls) {
+  auto channel = MakeChannel(address, tls);
+  if (!channel.ok()) return channel.status();
+  auto stub = Worker::NewStub(*channel);
+  double best_rtt_ms = 1e18;
+  PingRequest small;
+  small.set_payload("geotrain");
+  PingReply reply;
+  for (int i = 0; i < 5; ++i) {
+    grpc::ClientContext ctx;
+    AttachToken(&ctx, token);
+    SetDeadlineMillis(&ctx, 3000);
+    const auto start = std::chrono::steady_clock::now();
+    grpc::Status s = stub->Ping(&ctx, small, &reply);
+    if (!s.ok()) return FromGrpc(s);
+    best_rtt_ms = std::min(
+        best_rtt_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  PingRequest big;
+  big.set_payload(std::string(1 << 20, 'g'));
+  big.set_no_echo(true);
+  grpc::ClientContext ctx;
+  AttachToken(&ctx, token);
+  SetDeadlineMillis(&ctx, 20000);
+  const auto start = std::chrono::steady_clock::now();
+  grpc::Status s = stub->Ping(&ctx, big, &reply);
+  if (!s.ok()) return FromGrpc(s);
+  const double total_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  LinkMeasurement m;
+  m.set_rtt_ms(best_rtt_ms);
+  // The transfer time is what the big ping took beyond a small one's round trip.
+  m.set_bandwidth_mbps(8.0 * (1 << 20) / std::max(total_ms - best_rtt_ms, 0.05) / 1000.0);
+  m.set_measured_unix_ms(RealClock::Get()->UnixMillis());
+  return m;
+}
+
+void WorkerServer::ProbeLoop() {
+  constexpr size_t kMaxPeersPerRound = 16;
+  int64_t wait_ms = 1000;  // the first round soon after joining
+  while (SleepMillis(wait_ms)) {
+    std::vector<PeerInfo> peers;
+    {
+      absl::MutexLock lock(&mu_);
+      peers = peers_;
+    }
+    if (peers.empty()) {
+      wait_ms = 1000;
+      continue;
+    }
+    if (peers.size() > kMaxPeersPerRound) peers.resize(kMaxPeersPerRound);
+    for (const PeerInfo& peer : peers) {
+      auto m = ProbePeer(peer.address(), options_.token, options_.tls);
+      if (!m.ok()) {
+        GT_LOG(DEBUG) << "probe of " << peer.worker_id() << " at " << peer.address() << " failed: " << m.status();
+        continue;
+      }
+      m->set_dst_worker(peer.worker_id());
+      m->set_dst_site(peer.site());
+      m->set_src_site(options_.site);
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      m->set_src_worker(worker_id_);
+      pending_links_.push_back(*m);
+    }
+    wait_ms = options_.probe_interval_ms;
   }
 }
 
@@ -285,6 +367,7 @@ void WorkerServer::Shutdown() {
     stopping_ = true;
   }
   if (join_thread_.joinable()) join_thread_.join();
+  if (probe_thread_.joinable()) probe_thread_.join();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 

@@ -11,7 +11,8 @@
 // the worker registers again under the same worker id.
 //
 // Threads: gRPC's sync server threads run the Worker service; one "join" thread owns the connection to
-// the head (registration and heartbeats). The actor table is shared and guarded by mu_.
+// the head (registration and heartbeats); one "probe" thread measures latency and bandwidth to the peers
+// the head hands out and queues the results for the next heartbeat. Shared state is guarded by mu_.
 #pragma once
 
 #include <map>
@@ -40,6 +41,10 @@ struct WorkerOptions {
   std::string token;
   TlsFiles tls;
   std::vector<Device> emulated_devices;
+  // Addresses for peers at given sites (site -> host:port), e.g. routes through a WAN emulator.
+  std::map<std::string, std::string> address_for_site;
+  // How often to probe latency and bandwidth to the other workers; 0 disables probing.
+  int64_t probe_interval_ms = 30000;
 };
 
 class WorkerServer {
@@ -58,9 +63,15 @@ class WorkerServer {
   bool registered() const;
   std::vector<ActorRecord> Actors() const;
 
+  // Measures round trip (best of 5 small pings) and one-way bandwidth (a 1 MiB ping that is not
+  // echoed) to `address`. Every call has a deadline.
+  static absl::StatusOr<LinkMeasurement> ProbePeer(const std::string& address, const std::string& token,
+                                                   const TlsFiles& tls);
+
  private:
   class Service;
   void JoinLoop();
+  void ProbeLoop();
   absl::Status RegisterOnce();
   // Sleeps up to `ms` or until Shutdown(); returns false when stopping.
   bool SleepMillis(int64_t ms);
@@ -75,6 +86,7 @@ class WorkerServer {
   std::shared_ptr<grpc::Channel> head_channel_;
   std::unique_ptr<Head::Stub> head_;
   std::thread join_thread_;
+  std::thread probe_thread_;  // owns the peer channels it dials
 
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
@@ -84,6 +96,8 @@ class WorkerServer {
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
   std::map<std::string, ActorRecord> actors_ ABSL_GUARDED_BY(mu_);
+  std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);              // from the latest heartbeat reply
+  std::vector<LinkMeasurement> pending_links_ ABSL_GUARDED_BY(mu_);  // probes not yet reported
 };
 
 }  // namespace geotrain

@@ -61,7 +61,8 @@ class LocalCluster:
         return self.head
 
     def start_worker(self, name, site, devices=()):
-        args = ["worker", "start", "--site", site, "--worker-id", name, "--metrics-port", "-1"]
+        args = ["worker", "start", "--site", site, "--worker-id", name, "--metrics-port", "-1",
+                "--probe-interval-ms", "1000"]
         for d in devices:
             args += ["--emulate-device", d]
         self.workers[name] = self._spawn(args, f"worker-{name}.log")

@@ -81,6 +81,17 @@ class ControlPlaneTest(unittest.TestCase):
         self.assertIn("submitted kept-across-restart", logs)
         self.assertIn("CANCELLED", logs)
 
+    def test_links_are_measured(self):
+        def links():
+            found = {(l["a"], l["b"]): l for l in self.c.status().get("site_links", [])}
+            return found if ("amsterdam", "utah") in found and ("utah", "utah") in found else None
+        found = wait_for(links, 20, "measured site links", 0.5)
+        wan = found[("amsterdam", "utah")]
+        self.assertGreater(wan["latency_ms"], 0)
+        self.assertLess(wan["latency_ms"], 50, "loopback")
+        self.assertGreater(wan["bandwidth_mbps"], 10)
+        self.assertIn("LATENCY MS", self.c.cli(["status"]).stdout)
+
     def test_wrong_token_is_refused(self):
         r = self.c.cli(["status", "--token", "not-the-token"], check=False)
         self.assertNotEqual(r.returncode, 0)
