@@ -1,0 +1,395 @@
+// `geotrain cluster up TOPOLOGY | down | status`: a whole multi-site cluster on this machine — a head,
+// the WAN emulator (geotrain-netem) and every site's workers — with all cross-site traffic, and only
+// that, going through the emulator. Each worker listens on its own port; for every other site linked to
+// its own, the emulator gets a route (OTHER>SITE) to that port, and the worker advertises that route's
+// port to peers at the other site (--advertise-for). Peers at its own site dial it directly.
+//
+// `up` records what it started in <state-dir>/cluster.json; `down` stops exactly those processes
+// (checking each pid still runs a geotrain binary) and leaves nothing running.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "cli/registry.h"
+#include "common/rpc.h"
+#include "common/spec.h"
+#include "control.grpc.pb.h"
+#include "netem/control_client.h"
+#include "netem/process.h"
+#include "yaml-cpp/yaml.h"
+
+namespace geotrain::cli {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
+  return 1;
+}
+
+std::string SelfDirectory() {
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+absl::StatusOr<int> FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return absl::UnavailableError("cannot find a free port on 127.0.0.1");
+  }
+  const int port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+// Starts argv[0] in its own session with stdout and stderr appended to `log`; returns its pid.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  const pid_t pid = ::fork();
+  if (pid < 0) return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    ::setsid();
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+    }
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (null >= 0) ::dup2(null, STDIN_FILENO);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+bool RunsGeotrain(pid_t pid) {
+  std::ifstream cmdline(absl::StrCat("/proc/", pid, "/cmdline"));
+  std::string text((std::istreambuf_iterator<char>(cmdline)), std::istreambuf_iterator<char>());
+  return text.find("geotrain") != std::string::npos;
+}
+
+struct Started {
+  std::string name;
+  pid_t pid;
+};
+
+struct ClusterFile {
+  std::string topology;
+  std::string head_address;
+  int netem_control_port = 0;
+  std::vector<Started> processes;
+};
+
+std::string ClusterFilePath(const std::string& state_dir) { return state_dir + "/cluster.json"; }
+
+absl::Status WriteClusterFile(const std::string& state_dir, const ClusterFile& file) {
+  YAML::Emitter out;
+  out << YAML::DoubleQuoted << YAML::BeginMap;
+  out << YAML::Key << "topology" << YAML::Value << file.topology;
+  out << YAML::Key << "head_address" << YAML::Value << file.head_address;
+  out << YAML::Key << "netem_control_port" << YAML::Value << std::to_string(file.netem_control_port);
+  out << YAML::Key << "processes" << YAML::Value << YAML::BeginSeq;
+  for (const Started& p : file.processes) {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value << p.name << YAML::Key << "pid"
+        << YAML::Value << std::to_string(p.pid) << YAML::EndMap;
+  }
+  out << YAML::EndSeq << YAML::EndMap;
+  return WriteFileAtomically(ClusterFilePath(state_dir), std::string(out.c_str()) + "\n", 0600);
+}
+
+absl::StatusOr<ClusterFile> ReadClusterFile(const std::string& state_dir) {
+  const std::string path = ClusterFilePath(state_dir);
+  auto text = ReadSmallFile(path);
+  if (!text.ok()) {
+    return absl::NotFoundError(absl::StrCat("no cluster is up in ", state_dir,
+                                            " (no cluster.json); start one with `geotrain cluster up TOPOLOGY`"));
+  }
+  try {
+    YAML::Node node = YAML::Load(*text);
+    ClusterFile file;
+    file.topology = node["topology"].as<std::string>("");
+    file.head_address = node["head_address"].as<std::string>("");
+    file.netem_control_port = std::stoi(node["netem_control_port"].as<std::string>("0"));
+    for (const auto& p : node["processes"]) {
+      file.processes.push_back({p["name"].as<std::string>(""), static_cast<pid_t>(std::stol(p["pid"].as<std::string>("0")))});
+    }
+    return file;
+  } catch (const std::exception& e) {
+    return absl::DataLossError(absl::StrCat(path, ": ", e.what(), "; stop stray processes by hand"));
+  }
+}
+
+// Stops the processes (SIGTERM, then SIGKILL after 5 s); returns how many were running.
+int StopProcesses(const std::vector<Started>& processes) {
+  int running = 0;
+  for (auto it = processes.rbegin(); it != processes.rend(); ++it) {  // workers first, the head last
+    if (it->pid > 0 && ::kill(it->pid, 0) == 0 && RunsGeotrain(it->pid)) {
+      ++running;
+      ::kill(it->pid, SIGTERM);
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (const Started& p : processes) {
+    while (p.pid > 0 && ::kill(p.pid, 0) == 0 && RunsGeotrain(p.pid)) {
+      ::waitpid(p.pid, nullptr, WNOHANG);  // reap it if it is our child
+      if (std::chrono::steady_clock::now() > deadline) {
+        ::kill(p.pid, SIGKILL);
+        ::waitpid(p.pid, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  return running;
+}
+
+absl::StatusOr<ClusterStatus> HeadStatus(const std::string& address) {
+  auto endpoint = ResolveHead(address, "");
+  if (!endpoint.ok()) return endpoint.status();
+  auto channel = MakeChannel(endpoint->address, TlsFiles{});
+  if (!channel.ok()) return channel.status();
+  auto stub = Head::NewStub(*channel);
+  grpc::ClientContext ctx;
+  AttachToken(&ctx, endpoint->token);
+  SetDeadlineMillis(&ctx, 3000);
+  ClusterStatus status;
+  grpc::Status s = stub->GetClusterStatus(&ctx, ClusterStatusRequest(), &status);
+  if (!s.ok()) return FromGrpc(s);
+  return status;
+}
+
+absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir) {
+  auto topology = LoadTopologyFile(topology_path);
+  if (!topology.ok()) return topology.status();
+  if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
+    for (const Started& p : existing->processes) {
+      if (p.pid > 0 && ::kill(p.pid, 0) == 0 && RunsGeotrain(p.pid)) {
+        return absl::AlreadyExistsError(absl::StrCat("a cluster is already up (", state_dir,
+                                                     "); stop it first with `geotrain cluster down`"));
+      }
+    }
+  }
+  std::filesystem::create_directories(state_dir + "/logs");
+  const std::string bin = SelfDirectory();
+  const std::string geotrain = bin + "/geotrain";
+  const std::string netem_binary = bin + "/geotrain-netem";
+  ClusterFile file;
+  file.topology = std::filesystem::absolute(topology_path).string();
+  auto fail = [&file, &state_dir](absl::Status s) {
+    StopProcesses(file.processes);
+    std::filesystem::remove(ClusterFilePath(state_dir));
+    return s;
+  };
+
+  // Links by unordered site pair.
+  std::map<std::pair<std::string, std::string>, const TopologyLink*> links;
+  for (const TopologyLink& l : topology->links()) {
+    links[std::minmax(l.a(), l.b())] = &l;
+  }
+
+  // Workers, their ports, and the emulator routes that reach them from other sites.
+  struct PlannedWorker {
+    std::string id, site;
+    int port;
+    std::vector<std::string> devices;
+    std::map<std::string, size_t> route_index_by_site;
+  };
+  std::vector<PlannedWorker> workers;
+  std::vector<netem::RouteSpec> routes;
+  for (const TopologySite& site : topology->sites()) {
+    for (int i = 0; i < site.workers_size(); ++i) {
+      const TopologyWorker& w = site.workers(i);
+      PlannedWorker p;
+      p.id = absl::StrCat(site.name(), "-", i);
+      p.site = site.name();
+      auto port = FreePort();
+      if (!port.ok()) return port.status();
+      p.port = *port;
+      for (int d = 0; d < std::max(1, w.count()); ++d) {
+        p.devices.push_back(absl::StrCat(w.device().empty() ? "GPU" : w.device(), ":", w.tflops(), ":", w.mem_gb()));
+      }
+      for (const TopologySite& other : topology->sites()) {
+        if (other.name() == site.name() || !links.count(std::minmax(other.name(), site.name()))) continue;
+        netem::RouteSpec r;
+        r.src_site = other.name();
+        r.dst_site = site.name();
+        r.target_host = "127.0.0.1";
+        r.target_port = p.port;
+        p.route_index_by_site[other.name()] = routes.size();
+        routes.push_back(r);
+      }
+      workers.push_back(std::move(p));
+    }
+  }
+
+  // The emulator first: workers need its route ports.
+  netem::EmulatorProcessSpec netem_spec;
+  netem_spec.binary = netem_binary;
+  netem_spec.topology_path = file.topology;
+  netem_spec.routes = routes;
+  netem_spec.ready_file = state_dir + "/netem.ready";
+  std::filesystem::remove(netem_spec.ready_file);
+  auto netem_pid = Spawn(netem::EmulatorCommandLine(netem_spec), state_dir + "/logs/netem.log");
+  if (!netem_pid.ok()) return fail(netem_pid.status());
+  file.processes.push_back({"netem", *netem_pid});
+  auto ready = netem::WaitForReadyFile(netem_spec.ready_file, std::chrono::seconds(15), *netem_pid);
+  if (!ready.ok()) {
+    return fail(absl::UnavailableError(absl::StrCat("the WAN emulator did not start: ", ready.status().message(),
+                                                    "; see ", state_dir, "/logs/netem.log")));
+  }
+  file.netem_control_port = ready->control_port;
+
+  auto head_port = FreePort();
+  auto metrics_port = FreePort();
+  if (!head_port.ok() || !metrics_port.ok()) return fail(absl::UnavailableError("no free ports"));
+  file.head_address = absl::StrCat("127.0.0.1:", *head_port);
+  auto head_pid = Spawn({geotrain, "head", "start", "--bind", "127.0.0.1", "--port", std::to_string(*head_port),
+                         "--metrics-port", std::to_string(*metrics_port), "--state-dir", state_dir + "/head"},
+                        state_dir + "/logs/head.log");
+  if (!head_pid.ok()) return fail(head_pid.status());
+  file.processes.push_back({"head", *head_pid});
+  if (absl::Status s = WriteClusterFile(state_dir, file); !s.ok()) return fail(s);
+  const auto head_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  while (!HeadStatus(file.head_address).ok()) {
+    if (std::chrono::steady_clock::now() > head_deadline || ::waitpid(*head_pid, nullptr, WNOHANG) != 0) {
+      return fail(absl::UnavailableError(
+          absl::StrCat("the head did not start; see ", state_dir, "/logs/head.log")));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+
+  for (const PlannedWorker& w : workers) {
+    std::vector<std::string> argv = {geotrain, "worker", "start", "--head", file.head_address, "--site", w.site,
+                                     "--bind", "127.0.0.1", "--port", std::to_string(w.port), "--worker-id", w.id,
+                                     "--metrics-port", "0"};
+    for (const std::string& d : w.devices) argv.insert(argv.end(), {"--emulate-device", d});
+    for (const auto& [site, index] : w.route_index_by_site) {
+      argv.insert(argv.end(), {"--advertise-for", absl::StrCat(site, "=127.0.0.1:", ready->routes[index].bound_port)});
+    }
+    auto pid = Spawn(argv, absl::StrCat(state_dir, "/logs/worker-", w.id, ".log"));
+    if (!pid.ok()) return fail(pid.status());
+    file.processes.push_back({"worker " + w.id, *pid});
+  }
+  if (absl::Status s = WriteClusterFile(state_dir, file); !s.ok()) return fail(s);
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  int alive = 0;
+  while (true) {
+    auto status = HeadStatus(file.head_address);
+    alive = 0;
+    if (status.ok()) {
+      for (const WorkerInfo& w : status->workers()) alive += w.state() == WORKER_ALIVE;
+    }
+    if (alive == static_cast<int>(workers.size())) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      return fail(absl::DeadlineExceededError(absl::StrCat(
+          "only ", alive, " of ", workers.size(), " workers joined within 60 s; see ", state_dir, "/logs/")));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  std::printf("cluster up: head at %s, %zu workers in %d sites, WAN emulator with %zu routes "
+              "(control port %d)\n",
+              file.head_address.c_str(), workers.size(), topology->sites_size(), routes.size(),
+              file.netem_control_port);
+  for (const TopologyLink& l : topology->links()) {
+    std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(),
+                l.b().c_str(), l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
+  }
+  std::printf("state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
+              "`geotrain cluster down`\n", state_dir.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status ClusterDown(const std::string& state_dir) {
+  auto file = ReadClusterFile(state_dir);
+  if (!file.ok()) return file.status();
+  const int stopped = StopProcesses(file->processes);
+  std::filesystem::remove(ClusterFilePath(state_dir));
+  std::filesystem::remove(state_dir + "/netem.ready");
+  std::printf("cluster down: stopped %d process(es) of %zu started\n", stopped, file->processes.size());
+  return absl::OkStatus();
+}
+
+absl::Status ClusterShow(const std::string& state_dir) {
+  auto file = ReadClusterFile(state_dir);
+  if (!file.ok()) return file.status();
+  auto topology = LoadTopologyFile(file->topology);
+  if (!topology.ok()) return topology.status();
+  auto status = HeadStatus(file->head_address);
+  if (!status.ok()) return status.status();
+  std::map<std::pair<std::string, std::string>, SiteLink> measured;
+  for (const SiteLink& l : status->site_links()) measured[{l.a(), l.b()}] = l;
+  std::printf("head %s; WAN emulator control port %d\n\n", file->head_address.c_str(), file->netem_control_port);
+  std::printf("%-12s %-12s %10s %10s %12s %12s\n", "SITE A", "SITE B", "CONF MS", "MEAS MS", "CONF MBIT/S",
+              "MEAS MBIT/S");
+  for (const TopologyLink& l : topology->links()) {
+    auto key = std::minmax(l.a(), l.b());
+    auto it = measured.find({key.first, key.second});
+    std::printf("%-12s %-12s %10.2f %10s %12.0f %12s\n", l.a().c_str(), l.b().c_str(), l.latency_ms(),
+                it == measured.end() ? "-" : absl::StrCat(it->second.latency_ms()).substr(0, 6).c_str(),
+                l.bandwidth_mbps(),
+                it == measured.end() ? "-" : std::to_string(static_cast<int>(it->second.bandwidth_mbps())).c_str());
+  }
+  auto stats = netem::QueryStats(file->netem_control_port);
+  if (stats.ok()) {
+    std::printf("\n%-24s %14s %8s\n", "EMULATED LINK", "BYTES", "CONNS");
+    for (const netem::LinkDirectionStats& s : *stats) {
+      std::printf("%-24s %14ld %8ld%s\n", absl::StrCat(s.src, " > ", s.dst).c_str(), static_cast<long>(s.bytes_out),
+                  static_cast<long>(s.connections_active), s.up ? "" : "  (down)");
+    }
+  }
+  int alive = 0;
+  for (const WorkerInfo& w : status->workers()) alive += w.state() == WORKER_ALIVE;
+  std::printf("\n%d of %d workers alive\n", alive, status->workers_size());
+  return absl::OkStatus();
+}
+
+void AddClusterCommands(CLI::App& app, Context& context) {
+  CLI::App* cluster = app.add_subcommand("cluster", "a whole multi-site cluster on this machine, WAN emulated");
+  cluster->require_subcommand(1);
+  auto state_dir = std::make_shared<std::string>(GeotrainHome() + "/cluster");
+  auto topology = std::make_shared<std::string>();
+  CLI::App* up = cluster->add_subcommand("up", "start a head, the WAN emulator and every site's workers");
+  up->add_option("topology", *topology, "topology file (see deploy/topologies/)")->required();
+  up->add_option("--state-dir", *state_dir, "where the cluster keeps its state and logs")->capture_default_str();
+  up->callback([topology, state_dir, &context] {
+    if (absl::Status s = ClusterUp(*topology, *state_dir); !s.ok()) context.exit_code = Fail(s);
+  });
+  CLI::App* down = cluster->add_subcommand("down", "stop everything `cluster up` started");
+  down->add_option("--state-dir", *state_dir, "the state dir given to `cluster up`")->capture_default_str();
+  down->callback([state_dir, &context] {
+    if (absl::Status s = ClusterDown(*state_dir); !s.ok()) context.exit_code = Fail(s);
+  });
+  CLI::App* status = cluster->add_subcommand("status", "links as configured and as measured, emulator traffic");
+  status->add_option("--state-dir", *state_dir, "the state dir given to `cluster up`")->capture_default_str();
+  status->callback([state_dir, &context] {
+    if (absl::Status s = ClusterShow(*state_dir); !s.ok()) context.exit_code = Fail(s);
+  });
+}
+
+bool registered = RegisterCommands("cluster", &AddClusterCommands);
+
+}  // namespace
+}  // namespace geotrain::cli

@@ -1,0 +1,80 @@
+"""`geotrain cluster up/status/down` on a shipped topology: a head, the WAN emulator and four workers
+come up; cross-site paths measured by the workers show the configured one-way latency; `status` needs
+no flags; `down` leaves none of the started processes running.
+
+Usage: cluster_up_test.py PATH/TO/geotrain REPO_ROOT
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster_lib import wait_for  # noqa: E402
+
+GEOTRAIN = sys.argv.pop(1)
+ROOT = sys.argv.pop(1)
+
+
+class ClusterUpTest(unittest.TestCase):
+    def test_up_status_down(self):
+        home = tempfile.mkdtemp(prefix="geotrain_cluster_")
+        env = dict(os.environ, GEOTRAIN_HOME=home)
+        env.pop("GEOTRAIN_HEAD", None)
+        env.pop("GEOTRAIN_TOKEN", None)
+        state = os.path.join(home, "cluster")
+
+        def run(*args, check=True):
+            r = subprocess.run([GEOTRAIN] + list(args), capture_output=True, text=True, env=env, timeout=120)
+            if check and r.returncode != 0:
+                raise AssertionError(f"{args} failed: {r.stdout}\n{r.stderr}")
+            return r
+
+        try:
+            topo = os.path.join(ROOT, "deploy", "topologies", "two-sites-30ms.yaml")
+            out = run("cluster", "up", topo).stdout
+            self.assertIn("4 workers in 2 sites", out)
+            again = run("cluster", "up", topo, check=False)
+            self.assertNotEqual(again.returncode, 0)
+            self.assertIn("already up", again.stderr)
+
+            def wan_link():
+                status = json.loads(run("status", "--json").stdout)
+                for link in status.get("site_links", []):
+                    if {link["a"], link["b"]} == {"site-a", "site-b"}:
+                        return link
+                return None
+            link = wait_for(wan_link, 30, "a measured site-a/site-b link", 0.5)
+            print(f"measured one-way latency {link['latency_ms']:.2f} ms (configured 30)")
+            # The probe's best round trip over the emulated path: 2 x 30 ms plus loopback and gRPC costs.
+            self.assertGreaterEqual(link["latency_ms"], 29.0)
+            self.assertLessEqual(link["latency_ms"], 32.0)
+            shown = run("cluster", "status").stdout
+            self.assertIn("site-a > site-b", shown)
+            self.assertIn("4 of 4 workers alive", shown)
+
+            with open(os.path.join(state, "cluster.json")) as f:
+                record = f.read()
+            pids = [int(p) for p in __import__("re").findall(r'"pid": "(\d+)"', record)]
+            self.assertEqual(len(pids), 6)  # emulator, head, four workers
+            self.assertIn("stopped 6 process(es)", run("cluster", "down").stdout)
+            for pid in pids:
+                alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/cmdline").read() != ""
+                self.assertFalse(alive, f"process {pid} still runs after cluster down")
+            self.assertNotEqual(run("cluster", "status", check=False).returncode, 0)
+        except Exception:
+            for name in sorted(os.listdir(os.path.join(state, "logs"))) if os.path.isdir(os.path.join(state, "logs")) else []:
+                with open(os.path.join(state, "logs", name), errors="replace") as f:
+                    print(f"==== {name}\n{f.read()[-3000:]}")
+            run("cluster", "down", check=False)
+            raise
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
