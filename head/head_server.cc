@@ -117,9 +117,14 @@ class HeadServer::Service final : public Head::Service {
     auto job = head_->jobs_->Get(request->job_id());
     if (!job.ok()) return Fail(timer, job.status());
     *reply = *job;
+    // The workers' latest reports win over the placement records.
+    std::map<std::string, ActorRecord> actors;
+    for (const ActorRecord& a : reply->actors()) actors[a.actor_id()] = a;
     for (const ActorRecord& a : head_->registry_->Actors()) {
-      if (a.job_id() == reply->job_id()) *reply->add_actors() = a;
+      if (a.job_id() == reply->job_id()) actors[a.actor_id()] = a;
     }
+    reply->clear_actors();
+    for (const auto& [id, a] : actors) *reply->add_actors() = a;
     return grpc::Status::OK;
   }
 
@@ -135,6 +140,7 @@ class HeadServer::Service final : public Head::Service {
     GT_HEAD_RPC_PROLOGUE("CancelJob");
     auto job = head_->jobs_->Cancel(request->job_id());
     if (!job.ok()) return Fail(timer, job.status());
+    head_->runner_->StopJob(request->job_id(), "job cancelled by the user");
     *reply = *job;
     head_->RefreshMetrics();
     return grpc::Status::OK;
@@ -157,6 +163,16 @@ class HeadServer::Service final : public Head::Service {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the head is shutting down; watch again");
       }
     }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReportStep(grpc::ServerContext* context, const StepReport* request,
+                          ReportStepReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("ReportStep");
+    if (request->job_id().empty() || request->actor_id().empty()) {
+      return Fail(timer, absl::InvalidArgumentError("ReportStep: job_id and actor_id are required"));
+    }
+    reply->set_stop(head_->runner_->OnStepReport(*request));
     return grpc::Status::OK;
   }
 
@@ -242,6 +258,14 @@ absl::Status HeadServer::Start() {
     }
   }
 
+  runner_ = std::make_unique<JobRunner>(jobs_.get(), registry_.get(), metrics_.get(), token_, "", options_.tls);
+  // Jobs that were running when the head went away cannot be resumed yet: their actors report to a
+  // run this head does not know, and are told to stop.
+  for (const JobInfo& job : jobs_->List()) {
+    if (job.state() == JOB_RUNNING) {
+      (void)jobs_->Transition(job.job_id(), JOB_FAILED, "the head restarted while the job ran");
+    }
+  }
   auto creds = MakeServerCredentials(options_.tls);
   if (!creds.ok()) return creds.status();
   service_ = std::make_unique<Service>(this);
@@ -290,7 +314,9 @@ void HeadServer::DetectorLoop() {
       if (absl::Status s = store_->PutWorker(dead); !s.ok()) {
         GT_LOG(ERROR) << "persisting worker " << dead.worker_id() << ": " << s;
       }
+      runner_->OnWorkerDead(dead);
     }
+    runner_->StartPendingJobs();
     RefreshMetrics();
     stop_mu_.Lock();
   }

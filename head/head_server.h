@@ -8,8 +8,9 @@
 //   if (absl::Status s = head.Start(); !s.ok()) { ... }
 //   head.Wait();  // until Shutdown() from another thread (e.g. on SIGTERM)
 //
-// Threads: gRPC's sync server threads run the handlers; they call the registry and job manager, which
-// lock their own state. One detector thread calls CheckLiveness() and refreshes metrics every
+// Threads: gRPC's sync server threads run the handlers; they call the registry, job manager and job
+// runner, which lock their own state. One detector thread calls CheckLiveness(), fails the jobs of dead
+// workers, starts pending jobs (placing and creating their actors) and refreshes metrics every
 // interval. Shutdown() stops the detector, then the server.
 #pragma once
 
@@ -23,6 +24,7 @@
 #include "common/metrics.h"
 #include "common/rpc.h"
 #include "head/job_manager.h"
+#include "head/job_runner.h"
 #include "head/registry.h"
 #include "head/store.h"
 
@@ -76,6 +78,7 @@ class HeadServer {
   std::unique_ptr<WorkerRegistry> registry_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<MetricsServer> metrics_;
+  std::unique_ptr<JobRunner> runner_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
 

@@ -82,7 +82,7 @@ absl::StatusOr<JobInfo> JobManager::Submit(JobSpec spec, const std::string& sour
   *job.mutable_spec() = std::move(spec);
   job.set_submitted_unix_ms(clock_->UnixMillis());
   job.set_updated_unix_ms(job.submitted_unix_ms());
-  job.set_message("waiting for the distributed runtime to place its actors");
+  job.set_message("waiting for workers");
   if (absl::Status s = store_->PutJob(job); !s.ok()) return s;
   ++next_job_number_;
   jobs_[job.job_id()] = job;
@@ -141,6 +141,35 @@ absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobSta
 
 absl::StatusOr<JobInfo> JobManager::Cancel(const std::string& job_id) {
   return Transition(job_id, JOB_CANCELLED, "cancelled by the user");
+}
+
+absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  JobInfo updated = it->second;
+  updated.clear_actors();
+  for (const ActorRecord& a : actors) *updated.add_actors() = a;
+  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
+  it->second = std::move(updated);
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step, double loss,
+                                        double tokens_per_second, double measured_step_seconds,
+                                        const std::string& line) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  JobInfo updated = it->second;
+  updated.set_step(step);
+  updated.set_loss(loss);
+  updated.set_tokens_per_second(tokens_per_second);
+  updated.set_measured_step_seconds(measured_step_seconds);
+  updated.set_updated_unix_ms(clock_->UnixMillis());
+  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
+  it->second = std::move(updated);
+  return AppendEventLocked(it->second, "step", line);
 }
 
 absl::Status JobManager::Log(const std::string& job_id, const std::string& line) {

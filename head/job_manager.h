@@ -42,6 +42,10 @@ class JobManager {
   absl::StatusOr<JobInfo> Cancel(const std::string& job_id);
   // Moves a job to `to`; refuses transitions the state machine does not allow.
   absl::StatusOr<JobInfo> Transition(const std::string& job_id, JobState to, const std::string& message);
+  // Records the job's actors (placement) and its progress after a step; both persisted.
+  absl::Status SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors);
+  absl::Status UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
+                              double measured_step_seconds, const std::string& line);
   // Appends a log line to the job's event stream.
   absl::Status Log(const std::string& job_id, const std::string& line);
 

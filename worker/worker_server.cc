@@ -39,18 +39,34 @@ class WorkerServer::Service final : public Worker::Service {
                           absl::StrCat("CreateActor: device_index ", a.device_index(), " out of range [0, ",
                                        worker_->devices_.size(), ")"));
     }
+    if (request->spec().parallel().dp() * request->spec().parallel().pp() * request->spec().parallel().tp() !=
+        request->peers_size()) {
+      timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("CreateActor: the plan needs dp x pp x tp actors, the request lists ",
+                                       request->peers_size()));
+    }
     absl::MutexLock lock(&worker_->mu_);
-    auto [it, inserted] = worker_->actors_.emplace(a.actor_id(), a);
-    if (!inserted && it->second.state() != ACTOR_DEAD) {
+    auto it = worker_->actors_.find(a.actor_id());
+    if (it != worker_->actors_.end() && !it->second->finished()) {
       timer.set_code(grpc::StatusCode::ALREADY_EXISTS);
       return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                           absl::StrCat("actor ", a.actor_id(), " already exists on this worker"));
     }
-    it->second = a;
-    it->second.set_worker_id(worker_->worker_id_);
-    it->second.set_state(ACTOR_ALIVE);
-    it->second.set_message("hosted");
-    *reply->mutable_actor() = it->second;
+    StageActorConfig config;
+    config.actor = a;
+    config.actor.set_worker_id(worker_->worker_id_);
+    config.spec = request->spec();
+    config.peers.assign(request->peers().begin(), request->peers().end());
+    config.site = worker_->options_.site;
+    config.token = worker_->options_.token;
+    config.head_address = request->head_address().empty() ? worker_->options_.head_address : request->head_address();
+    config.tls = worker_->options_.tls;
+    if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
+    auto actor = std::make_unique<StageActor>(config, worker_->tensor_streams_.get());
+    actor->Start();
+    *reply->mutable_actor() = actor->Record();
+    worker_->actors_[a.actor_id()] = std::move(actor);
     GT_LOG(INFO) << "actor " << a.actor_id() << " of job " << a.job_id() << " (replica " << a.replica()
                  << ", stage " << a.stage() << ", tp rank " << a.tp_rank() << ") created";
     return grpc::Status::OK;
@@ -66,9 +82,8 @@ class WorkerServer::Service final : public Worker::Service {
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
                           absl::StrCat("no actor ", request->actor_id(), " on this worker"));
     }
-    it->second.set_state(ACTOR_DEAD);
-    it->second.set_message(request->reason().empty() ? "stopped" : request->reason());
-    *reply->mutable_actor() = it->second;
+    it->second->Stop(request->reason().empty() ? "stopped" : request->reason());
+    *reply->mutable_actor() = it->second->Record();
     return grpc::Status::OK;
   }
 
@@ -124,7 +139,7 @@ bool WorkerServer::registered() const {
 std::vector<ActorRecord> WorkerServer::Actors() const {
   absl::MutexLock lock(&mu_);
   std::vector<ActorRecord> out;
-  for (const auto& [id, a] : actors_) out.push_back(a);
+  for (const auto& [id, a] : actors_) out.push_back(a->Record());
   return out;
 }
 
@@ -162,6 +177,8 @@ absl::Status WorkerServer::Start() {
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use must fail, not be shared
   builder.RegisterService(service_.get());
+  tensor_streams_ = std::make_unique<comm::TensorStreamServer>(options_.token);
+  tensor_streams_->Register(&builder);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     server_.reset();
@@ -256,7 +273,7 @@ void WorkerServer::JoinLoop() {
       interval = heartbeat_interval_ms_;
       beat.set_worker_id(worker_id_);
       beat.set_incarnation(incarnation_);
-      for (const auto& [id, a] : actors_) *beat.add_actors() = a;
+      for (const auto& [id, a] : actors_) *beat.add_actors() = a->Record();
     }
     if (!SleepMillis(interval)) return;
     std::vector<LinkMeasurement> links;
@@ -368,6 +385,14 @@ void WorkerServer::Shutdown() {
   }
   if (join_thread_.joinable()) join_thread_.join();
   if (probe_thread_.joinable()) probe_thread_.join();
+  std::map<std::string, std::unique_ptr<StageActor>> actors;
+  {
+    absl::MutexLock lock(&mu_);
+    actors.swap(actors_);
+  }
+  for (auto& [id, actor] : actors) actor->Stop("the worker is shutting down");
+  if (tensor_streams_) tensor_streams_->Shutdown();  // wakes actors blocked in a receive
+  actors.clear();                                    // joins their threads
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 

@@ -26,7 +26,9 @@
 #include "absl/synchronization/mutex.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
+#include "comm/tensor_stream.h"
 #include "control.grpc.pb.h"
+#include "worker/stage_actor.h"
 
 namespace geotrain {
 
@@ -82,6 +84,7 @@ class WorkerServer {
   std::string advertise_address_;
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<Service> service_;
+  std::unique_ptr<comm::TensorStreamServer> tensor_streams_;  // the actors' mailbox, served with service_
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<grpc::Channel> head_channel_;
   std::unique_ptr<Head::Stub> head_;
@@ -95,7 +98,8 @@ class WorkerServer {
   std::string head_id_ ABSL_GUARDED_BY(mu_);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
-  std::map<std::string, ActorRecord> actors_ ABSL_GUARDED_BY(mu_);
+  // Running (and finished) stage actors by id; their records come from StageActor::Record().
+  std::map<std::string, std::unique_ptr<StageActor>> actors_ ABSL_GUARDED_BY(mu_);
   std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);              // from the latest heartbeat reply
   std::vector<LinkMeasurement> pending_links_ ABSL_GUARDED_BY(mu_);  // probes not yet reported
 };

@@ -48,7 +48,9 @@ class ControlPlaneTest(unittest.TestCase):
 
         spec = os.path.join(c.dir, "job.yaml")
         with open(spec, "w") as f:
-            f.write("name: kept-across-restart\ntrain: {steps: 10, global_batch: 4, seq_len: 16}\n")
+            # Eight replicas need eight devices: with three workers the job waits, PENDING.
+            f.write("name: kept-across-restart\ntrain: {steps: 10, global_batch: 8, seq_len: 16}\n"
+                    "parallel: {plan: manual, dp: 8, microbatches: 1}\n")
         out = c.cli(["job", "submit", spec]).stdout
         self.assertIn("PENDING", out)
         job_id = out.split()[1]

@@ -1,0 +1,416 @@
+// Job runner: placement, actor creation, step aggregation and the end of jobs.
+#include "head/job_runner.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "model/config.h"
+
+namespace geotrain {
+namespace {
+
+std::string ActorId(const std::string& job_id, int r, int s, int t) {
+  return absl::StrCat(job_id, "-r", r, "s", s, "t", t);
+}
+
+// Blocks [first, last) of stage `stage` of `pp`, as model::StageOptions::Split cuts them: earlier
+// stages take the extra blocks.
+std::pair<int, int> StageLayers(int n_layer, int stage, int pp) {
+  const int base = n_layer / pp, extra = n_layer % pp;
+  const int first = stage * base + std::min(stage, extra);
+  return {first, first + base + (stage < extra ? 1 : 0)};
+}
+
+}  // namespace
+
+uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
+  auto config = GPT2Config::FromSpec(spec.model());
+  if (!config.ok()) return 0;
+  const int pp = spec.parallel().pp(), tp = std::max(1, spec.parallel().tp());
+  const auto [first, last] = StageLayers(config->n_layer, stage, pp);
+  const uint64_t C = config->n_embd, Vp = config->padded_vocab_size, T = spec.train().seq_len();
+  uint64_t params = static_cast<uint64_t>(last - first) * config->BlockParameters() / tp;
+  if (stage == 0) params += Vp * C + static_cast<uint64_t>(config->block_size) * C;
+  if (stage == pp - 1) params += 2 * C + (stage == 0 ? 0 : Vp * C);
+  const uint64_t Bm = std::max(1, spec.train().global_batch() / std::max(1, spec.parallel().dp() *
+                                                                             spec.parallel().microbatches()));
+  uint64_t activations =
+      static_cast<uint64_t>(last - first) * Bm * T * config->BlockActivationFloatsPerToken(static_cast<int>(T));
+  if (stage == pp - 1) activations += 2 * Bm * T * Vp;  // logits and their gradient
+  return 16 * params + 4 * activations;
+}
+
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers) {
+  const JobSpec& spec = job.spec();
+  const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
+  auto config = GPT2Config::FromSpec(spec.model());
+  if (!config.ok()) return config.status();
+  if (pp > config->n_layer) {
+    return absl::InvalidArgumentError(absl::StrCat("parallel.pp (", pp, ") exceeds the model's ", config->n_layer,
+                                                   " layers"));
+  }
+  if (config->n_head % tp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.tp (", tp, ") must divide the model's n_head (", config->n_head, ")"));
+  }
+  struct Slot {
+    const WorkerInfo* worker;
+    int device;
+    bool used = false;
+  };
+  std::vector<const WorkerInfo*> alive;
+  for (const WorkerInfo& w : workers) {
+    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+  }
+  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
+    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
+  });
+  std::vector<Slot> slots;
+  for (const WorkerInfo* w : alive) {
+    for (int d = 0; d < w->devices_size(); ++d) slots.push_back({w, d});
+  }
+  const int needed = dp * pp * tp;
+  if (static_cast<int>(slots.size()) < needed) {
+    return absl::UnavailableError(absl::StrCat("needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp,
+                                               "); ", slots.size(), " alive"));
+  }
+  std::map<std::tuple<int, int, int>, const PlacementSpec*> pinned;
+  for (const PlacementSpec& p : spec.parallel().placement()) {
+    if (p.replica() < 0 || p.replica() >= dp || p.stage() < 0 || p.stage() >= pp || p.tp_rank() < 0 ||
+        p.tp_rank() >= tp) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.placement names replica ", p.replica(), ", stage ",
+                                                     p.stage(), ", tp rank ", p.tp_rank(), " outside the plan"));
+    }
+    pinned[{p.replica(), p.stage(), p.tp_rank()}] = &p;
+  }
+  std::vector<ActorPlacement> out;
+  auto take = [&](const PlacementSpec* pin) -> Slot* {
+    for (Slot& slot : slots) {
+      if (slot.used) continue;
+      if (pin != nullptr && !pin->worker().empty() && slot.worker->worker_id() != pin->worker()) continue;
+      if (pin != nullptr && !pin->site().empty() && slot.worker->site() != pin->site()) continue;
+      slot.used = true;
+      return &slot;
+    }
+    return nullptr;
+  };
+  // Pinned actors first, then the rest in order.
+  std::map<std::tuple<int, int, int>, Slot*> chosen;
+  for (const auto& [key, pin] : pinned) {
+    Slot* slot = take(pin);
+    if (slot == nullptr) {
+      return absl::UnavailableError(absl::StrCat("no free device on ", pin->worker().empty() ? "site " : "worker ",
+                                                 pin->worker().empty() ? pin->site() : pin->worker(),
+                                                 " for replica ", std::get<0>(key), ", stage ", std::get<1>(key)));
+    }
+    chosen[key] = slot;
+  }
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) {
+      for (int t = 0; t < tp; ++t) {
+        if (chosen.count({r, s, t})) continue;
+        chosen[{r, s, t}] = take(nullptr);
+      }
+    }
+  }
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) {
+      for (int t = 0; t < tp; ++t) {
+        Slot* slot = chosen[{r, s, t}];
+        if (t > 0 && slot->worker->site() != chosen[{r, s, 0}]->worker->site()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the tensor-parallel group of replica ", r, ", stage ", s, " would span sites ",
+              chosen[{r, s, 0}]->worker->site(), " and ", slot->worker->site(),
+              "; tensor parallelism stays inside a site: pin the group with parallel.placement"));
+        }
+        ActorPlacement p;
+        p.actor.set_actor_id(ActorId(job.job_id(), r, s, t));
+        p.actor.set_job_id(job.job_id());
+        p.actor.set_worker_id(slot->worker->worker_id());
+        p.actor.set_replica(r);
+        p.actor.set_stage(s);
+        p.actor.set_tp_rank(t);
+        p.actor.set_device_index(slot->device);
+        p.actor.set_state(ACTOR_PENDING_CREATION);
+        p.site = slot->worker->site();
+        p.memory_bytes = EstimateActorMemory(spec, s);
+        p.device_memory_bytes = slot->worker->devices(slot->device).memory_bytes();
+        if (p.device_memory_bytes > 0 && p.memory_bytes > p.device_memory_bytes) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "the plan does not fit: stage %d needs about %.2f GB (parameters, gradients and AdamW at 16 "
+              "bytes per parameter, plus activations) but device %d of worker %s has %.2f GB; use more "
+              "pipeline stages, more tensor parallelism, or smaller microbatches",
+              s, p.memory_bytes / 1e9, slot->device, slot->worker->worker_id(), p.device_memory_bytes / 1e9));
+        }
+        out.push_back(std::move(p));
+      }
+    }
+  }
+  return out;
+}
+
+JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, std::string token,
+                     std::string head_address, TlsFiles tls)
+    : jobs_(jobs),
+      registry_(registry),
+      metrics_(metrics),
+      token_(std::move(token)),
+      head_address_(std::move(head_address)),
+      tls_(std::move(tls)) {}
+
+void JobRunner::StartPendingJobs() {
+  for (const JobInfo& job : jobs_->List()) {
+    if (job.state() != JOB_PENDING) continue;
+    {
+      absl::MutexLock lock(&mu_);
+      if (launching_.count(job.job_id()) || runs_.count(job.job_id())) continue;
+      launching_.insert(job.job_id());
+    }
+    auto placement = PlaceActors(job, registry_->Workers());
+    absl::Status launched;
+    if (!placement.ok()) {
+      if (placement.status().code() == absl::StatusCode::kUnavailable) {
+        // Not enough devices yet: the job waits for workers.
+        const std::string why = absl::StrCat("waiting for workers: ", placement.status().message());
+        if (job.message() != why) (void)jobs_->Log(job.job_id(), why);
+      } else {
+        (void)jobs_->Transition(job.job_id(), JOB_FAILED, std::string(placement.status().message()));
+      }
+    } else {
+      launched = Launch(job, std::move(*placement));
+      if (!launched.ok()) EndJob(job.job_id(), JOB_FAILED, std::string(launched.message()));
+    }
+    absl::MutexLock lock(&mu_);
+    launching_.erase(job.job_id());
+  }
+}
+
+absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> placement) {
+  std::map<std::string, WorkerInfo> workers;
+  for (const WorkerInfo& w : registry_->Workers()) workers[w.worker_id()] = w;
+  CreateActorRequest request;
+  *request.mutable_spec() = job.spec();
+  request.set_head_address(head_address_);
+  for (const ActorPlacement& p : placement) {
+    const WorkerInfo& w = workers[p.actor.worker_id()];
+    ActorPeer* peer = request.add_peers();
+    peer->set_actor_id(p.actor.actor_id());
+    peer->set_replica(p.actor.replica());
+    peer->set_stage(p.actor.stage());
+    peer->set_tp_rank(p.actor.tp_rank());
+    peer->set_worker_id(w.worker_id());
+    peer->set_site(w.site());
+    peer->set_address(w.address());
+    *peer->mutable_address_for_site() = w.address_for_site();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    Run& run = runs_[job.job_id()];
+    run.spec = job.spec();
+    run.actors = placement;
+  }
+  std::vector<ActorRecord> records;
+  for (const ActorPlacement& p : placement) records.push_back(p.actor);
+  (void)jobs_->SetActors(job.job_id(), records);
+  auto started = jobs_->Transition(job.job_id(), JOB_RUNNING,
+                                   absl::StrCat("placed ", placement.size(), " actors; creating them"));
+  if (!started.ok()) return started.status();
+  for (const ActorPlacement& p : placement) {
+    const WorkerInfo& w = workers[p.actor.worker_id()];
+    auto channel = MakeChannel(w.address(), tls_);
+    if (!channel.ok()) return channel.status();
+    auto stub = Worker::NewStub(*channel);
+    grpc::ClientContext ctx;
+    AttachToken(&ctx, token_);
+    SetDeadlineMillis(&ctx, 10000);
+    CreateActorRequest one = request;
+    *one.mutable_actor() = p.actor;
+    CreateActorReply reply;
+    grpc::Status s = stub->CreateActor(&ctx, one, &reply);
+    if (!s.ok()) {
+      return absl::UnavailableError(absl::StrCat("creating actor ", p.actor.actor_id(), " on worker ",
+                                                 w.worker_id(), " (", w.address(), "): ", s.error_message()));
+    }
+  }
+  std::string where;
+  for (const ActorPlacement& p : placement) {
+    absl::StrAppend(&where, where.empty() ? "" : ", ", "r", p.actor.replica(), "s", p.actor.stage(),
+                    p.actor.tp_rank() ? absl::StrCat("t", p.actor.tp_rank()) : "", "@", p.site);
+  }
+  (void)jobs_->Log(job.job_id(), absl::StrCat("actors created: ", where));
+  return absl::OkStatus();
+}
+
+void JobRunner::StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason) {
+  std::map<std::string, WorkerInfo> workers;
+  for (const WorkerInfo& w : registry_->Workers()) workers[w.worker_id()] = w;
+  for (const ActorPlacement& p : actors) {
+    auto it = workers.find(p.actor.worker_id());
+    if (it == workers.end() || it->second.state() != WORKER_ALIVE) continue;
+    auto channel = MakeChannel(it->second.address(), tls_);
+    if (!channel.ok()) continue;
+    auto stub = Worker::NewStub(*channel);
+    grpc::ClientContext ctx;
+    AttachToken(&ctx, token_);
+    SetDeadlineMillis(&ctx, 3000);
+    StopActorRequest request;
+    request.set_actor_id(p.actor.actor_id());
+    request.set_reason(reason);
+    StopActorReply reply;
+    (void)stub->StopActor(&ctx, request, &reply);
+  }
+}
+
+void JobRunner::EndJob(const std::string& job_id, JobState state, const std::string& message) {
+  std::vector<ActorPlacement> actors;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it != runs_.end()) {
+      if (it->second.ended) return;
+      it->second.ended = true;
+      actors = it->second.actors;
+    }
+  }
+  (void)jobs_->Transition(job_id, state, message);
+  if (state != JOB_SUCCEEDED) StopActors(actors, message);
+}
+
+void JobRunner::StopJob(const std::string& job_id, const std::string& reason) {
+  std::vector<ActorPlacement> actors;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it == runs_.end()) return;
+    it->second.ended = true;
+    actors = it->second.actors;
+  }
+  StopActors(actors, reason);
+}
+
+void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
+  std::vector<std::pair<std::string, std::string>> failed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [job_id, run] : runs_) {
+      if (run.ended) continue;
+      for (const ActorPlacement& p : run.actors) {
+        if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
+          failed.push_back({job_id, absl::StrCat("actor ", p.actor.actor_id(), " died with worker ",
+                                                 worker.worker_id(), " (", worker.dead_reason(), ")")});
+          break;
+        }
+      }
+    }
+  }
+  for (const auto& [job_id, why] : failed) EndJob(job_id, JOB_FAILED, why);
+}
+
+std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ActorRecord> out;
+  auto it = runs_.find(job_id);
+  if (it == runs_.end()) return out;
+  for (const ActorPlacement& p : it->second.actors) out.push_back(p.actor);
+  return out;
+}
+
+bool JobRunner::OnStepReport(const StepReport& report) {
+  bool finished = false, failed = false;
+  int actors = 0;
+  StepAggregate complete;
+  bool step_complete = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(report.job_id());
+    if (it == runs_.end()) return true;  // unknown (e.g. a head restart lost the run): stop
+    Run& run = it->second;
+    if (run.ended) return true;
+    actors = static_cast<int>(run.actors.size());
+    if (!report.error().empty()) {
+      failed = true;
+    } else if (report.step() > 0) {
+      StepAggregate& agg = run.steps[report.step()];
+      ++agg.reports;
+      agg.step_seconds = std::max(agg.step_seconds, report.step_seconds());
+      agg.compute = std::max(agg.compute, report.compute_seconds());
+      agg.wait = std::max(agg.wait, report.comm_wait_seconds());
+      agg.bubble = std::max(agg.bubble, report.bubble_seconds());
+      agg.tokens = report.tokens();
+      if (report.carries_loss()) {
+        agg.loss = report.loss();
+        agg.have_loss = true;
+      }
+      for (const auto& [pair, bytes] : report.wan_bytes()) agg.wan_bytes[pair] += bytes;
+      if (report.compression_ratio() > 0) agg.compression_ratio = report.compression_ratio();
+      if (agg.reports == actors) {
+        complete = agg;
+        step_complete = true;
+        run.steps.erase(report.step());
+      }
+      if (report.done()) run.done.insert(report.actor_id());
+      finished = static_cast<int>(run.done.size()) == actors;
+    }
+  }
+  if (failed) {
+    EndJob(report.job_id(), JOB_FAILED, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()));
+    return true;
+  }
+  if (step_complete) RecordStep(report.job_id(), report.step(), complete, actors);
+  if (finished) {
+    EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
+  }
+  return false;
+}
+
+void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg, int actors) {
+  const double tokens_per_second = agg.step_seconds > 0 ? agg.tokens / agg.step_seconds : 0;
+  std::string wan;
+  int64_t wan_total = 0;
+  for (const auto& [pair, bytes] : agg.wan_bytes) {
+    absl::StrAppend(&wan, " ", pair, " ", bytes);
+    wan_total += bytes;
+  }
+  const std::string line = absl::StrFormat(
+      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f) wan bytes %d%s",
+      step, agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble, wan_total,
+      wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"));
+  (void)jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line);
+  if (metrics_ == nullptr) return;
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                                                   2.5,  5,     10,   30,  60,  120};
+  prometheus::BuildHistogram()
+      .Name("geotrain_step_duration_seconds")
+      .Help("Optimizer step time, by job")
+      .Register(metrics_->registry())
+      .Add({{"job", job_id}}, kBuckets)
+      .Observe(agg.step_seconds);
+  metrics_->Gauges("geotrain_tokens_per_second", "Training throughput, by job").Add({{"job", job_id}}).Set(tokens_per_second);
+  if (agg.have_loss) metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job", job_id}}).Set(agg.loss);
+  metrics_->Gauges("geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job")
+      .Add({{"job", job_id}})
+      .Set(agg.step_seconds > 0 ? agg.bubble / agg.step_seconds : 0);
+  auto& wan_family = metrics_->Counters("geotrain_wan_bytes_total", "Bytes sent between sites");
+  for (const auto& [pair, bytes] : agg.wan_bytes) {
+    const size_t gt = pair.find('>');
+    wan_family.Add({{"src_site", pair.substr(0, gt)}, {"dst_site", pair.substr(gt + 1)}, {"direction", "sent"}})
+        .Increment(static_cast<double>(bytes));
+  }
+  if (agg.compression_ratio > 0) {
+    std::string codec;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = runs_.find(job_id);
+      if (it != runs_.end()) codec = it->second.spec.comm().wan_codec();
+    }
+    metrics_->Gauges("geotrain_codec_compression_ratio", "Raw over encoded bytes across sites, by codec")
+        .Add({{"codec", codec}})
+        .Set(agg.compression_ratio);
+  }
+  (void)actors;
+}
+
+}  // namespace geotrain

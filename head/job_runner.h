@@ -1,0 +1,103 @@
+// Runs jobs on the cluster: places a job's actors on workers, creates them, follows their step reports,
+// and ends the job. It is the head's only path into the data plane, and it stays at step granularity:
+// tensors flow between actors directly, never through the head.
+//
+//   PENDING ──(enough alive devices; plan fits in memory)──▶ actors created ──▶ RUNNING
+//   RUNNING ──(every actor reported its last step)──▶ SUCCEEDED
+//   RUNNING ──(an actor failed, its worker died)──▶ FAILED, every other actor stopped
+//   any ──(job cancel)──▶ CANCELLED, every actor stopped
+//
+// Placement (manual plans): an explicit `parallel.placement` entry pins (replica, stage, tp rank) to a
+// worker or a site; the others take the free devices in site order, replica by replica, stage by stage.
+// Tensor-parallel groups must sit inside one site. A plan whose actors do not fit their devices' memory
+// is refused before anything starts, with the numbers.
+//
+// Thread-safety: all methods may be called from any thread (gRPC handlers, the detector thread); one
+// mutex guards the runs; RPCs to workers are made without holding it.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/metrics.h"
+#include "common/rpc.h"
+#include "control.grpc.pb.h"
+#include "head/job_manager.h"
+#include "head/registry.h"
+
+namespace geotrain {
+
+// One actor's placement and its estimated memory.
+struct ActorPlacement {
+  ActorRecord actor;
+  std::string site;
+  uint64_t memory_bytes = 0;         // estimated need
+  uint64_t device_memory_bytes = 0;  // what its device has
+};
+
+// Places the actors of a manual plan on `workers` (alive ones are used). Errors: not enough devices
+// (UNAVAILABLE: the job waits), a TP group across sites or a plan that does not fit in memory
+// (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused). Pure: tested without processes.
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers);
+
+// Estimated bytes an actor of stage `stage` needs: parameters, gradients and AdamW moments (16 bytes
+// per parameter) plus the activations of one microbatch and, on the last stage, the logits.
+uint64_t EstimateActorMemory(const JobSpec& spec, int stage);
+
+class JobRunner {
+ public:
+  JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, std::string token,
+            std::string head_address, TlsFiles tls);
+
+  // Tries to start every PENDING job (call after a submit and on every detector tick).
+  void StartPendingJobs();
+  // Handles one actor's step report; returns true when the actor should stop.
+  bool OnStepReport(const StepReport& report);
+  // Fails jobs whose actors ran on `worker`.
+  void OnWorkerDead(const WorkerInfo& worker);
+  // Stops every actor of the job (after a cancel).
+  void StopJob(const std::string& job_id, const std::string& reason);
+  // Actors of running jobs as the head placed them (for status when workers have not reported yet).
+  std::vector<ActorRecord> Actors(const std::string& job_id) const;
+
+ private:
+  struct StepAggregate {
+    int reports = 0;
+    double step_seconds = 0, compute = 0, wait = 0, bubble = 0, loss = 0;
+    bool have_loss = false;
+    int64_t tokens = 0;
+    std::map<std::string, int64_t> wan_bytes;
+    double compression_ratio = 0;
+  };
+  struct Run {
+    JobSpec spec;
+    std::vector<ActorPlacement> actors;
+    std::set<std::string> done;
+    std::map<int64_t, StepAggregate> steps;
+    bool ended = false;
+  };
+
+  absl::Status Launch(const JobInfo& job, std::vector<ActorPlacement> placement);
+  void EndJob(const std::string& job_id, JobState state, const std::string& message);
+  void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason);
+  void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg, int actors);
+
+  JobManager* jobs_;
+  WorkerRegistry* registry_;
+  MetricsServer* metrics_;  // may be null
+  const std::string token_;
+  const std::string head_address_;
+  const TlsFiles tls_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> launching_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain

@@ -1,0 +1,389 @@
+// Stage actor: the training loop of one (replica, stage, tensor rank), its schedules and collectives.
+#include "worker/stage_actor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "comm/codec.h"
+#include "comm/communicator.h"
+#include "common/log.h"
+#include "model/config.h"
+#include "model/data.h"
+#include "model/gpt2.h"
+#include "model/optimizer.h"
+
+namespace geotrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// model::TensorParallelComm over a GrpcCommunicator of the stage's tensor-parallel group.
+class GrpcTensorParallelComm : public model::TensorParallelComm {
+ public:
+  explicit GrpcTensorParallelComm(comm::Communicator* comm) : comm_(comm) {}
+  absl::Status AllReduceSum(float* data, int64_t n) override {
+    return comm_->AllReduceSum(absl::MakeSpan(data, static_cast<size_t>(n)), "tp");
+  }
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+
+ private:
+  comm::Communicator* comm_;
+};
+
+// Bytes a client sent, attributed to site pairs (for WAN accounting per step).
+struct Traffic {
+  std::map<std::string, int64_t> wan_bytes;
+  double raw_wan_bytes = 0;
+  double encoded_wan_bytes = 0;
+  void Add(const std::string& src, const std::string& dst, uint64_t encoded, double raw) {
+    if (src == dst || encoded == 0) return;
+    wan_bytes[absl::StrCat(src, ">", dst)] += static_cast<int64_t>(encoded);
+    raw_wan_bytes += raw;
+    encoded_wan_bytes += static_cast<double>(encoded);
+  }
+};
+
+}  // namespace
+
+StageActor::StageActor(StageActorConfig config, comm::TensorStreamServer* server)
+    : config_(std::move(config)), server_(server) {
+  auto channel = MakeChannel(config_.head_address, config_.tls);
+  if (channel.ok()) head_ = Head::NewStub(*channel);
+}
+
+StageActor::~StageActor() {
+  Stop("the worker is shutting down");
+  if (thread_.joinable()) thread_.join();
+}
+
+void StageActor::Start() {
+  thread_ = std::thread([this] {
+    absl::Status s = Run();
+    if (!s.ok()) {
+      const std::string why = stop_ ? absl::StrCat("stopped: ", s.message()) : std::string(s.message());
+      GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << " ended: " << why;
+      SetState(ACTOR_DEAD, why);
+      if (!stop_) {
+        StepReport report;
+        report.set_job_id(config_.actor.job_id());
+        report.set_actor_id(config_.actor.actor_id());
+        report.set_error(why);
+        Report(report);
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    finished_ = true;
+  });
+}
+
+void StageActor::Stop(const std::string& reason) {
+  if (!stop_.exchange(true)) {
+    absl::MutexLock lock(&mu_);
+    if (state_ != ACTOR_DEAD) message_ = reason;
+  }
+}
+
+bool StageActor::finished() const {
+  absl::MutexLock lock(&mu_);
+  return finished_;
+}
+
+ActorRecord StageActor::Record() const {
+  ActorRecord r = config_.actor;
+  absl::MutexLock lock(&mu_);
+  r.set_state(state_);
+  r.set_message(message_);
+  return r;
+}
+
+void StageActor::SetState(ActorState state, const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  state_ = state;
+  message_ = message;
+}
+
+void StageActor::Report(const StepReport& report) {
+  if (!head_) return;
+  grpc::ClientContext ctx;
+  AttachToken(&ctx, config_.token);
+  SetDeadlineMillis(&ctx, 5000);
+  ReportStepReply reply;
+  grpc::Status s = head_->ReportStep(&ctx, report, &reply);
+  if (!s.ok()) {
+    GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": cannot report step " << report.step()
+                    << " to the head: " << s.error_message();
+  } else if (reply.stop()) {
+    Stop("the head stopped the job");
+  }
+}
+
+absl::Status StageActor::Run() {
+  const JobSpec& spec = config_.spec;
+  const ActorRecord& me = config_.actor;
+  auto config = GPT2Config::FromSpec(spec.model());
+  if (!config.ok()) return config.status();
+  const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
+  const int M = spec.parallel().microbatches();
+  const int T = spec.train().seq_len();
+  const int B_replica = spec.train().global_batch() / dp;
+  const int Bm = B_replica / M;
+  if (Bm <= 0 || B_replica % M != 0) {
+    return absl::InvalidArgumentError("global_batch must be a multiple of dp x microbatches");
+  }
+  const int r = me.replica(), s = me.stage(), t = me.tp_rank();
+  const bool first = s == 0, last = s == pp - 1;
+  const bool one_f_one_b = spec.parallel().schedule() == "1f1b";
+
+  // Ranks: world rank of (replica, stage, tp rank) = (replica * pp + stage) * tp + tp rank.
+  auto world_rank = [pp, tp](int replica, int stage, int rank) { return (replica * pp + stage) * tp + rank; };
+  const int world = dp * pp * tp;
+  std::vector<comm::PeerInfo> peers(world);
+  std::vector<bool> seen(world, false);
+  for (const ActorPeer& p : config_.peers) {
+    const int w = world_rank(p.replica(), p.stage(), p.tp_rank());
+    if (w < 0 || w >= world || seen[w]) {
+      return absl::InvalidArgumentError(absl::StrCat("actor list of job ", me.job_id(), " is inconsistent at ",
+                                                     p.actor_id()));
+    }
+    seen[w] = true;
+    auto via = p.address_for_site().find(config_.site);
+    peers[w] = {p.actor_id(), via != p.address_for_site().end() ? via->second : p.address(), p.site()};
+  }
+  if (std::count(seen.begin(), seen.end(), false) > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("job ", me.job_id(), " lists ", config_.peers.size(),
+                                                   " actors; its plan needs ", world));
+  }
+  const int my_rank = world_rank(r, s, t);
+
+  auto wan = comm::ParseCodec(spec.comm().wan_codec());
+  if (!wan.ok()) return wan.status();
+  auto lan = comm::ParseCodec(spec.comm().lan_codec());
+  if (!lan.ok()) return lan.status();
+  comm::CommunicatorOptions options;
+  options.job_id = me.job_id();
+  options.lan_codec = *lan;
+  options.wan_codec = *wan;
+  options.timeout = absl::Milliseconds(config_.collective_timeout_ms);
+  // Activations never go through top-k (it is for gradients): they use the codec's dense part.
+  comm::CommunicatorOptions p2p_options = options;
+  if (p2p_options.wan_codec.kind == comm::CodecKind::kTopK) p2p_options.wan_codec = comm::Codec{};
+  if (p2p_options.lan_codec.kind == comm::CodecKind::kTopK) p2p_options.lan_codec = comm::Codec{};
+
+  // One client per traffic class, so that each step's bytes can be attributed.
+  comm::TensorStreamClient p2p_client(config_.token), dp_client(config_.token), misc_client(config_.token);
+  comm::GrpcCommunicator p2p(my_rank, peers, server_, &p2p_client, p2p_options);
+  auto group = [&](const std::vector<int>& ranks, comm::TensorStreamClient* client) {
+    std::vector<comm::PeerInfo> members;
+    int index = 0;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      members.push_back(peers[ranks[i]]);
+      if (ranks[i] == my_rank) index = static_cast<int>(i);
+    }
+    return std::make_unique<comm::GrpcCommunicator>(index, members, server_, client, options);
+  };
+  std::vector<int> dp_ranks, replica_ranks, tp_ranks;
+  for (int x = 0; x < dp; ++x) dp_ranks.push_back(world_rank(x, s, t));
+  for (int x = 0; x < pp; ++x)
+    for (int y = 0; y < tp; ++y) replica_ranks.push_back(world_rank(r, x, y));
+  for (int y = 0; y < tp; ++y) tp_ranks.push_back(world_rank(r, s, y));
+  auto dp_comm = group(dp_ranks, &dp_client);
+  auto replica_comm = group(replica_ranks, &misc_client);
+  auto tp_comm = group(tp_ranks, &misc_client);
+  std::unique_ptr<comm::GrpcCommunicator> tied_comm;
+  if (pp > 1 && (first || last)) tied_comm = group({world_rank(r, 0, t), world_rank(r, pp - 1, t)}, &misc_client);
+  GrpcTensorParallelComm tp_adapter(tp_comm.get());
+
+  model::StageOptions stage_options = model::StageOptions::Split(*config, s, pp);
+  stage_options.tp_comm = tp > 1 ? &tp_adapter : nullptr;
+  stage_options.max_batch = Bm;
+  stage_options.max_seq_len = T;
+  auto created = model::GPT2Stage::Create(*config, stage_options);
+  if (!created.ok()) return created.status();
+  model::GPT2Stage& stage = **created;
+  stage.InitializeWeights(spec.train().seed());
+  model::AdamWOptions adam_options;
+  adam_options.beta1 = static_cast<float>(spec.train().beta1());
+  adam_options.beta2 = static_cast<float>(spec.train().beta2());
+  adam_options.weight_decay = static_cast<float>(spec.train().weight_decay());
+  model::AdamW adam(stage.num_params(), stage.segments(), adam_options);
+  model::LearningRateSchedule schedule;
+  schedule.max_lr = spec.train().lr();
+  schedule.min_lr = spec.train().min_lr();
+  schedule.warmup_steps = spec.train().warmup_steps();
+  schedule.total_steps = spec.train().steps();
+
+  std::unique_ptr<model::DataLoader> loader;
+  if (first || last) {
+    auto l = model::DataLoader::Create(spec.data().train(), B_replica, T, r, dp, config->vocab_size);
+    if (!l.ok()) return l.status();
+    loader = std::move(*l);
+  }
+  std::vector<int32_t> inputs(static_cast<size_t>(B_replica) * T), targets(inputs.size());
+  const size_t act = static_cast<size_t>(Bm) * T * config->n_embd;
+  std::vector<std::vector<float>> stage_inputs(first ? 0 : M, std::vector<float>(act));
+  std::vector<float> doutput(last ? 0 : act);
+  const float loss_scale = 1.0f / static_cast<float>(M * dp);
+  const int next_rank = last ? -1 : world_rank(r, s + 1, t);
+  const int prev_rank = first ? -1 : world_rank(r, s - 1, t);
+  const std::string& my_site = config_.site;
+
+  SetState(ACTOR_ALIVE, "training");
+  GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp
+               << ", tp rank " << t << ") training " << stage.num_params() << " parameters, layers ["
+               << stage.first_layer() << ", " << stage.last_layer() << ")";
+
+  for (int step = 1; step <= spec.train().steps(); ++step) {
+    const auto step_start = Clock::now();
+    double compute = 0, wait = 0, bubble = 0;
+    Traffic traffic;
+    if (loader) loader->Next(inputs.data(), targets.data());
+    stage.ZeroGrad();
+    double loss_sum = 0;
+    int latest_forward = -1;
+    bool first_op = true;
+
+    // Sends through `client` to `peer`, attributing the bytes to the site pair.
+    auto timed_send = [&](int peer, const std::vector<float>& raw_source, const float* data, size_t n,
+                          const char* tag) -> absl::Status {
+      (void)raw_source;
+      const auto before = p2p_client.stats().bytes_sent;
+      const auto t0 = Clock::now();
+      absl::Status st = p2p.Send(peer, absl::MakeConstSpan(data, n), tag);
+      wait += SecondsSince(t0);
+      traffic.Add(my_site, peers[peer].site, p2p_client.stats().bytes_sent - before, 4.0 * n);
+      return st;
+    };
+    static const std::vector<float> kNone;
+
+    auto forward = [&](int m, bool recompute) -> absl::Status {
+      const int32_t* tok = first ? inputs.data() + static_cast<size_t>(m) * Bm * T : nullptr;
+      const int32_t* tgt = last ? targets.data() + static_cast<size_t>(m) * Bm * T : nullptr;
+      const float* in = nullptr;
+      if (!first) {
+        if (!recompute) {
+          const auto t0 = Clock::now();
+          if (absl::Status st = p2p.Recv(prev_rank, absl::MakeSpan(stage_inputs[m]), "act"); !st.ok()) return st;
+          const double waited = SecondsSince(t0);
+          wait += waited;
+          if (first_op) bubble += waited;  // pipeline fill
+        }
+        in = stage_inputs[m].data();
+      }
+      first_op = false;
+      const auto t0 = Clock::now();
+      if (absl::Status st = stage.Forward(Bm, T, tok, in, tgt); !st.ok()) return st;
+      compute += SecondsSince(t0);
+      latest_forward = m;
+      if (recompute) return absl::OkStatus();
+      if (last) {
+        loss_sum += stage.loss();
+        return absl::OkStatus();
+      }
+      return timed_send(next_rank, kNone, stage.output(), act, "act");
+    };
+    auto backward = [&](int m) -> absl::Status {
+      if (latest_forward != m) {
+        if (absl::Status st = forward(m, /*recompute=*/true); !st.ok()) return st;
+      }
+      if (!last) {
+        const auto t0 = Clock::now();
+        if (absl::Status st = p2p.Recv(next_rank, absl::MakeSpan(doutput), "grad"); !st.ok()) return st;
+        wait += SecondsSince(t0);
+      }
+      const auto t0 = Clock::now();
+      if (absl::Status st = stage.Backward(last ? nullptr : doutput.data(), loss_scale); !st.ok()) return st;
+      compute += SecondsSince(t0);
+      latest_forward = -1;  // Backward consumed the activations
+      if (first) return absl::OkStatus();
+      return timed_send(prev_rank, kNone, stage.dinput(), act, "grad");
+    };
+
+    // The schedule.
+    const int warmup = one_f_one_b ? std::min(pp - s - 1, M) : M;
+    int next_forward = 0, next_backward = 0;
+    for (; next_forward < warmup; ++next_forward) {
+      if (stop_) return absl::CancelledError("stop requested");
+      if (absl::Status st = forward(next_forward, false); !st.ok()) return st;
+    }
+    while (next_backward < M) {
+      if (stop_) return absl::CancelledError("stop requested");
+      if (next_forward < M) {
+        if (absl::Status st = forward(next_forward++, false); !st.ok()) return st;
+      }
+      if (absl::Status st = backward(next_backward++); !st.ok()) return st;
+    }
+
+    const auto sync_start = Clock::now();
+    // Tied embedding: the first and last stage hold copies of wte; each needs the sum of both grads.
+    if (tied_comm) {
+      const model::ParameterTensors& g = stage.grad_tensors();
+      const size_t n = static_cast<size_t>(config->padded_vocab_size) * config->n_embd;
+      const auto before = misc_client.stats().bytes_sent;
+      if (absl::Status st = tied_comm->AllReduceSum(absl::MakeSpan(g.wte, n), "tied"); !st.ok()) return st;
+      const int partner = first ? world_rank(r, pp - 1, t) : world_rank(r, 0, t);
+      traffic.Add(my_site, peers[partner].site, misc_client.stats().bytes_sent - before, 4.0 * n);
+    }
+    // Data parallelism: sum the replicas' gradients (each replica scaled its loss by 1 / (M dp)).
+    if (dp > 1) {
+      const auto before = dp_client.stats().bytes_sent;
+      if (absl::Status st = dp_comm->AllReduceSum(absl::MakeSpan(stage.grads(), stage.num_params()), "grads");
+          !st.ok()) {
+        return st;
+      }
+      const int successor = dp_ranks[(r + 1) % dp];
+      traffic.Add(my_site, peers[successor].site, dp_client.stats().bytes_sent - before,
+                  2.0 * (dp - 1) / dp * 4.0 * stage.num_params());
+    }
+    // Global gradient norm: every stage and TP rank of the replica adds its share.
+    float norm_share[2] = {static_cast<float>(stage.GradSquaredNormShare()),
+                           last && t == 0 ? static_cast<float>(loss_sum / M) : 0.0f};
+    if (replica_comm->size() > 1) {
+      if (absl::Status st = replica_comm->AllReduceSum(absl::MakeSpan(norm_share, 2), "norm"); !st.ok()) return st;
+    }
+    wait += SecondsSince(sync_start);
+    const double norm = std::sqrt(static_cast<double>(norm_share[0]));
+    const auto t0 = Clock::now();
+    adam.Step(stage.params(), stage.grads(), static_cast<float>(schedule.At(step - 1)),
+              model::ClipScale(norm, spec.train().grad_clip()));
+    compute += SecondsSince(t0);
+
+    // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages).
+    double loss = norm_share[1];
+    const bool carrier = last && t == 0;
+    if (carrier && dp > 1) {
+      float l = static_cast<float>(loss);
+      if (absl::Status st = dp_comm->AllReduceSum(absl::MakeSpan(&l, 1), "loss"); !st.ok()) return st;
+      loss = l / dp;
+    }
+
+    StepReport report;
+    report.set_job_id(me.job_id());
+    report.set_actor_id(me.actor_id());
+    report.set_step(step);
+    report.set_loss(loss);
+    report.set_carries_loss(carrier && r == 0);
+    report.set_step_seconds(SecondsSince(step_start));
+    report.set_compute_seconds(compute);
+    report.set_comm_wait_seconds(wait);
+    report.set_bubble_seconds(bubble);
+    report.set_tokens(static_cast<int64_t>(spec.train().global_batch()) * T);
+    report.set_val_loss(-1);
+    for (const auto& [pair, bytes] : traffic.wan_bytes) (*report.mutable_wan_bytes())[pair] = bytes;
+    if (traffic.encoded_wan_bytes > 0) report.set_compression_ratio(traffic.raw_wan_bytes / traffic.encoded_wan_bytes);
+    report.set_done(step == spec.train().steps());
+    Report(report);
+    if (stop_) return absl::CancelledError("stop requested");
+  }
+  SetState(ACTOR_DEAD, "finished");
+  return absl::OkStatus();
+}
+
+}  // namespace geotrain
