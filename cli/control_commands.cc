@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -389,6 +390,13 @@ void AddJobCommands(CLI::App& app, Context& context) {
       context.exit_code = Fail(spec.status());
       return;
     }
+    // Workers may run elsewhere with another working directory: paths travel absolute.
+    auto absolute = [](std::string* path) {
+      if (!path->empty() && (*path)[0] != '/') *path = (std::filesystem::current_path() / *path).string();
+    };
+    absolute(spec->mutable_data()->mutable_train());
+    absolute(spec->mutable_data()->mutable_val());
+    absolute(spec->mutable_checkpoint()->mutable_dir());
     auto client = Connect(*flags);
     if (!client.ok()) {
       context.exit_code = Fail(client.status());

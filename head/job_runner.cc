@@ -323,6 +323,9 @@ bool JobRunner::OnStepReport(const StepReport& report) {
   int actors = 0;
   StepAggregate complete;
   bool step_complete = false;
+  int64_t manifest_step = 0;
+  std::map<std::string, std::string> manifest_shards;
+  JobSpec manifest_spec;
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(report.job_id());
@@ -351,6 +354,17 @@ bool JobRunner::OnStepReport(const StepReport& report) {
         step_complete = true;
         run.steps.erase(report.step());
       }
+      if (!report.checkpoint().empty()) {
+        auto& shards = run.checkpoints[report.step()];
+        shards[report.actor_id()] = report.checkpoint();
+        const int writers = run.spec.parallel().pp() * run.spec.parallel().tp();
+        if (static_cast<int>(shards.size()) == writers) {
+          manifest_step = report.step();
+          manifest_shards = shards;
+          manifest_spec = run.spec;
+          run.checkpoints.erase(report.step());
+        }
+      }
       if (report.done()) run.done.insert(report.actor_id());
       finished = static_cast<int>(run.done.size()) == actors;
     }
@@ -360,10 +374,30 @@ bool JobRunner::OnStepReport(const StepReport& report) {
     return true;
   }
   if (step_complete) RecordStep(report.job_id(), report.step(), complete, actors);
+  if (manifest_step > 0) WriteManifest(report.job_id(), manifest_spec, manifest_step, manifest_shards);
   if (finished) {
     EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
   }
   return false;
+}
+
+void JobRunner::WriteManifest(const std::string& job_id, const JobSpec& spec, int64_t step,
+                              const std::map<std::string, std::string>& shards) {
+  // The manifest names every shard of the step; it is written last, atomically, so a reader that finds
+  // it finds a complete checkpoint.
+  std::string json = absl::StrCat("{\"job\": \"", job_id, "\", \"step\": ", step, ", \"shards\": [");
+  bool first = true;
+  for (const auto& [actor, dir] : shards) {
+    absl::StrAppend(&json, first ? "" : ", ", "{\"actor\": \"", actor, "\", \"dir\": \"", dir, "\"}");
+    first = false;
+  }
+  absl::StrAppend(&json, "]}\n");
+  const std::string path = absl::StrCat(spec.checkpoint().dir(), "/manifest.json");
+  if (absl::Status s = WriteFileAtomically(path, json, 0644); !s.ok()) {
+    (void)jobs_->Log(job_id, absl::StrCat("checkpoint of step ", step, " not recorded: ", s.message()));
+    return;
+  }
+  (void)jobs_->Log(job_id, absl::StrCat("checkpoint of step ", step, " complete: ", path));
 }
 
 void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg, int actors) {

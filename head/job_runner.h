@@ -80,12 +80,15 @@ class JobRunner {
     std::vector<ActorPlacement> actors;
     std::set<std::string> done;
     std::map<int64_t, StepAggregate> steps;
+    std::map<int64_t, std::map<std::string, std::string>> checkpoints;  // step -> actor -> shard dir
     bool ended = false;
   };
 
   absl::Status Launch(const JobInfo& job, std::vector<ActorPlacement> placement);
   void EndJob(const std::string& job_id, JobState state, const std::string& message);
   void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason);
+  void WriteManifest(const std::string& job_id, const JobSpec& spec, int64_t step,
+                     const std::map<std::string, std::string>& shards);
   void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg, int actors);
 
   JobManager* jobs_;

@@ -10,6 +10,7 @@
 #include "comm/codec.h"
 #include "comm/communicator.h"
 #include "common/log.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/data.h"
 #include "model/gpt2.h"
@@ -379,6 +380,17 @@ absl::Status StageActor::Run() {
     for (const auto& [pair, bytes] : traffic.wan_bytes) (*report.mutable_wan_bytes())[pair] = bytes;
     if (traffic.encoded_wan_bytes > 0) report.set_compression_ratio(traffic.raw_wan_bytes / traffic.encoded_wan_bytes);
     report.set_done(step == spec.train().steps());
+    // Checkpoints: replica 0 writes each stage's shard (weights, AdamW moments, data position); the head
+    // writes the job's manifest once every shard of the step is in, so a checkpoint is complete or absent.
+    const int every = spec.checkpoint().every_steps();
+    if (!spec.checkpoint().dir().empty() && r == 0 && ((every > 0 && step % every == 0) || report.done())) {
+      const std::string dir = absl::StrCat(spec.checkpoint().dir(), "/stage_", s, tp > 1 ? absl::StrCat("_tp", t) : "");
+      model::DataPosition position = loader ? loader->position() : model::DataPosition{};
+      if (absl::Status st = model::SaveCheckpoint(dir, step, stage, adam, position); !st.ok()) return st;
+      char step_dir[32];
+      std::snprintf(step_dir, sizeof(step_dir), "/step_%08d", step);
+      report.set_checkpoint(dir + step_dir);
+    }
     Report(report);
     if (stop_) return absl::CancelledError("stop requested");
   }

@@ -68,8 +68,11 @@ class LocalCluster:
         self.workers[name] = self._spawn(args, f"worker-{name}.log")
         return self.workers[name]
 
-    def cli(self, args, check=True, env=None):
-        r = subprocess.run([self.geotrain] + args, capture_output=True, text=True, timeout=60,
+    def cli(self, args, check=True, env=None, timeout=None):
+        # Following a job lasts as long as the job; everything else answers within seconds.
+        if timeout is None:
+            timeout = 600 if "--follow" in args else 60
+        r = subprocess.run([self.geotrain] + args, capture_output=True, text=True, timeout=timeout,
                            env=env or self.env)
         if check and r.returncode != 0:
             raise AssertionError(f"geotrain {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
