@@ -352,8 +352,47 @@ void PrintJob(const JobInfo& job) {
   }
 }
 
-// Streams a job's events; returns the exit code (0 when the job ended well or follow is off).
-int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow) {
+// Redraws one progress line for step events: bar, step, loss, tokens/s and WAN bytes so far.
+class ProgressLine {
+ public:
+  explicit ProgressLine(int total_steps) : total_(std::max(1, total_steps)) {}
+  // Returns true when the event was a step event and was drawn.
+  bool Draw(const JobEvent& event) {
+    if (event.kind() != "step") return false;
+    long step = 0, wan = 0;
+    double loss = 0, tokens = 0, seconds = 0;
+    if (std::sscanf(event.line().c_str(), "step %ld loss %lf %lf tokens/s step %lf", &step, &loss, &tokens,
+                    &seconds) != 4) {
+      return false;
+    }
+    const size_t at = event.line().find("wan bytes ");
+    if (at != std::string::npos) wan = std::atol(event.line().c_str() + at + 10);
+    wan_total_ += wan;
+    constexpr int kWidth = 28;
+    const int filled = static_cast<int>(kWidth * std::min<long>(step, total_) / total_);
+    std::string bar(filled, '=');
+    if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
+    std::fprintf(stdout, "\r[%s] step %ld/%d | loss %.4f | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(),
+                 step, total_, loss, tokens, seconds, wan_total_ / 1e6);
+    std::fflush(stdout);
+    drawn_ = true;
+    return true;
+  }
+  void Break() {
+    if (drawn_) std::fputc('\n', stdout);
+    drawn_ = false;
+  }
+
+ private:
+  const int total_;
+  long wan_total_ = 0;
+  bool drawn_ = false;
+};
+
+// Streams a job's events; returns the exit code (0 when the job ended well or follow is off). With
+// `progress`, step events redraw one progress line instead of printing a line each.
+int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow, bool progress = false,
+               int total_steps = 0) {
   grpc::ClientContext ctx;
   client.Prepare(&ctx, follow ? 0 : 30000);
   WatchJobRequest request;
@@ -362,11 +401,15 @@ int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow)
   auto reader = client.stub->WatchJob(&ctx, request);
   JobEvent event;
   JobState last = JOB_STATE_UNSPECIFIED;
+  ProgressLine line(total_steps);
   while (reader->Read(&event)) {
+    last = event.state();
+    if (progress && line.Draw(event)) continue;
+    line.Break();
     std::printf("%s %s\n", FormatTime(event.unix_ms()).c_str(), event.line().c_str());
     std::fflush(stdout);
-    last = event.state();
   }
+  line.Break();
   grpc::Status s = reader->Finish();
   if (!s.ok()) return Fail(Explain(s, client.endpoint.address));
   if (follow && (last == JOB_FAILED || last == JOB_CANCELLED)) return 1;
@@ -383,8 +426,10 @@ void AddJobCommands(CLI::App& app, Context& context) {
   auto follow = std::make_shared<bool>(false);
   submit->add_option("spec", *spec_path, "job spec file")->required();
   submit->add_flag("--follow", *follow, "stream the job's log until it ends");
+  auto progress = std::make_shared<bool>(false);
+  submit->add_flag("--progress", *progress, "with --follow: one progress line for the steps (default on a terminal)");
   flags->Add(submit);
-  submit->callback([flags, spec_path, follow, &context] {
+  submit->callback([flags, spec_path, follow, progress, &context] {
     auto spec = LoadJobSpecFile(*spec_path);
     if (!spec.ok()) {
       context.exit_code = Fail(spec.status());
@@ -415,7 +460,10 @@ void AddJobCommands(CLI::App& app, Context& context) {
     std::printf("submitted %s (%s): %s\n", reply.job().job_id().c_str(), reply.job().name().c_str(),
                 JobStateName(reply.job().state()));
     std::fflush(stdout);
-    if (*follow) context.exit_code = StreamLogs(*client, reply.job().job_id(), true);
+    if (*follow) {
+      context.exit_code = StreamLogs(*client, reply.job().job_id(), true, *progress || isatty(STDOUT_FILENO),
+                                     reply.job().spec().train().steps());
+    }
   });
 
   CLI::App* list = job->add_subcommand("list", "list jobs");

@@ -181,25 +181,33 @@ absl::Status StageActor::Run() {
   // One client per traffic class, so that each step's bytes can be attributed.
   comm::TensorStreamClient p2p_client(config_.token), dp_client(config_.token), misc_client(config_.token);
   comm::GrpcCommunicator p2p(my_rank, peers, server_, &p2p_client, p2p_options);
-  auto group = [&](const std::vector<int>& ranks, comm::TensorStreamClient* client) {
+  // Scalars (gradient norm, loss) always travel exactly.
+  comm::CommunicatorOptions exact_options = options;
+  exact_options.lan_codec = comm::Codec{};
+  exact_options.wan_codec = comm::Codec{};
+  auto group = [&](const std::vector<int>& ranks, comm::TensorStreamClient* client,
+                   const comm::CommunicatorOptions& group_options) {
     std::vector<comm::PeerInfo> members;
     int index = 0;
     for (size_t i = 0; i < ranks.size(); ++i) {
       members.push_back(peers[ranks[i]]);
       if (ranks[i] == my_rank) index = static_cast<int>(i);
     }
-    return std::make_unique<comm::GrpcCommunicator>(index, members, server_, client, options);
+    return std::make_unique<comm::GrpcCommunicator>(index, members, server_, client, group_options);
   };
   std::vector<int> dp_ranks, replica_ranks, tp_ranks;
   for (int x = 0; x < dp; ++x) dp_ranks.push_back(world_rank(x, s, t));
   for (int x = 0; x < pp; ++x)
     for (int y = 0; y < tp; ++y) replica_ranks.push_back(world_rank(r, x, y));
   for (int y = 0; y < tp; ++y) tp_ranks.push_back(world_rank(r, s, y));
-  auto dp_comm = group(dp_ranks, &dp_client);
-  auto replica_comm = group(replica_ranks, &misc_client);
-  auto tp_comm = group(tp_ranks, &misc_client);
+  auto dp_comm = group(dp_ranks, &dp_client, options);
+  auto dp_scalars = group(dp_ranks, &misc_client, exact_options);
+  auto replica_comm = group(replica_ranks, &misc_client, exact_options);
+  auto tp_comm = group(tp_ranks, &misc_client, options);
   std::unique_ptr<comm::GrpcCommunicator> tied_comm;
-  if (pp > 1 && (first || last)) tied_comm = group({world_rank(r, 0, t), world_rank(r, pp - 1, t)}, &misc_client);
+  if (pp > 1 && (first || last)) {
+    tied_comm = group({world_rank(r, 0, t), world_rank(r, pp - 1, t)}, &misc_client, options);
+  }
   GrpcTensorParallelComm tp_adapter(tp_comm.get());
 
   model::StageOptions stage_options = model::StageOptions::Split(*config, s, pp);
@@ -361,7 +369,7 @@ absl::Status StageActor::Run() {
     const bool carrier = last && t == 0;
     if (carrier && dp > 1) {
       float l = static_cast<float>(loss);
-      if (absl::Status st = dp_comm->AllReduceSum(absl::MakeSpan(&l, 1), "loss"); !st.ok()) return st;
+      if (absl::Status st = dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"); !st.ok()) return st;
       loss = l / dp;
     }
 

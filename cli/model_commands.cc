@@ -1,0 +1,220 @@
+// Model verbs of the geotrain CLI:
+//   geotrain train --local SPEC.yaml [--resume]         one-process training (the reference run)
+//   geotrain data prepare INPUT... --out DIR [--val-fraction F]
+//   geotrain model init --config SPEC.yaml --out W.safetensors [--seed S]
+//   geotrain model grad --config SPEC.yaml --weights W.safetensors --tokens X.bin --out G.safetensors
+//   geotrain model steps --config SPEC.yaml --weights W.safetensors --tokens X.bin --out P.safetensors
+// `grad` and `steps` exist for the parity tests against PyTorch (tests/parity/).
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "cli/registry.h"
+#include "common/spec.h"
+#include "model/checkpoint.h"
+#include "model/data.h"
+#include "model/gpt2.h"
+#include "model/optimizer.h"
+#include "model/tokenizer.h"
+#include "model/trainer.h"
+
+namespace geotrain::cli {
+namespace {
+
+using model::GPT2Stage;
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str());
+  return 1;
+}
+
+struct Loaded {
+  JobSpec spec;
+  GPT2Config config;
+};
+
+absl::StatusOr<Loaded> LoadSpec(const std::string& path) {
+  absl::StatusOr<JobSpec> spec = LoadJobSpecFile(path);
+  if (!spec.ok()) return spec.status();
+  absl::StatusOr<GPT2Config> config = GPT2Config::FromSpec(spec->model());
+  if (!config.ok()) return config.status();
+  return Loaded{*spec, *config};
+}
+
+absl::StatusOr<std::unique_ptr<GPT2Stage>> MakeModel(const Loaded& l, const std::string& weights) {
+  model::StageOptions o;
+  o.max_batch = l.spec.train().global_batch();
+  o.max_seq_len = l.spec.train().seq_len();
+  absl::StatusOr<std::unique_ptr<GPT2Stage>> m = GPT2Stage::Create(l.config, o);
+  if (!m.ok()) return m.status();
+  if (absl::Status s = model::LoadStageWeights(weights, **m); !s.ok()) return s;
+  return m;
+}
+
+int ModelGrad(const std::string& config_path, const std::string& weights, const std::string& tokens,
+              const std::string& out) {
+  absl::StatusOr<Loaded> l = LoadSpec(config_path);
+  if (!l.ok()) return Fail(l.status());
+  const int B = l->spec.train().global_batch(), T = l->spec.train().seq_len();
+  absl::StatusOr<std::unique_ptr<GPT2Stage>> m = MakeModel(*l, weights);
+  if (!m.ok()) return Fail(m.status());
+  auto loader = model::DataLoader::Create(tokens, B, T, 0, 1, l->config.vocab_size);
+  if (!loader.ok()) return Fail(loader.status());
+  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
+  (*loader)->Next(x.data(), y.data());
+  GPT2Stage& model = **m;
+  model.ZeroGrad();
+  if (absl::Status s = model.Forward(B, T, x.data(), nullptr, y.data()); !s.ok()) return Fail(s);
+  std::vector<model::NamedTensor> tensors;
+  model::NamedTensor logits{"logits", {B, T, l->config.vocab_size}, {}};
+  const int V = l->config.vocab_size, Vp = l->config.padded_vocab_size;
+  logits.data.resize(static_cast<size_t>(B) * T * V);
+  for (int64_t n = 0; n < static_cast<int64_t>(B) * T; ++n) {
+    std::copy(model.logits() + n * Vp, model.logits() + n * Vp + V, logits.data.begin() + n * V);
+  }
+  tensors.push_back(std::move(logits));
+  tensors.push_back({"loss", {}, {model.loss()}});
+  if (absl::Status s = model.Backward(nullptr, 1.0f); !s.ok()) return Fail(s);
+  auto grads = model::ExportStageTensors(model, true, "grad.");
+  if (!grads.ok()) return Fail(grads.status());
+  for (auto& g : *grads) tensors.push_back(std::move(g));
+  if (absl::Status s = model::WriteSafetensorsAtomically(out, tensors, {}); !s.ok()) return Fail(s);
+  std::printf("loss %.6f; wrote logits, loss and %zu gradients to %s\n", model.loss(), grads->size(), out.c_str());
+  return 0;
+}
+
+int ModelSteps(const std::string& config_path, const std::string& weights, const std::string& tokens,
+               const std::string& out) {
+  absl::StatusOr<Loaded> l = LoadSpec(config_path);
+  if (!l.ok()) return Fail(l.status());
+  const TrainSpec& t = l->spec.train();
+  const int B = t.global_batch(), T = t.seq_len();
+  absl::StatusOr<std::unique_ptr<GPT2Stage>> m = MakeModel(*l, weights);
+  if (!m.ok()) return Fail(m.status());
+  auto loader = model::DataLoader::Create(tokens, B, T, 0, 1, l->config.vocab_size);
+  if (!loader.ok()) return Fail(loader.status());
+  GPT2Stage& model = **m;
+  model::AdamWOptions ao;
+  ao.beta1 = static_cast<float>(t.beta1());
+  ao.beta2 = static_cast<float>(t.beta2());
+  ao.weight_decay = static_cast<float>(t.weight_decay());
+  model::AdamW adam(model.num_params(), model.segments(), ao);
+  model::LearningRateSchedule schedule{.max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(),
+                                       .total_steps = t.steps()};
+  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
+  model::NamedTensor losses{"losses", {t.steps()}, {}};
+  for (int step = 0; step < t.steps(); ++step) {
+    (*loader)->Next(x.data(), y.data());
+    model.ZeroGrad();
+    if (absl::Status s = model.Forward(B, T, x.data(), nullptr, y.data()); !s.ok()) return Fail(s);
+    losses.data.push_back(model.loss());
+    if (absl::Status s = model.Backward(nullptr, 1.0f); !s.ok()) return Fail(s);
+    const double norm = std::sqrt(model.GradSquaredNormShare());
+    adam.Step(model.params(), model.grads(), static_cast<float>(schedule.At(step)), model::ClipScale(norm, t.grad_clip()));
+  }
+  auto params = model::ExportStageTensors(model, false);
+  if (!params.ok()) return Fail(params.status());
+  params->push_back(std::move(losses));
+  if (absl::Status s = model::WriteSafetensorsAtomically(out, *params, {}); !s.ok()) return Fail(s);
+  std::printf("ran %d AdamW steps; wrote parameters and losses to %s\n", t.steps(), out.c_str());
+  return 0;
+}
+
+int ModelInit(const std::string& config_path, const std::string& out, uint64_t seed) {
+  absl::StatusOr<Loaded> l = LoadSpec(config_path);
+  if (!l.ok()) return Fail(l.status());
+  model::StageOptions o;
+  o.max_batch = 1;
+  o.max_seq_len = 1;
+  absl::StatusOr<std::unique_ptr<GPT2Stage>> m = GPT2Stage::Create(l->config, o);
+  if (!m.ok()) return Fail(m.status());
+  (*m)->InitializeWeights(seed != 0 ? seed : l->spec.train().seed());
+  if (absl::Status s = model::SaveStageWeights(out, **m); !s.ok()) return Fail(s);
+  std::printf("wrote GPT-2 weights (%lld parameters) to %s\n", static_cast<long long>(l->config.NumParameters()),
+              out.c_str());
+  return 0;
+}
+
+int DataPrepare(const std::vector<std::string>& inputs, const std::string& out, double val_fraction) {
+  absl::StatusOr<std::string> dir = model::FindTokenizerDir("");
+  if (!dir.ok()) return Fail(dir.status());
+  auto tokenizer = model::Tokenizer::Load(*dir);
+  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  auto stats = model::PrepareTextData(inputs, out, val_fraction, **tokenizer);
+  if (!stats.ok()) return Fail(stats.status());
+  std::printf("%lld documents: %lld train tokens, %lld val tokens\n", static_cast<long long>(stats->documents),
+              static_cast<long long>(stats->train_tokens), static_cast<long long>(stats->val_tokens));
+  for (const std::string& f : stats->files_written) std::printf("wrote %s\n", f.c_str());
+  return 0;
+}
+
+void AddModelCommands(CLI::App& app, Context& context) {
+  // geotrain train --local SPEC.yaml [--resume]
+  auto* train = app.add_subcommand("train", "Train a job spec in this process (--local): the reference run");
+  auto* train_spec = new std::string();
+  auto* resume = new bool(false);
+  train->add_option("--local", *train_spec, "Job spec (YAML or JSON) to train in this process")->required();
+  train->add_flag("--resume", *resume, "Continue from the latest checkpoint in checkpoint.dir");
+  train->callback([&context, train_spec, resume]() {
+    absl::StatusOr<JobSpec> spec = LoadJobSpecFile(*train_spec);
+    if (!spec.ok()) {
+      context.exit_code = Fail(spec.status());
+      return;
+    }
+    model::LocalTrainer trainer;
+    model::LocalTrainOptions options;
+    options.resume = *resume;
+    options.progress_bar = ::isatty(::fileno(stdout));
+    if (absl::Status s = trainer.Run(*spec, options); !s.ok()) context.exit_code = Fail(s);
+  });
+
+  // geotrain data prepare INPUT... --out DIR [--val-fraction F]
+  auto* data = app.add_subcommand("data", "Token data: prepare shards from text");
+  data->require_subcommand(1);
+  auto* prepare = data->add_subcommand("prepare", "Tokenize text files or directories into .bin shards");
+  auto* inputs = new std::vector<std::string>();
+  auto* out_dir = new std::string();
+  auto* val_fraction = new double(0.01);
+  prepare->add_option("inputs", *inputs, "Text files or directories (fortune files split on '%' lines)")->required();
+  prepare->add_option("--out", *out_dir, "Output directory for train_NNNNNN.bin and val_000000.bin")->required();
+  prepare->add_option("--val-fraction", *val_fraction, "Fraction of documents for validation (default 0.01)");
+  prepare->callback([&context, inputs, out_dir, val_fraction]() {
+    context.exit_code = DataPrepare(*inputs, *out_dir, *val_fraction);
+  });
+
+  // geotrain model init|grad|steps
+  auto* model_cmd = app.add_subcommand("model", "GPT-2 model tools (weights, gradients for parity checks)");
+  model_cmd->require_subcommand(1);
+  struct Args {
+    std::string config, weights, tokens, out;
+    uint64_t seed = 0;
+  };
+  auto* args = new Args();
+  auto* init = model_cmd->add_subcommand("init", "Write GPT-2-initialised weights for the spec's model");
+  init->add_option("--config", args->config, "Job spec giving the model shape")->required();
+  init->add_option("--out", args->out, "Output safetensors file")->required();
+  init->add_option("--seed", args->seed, "Seed (default: train.seed)");
+  init->callback([&context, args]() { context.exit_code = ModelInit(args->config, args->out, args->seed); });
+  for (const char* verb : {"grad", "steps"}) {
+    const bool grad = std::string(verb) == "grad";
+    auto* cmd = model_cmd->add_subcommand(
+        verb, grad ? "One forward and backward on the first B x (T+1) tokens: logits, loss, grad.<name>"
+                   : "train.steps AdamW steps on consecutive batches: final parameters and losses");
+    cmd->add_option("--config", args->config, "Job spec: model shape, train.global_batch (B), train.seq_len (T)")
+        ->required();
+    cmd->add_option("--weights", args->weights, "Weights (safetensors, HF GPT-2 names)")->required();
+    cmd->add_option("--tokens", args->tokens, "Token shard (.bin)")->required();
+    cmd->add_option("--out", args->out, "Output safetensors file")->required();
+    cmd->callback([&context, args, grad]() {
+      context.exit_code = grad ? ModelGrad(args->config, args->weights, args->tokens, args->out)
+                               : ModelSteps(args->config, args->weights, args->tokens, args->out);
+    });
+  }
+}
+
+bool registered = RegisterCommands("model", &AddModelCommands);
+
+}  // namespace
+}  // namespace geotrain::cli
