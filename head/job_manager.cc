@@ -143,6 +143,19 @@ absl::StatusOr<JobInfo> JobManager::Cancel(const std::string& job_id) {
   return Transition(job_id, JOB_CANCELLED, "cancelled by the user");
 }
 
+absl::Status JobManager::SetPlan(const std::string& job_id, const ParallelSpec& parallel,
+                                 double predicted_step_seconds) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  JobInfo updated = it->second;
+  *updated.mutable_spec()->mutable_parallel() = parallel;
+  updated.set_predicted_step_seconds(predicted_step_seconds);
+  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
+  it->second = std::move(updated);
+  return absl::OkStatus();
+}
+
 absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);

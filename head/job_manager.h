@@ -42,6 +42,9 @@ class JobManager {
   absl::StatusOr<JobInfo> Cancel(const std::string& job_id);
   // Moves a job to `to`; refuses transitions the state machine does not allow.
   absl::StatusOr<JobInfo> Transition(const std::string& job_id, JobState to, const std::string& message);
+  // Replaces the job's plan (after the planner chose one for `plan: auto`) and records the predicted
+  // step time; persisted.
+  absl::Status SetPlan(const std::string& job_id, const ParallelSpec& parallel, double predicted_step_seconds);
   // Records the job's actors (placement) and its progress after a step; both persisted.
   absl::Status SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors);
   absl::Status UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,

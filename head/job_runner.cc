@@ -7,7 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/log.h"
+#include "common/spec.h"
 #include "model/config.h"
+#include "scheduler/planner.h"
 
 namespace geotrain {
 namespace {
@@ -152,6 +154,78 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   return out;
 }
 
+absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                     const std::vector<SiteLink>& links) {
+  auto config = GPT2Config::FromSpec(spec.model());
+  if (!config.ok()) return config.status();
+  scheduler::Cluster cluster;
+  std::map<std::string, int> site_index;
+  std::map<std::string, int> workers_in_site;
+  std::vector<const WorkerInfo*> alive;
+  for (const WorkerInfo& w : workers) {
+    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+  }
+  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
+    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
+  });
+  if (alive.empty()) return absl::UnavailableError("no alive workers to plan for");
+  for (const WorkerInfo* w : alive) {
+    if (!site_index.count(w->site())) {
+      site_index[w->site()] = static_cast<int>(cluster.site_names.size());
+      cluster.site_names.push_back(w->site());
+    }
+    const int worker = workers_in_site[w->site()]++;
+    for (int d = 0; d < w->devices_size(); ++d) {
+      scheduler::Device device;
+      device.site = site_index[w->site()];
+      device.worker = worker;
+      device.slot = d;
+      device.name = w->devices(d).name();
+      device.tflops = std::max(1e-3, w->devices(d).tflops());
+      device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
+      cluster.devices.push_back(device);
+    }
+  }
+  const int n = cluster.num_sites();
+  const scheduler::ClusterOptions defaults;
+  cluster.links.assign(n, std::vector<scheduler::LinkSpec>(n, scheduler::LinkSpec{1e-3, 1e9 / 8}));
+  for (int a = 0; a < n; ++a) cluster.links[a][a] = defaults.intra_site;
+  for (const SiteLink& l : links) {
+    if (l.a() == l.b() || !site_index.count(l.a()) || !site_index.count(l.b()) || l.bandwidth_mbps() <= 0) continue;
+    const scheduler::LinkSpec measured{std::max(1e-6, l.latency_ms() / 1e3), l.bandwidth_mbps() * 1e6 / 8};
+    cluster.links[site_index[l.a()]][site_index[l.b()]] = measured;
+    cluster.links[site_index[l.b()]][site_index[l.a()]] = measured;
+  }
+  const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(*config, spec.train().seq_len());
+  scheduler::JobOptions job;
+  job.global_batch = spec.train().global_batch();
+  job.seq_len = spec.train().seq_len();
+  if (auto codec = scheduler::ParseCodec(spec.comm().wan_codec()); codec.ok()) job.codecs.push_back(*codec);
+  auto result = scheduler::PlanJob(cluster, model, job);
+  if (!result.ok()) return result.status();
+  for (const scheduler::PlanCandidate& candidate : result->ranked) {
+    const scheduler::ManualPlan manual = scheduler::ToManualPlan(cluster, model, candidate.plan);
+    if (std::adjacent_find(manual.microbatches.begin(), manual.microbatches.end(), std::not_equal_to<>()) !=
+        manual.microbatches.end()) {
+      continue;  // unequal replica shares: not what the runtime does
+    }
+    AutoPlan out;
+    scheduler::FillParallelSpec(manual, &out.parallel);
+    JobSpec check = spec;
+    *check.mutable_parallel() = out.parallel;
+    if (!ValidateJobSpec(check).ok()) continue;
+    out.predicted_step_seconds = candidate.prediction.step_time_s;
+    out.explanation = result->explanation;
+    if (&candidate != &result->ranked.front()) {
+      out.explanation.push_back("(the top plan splits the batch unevenly across replicas; geotrain's runtime "
+                                "splits it evenly, so the best even plan was taken)");
+    }
+    return out;
+  }
+  return absl::FailedPreconditionError(
+      "the planner found no plan that splits the global batch evenly across replicas; give a manual plan");
+}
+
 JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, std::string token,
                      std::string head_address, TlsFiles tls)
     : jobs_(jobs),
@@ -169,7 +243,28 @@ void JobRunner::StartPendingJobs() {
       if (launching_.count(job.job_id()) || runs_.count(job.job_id())) continue;
       launching_.insert(job.job_id());
     }
-    auto placement = PlaceActors(job, registry_->Workers());
+    JobInfo planned = job;
+    if (job.spec().parallel().plan() == "auto") {
+      auto plan = PlanAutoJob(job.spec(), registry_->Workers(), registry_->SiteLinks());
+      if (!plan.ok()) {
+        if (plan.status().code() != absl::StatusCode::kUnavailable) {
+          (void)jobs_->Transition(job.job_id(), JOB_FAILED, absl::StrCat("planning failed: ", plan.status().message()));
+        }
+        absl::MutexLock lock(&mu_);
+        launching_.erase(job.job_id());
+        continue;
+      }
+      *planned.mutable_spec()->mutable_parallel() = plan->parallel;
+      planned.set_predicted_step_seconds(plan->predicted_step_seconds);
+      (void)jobs_->SetPlan(job.job_id(), plan->parallel, plan->predicted_step_seconds);
+      const ParallelSpec& p = plan->parallel;
+      (void)jobs_->Log(job.job_id(), absl::StrFormat("planned: dp %d x pp %d x tp %d, %d microbatches, %s; "
+                                                     "predicted step %.3f s",
+                                                     p.dp(), p.pp(), p.tp(), p.microbatches(), p.schedule(),
+                                                     plan->predicted_step_seconds));
+      for (const std::string& line : plan->explanation) (void)jobs_->Log(job.job_id(), "  " + line);
+    }
+    auto placement = PlaceActors(planned, registry_->Workers());
     absl::Status launched;
     if (!placement.ok()) {
       if (placement.status().code() == absl::StatusCode::kUnavailable) {
@@ -180,7 +275,7 @@ void JobRunner::StartPendingJobs() {
         (void)jobs_->Transition(job.job_id(), JOB_FAILED, std::string(placement.status().message()));
       }
     } else {
-      launched = Launch(job, std::move(*placement));
+      launched = Launch(planned, std::move(*placement));
       if (!launched.ok()) EndJob(job.job_id(), JOB_FAILED, std::string(launched.message()));
     }
     absl::MutexLock lock(&mu_);

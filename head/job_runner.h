@@ -50,6 +50,19 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
 // per parameter) plus the activations of one microbatch and, on the last stage, the logits.
 uint64_t EstimateActorMemory(const JobSpec& spec, int stage);
 
+// Chooses a plan for a `plan: auto` job with the planner (scheduler/) on the alive workers, their
+// devices and the site links the workers measured (1 Gbit/s and 1 ms where nothing was measured yet).
+// Returns the job with its parallel section filled (manual form, placement by site) and the predicted
+// step time, plus the planner's explanation lines. The runtime splits layers evenly across stages and
+// the batch evenly across replicas, so only plans with equal replica shares are taken.
+struct AutoPlan {
+  ParallelSpec parallel;
+  double predicted_step_seconds = 0;
+  std::vector<std::string> explanation;
+};
+absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                     const std::vector<SiteLink>& links);
+
 class JobRunner {
  public:
   JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, std::string token,
