@@ -66,6 +66,7 @@ class HeadServer {
   class Service;
   void DetectorLoop();
   void RefreshMetrics();
+  void WriteScrapeTargets();
 
   HeadOptions options_;
   const Clock* clock_;
@@ -82,6 +83,8 @@ class HeadServer {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
 
+  absl::Mutex targets_mu_;  // RefreshMetrics runs on handler threads and the detector thread
+  std::string scrape_targets_ ABSL_GUARDED_BY(targets_mu_);  // last written prometheus_targets.json
   absl::Mutex stop_mu_;
   bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
   std::thread detector_;
