@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "cli/registry.h"
 #include "common/log.h"
+#include "common/names.h"
 #include "common/rpc.h"
 #include "common/spec.h"
 #include "control.grpc.pb.h"
@@ -123,15 +124,6 @@ std::string FormatTime(int64_t unix_ms) {
   return buf;
 }
 
-const char* ActorStateText(ActorState s) {
-  switch (s) {
-    case ACTOR_PENDING_CREATION: return "PENDING_CREATION";
-    case ACTOR_ALIVE: return "ALIVE";
-    case ACTOR_RESTARTING: return "RESTARTING";
-    case ACTOR_DEAD: return "DEAD";
-    default: return "UNKNOWN";
-  }
-}
 
 // ---- head start ----
 void AddHeadCommands(CLI::App& app, Context& context) {
@@ -287,7 +279,7 @@ void PrintStatus(const ClusterStatus& status, const std::string& address) {
                 "STATE");
     for (const ActorRecord& a : status.actors()) {
       std::printf("%-16s %-12s %-12s %4d %5d %3d %s\n", a.actor_id().c_str(), a.job_id().c_str(),
-                  a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateText(a.state()));
+                  a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str());
     }
   }
   std::printf("\njobs:");
@@ -347,7 +339,7 @@ void PrintJob(const JobInfo& job) {
   }
   for (const ActorRecord& a : job.actors()) {
     std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(),
-                a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateText(a.state()),
+                a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str(),
                 a.message().c_str());
   }
 }

@@ -10,30 +10,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/log.h"
+#include "common/names.h"
 #include "control.grpc.pb.h"
 
 namespace geotrain {
 
-namespace {
-const char* WorkerStateName(WorkerState s) { return s == WORKER_ALIVE ? "ALIVE" : "DEAD"; }
-const char* ActorStateName(ActorState s) {
-  switch (s) {
-    case ACTOR_PENDING_CREATION: return "PENDING_CREATION";
-    case ACTOR_ALIVE: return "ALIVE";
-    case ACTOR_RESTARTING: return "RESTARTING";
-    case ACTOR_DEAD: return "DEAD";
-    default: return "UNKNOWN";
-  }
-}
-const char* DeviceKindName(DeviceKind k) {
-  switch (k) {
-    case DEVICE_KIND_CPU: return "cpu";
-    case DEVICE_KIND_CUDA: return "cuda";
-    case DEVICE_KIND_EMULATED: return "emulated";
-    default: return "unknown";
-  }
-}
-}  // namespace
 
 // The thin gRPC adapter: checks the token, times the call, and forwards to the components.
 class HeadServer::Service final : public Head::Service {
@@ -179,19 +160,14 @@ class HeadServer::Service final : public Head::Service {
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request,
                     PingReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("Ping");
-    if (!request->no_echo()) reply->set_payload(request->payload());
+    EchoPing(*request, reply);
     return grpc::Status::OK;
   }
 
   grpc::Status PingStream(grpc::ServerContext* context,
                           grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
     GT_HEAD_RPC_PROLOGUE("PingStream");
-    PingRequest request;
-    PingReply reply;
-    while (stream->Read(&request)) {
-      reply.set_payload(request.payload());
-      if (!stream->Write(reply)) break;
-    }
+    EchoPingStream(stream);
     return grpc::Status::OK;
   }
 #undef GT_HEAD_RPC_PROLOGUE

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -50,6 +51,86 @@ struct Traffic {
     raw_wan_bytes += raw;
     encoded_wan_bytes += static_cast<double>(encoded);
   }
+};
+
+// Sends activations and their gradients on a background thread, in order, so that a stage computes
+// its next microbatch while the previous one crosses a slow link (a send returns only once the peer
+// holds the tensor: a round trip). Send() copies the data; Flush() waits for everything queued and
+// returns the first error. The thread owns the client's counters while it runs.
+class AsyncSender {
+ public:
+  AsyncSender(comm::Communicator* comm, comm::TensorStreamClient* client, std::string my_site)
+      : comm_(comm), client_(client), my_site_(std::move(my_site)), thread_([this] { Loop(); }) {}
+  ~AsyncSender() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+  void Send(int peer, const std::string& peer_site, const float* data, size_t n, const char* tag) {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back({peer, peer_site, std::vector<float>(data, data + n), tag});
+  }
+
+  // Waits until every queued tensor was delivered; moves this step's traffic into `traffic`.
+  absl::Status Flush(Traffic* traffic) {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](AsyncSender* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+          return (self->queue_.empty() && !self->busy_) || !self->error_.ok();
+        },
+        this));
+    for (const auto& [pair, bytes] : traffic_.wan_bytes) traffic->wan_bytes[pair] += bytes;
+    traffic->raw_wan_bytes += traffic_.raw_wan_bytes;
+    traffic->encoded_wan_bytes += traffic_.encoded_wan_bytes;
+    traffic_ = Traffic{};
+    return error_;
+  }
+
+ private:
+  struct Item {
+    int peer;
+    std::string site;
+    std::vector<float> data;
+    const char* tag;
+  };
+  void Loop() {
+    while (true) {
+      Item item;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](AsyncSender* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+              return self->stop_ || !self->queue_.empty();
+            },
+            this));
+        if (queue_.empty()) return;  // stopping
+        item = std::move(queue_.front());
+        queue_.pop_front();
+        busy_ = true;
+      }
+      const auto before = client_->stats().bytes_sent;
+      absl::Status st = comm_->Send(item.peer, absl::MakeConstSpan(item.data), item.tag);
+      const auto sent = client_->stats().bytes_sent - before;
+      absl::MutexLock lock(&mu_);
+      traffic_.Add(my_site_, item.site, sent, 4.0 * item.data.size());
+      if (!st.ok() && error_.ok()) error_ = st;
+      busy_ = false;
+    }
+  }
+
+  comm::Communicator* const comm_;
+  comm::TensorStreamClient* const client_;
+  const std::string my_site_;
+  absl::Mutex mu_;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  Traffic traffic_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
 };
 
 }  // namespace
@@ -244,6 +325,7 @@ absl::Status StageActor::Run() {
   const int prev_rank = first ? -1 : world_rank(r, s - 1, t);
   const std::string& my_site = config_.site;
 
+  AsyncSender sender(&p2p, &p2p_client, config_.site);
   SetState(ACTOR_ALIVE, "training");
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp
                << ", tp rank " << t << ") training " << stage.num_params() << " parameters, layers ["
@@ -260,17 +342,10 @@ absl::Status StageActor::Run() {
     bool first_op = true;
 
     // Sends through `client` to `peer`, attributing the bytes to the site pair.
-    auto timed_send = [&](int peer, const std::vector<float>& raw_source, const float* data, size_t n,
-                          const char* tag) -> absl::Status {
-      (void)raw_source;
-      const auto before = p2p_client.stats().bytes_sent;
-      const auto t0 = Clock::now();
-      absl::Status st = p2p.Send(peer, absl::MakeConstSpan(data, n), tag);
-      wait += SecondsSince(t0);
-      traffic.Add(my_site, peers[peer].site, p2p_client.stats().bytes_sent - before, 4.0 * n);
-      return st;
+    auto timed_send = [&](int peer, const float* data, size_t n, const char* tag) -> absl::Status {
+      sender.Send(peer, peers[peer].site, data, n, tag);
+      return absl::OkStatus();
     };
-    static const std::vector<float> kNone;
 
     auto forward = [&](int m, bool recompute) -> absl::Status {
       const int32_t* tok = first ? inputs.data() + static_cast<size_t>(m) * Bm * T : nullptr;
@@ -296,7 +371,7 @@ absl::Status StageActor::Run() {
         loss_sum += stage.loss();
         return absl::OkStatus();
       }
-      return timed_send(next_rank, kNone, stage.output(), act, "act");
+      return timed_send(next_rank, stage.output(), act, "act");
     };
     auto backward = [&](int m) -> absl::Status {
       if (latest_forward != m) {
@@ -312,7 +387,7 @@ absl::Status StageActor::Run() {
       compute += SecondsSince(t0);
       latest_forward = -1;  // Backward consumed the activations
       if (first) return absl::OkStatus();
-      return timed_send(prev_rank, kNone, stage.dinput(), act, "grad");
+      return timed_send(prev_rank, stage.dinput(), act, "grad");
     };
 
     // The schedule.
@@ -331,6 +406,7 @@ absl::Status StageActor::Run() {
     }
 
     const auto sync_start = Clock::now();
+    if (absl::Status st = sender.Flush(&traffic); !st.ok()) return st;
     // Tied embedding: the first and last stage hold copies of wte; each needs the sum of both grads.
     if (tied_comm) {
       const model::ParameterTensors& g = stage.grad_tensors();

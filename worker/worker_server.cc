@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/names.h"
 #include "worker/devices.h"
 
 namespace geotrain {
@@ -96,19 +97,14 @@ class WorkerServer::Service final : public Worker::Service {
 
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
     GT_WORKER_RPC_PROLOGUE("Ping");
-    if (!request->no_echo()) reply->set_payload(request->payload());
+    EchoPing(*request, reply);
     return grpc::Status::OK;
   }
 
   grpc::Status PingStream(grpc::ServerContext* context,
                           grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
     GT_WORKER_RPC_PROLOGUE("PingStream");
-    PingRequest request;
-    PingReply reply;
-    while (stream->Read(&request)) {
-      reply.set_payload(request.payload());
-      if (!stream->Write(reply)) break;
-    }
+    EchoPingStream(stream);
     return grpc::Status::OK;
   }
 #undef GT_WORKER_RPC_PROLOGUE

@@ -1,0 +1,249 @@
+// Tensor-stream throughput on loopback against a plain TCP socket copy of the same bytes, measured in the
+// same run, alternating (A A' B A A' B ...), medians.
+//   A  = end to end: Send(fp32 tensor, codec none) -> Recv -> DecodeInto an fp32 buffer
+//   A' = transport only: SendEncoded(already encoded bytes) -> Recv (the encoded tensor in the mailbox)
+//   B  = one persistent TCP connection on 127.0.0.1: write the bytes, the peer reads them into a buffer
+//
+//   build/bench/comm/comm_stream_bench [--sizes-mib 1,16,64,256] [--chunk-kib 1024] [--reps 7]
+//     [--window-kib 8192] [--frame-kib 0] [--read-kib 0]   (transport tuning; 0 = gRPC's default)
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/tensor_stream.h"
+
+namespace {
+
+using namespace geotrain::comm;
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The machine's load average (first field of /proc/loadavg), printed with the figures: the benchmark machines are
+// shared, and contention changes results a lot.
+std::string LoadAverage() {
+  std::FILE* f = std::fopen("/proc/loadavg", "r");
+  if (f == nullptr) return "?";
+  char buffer[64] = {0};
+  const size_t got = std::fread(buffer, 1, sizeof(buffer) - 1, f);
+  std::fclose(f);
+  std::string s(buffer, got);
+  return s.substr(0, s.find(' '));
+}
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// A connected pair of loopback TCP sockets.
+struct TcpPair {
+  int sender = -1, receiver = -1;
+  TcpPair() {
+    int listener = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    socklen_t len = sizeof(addr);
+    getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+    listen(listener, 1);
+    sender = socket(AF_INET, SOCK_STREAM, 0);
+    connect(sender, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    receiver = accept(listener, nullptr, nullptr);
+    close(listener);
+  }
+  ~TcpPair() {
+    close(sender);
+    close(receiver);
+  }
+  // Sends `n` bytes from `src` while the other end reads them into `dst`; returns seconds.
+  double Copy(const uint8_t* src, uint8_t* dst, size_t n) {
+    const auto start = Clock::now();
+    std::thread reader([&] {
+      size_t got = 0;
+      while (got < n) {
+        const ssize_t r = read(receiver, dst + got, n - got);
+        if (r <= 0) break;
+        got += static_cast<size_t>(r);
+      }
+    });
+    size_t sent = 0;
+    while (sent < n) {
+      const ssize_t w = write(sender, src + sent, n - sent);
+      if (w <= 0) break;
+      sent += static_cast<size_t>(w);
+    }
+    reader.join();
+    return Seconds(start, Clock::now());
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::printf("load average (1 min) at the start: %s\n", LoadAverage().c_str());
+  std::vector<size_t> sizes_mib = {1, 16, 64, 256};
+  size_t chunk_kib = 1024;
+  int reps = 7;
+  int window_kib = -1, frame_kib = -1, read_kib = -1;  // -1: the library's defaults
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--sizes-mib") {
+      sizes_mib.clear();
+      std::string list = argv[i + 1];
+      size_t at = 0;
+      while (at < list.size()) {
+        size_t comma = list.find(',', at);
+        if (comma == std::string::npos) comma = list.size();
+        sizes_mib.push_back(std::stoul(list.substr(at, comma - at)));
+        at = comma + 1;
+      }
+    }
+    if (flag == "--chunk-kib") chunk_kib = std::stoul(argv[i + 1]);
+    if (flag == "--reps") reps = std::stoi(argv[i + 1]);
+    if (flag == "--window-kib") window_kib = std::stoi(argv[i + 1]);
+    if (flag == "--frame-kib") frame_kib = std::stoi(argv[i + 1]);
+    if (flag == "--read-kib") read_kib = std::stoi(argv[i + 1]);
+  }
+  const std::string token = "bench-token";
+  TensorStreamOptions options;
+  options.chunk_bytes = chunk_kib * 1024;
+  options.max_tensor_bytes = uint64_t{2} << 30;
+  if (window_kib >= 0) options.http2_window_bytes = window_kib * 1024;
+  if (frame_kib >= 0) options.http2_max_frame_bytes = frame_kib * 1024;
+  if (read_kib >= 0) options.tcp_read_chunk_bytes = read_kib * 1024;
+  TensorStreamServer streams(token, options);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  streams.Register(&builder);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  TensorStreamClient client(token, options);
+  TcpPair tcp;
+
+  std::printf("tensor stream vs raw TCP on loopback, chunk %zu KiB, codec none, http2 window %d B, frame %d B, "
+              "tcp read chunk %d B (0 = gRPC default)\n",
+              chunk_kib, options.http2_window_bytes, options.http2_max_frame_bytes, options.tcp_read_chunk_bytes);
+  struct Row {
+    size_t mib;
+    double stream_gbs, transport_gbs, tcp_gbs;
+  };
+  std::vector<Row> rows;
+  int64_t step = 0;
+  {
+    // Warm the connection up first (HTTP/2 windows grow with the traffic seen): 4 x 64 MiB, not measured.
+    std::vector<float> warm((size_t{64} << 20) / sizeof(float), 0.5f);
+    for (int i = 0; i < 4; ++i) {
+      TensorKey key{"bench", step++, 0, "warmup", "sender"};
+      std::thread receiver([&] { (void)streams.Recv(key, absl::Now() + absl::Seconds(120)); });
+      (void)client.Send(address, key, {static_cast<int64_t>(warm.size())}, warm, Codec{},
+                        absl::Now() + absl::Seconds(120));
+      receiver.join();
+    }
+  }
+  // Every size in every round (1, 16, 64, 256, 1, 16, ...), so that all sizes see the same warm-up and the same
+  // machine conditions; within a size, A A' B back to back. The first round is dropped.
+  struct SizeState {
+    size_t mib, bytes, n;
+    std::vector<float> data, out;
+    std::vector<uint8_t> tcp_src, tcp_dst;
+    Bytes encoded;
+    std::vector<double> stream_times, transport_times, tcp_times;
+  };
+  std::vector<SizeState> states;
+  for (size_t mib : sizes_mib) {
+    SizeState st;
+    st.mib = mib;
+    st.bytes = mib << 20;
+    st.n = st.bytes / sizeof(float);
+    st.data.assign(st.n, 1.5f);
+    st.out.assign(st.n, 0.0f);
+    st.tcp_src.assign(st.bytes, 7);
+    st.tcp_dst.assign(st.bytes, 0);
+    if (!EncodeTensor(Codec{}, st.data, &st.encoded).ok()) return 1;
+    states.push_back(std::move(st));
+  }
+  for (int r = 0; r < reps + 1; ++r) {
+    for (SizeState& st : states) {
+      const std::vector<int64_t> shape = {static_cast<int64_t>(st.n)};
+      // A: end to end.
+      TensorKey key{"bench", step++, 0, "t", "sender"};
+      auto start = Clock::now();
+      std::thread receiver([&] {
+        auto got = streams.Recv(key, absl::Now() + absl::Seconds(120));
+        if (!got.ok() || !got->DecodeInto(absl::MakeSpan(st.out)).ok()) std::fprintf(stderr, "recv failed\n");
+      });
+      absl::Status s = client.Send(address, key, shape, st.data, Codec{}, absl::Now() + absl::Seconds(120));
+      receiver.join();
+      const double a = Seconds(start, Clock::now());
+      if (!s.ok()) {
+        std::fprintf(stderr, "send failed: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+      // A': transport only.
+      key.step = step++;
+      start = Clock::now();
+      std::thread receiver2([&] {
+        if (!streams.Recv(key, absl::Now() + absl::Seconds(120)).ok()) std::fprintf(stderr, "recv failed\n");
+      });
+      s = client.SendEncoded(address, key, shape, Codec{}, st.encoded, absl::Now() + absl::Seconds(120));
+      receiver2.join();
+      const double a2 = Seconds(start, Clock::now());
+      // B: raw TCP.
+      const double b = tcp.Copy(st.tcp_src.data(), st.tcp_dst.data(), st.bytes);
+      if (r == 0) continue;
+      st.stream_times.push_back(a);
+      st.transport_times.push_back(a2);
+      st.tcp_times.push_back(b);
+    }
+  }
+  for (SizeState& st : states) {
+    const double bytes = static_cast<double>(st.bytes);
+    Row row{st.mib, bytes / Median(st.stream_times) / 1e9, bytes / Median(st.transport_times) / 1e9,
+            bytes / Median(st.tcp_times) / 1e9};
+    std::printf("%4zu MiB: stream end-to-end %.2f GB/s, stream transport %.2f GB/s, raw TCP %.2f GB/s "
+                "(ratios %.2f, %.2f; %d reps)\n",
+                st.mib, row.stream_gbs, row.transport_gbs, row.tcp_gbs, row.stream_gbs / row.tcp_gbs,
+                row.transport_gbs / row.tcp_gbs, reps);
+    rows.push_back(row);
+  }
+  // Per-tensor latency of small tensors, Send + Recv, median of 100 (the fixed cost of a transfer).
+  for (size_t kib : {1, 32, 128, 512}) {
+    std::vector<float> small(kib * 256, 1.0f);
+    std::vector<double> times;
+    for (int r = 0; r < 101; ++r) {
+      TensorKey key{"bench", step++, 0, "small", "sender"};
+      const auto start = Clock::now();
+      absl::Status s = client.Send(address, key, {static_cast<int64_t>(small.size())}, small, Codec{},
+                                   absl::Now() + absl::Seconds(10));
+      auto got = streams.Recv(key, absl::Now() + absl::Seconds(10));
+      if (!s.ok() || !got.ok()) return 1;
+      if (r > 0) times.push_back(Seconds(start, Clock::now()));
+    }
+    std::printf("%zu KiB tensor Send+Recv latency: median %.0f us\n", kib, Median(times) * 1e6);
+  }
+  std::printf("\n| tensor | stream end-to-end GB/s | stream transport GB/s | raw TCP GB/s | e2e / TCP | transport / TCP |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    std::printf("| %zu MiB | %.2f | %.2f | %.2f | %.2f | %.2f |\n", r.mib, r.stream_gbs, r.transport_gbs, r.tcp_gbs,
+                r.stream_gbs / r.tcp_gbs, r.transport_gbs / r.tcp_gbs);
+  }
+  streams.Shutdown();
+  server->Shutdown();
+  std::printf("load average (1 min) at the end: %s\n", LoadAverage().c_str());
+  return 0;
+}

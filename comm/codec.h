@@ -1,0 +1,137 @@
+// Tensor codecs: how fp32 tensors are encoded on a link (inside a site, across sites).
+//
+//   ASSIGN_OR_RETURN(Codec codec, ParseCodec("bf16+zstd"));
+//   Bytes wire;
+//   RETURN_IF_ERROR(EncodeTensor(codec, grad, &wire));            // grad: absl::Span<const float>
+//   RETURN_IF_ERROR(DecodeTensor(wire.span(), absl::MakeSpan(out)));  // validates everything first
+//
+// Codecs: "none" (fp32 as is), "fp16" and "bf16" (round to nearest even), "int8" (symmetric, one fp32
+// scale per block of kInt8BlockSize elements), "topk:F" (the F*n largest magnitudes with their indices;
+// gradients only, with error feedback: the caller keeps one residual vector per tensor), each optionally
+// followed by "+zstd" or "+zstd:LEVEL" (zstd over the encoded payload).
+//
+// Error bounds (per element x, decoded y), tested in tests/comm/codec_test.cc:
+//   fp16: |y - x| <= 2^-11 |x| for normal fp16 range (|x| in [2^-14, 65504]);
+//   bf16: |y - x| <= 2^-8 |x| for normal values;
+//   int8: |y - x| <= scale/2 with scale = max|block| / 127, i.e. max|block| / 254;
+//   topk: kept entries exact; the others are 0 and go into the residual, so that over steps
+//         sum(decoded) + residual == sum(inputs) (error feedback conserves every element's sum).
+//
+// Wire format (little endian): a 40-byte header, then the payload.
+//   u32 magic "GTDC" | u8 version (1) | u8 codec kind | u8 flags (bit 0: zstd) | u8 reserved (0)
+//   u64 element count | u64 payload bytes (after the header, as sent) | u64 raw payload bytes (before zstd)
+//   u32 CRC-32C of the payload | u32 CRC-32C of the 36 header bytes before it
+// Raw payload per kind: none: count x f32; fp16/bf16: count x u16; int8: ceil(count/256) x f32 scales then
+// count x i8; topk: u64 k, then k x u32 strictly increasing indices, then k x f32 values.
+// Decoding checks the magic, version, kind, flags, header checksum, sizes against the element count, the
+// payload checksum, zstd's frame size, int8 scales (finite, >= 0) and top-k indices (in range, increasing)
+// before it writes anything; bad input is an absl error (DATA_LOSS or INVALID_ARGUMENT), never a crash.
+//
+// Thread safety: all functions are thread-safe; a residual vector must not be shared by concurrent calls.
+// Speed: the element loops are compiled for AVX-512, AVX2 and plain x86-64 and chosen at run time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace geotrain::comm {
+
+enum class CodecKind : uint8_t { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kTopK = 4 };
+
+inline constexpr size_t kInt8BlockSize = 256;
+inline constexpr size_t kCodecHeaderBytes = 40;
+inline constexpr uint32_t kCodecMagic = 0x43445447;  // "GTDC" in little endian
+// Element counts above this are refused (keeps every size computation far from overflow).
+inline constexpr uint64_t kMaxCodecElements = uint64_t{1} << 40;
+
+struct Codec {
+  CodecKind kind = CodecKind::kNone;
+  double topk_fraction = 0.0;  // (0, 1], kTopK only
+  bool zstd = false;
+  int zstd_level = 1;
+
+  // Lossless codecs reproduce every bit: none, optionally with zstd.
+  bool lossless() const { return kind == CodecKind::kNone; }
+  // The canonical name, which ParseCodec accepts: "bf16+zstd", "topk:0.01", "int8+zstd:3".
+  std::string ToString() const;
+};
+
+// Parses "none" | "fp16" | "bf16" | "int8" | "topk:F" (0 < F <= 1), each optionally "+zstd" or "+zstd:L"
+// (L in 1..19). Errors name the bad part and list the accepted forms.
+absl::StatusOr<Codec> ParseCodec(std::string_view text);
+
+// An owned byte buffer that is left uninitialised on allocation (no memset of large tensors). Copies
+// share the same memory (so that gRPC slices can reference it without copying); treat the contents as
+// immutable once they are shared. Buffers of 1 MiB and more are recycled through a process-wide pool
+// (at most 1 GiB kept), because first-touch page faults on fresh large allocations cost more than encoding.
+class Bytes {
+ public:
+  Bytes() = default;
+  explicit Bytes(size_t size);
+  uint8_t* data() { return data_.get(); }
+  const uint8_t* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+  // Sets the size to `size` <= the allocated size (used after compressing into a worst-case buffer).
+  void Shrink(size_t size);
+  absl::Span<const uint8_t> span() const { return {data_.get(), size_}; }
+  // Shared ownership of the memory, for zero-copy hand-off.
+  const std::shared_ptr<uint8_t[]>& shared() const { return data_; }
+
+ private:
+  std::shared_ptr<uint8_t[]> data_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
+// What the header of an encoded tensor says, once validated.
+struct EncodedInfo {
+  Codec codec;  // kind and zstd flag (the top-k fraction and zstd level are not on the wire)
+  uint64_t element_count = 0;
+  uint64_t payload_bytes = 0;
+  uint64_t raw_payload_bytes = 0;
+  uint32_t payload_crc = 0;
+};
+
+// Encodes `input` into `*out` (replaced). For kTopK, `residual` is required: it holds the error
+// feedback of this tensor (resized to input.size() and zeroed if its size differs) and is updated.
+absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Bytes* out,
+                          std::vector<float>* residual = nullptr);
+
+// Whether an encoded tensor of `codec` with `element_count` elements may be `encoded_bytes` long (exact for
+// the fixed-size codecs, an upper bound for top-k and zstd). Receivers check this before allocating.
+absl::Status CheckEncodedSize(const Codec& codec, uint64_t element_count, uint64_t encoded_bytes);
+
+// Validates the header of an encoded tensor (and, if `verify_checksum`, the payload checksum).
+absl::StatusOr<EncodedInfo> InspectEncoded(absl::Span<const uint8_t> encoded, bool verify_checksum = true);
+
+struct DecodeOptions {
+  // Skip the payload CRC when the caller has already verified it (tensor streams check it on arrival).
+  bool verify_checksum = true;
+};
+
+// Decodes into `output`, whose size must equal the encoded element count. On error `output` may have
+// been partly written only if the error is found after validation (never: all checks come first).
+absl::Status DecodeTensor(absl::Span<const uint8_t> encoded, absl::Span<float> output,
+                          const DecodeOptions& options = {});
+
+// Decodes and adds into `accumulator` (accumulator += decoded), saving a pass in reductions.
+absl::Status DecodeTensorAdd(absl::Span<const uint8_t> encoded, absl::Span<float> accumulator,
+                             const DecodeOptions& options = {});
+
+// CRC-32C (Castagnoli), hardware-accelerated where SSE4.2 is present. `crc` chains calls.
+uint32_t Crc32c(const void* data, size_t size, uint32_t crc = 0);
+
+// The instruction set the element loops use on this machine: "avx512", "avx2" or "scalar".
+std::string_view CodecIsa();
+// For tests and benchmarks: force the scalar loops (true) or return to run-time detection (false).
+void ForceScalarCodecs(bool force);
+
+}  // namespace geotrain::comm

@@ -1,0 +1,401 @@
+// GrpcCommunicator: ring and hierarchical collectives over tensor streams, and the bucketed gradient
+// all-reduce (see communicator.h for the contract).
+//
+// Each step of a ring sends one chunk to the next rank on a helper thread while receiving one from the previous
+// rank; a Send completes once the peer's mailbox holds the chunk, so no step waits on the peer's Recv and the
+// ring cannot deadlock. Reduce-scatter encodes each partial sum with the codec of the link it crosses; the
+// all-gather phase encodes each final chunk once (by its owner, who also keeps the decoded value) and forwards
+// the same bytes around the ring, so every rank ends with identical values even with lossy codecs.
+#include "comm/communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace geotrain::comm {
+
+struct GrpcCommunicator::Call {
+  std::string prefix;  // "<op>:<tag>"
+  int64_t sequence = 0;
+  absl::Time deadline;
+};
+
+namespace {
+
+int Mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Bounds of chunk c of n over `total` elements (balanced; sizes differ by at most one).
+std::pair<size_t, size_t> ChunkBounds(size_t total, int n, int c) {
+  const size_t begin = static_cast<size_t>(static_cast<unsigned __int128>(total) * c / n);
+  const size_t end = static_cast<size_t>(static_cast<unsigned __int128>(total) * (c + 1) / n);
+  return {begin, end};
+}
+
+absl::Status CheckElements(const ReceivedTensor& t, size_t expected) {
+  if (t.num_elements() != static_cast<int64_t>(expected) || t.shape.size() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("collective received tensor ", t.key.ToString(), " with ",
+                                                   t.num_elements(), " elements, expected ", expected,
+                                                   "; do all ranks pass the same sizes?"));
+  }
+  return absl::OkStatus();
+}
+
+// Runs `send` on a helper thread while the caller receives; joins before returning.
+class AsyncStatus {
+ public:
+  template <typename F>
+  explicit AsyncStatus(F&& f) : thread_([this, f = std::forward<F>(f)]() mutable { status_ = f(); }) {}
+  ~AsyncStatus() {
+    if (thread_.joinable()) thread_.join();
+  }
+  absl::Status Wait() {
+    if (thread_.joinable()) thread_.join();
+    return status_;
+  }
+
+ private:
+  absl::Status status_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+GrpcCommunicator::GrpcCommunicator(int rank, std::vector<PeerInfo> peers, TensorStreamServer* server,
+                                   TensorStreamClient* client, CommunicatorOptions options)
+    : rank_(rank), peers_(std::move(peers)), server_(server), client_(client), options_(std::move(options)) {
+  absl::flat_hash_set<std::string> names;
+  for (const PeerInfo& p : peers_) {
+    if (p.name.empty() || !names.insert(p.name).second) {
+      config_status_ = absl::InvalidArgumentError(absl::StrCat("communicator peers need unique, non-empty names ('",
+                                                               p.name, "')"));
+    }
+  }
+  if (rank_ < 0 || rank_ >= static_cast<int>(peers_.size())) {
+    config_status_ = absl::InvalidArgumentError(absl::StrCat("communicator rank ", rank_, " is outside the ",
+                                                             peers_.size(), " peers"));
+  }
+  if (server_ == nullptr || client_ == nullptr) {
+    config_status_ = absl::InvalidArgumentError("communicator needs a tensor stream server and client");
+  }
+}
+
+const Codec& GrpcCommunicator::LinkCodec(int a, int b) const {
+  return peers_[a].site == peers_[b].site ? options_.lan_codec : options_.wan_codec;
+}
+
+const Codec& GrpcCommunicator::GatherCodec(const std::vector<int>& group) const {
+  for (size_t i = 0; i < group.size(); ++i) {
+    if (peers_[group[i]].site != peers_[group[(i + 1) % group.size()]].site) return options_.wan_codec;
+  }
+  return options_.lan_codec;
+}
+
+GrpcCommunicator::Call GrpcCommunicator::Begin(std::string_view op, std::string_view tag) {
+  Call call;
+  call.prefix = absl::StrCat(std::string(op), ":", std::string(tag));
+  call.deadline = absl::Now() + options_.timeout;
+  absl::MutexLock lock(&mu_);
+  call.sequence = sequence_[call.prefix]++;
+  return call;
+}
+
+TensorKey GrpcCommunicator::MakeKey(const Call& call, const std::string& part, int src) const {
+  return TensorKey{options_.job_id, call.sequence, 0, absl::StrCat(call.prefix, "/", part), peers_[src].name};
+}
+
+std::vector<float>* GrpcCommunicator::Residual(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  return &residuals_[key];
+}
+
+absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer,
+                                      absl::Span<const float> data, const Codec& codec,
+                                      const std::string& residual_key) {
+  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
+  const int64_t n = static_cast<int64_t>(data.size());
+  return client_->Send(peers_[peer].address, MakeKey(call, part, rank_), {n}, data, codec, call.deadline, residual);
+}
+
+absl::Status GrpcCommunicator::SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
+                                             const Bytes& encoded, int64_t elements) {
+  return client_->SendEncoded(peers_[peer].address, MakeKey(call, part, rank_), {elements}, codec, encoded,
+                              call.deadline);
+}
+
+absl::StatusOr<ReceivedTensor> GrpcCommunicator::RecvFrom(const Call& call, const std::string& part, int peer) {
+  return server_->Recv(MakeKey(call, part, peer), call.deadline);
+}
+
+absl::Status GrpcCommunicator::RingReduceScatter(const Call& call, const std::vector<int>& group,
+                                                 absl::Span<float> data) {
+  const int n = static_cast<int>(group.size());
+  if (n == 1) return absl::OkStatus();
+  const int p = static_cast<int>(std::find(group.begin(), group.end(), rank_) - group.begin());
+  const int next = group[Mod(p + 1, n)];
+  const int prev = group[Mod(p - 1, n)];
+  const Codec& codec = LinkCodec(rank_, next);
+  for (int s = 0; s < n - 1; ++s) {
+    const auto [send_begin, send_end] = ChunkBounds(data.size(), n, Mod(p - s - 1, n));
+    const auto [recv_begin, recv_end] = ChunkBounds(data.size(), n, Mod(p - s - 2, n));
+    const std::string part = absl::StrCat("rs/", s);
+    AsyncStatus sent([&, part, send_begin = send_begin, send_end = send_end] {
+      return SendTo(call, part, next, data.subspan(send_begin, send_end - send_begin), codec,
+                    absl::StrCat(call.prefix, "/", part));
+    });
+    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, part, prev);
+    absl::Status status = got.status();
+    if (status.ok()) status = CheckElements(*got, recv_end - recv_begin);
+    if (status.ok()) status = got->DecodeAddInto(data.subspan(recv_begin, recv_end - recv_begin));
+    absl::Status send_status = sent.Wait();
+    if (!send_status.ok()) return send_status;
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector<int>& group,
+                                             absl::Span<float> data, const Codec& codec) {
+  const int n = static_cast<int>(group.size());
+  if (n == 1) return absl::OkStatus();
+  const int p = static_cast<int>(std::find(group.begin(), group.end(), rank_) - group.begin());
+  const int next = group[Mod(p + 1, n)];
+  const int prev = group[Mod(p - 1, n)];
+  // This rank's final chunk: encoded once; with a lossy codec the owner keeps the decoded value too.
+  const auto [own_begin, own_end] = ChunkBounds(data.size(), n, p);
+  absl::Span<float> own = data.subspan(own_begin, own_end - own_begin);
+  Bytes forward;
+  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/ag")) : nullptr;
+  if (absl::Status s = EncodeTensor(codec, own, &forward, residual); !s.ok()) return s;
+  if (!codec.lossless()) {
+    if (absl::Status s = DecodeTensor(forward.span(), own); !s.ok()) return s;
+  }
+  const std::string codec_name = codec.ToString();
+  for (int s = 0; s < n - 1; ++s) {
+    const auto [send_begin, send_end] = ChunkBounds(data.size(), n, Mod(p - s, n));
+    const auto [recv_begin, recv_end] = ChunkBounds(data.size(), n, Mod(p - s - 1, n));
+    const std::string part = absl::StrCat("ag/", s);
+    AsyncStatus sent([&, part, elements = static_cast<int64_t>(send_end - send_begin)] {
+      return SendEncodedTo(call, part, next, codec, forward, elements);
+    });
+    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, part, prev);
+    absl::Status status = got.status();
+    if (status.ok()) status = CheckElements(*got, recv_end - recv_begin);
+    if (status.ok() && got->codec != codec_name) {
+      status = absl::InvalidArgumentError(absl::StrCat("all-gather chunk uses codec ", got->codec, ", expected ",
+                                                       codec_name, "; do all ranks use the same codecs?"));
+    }
+    if (status.ok()) status = got->DecodeInto(data.subspan(recv_begin, recv_end - recv_begin));
+    absl::Status send_status = sent.Wait();
+    if (!send_status.ok()) return send_status;
+    if (!status.ok()) return status;
+    forward = got->encoded;  // forwarded unchanged at the next step
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GrpcCommunicator::AllReduceSum(absl::Span<float> data, std::string_view tag) {
+  return options_.all_reduce == AllReduceAlgorithm::kHierarchical ? HierarchicalAllReduce(data, tag)
+                                                                  : RingAllReduce(data, tag);
+}
+
+absl::Status GrpcCommunicator::RingAllReduce(absl::Span<float> data, std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  const Call call = Begin("ring-allreduce", tag);
+  std::vector<int> all(peers_.size());
+  for (int r = 0; r < size(); ++r) all[r] = r;
+  if (absl::Status s = RingReduceScatter(call, all, data); !s.ok()) return s;
+  return RingAllGather(call, all, data, GatherCodec(all));
+}
+
+absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  const Call call = Begin("hier-allreduce", tag);
+  // Sites in order of their lowest rank; the lowest rank of a site leads it.
+  std::vector<std::string> sites;
+  std::vector<std::vector<int>> members;
+  for (int r = 0; r < size(); ++r) {
+    auto it = std::find(sites.begin(), sites.end(), peers_[r].site);
+    if (it == sites.end()) {
+      sites.push_back(peers_[r].site);
+      members.push_back({r});
+    } else {
+      members[it - sites.begin()].push_back(r);
+    }
+  }
+  const size_t my_site = std::find(sites.begin(), sites.end(), peers_[rank_].site) - sites.begin();
+  const std::vector<int>& site_ranks = members[my_site];
+  const int leader = site_ranks.front();
+  if (rank_ != leader) {
+    if (absl::Status s = SendTo(call, "up", leader, data, LinkCodec(rank_, leader), call.prefix + "/up"); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "down", leader);
+    if (!got.ok()) return got.status();
+    if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
+    return got->DecodeInto(data);
+  }
+  // Leader: reduce the site (in rank order), all-reduce among leaders, broadcast to the site.
+  for (size_t i = 1; i < site_ranks.size(); ++i) {
+    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "up", site_ranks[i]);
+    if (!got.ok()) return got.status();
+    if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
+    if (absl::Status s = got->DecodeAddInto(data); !s.ok()) return s;
+  }
+  std::vector<int> leaders;
+  for (const auto& m : members) leaders.push_back(m.front());
+  if (leaders.size() > 1) {
+    if (absl::Status s = RingReduceScatter(call, leaders, data); !s.ok()) return s;
+    if (absl::Status s = RingAllGather(call, leaders, data, GatherCodec(leaders)); !s.ok()) return s;
+  }
+  if (site_ranks.size() == 1) return absl::OkStatus();
+  const Codec& codec = options_.lan_codec;
+  Bytes encoded;
+  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(call.prefix + "/down") : nullptr;
+  if (absl::Status s = EncodeTensor(codec, data, &encoded, residual); !s.ok()) return s;
+  if (!codec.lossless()) {
+    if (absl::Status s = DecodeTensor(encoded.span(), data); !s.ok()) return s;
+  }
+  std::vector<std::unique_ptr<AsyncStatus>> sends;
+  for (size_t i = 1; i < site_ranks.size(); ++i) {
+    const int member = site_ranks[i];
+    sends.push_back(std::make_unique<AsyncStatus>([&, member] {
+      return SendEncodedTo(call, "down", member, codec, encoded, static_cast<int64_t>(data.size()));
+    }));
+  }
+  absl::Status first_error;
+  for (auto& send : sends) {
+    absl::Status s = send->Wait();
+    if (first_error.ok()) first_error = s;
+  }
+  return first_error;
+}
+
+absl::Status GrpcCommunicator::ReduceScatter(absl::Span<const float> input, absl::Span<float> output,
+                                             std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  if (input.size() != output.size() * peers_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ReduceScatter: input has ", input.size(),
+                                                   " elements, expected size() x output = ",
+                                                   output.size() * peers_.size()));
+  }
+  const Call call = Begin("reduce-scatter", tag);
+  std::vector<float> work(input.begin(), input.end());
+  std::vector<int> all(peers_.size());
+  for (int r = 0; r < size(); ++r) all[r] = r;
+  if (absl::Status s = RingReduceScatter(call, all, absl::MakeSpan(work)); !s.ok()) return s;
+  std::memcpy(output.data(), work.data() + rank_ * output.size(), output.size() * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status GrpcCommunicator::AllGather(absl::Span<const float> input, absl::Span<float> output,
+                                         std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  if (output.size() != input.size() * peers_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("AllGather: output has ", output.size(),
+                                                   " elements, expected size() x input = ",
+                                                   input.size() * peers_.size()));
+  }
+  const Call call = Begin("all-gather", tag);
+  std::copy(input.begin(), input.end(), output.begin() + static_cast<ptrdiff_t>(rank_ * input.size()));
+  std::vector<int> all(peers_.size());
+  for (int r = 0; r < size(); ++r) all[r] = r;
+  return RingAllGather(call, all, output, GatherCodec(all));
+}
+
+absl::Status GrpcCommunicator::Broadcast(absl::Span<float> data, int root, std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  if (root < 0 || root >= size()) return absl::InvalidArgumentError(absl::StrCat("Broadcast: bad root ", root));
+  const Call call = Begin("broadcast", tag);
+  if (rank_ != root) {
+    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "b", root);
+    if (!got.ok()) return got.status();
+    if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
+    return got->DecodeInto(data);
+  }
+  std::vector<std::unique_ptr<AsyncStatus>> sends;
+  for (int r = 0; r < size(); ++r) {
+    if (r == root) continue;
+    sends.push_back(std::make_unique<AsyncStatus>([&, r] {
+      return SendTo(call, "b", r, data, LinkCodec(root, r), absl::StrCat(call.prefix, "/b/", r));
+    }));
+  }
+  absl::Status first_error;
+  for (auto& send : sends) {
+    absl::Status s = send->Wait();
+    if (first_error.ok()) first_error = s;
+  }
+  return first_error;
+}
+
+absl::Status GrpcCommunicator::Send(int peer, absl::Span<const float> data, std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  if (peer < 0 || peer >= size() || peer == rank_) return absl::InvalidArgumentError("Send: bad peer");
+  const Call call = Begin(absl::StrCat("p2p-", rank_, ">", peer), tag);
+  return SendTo(call, "m", peer, data, LinkCodec(rank_, peer), call.prefix);
+}
+
+absl::Status GrpcCommunicator::Recv(int peer, absl::Span<float> data, std::string_view tag) {
+  if (!config_status_.ok()) return config_status_;
+  if (peer < 0 || peer >= size() || peer == rank_) return absl::InvalidArgumentError("Recv: bad peer");
+  const Call call = Begin(absl::StrCat("p2p-", peer, ">", rank_), tag);
+  absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "m", peer);
+  if (!got.ok()) return got.status();
+  if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
+  return got->DecodeInto(data);
+}
+
+// --- BucketedAllReduce -----------------------------------------------------------------------------------
+
+BucketedAllReduce::BucketedAllReduce(Communicator* communicator, std::string tag_prefix)
+    : communicator_(communicator), tag_prefix_(std::move(tag_prefix)), thread_([this] { Loop(); }) {}
+
+BucketedAllReduce::~BucketedAllReduce() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+std::shared_future<absl::Status> BucketedAllReduce::Start(int bucket_id, absl::Span<float> bucket) {
+  Item item{bucket_id, bucket, std::promise<absl::Status>()};
+  std::shared_future<absl::Status> shared = item.done.get_future().share();
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(std::move(item));
+  pending_.push_back(shared);
+  return shared;
+}
+
+absl::Status BucketedAllReduce::WaitAll() {
+  std::vector<std::shared_future<absl::Status>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    pending.swap(pending_);
+  }
+  absl::Status first_error;
+  for (auto& f : pending) {
+    absl::Status s = f.get();
+    if (first_error.ok()) first_error = s;
+  }
+  return first_error;
+}
+
+void BucketedAllReduce::Loop() {
+  while (true) {
+    Item item;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](BucketedAllReduce* self) { return self->stop_ || !self->queue_.empty(); }, this));
+      if (queue_.empty()) return;  // stop_ and nothing left
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    item.done.set_value(communicator_->AllReduceSum(item.data, absl::StrCat(tag_prefix_, "/", item.bucket_id)));
+  }
+}
+
+}  // namespace geotrain::comm

@@ -1,0 +1,173 @@
+// Collectives behind one interface: all-reduce (sum), reduce-scatter, all-gather, broadcast and
+// point-to-point send/recv among `size()` ranks, plus a bucketed gradient all-reduce that overlaps with
+// backward. GrpcCommunicator implements them over tensor streams (comm/tensor_stream.h): a ring for any
+// ranks and sites, and a hierarchical all-reduce (reduce inside each site to a leader, ring all-reduce among
+// the site leaders through the WAN codec, broadcast inside each site).
+//
+//   GrpcCommunicator comm(rank, peers, &stream_server, &stream_client, options);
+//   RETURN_IF_ERROR(comm.AllReduceSum(absl::MakeSpan(grads), "grads"));
+//
+//   BucketedAllReduce buckets(&comm);            // in the backward pass, as each bucket's grads are done:
+//   auto done = buckets.Start(bucket_id, span);  // runs on a background thread
+//   ...                                          // backward continues
+//   RETURN_IF_ERROR(buckets.WaitAll());          // before the optimizer step
+//
+// Contract shared by all collectives:
+// - every rank calls the same collectives with the same tag, sizes and root in the same order; calls with
+//   different tags may run concurrently on different threads (a tag's calls are numbered, and the number and
+//   tag are part of every tensor key, so concurrent collectives never mix their tensors);
+// - every call has a deadline (options.timeout from its start): a rank that does not take part makes the others
+//   fail with DEADLINE_EXCEEDED, never hang;
+// - the link between two ranks uses options.wan_codec when their sites differ, else options.lan_codec;
+// - results are identical on every rank, bit for bit, for every codec (a lossy codec's error is shared:
+//   the final values of each chunk are encoded once by their owner and forwarded unchanged);
+// - top-k codecs keep one error-feedback residual per (tag, position in the algorithm) inside the
+//   communicator, so use a stable tag per gradient bucket.
+// Thread safety: the methods are thread-safe under the tag rule above.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <future>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "comm/codec.h"
+#include "comm/tensor_stream.h"
+
+namespace geotrain::comm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // data <- sum over ranks of data.
+  virtual absl::Status AllReduceSum(absl::Span<float> data, std::string_view tag) = 0;
+  // input.size() == size() * output.size(); output <- sum over ranks of input[rank * m, (rank + 1) * m).
+  virtual absl::Status ReduceScatter(absl::Span<const float> input, absl::Span<float> output,
+                                     std::string_view tag) = 0;
+  // output.size() == size() * input.size(); output[r * m, (r + 1) * m) <- rank r's input.
+  virtual absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output, std::string_view tag) = 0;
+  // data <- root's data.
+  virtual absl::Status Broadcast(absl::Span<float> data, int root, std::string_view tag) = 0;
+  // Point to point; a Send to `peer` with a tag matches that peer's Recv from this rank with the same tag, in
+  // order. Send returns once the peer's endpoint holds the tensor (not when the peer called Recv).
+  virtual absl::Status Send(int peer, absl::Span<const float> data, std::string_view tag) = 0;
+  virtual absl::Status Recv(int peer, absl::Span<float> data, std::string_view tag) = 0;
+};
+
+struct PeerInfo {
+  std::string name;     // unique, used as the sender in tensor keys (e.g. "rank3" or an actor id)
+  std::string address;  // host:port of the peer's TensorStream endpoint
+  std::string site;
+};
+
+enum class AllReduceAlgorithm { kRing, kHierarchical };
+
+struct CommunicatorOptions {
+  std::string job_id;
+  Codec lan_codec;  // inside a site (default none)
+  Codec wan_codec;  // between sites (default none)
+  AllReduceAlgorithm all_reduce = AllReduceAlgorithm::kRing;
+  absl::Duration timeout = absl::Seconds(120);  // deadline of each collective, from its start
+};
+
+class GrpcCommunicator : public Communicator {
+ public:
+  // `peers[r]` describes rank r; `server` is this rank's endpoint (its mailbox; registered on a running
+  // grpc::Server at peers[rank].address) and `client` sends to the others. Both must outlive this object.
+  // Bad arguments (rank out of range, duplicate or empty names) make every call return INVALID_ARGUMENT.
+  GrpcCommunicator(int rank, std::vector<PeerInfo> peers, TensorStreamServer* server, TensorStreamClient* client,
+                   CommunicatorOptions options);
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(peers_.size()); }
+
+  // Uses options.all_reduce.
+  absl::Status AllReduceSum(absl::Span<float> data, std::string_view tag) override;
+  absl::Status RingAllReduce(absl::Span<float> data, std::string_view tag);
+  absl::Status HierarchicalAllReduce(absl::Span<float> data, std::string_view tag);
+
+  absl::Status ReduceScatter(absl::Span<const float> input, absl::Span<float> output, std::string_view tag) override;
+  absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output, std::string_view tag) override;
+  absl::Status Broadcast(absl::Span<float> data, int root, std::string_view tag) override;
+  absl::Status Send(int peer, absl::Span<const float> data, std::string_view tag) override;
+  absl::Status Recv(int peer, absl::Span<float> data, std::string_view tag) override;
+
+  // The codec of the link between ranks a and b.
+  const Codec& LinkCodec(int a, int b) const;
+  const std::vector<PeerInfo>& peers() const { return peers_; }
+
+ private:
+  struct Call;  // one collective invocation: its key prefix and deadline
+
+  Call Begin(std::string_view op, std::string_view tag);
+  TensorKey MakeKey(const Call& call, const std::string& part, int src) const;
+  std::vector<float>* Residual(const std::string& key);
+
+  // Ring phases over `group` (ranks in ring order, containing rank_) on `data` split into group.size()
+  // balanced chunks; position p ends the reduce-scatter holding chunk p fully reduced.
+  absl::Status RingReduceScatter(const Call& call, const std::vector<int>& group, absl::Span<float> data);
+  absl::Status RingAllGather(const Call& call, const std::vector<int>& group, absl::Span<float> data,
+                             const Codec& codec);
+  // The codec for the all-gather phase of a ring: the WAN codec if the ring crosses sites, else the LAN codec.
+  const Codec& GatherCodec(const std::vector<int>& group) const;
+  absl::Status SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
+                      const Codec& codec, const std::string& residual_key);
+  absl::Status SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
+                             const Bytes& encoded, int64_t elements);
+  absl::StatusOr<ReceivedTensor> RecvFrom(const Call& call, const std::string& part, int peer);
+
+  const int rank_;
+  const std::vector<PeerInfo> peers_;
+  TensorStreamServer* const server_;
+  TensorStreamClient* const client_;
+  const CommunicatorOptions options_;
+  absl::Status config_status_;  // what is wrong with the constructor's arguments, returned by every call
+
+  absl::Mutex mu_;
+  std::map<std::string, int64_t> sequence_ ABSL_GUARDED_BY(mu_);  // per (op, tag)
+  std::map<std::string, std::vector<float>> residuals_ ABSL_GUARDED_BY(mu_);  // node-based: stable addresses
+};
+
+// Gradient all-reduce in buckets, overlapped with backward: Start() queues a bucket and returns at once; a
+// background thread all-reduces the buckets one at a time in Start order (tag "<prefix>/<bucket_id>", so a
+// top-k residual follows each bucket across steps). The bucket's memory must stay valid and untouched until
+// its future is ready. Every rank must Start the same buckets in the same order.
+class BucketedAllReduce {
+ public:
+  explicit BucketedAllReduce(Communicator* communicator, std::string tag_prefix = "grad-bucket");
+  ~BucketedAllReduce();  // finishes the queued buckets, then stops the thread
+  BucketedAllReduce(const BucketedAllReduce&) = delete;
+  BucketedAllReduce& operator=(const BucketedAllReduce&) = delete;
+
+  std::shared_future<absl::Status> Start(int bucket_id, absl::Span<float> bucket);
+  // Waits for every bucket started so far; returns the first error among them.
+  absl::Status WaitAll();
+
+ private:
+  struct Item {
+    int bucket_id;
+    absl::Span<float> data;
+    std::promise<absl::Status> done;
+  };
+  void Loop();
+
+  Communicator* const communicator_;
+  const std::string tag_prefix_;
+  absl::Mutex mu_;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_future<absl::Status>> pending_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace geotrain::comm

@@ -1,0 +1,290 @@
+// Collective tests: 4 ranks in one process, each with its own gRPC endpoint on loopback, in 2 sites
+// (ranks 0,1 in "east", 2,3 in "west"). Ring and hierarchical all-reduce against the exact sum (lossless) and
+// the codec bounds (bf16, int8), identical results on every rank, the other collectives, the bucketed
+// all-reduce and deadlines.
+#include "comm/communicator.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace geotrain::comm {
+namespace {
+
+constexpr char kToken[] = "collective-token";
+
+struct Rank {
+  std::unique_ptr<TensorStreamServer> streams;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<TensorStreamClient> client;
+  std::unique_ptr<GrpcCommunicator> comm;
+};
+
+class Cluster {
+ public:
+  Cluster(int n, const std::vector<std::string>& sites, CommunicatorOptions options) : ranks_(n) {
+    std::vector<PeerInfo> peers;
+    for (int r = 0; r < n; ++r) {
+      ranks_[r].streams = std::make_unique<TensorStreamServer>(kToken);
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      ranks_[r].streams->Register(&builder);
+      ranks_[r].server = builder.BuildAndStart();
+      ranks_[r].client = std::make_unique<TensorStreamClient>(kToken);
+      peers.push_back(PeerInfo{"rank" + std::to_string(r), "127.0.0.1:" + std::to_string(port), sites[r]});
+    }
+    options.job_id = "job-c";
+    for (int r = 0; r < n; ++r) {
+      ranks_[r].comm = std::make_unique<GrpcCommunicator>(r, peers, ranks_[r].streams.get(), ranks_[r].client.get(),
+                                                           options);
+    }
+  }
+  ~Cluster() {
+    for (auto& r : ranks_) {
+      r.streams->Shutdown();
+      r.server->Shutdown();
+    }
+  }
+  GrpcCommunicator& comm(int r) { return *ranks_[r].comm; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+
+  // Runs fn(rank) on one thread per rank; returns each rank's status.
+  std::vector<absl::Status> Run(const std::function<absl::Status(int)>& fn) {
+    std::vector<absl::Status> statuses(ranks_.size());
+    std::vector<std::thread> threads;
+    for (int r = 0; r < size(); ++r) threads.emplace_back([&, r] { statuses[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    return statuses;
+  }
+
+ private:
+  std::vector<Rank> ranks_;
+};
+
+const std::vector<std::string> kTwoSites = {"east", "east", "west", "west"};
+
+CommunicatorOptions Options(const char* lan, const char* wan, AllReduceAlgorithm algorithm) {
+  CommunicatorOptions o;
+  o.lan_codec = ParseCodec(lan).value();
+  o.wan_codec = ParseCodec(wan).value();
+  o.all_reduce = algorithm;
+  o.timeout = absl::Seconds(30);
+  return o;
+}
+
+std::vector<std::vector<float>> RankData(int n, size_t count, bool positive) {
+  std::vector<std::vector<float>> data(n);
+  for (int r = 0; r < n; ++r) {
+    std::mt19937 rng(1000 + r);
+    std::uniform_real_distribution<float> dist(positive ? 0.5f : -1.0f, positive ? 1.5f : 1.0f);
+    data[r].resize(count);
+    for (float& x : data[r]) x = dist(rng);
+  }
+  return data;
+}
+
+void ExpectAllOk(const std::vector<absl::Status>& statuses) {
+  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r];
+}
+
+struct AllReduceCase {
+  const char* lan;
+  const char* wan;
+  AllReduceAlgorithm algorithm;
+  double relative_bound;  // per element, relative to the sum of |inputs|
+};
+
+class AllReduceTest : public ::testing::TestWithParam<AllReduceCase> {};
+
+TEST_P(AllReduceTest, MatchesTheSumWithinTheCodecBoundAndAgreesOnEveryRank) {
+  const AllReduceCase& c = GetParam();
+  Cluster cluster(4, kTwoSites, Options(c.lan, c.wan, c.algorithm));
+  const size_t count = 100003;  // not a multiple of the rank count
+  const bool lossless = c.relative_bound < 1e-5;
+  auto data = RankData(4, count, /*positive=*/!lossless);
+  std::vector<double> exact(count, 0.0), magnitude(count, 0.0);
+  for (const auto& d : data) {
+    for (size_t i = 0; i < count; ++i) {
+      exact[i] += d[i];
+      magnitude[i] += std::fabs(d[i]);
+    }
+  }
+  // Twice, so that the second call exercises the per-tag sequence numbers.
+  for (int round = 0; round < 2; ++round) {
+    auto work = data;
+    ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).AllReduceSum(absl::MakeSpan(work[r]), "g"); }));
+    double worst = 0;
+    for (size_t i = 0; i < count; ++i) {
+      worst = std::max(worst, std::fabs(work[0][i] - exact[i]) / magnitude[i]);
+    }
+    EXPECT_LE(worst, c.relative_bound) << c.lan << "/" << c.wan;
+    for (int r = 1; r < 4; ++r) EXPECT_EQ(work[r], work[0]) << "rank " << r << " differs from rank 0";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Codecs, AllReduceTest,
+    ::testing::Values(AllReduceCase{"none", "none", AllReduceAlgorithm::kRing, 1e-6},
+                      AllReduceCase{"none", "none", AllReduceAlgorithm::kHierarchical, 1e-6},
+                      AllReduceCase{"none", "none+zstd", AllReduceAlgorithm::kHierarchical, 1e-6},
+                      // bf16: at most 3 roundings of values no larger than the final sum (positive data):
+                      // partial sums crossing the WAN, then the final chunk.
+                      AllReduceCase{"none", "bf16", AllReduceAlgorithm::kRing, 3 * 0x1p-8},
+                      AllReduceCase{"none", "bf16", AllReduceAlgorithm::kHierarchical, 2 * 0x1p-8},
+                      // int8: each rounding is at most max|block|/254 <= 1.5 x the element's own sum / 254 for
+                      // these positive inputs in [0.5, 1.5].
+                      AllReduceCase{"none", "int8", AllReduceAlgorithm::kRing, 3 * 3.0 / 254},
+                      AllReduceCase{"none", "int8+zstd", AllReduceAlgorithm::kHierarchical, 2 * 3.0 / 254},
+                      // top-k keeping everything is exact (exercises the residual plumbing).
+                      AllReduceCase{"none", "topk:1", AllReduceAlgorithm::kHierarchical, 1e-6}),
+    [](const auto& info) { return "Case" + std::to_string(info.index); });
+
+TEST(Collectives, TopKErrorFeedbackDeliversDroppedGradientsLater) {
+  // The same gradients every step with top-k 25% across the WAN: without error feedback three quarters of the
+  // elements would never arrive (cumulative error = steps x gradient); with it every element's cumulative sum
+  // stays within a few gradients of the exact one, and all ranks agree at every step.
+  Cluster cluster(4, kTwoSites, Options("none", "topk:0.25", AllReduceAlgorithm::kHierarchical));
+  const size_t count = 4096;
+  auto data = RankData(4, count, /*positive=*/false);
+  std::vector<double> exact(count, 0.0), cumulative(count, 0.0);
+  for (const auto& d : data) {
+    for (size_t i = 0; i < count; ++i) exact[i] += d[i];
+  }
+  constexpr int kSteps = 24;
+  size_t zeros_first_step = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    auto work = data;
+    ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).AllReduceSum(absl::MakeSpan(work[r]), "bucket0"); }));
+    for (int r = 1; r < 4; ++r) ASSERT_EQ(work[r], work[0]) << "step " << step << " rank " << r;
+    for (size_t i = 0; i < count; ++i) {
+      cumulative[i] += work[0][i];
+      if (step == 0 && work[0][i] == 0.0f) ++zeros_first_step;
+    }
+  }
+  EXPECT_GT(zeros_first_step, count / 2);  // it really is sparse
+  double max_exact = 0, worst = 0;
+  for (size_t i = 0; i < count; ++i) {
+    max_exact = std::max(max_exact, std::fabs(exact[i]));
+    worst = std::max(worst, std::fabs(cumulative[i] - kSteps * exact[i]));
+  }
+  EXPECT_LT(worst, 8 * max_exact) << "cumulative error " << worst << " vs one gradient " << max_exact;
+}
+
+TEST(Collectives, ReduceScatterAllGatherBroadcastSendRecv) {
+  Cluster cluster(4, kTwoSites, Options("none", "none", AllReduceAlgorithm::kRing));
+  const size_t m = 1001;
+  auto data = RankData(4, 4 * m, false);
+  std::vector<std::vector<float>> scattered(4, std::vector<float>(m));
+  ExpectAllOk(cluster.Run([&](int r) {
+    return cluster.comm(r).ReduceScatter(data[r], absl::MakeSpan(scattered[r]), "rs");
+  }));
+  for (int r = 0; r < 4; ++r) {
+    for (size_t i = 0; i < m; ++i) {
+      const double exact = static_cast<double>(data[0][r * m + i]) + data[1][r * m + i] + data[2][r * m + i] +
+                           data[3][r * m + i];
+      ASSERT_NEAR(scattered[r][i], exact, 1e-5) << r << " " << i;
+    }
+  }
+  std::vector<std::vector<float>> gathered(4, std::vector<float>(4 * m));
+  ExpectAllOk(cluster.Run([&](int r) {
+    return cluster.comm(r).AllGather(scattered[r], absl::MakeSpan(gathered[r]), "ag");
+  }));
+  for (int r = 0; r < 4; ++r) {
+    for (int q = 0; q < 4; ++q) {
+      ASSERT_TRUE(std::equal(scattered[q].begin(), scattered[q].end(), gathered[r].begin() + q * m));
+    }
+  }
+  auto bcast = RankData(4, 5000, false);
+  const std::vector<float> root_data = bcast[2];
+  ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).Broadcast(absl::MakeSpan(bcast[r]), 2, "b"); }));
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(bcast[r], root_data);
+  // A ring of point-to-point messages, twice with the same tag (matched in order).
+  std::vector<std::vector<float>> received(4, std::vector<float>(10));
+  ExpectAllOk(cluster.Run([&](int r) -> absl::Status {
+    for (int round = 0; round < 2; ++round) {
+      std::vector<float> mine(10, static_cast<float>(r * 10 + round));
+      if (absl::Status s = cluster.comm(r).Send((r + 1) % 4, mine, "p"); !s.ok()) return s;
+      if (absl::Status s = cluster.comm(r).Recv((r + 3) % 4, absl::MakeSpan(received[r]), "p"); !s.ok()) return s;
+      if (received[r][0] != static_cast<float>(((r + 3) % 4) * 10 + round)) return absl::InternalError("wrong value");
+    }
+    return absl::OkStatus();
+  }));
+}
+
+TEST(Collectives, TensorsSmallerThanTheRankCount) {
+  for (AllReduceAlgorithm algorithm : {AllReduceAlgorithm::kRing, AllReduceAlgorithm::kHierarchical}) {
+    Cluster cluster(4, kTwoSites, Options("none", "int8", algorithm));
+    for (size_t count : {size_t{0}, size_t{1}, size_t{3}}) {
+      std::vector<std::vector<float>> data(4, std::vector<float>(count, 2.0f));
+      ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).AllReduceSum(absl::MakeSpan(data[r]), "tiny"); }));
+      for (int r = 0; r < 4; ++r) {
+        for (float x : data[r]) EXPECT_NEAR(x, 8.0f, 8.0f / 254) << "count " << count;
+      }
+    }
+  }
+}
+
+TEST(Collectives, WrongSizesAreRefused) {
+  Cluster cluster(4, kTwoSites, Options("none", "none", AllReduceAlgorithm::kRing));
+  std::vector<float> in(10), out(3);
+  EXPECT_EQ(cluster.comm(0).ReduceScatter(in, absl::MakeSpan(out), "x").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cluster.comm(0).AllGather(in, absl::MakeSpan(out), "x").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cluster.comm(0).Broadcast(absl::MakeSpan(in), 7, "x").code(), absl::StatusCode::kInvalidArgument);
+  // A communicator built with a rank outside its peers, or with duplicate names, refuses every call.
+  std::vector<PeerInfo> peers = cluster.comm(0).peers();
+  TensorStreamServer server(kToken);
+  TensorStreamClient client(kToken);
+  GrpcCommunicator bad_rank(7, peers, &server, &client, {});
+  EXPECT_EQ(bad_rank.AllReduceSum(absl::MakeSpan(in), "x").code(), absl::StatusCode::kInvalidArgument);
+  peers[1].name = peers[0].name;
+  GrpcCommunicator duplicate(0, peers, &server, &client, {});
+  EXPECT_EQ(duplicate.Send(1, in, "x").code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Collectives, ConcurrentBucketsOverlapAndSum) {
+  Cluster cluster(4, kTwoSites, Options("none", "bf16", AllReduceAlgorithm::kHierarchical));
+  constexpr int kBuckets = 5;
+  std::vector<std::vector<std::vector<float>>> buckets(4);
+  for (int r = 0; r < 4; ++r) {
+    for (int b = 0; b < kBuckets; ++b) buckets[r].push_back(std::vector<float>(20000 + 1000 * b, 1.0f + r));
+  }
+  ExpectAllOk(cluster.Run([&](int r) -> absl::Status {
+    BucketedAllReduce bucketed(&cluster.comm(r));
+    std::vector<std::shared_future<absl::Status>> futures;
+    for (int b = kBuckets - 1; b >= 0; --b) {  // backward produces the last layers' gradients first
+      futures.push_back(bucketed.Start(b, absl::MakeSpan(buckets[r][b])));
+      absl::SleepFor(absl::Milliseconds(2));  // "backward" keeps computing
+    }
+    if (absl::Status s = futures.front().get(); !s.ok()) return s;
+    return bucketed.WaitAll();
+  }));
+  for (int r = 0; r < 4; ++r) {
+    for (int b = 0; b < kBuckets; ++b) {
+      for (float x : buckets[r][b]) ASSERT_EQ(x, 10.0f);  // 1+2+3+4, exact in bf16
+    }
+  }
+}
+
+TEST(Collectives, AMissingRankMakesTheOthersFailAtTheDeadline) {
+  CommunicatorOptions options = Options("none", "none", AllReduceAlgorithm::kRing);
+  options.timeout = absl::Milliseconds(500);
+  Cluster cluster(4, kTwoSites, options);
+  std::vector<std::vector<float>> data(4, std::vector<float>(1000, 1.0f));
+  const absl::Time start = absl::Now();
+  auto statuses = cluster.Run([&](int r) -> absl::Status {
+    if (r == 3) return absl::OkStatus();  // rank 3 never joins
+    return cluster.comm(r).AllReduceSum(absl::MakeSpan(data[r]), "late");
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(statuses[r].code(), absl::StatusCode::kDeadlineExceeded) << statuses[r];
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+}  // namespace
+}  // namespace geotrain::comm

@@ -1,0 +1,343 @@
+// Tensor stream tests with a real gRPC server on loopback: round trips of several shapes and codecs, big
+// tensors over many chunks, concurrent senders, the token check, malformed chunks sent raw through the
+// generated stub, mailbox limits and deadlines.
+#include "comm/tensor_stream.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tensor.grpc.pb.h"
+
+namespace geotrain::comm {
+namespace {
+
+constexpr char kToken[] = "test-token-123";
+
+std::vector<float> RandomTensor(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+TensorKey Key(const std::string& tensor, int64_t step = 1, const std::string& src = "sender") {
+  return TensorKey{"job-1", step, 0, tensor, src};
+}
+
+class Endpoint {
+ public:
+  explicit Endpoint(TensorStreamOptions options = {}) : streams_(kToken, options) {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    streams_.Register(&builder);
+    server_ = builder.BuildAndStart();
+    address_ = "127.0.0.1:" + std::to_string(port);
+  }
+  ~Endpoint() {
+    streams_.Shutdown();
+    server_->Shutdown();
+  }
+  TensorStreamServer& streams() { return streams_; }
+  const std::string& address() const { return address_; }
+
+ private:
+  TensorStreamServer streams_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+absl::Time Soon(int seconds = 20) { return absl::Now() + absl::Seconds(seconds); }
+
+TEST(TensorStream, RoundTripsShapesAndCodecs) {
+  Endpoint endpoint;
+  TensorStreamClient client(kToken);
+  const std::vector<std::vector<int64_t>> shapes = {{}, {0}, {7}, {3, 5}, {2, 3, 4, 5}, {1000, 33}};
+  int id = 0;
+  for (const char* codec_name : {"none", "fp16", "bf16", "int8", "bf16+zstd", "none+zstd"}) {
+    const Codec codec = ParseCodec(codec_name).value();
+    for (const auto& shape : shapes) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      const std::vector<float> data = RandomTensor(static_cast<size_t>(n), id);
+      const TensorKey key = Key("t" + std::to_string(id++));
+      ASSERT_TRUE(client.Send(endpoint.address(), key, shape, data, codec, Soon()).ok()) << codec_name;
+      absl::StatusOr<ReceivedTensor> got = endpoint.streams().Recv(key, Soon());
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->shape, shape);
+      EXPECT_EQ(got->codec, codec.ToString());
+      // Exactly what a local encode/decode gives.
+      Bytes local;
+      ASSERT_TRUE(EncodeTensor(codec, data, &local).ok());
+      std::vector<float> expected(data.size());
+      ASSERT_TRUE(DecodeTensor(local.span(), absl::MakeSpan(expected)).ok());
+      EXPECT_EQ(got->Decode().value(), expected) << codec_name;
+    }
+  }
+  EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 0u);
+  EXPECT_EQ(endpoint.streams().stats().mailbox_bytes, 0u);
+}
+
+TEST(TensorStream, BigTensorOverManyChunksIsBitExact) {
+  Endpoint endpoint;
+  TensorStreamOptions options;
+  options.chunk_bytes = 256 * 1024;
+  TensorStreamClient client(kToken, options);
+  const std::vector<float> data = RandomTensor(6 * 1024 * 1024 + 3, 5);  // 24 MiB: 97 chunks
+  const std::vector<int64_t> shape = {static_cast<int64_t>(data.size())};
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("big"), shape, data, Codec{}, Soon()).ok());
+  auto got = endpoint.streams().Recv(Key("big"), Soon());
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::vector<float> out(data.size());
+  ASSERT_TRUE(got->DecodeInto(absl::MakeSpan(out)).ok());
+  EXPECT_EQ(std::memcmp(out.data(), data.data(), data.size() * 4), 0);
+  EXPECT_EQ(client.stats().bytes_sent, data.size() * 4 + kCodecHeaderBytes);
+}
+
+TEST(TensorStream, ConcurrentSendersAllArrive) {
+  Endpoint endpoint;
+  TensorStreamClient client(kToken);
+  constexpr int kSenders = 6, kPerSender = 8;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int s = 0; s < kSenders; ++s) {
+    threads.emplace_back([&, s] {
+      for (int i = 0; i < kPerSender; ++i) {
+        const std::vector<float> data(10000 + i, static_cast<float>(s * 100 + i));
+        const int64_t n = static_cast<int64_t>(data.size());
+        if (!client.Send(endpoint.address(), Key("x", i, "s" + std::to_string(s)), {n}, data, Codec{}, Soon()).ok()) {
+          ++failures;
+        }
+      }
+    });
+  }
+  // Receive in the opposite order of sending, concurrently with the senders.
+  for (int s = kSenders - 1; s >= 0; --s) {
+    for (int i = kPerSender - 1; i >= 0; --i) {
+      auto got = endpoint.streams().Recv(Key("x", i, "s" + std::to_string(s)), Soon());
+      ASSERT_TRUE(got.ok()) << got.status();
+      auto values = got->Decode().value();
+      ASSERT_EQ(values.size(), 10000u + i);
+      EXPECT_EQ(values.front(), static_cast<float>(s * 100 + i));
+      EXPECT_EQ(values.back(), static_cast<float>(s * 100 + i));
+    }
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST(TensorStream, WrongOrMissingTokenIsUnauthenticated) {
+  Endpoint endpoint;
+  TensorStreamClient wrong("not-the-token");
+  const std::vector<float> data(10, 1.0f);
+  absl::Status s = wrong.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon());
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  TensorStreamClient prefix("test-token-12");  // a prefix of the right token
+  EXPECT_EQ(prefix.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon()).code(),
+            absl::StatusCode::kUnauthenticated);
+  // No metadata at all, through the generated stub.
+  auto stub = geotrain::TensorStream::NewStub(
+      grpc::CreateChannel(endpoint.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  auto stream = stub->Stream(&context);
+  stream->WritesDone();
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 0u);
+  EXPECT_GE(endpoint.streams().stats().streams_rejected, 3u);
+  EXPECT_TRUE(TokenMatches("abc", "abc"));
+  EXPECT_FALSE(TokenMatches("abcd", "abc"));
+  EXPECT_FALSE(TokenMatches("", ""));
+}
+
+// Sends hand-made chunks through the generated (protobuf) stub and returns the final status.
+grpc::Status SendRaw(const std::string& address, const std::vector<geotrain::TensorChunk>& chunks,
+                     bool half_close = true) {
+  auto stub = geotrain::TensorStream::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.AddMetadata(kTokenMetadataKey, kToken);
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  auto stream = stub->Stream(&context);
+  for (const auto& c : chunks) {
+    if (!stream->Write(c)) break;
+  }
+  if (half_close) stream->WritesDone();
+  geotrain::TensorAck ack;
+  while (stream->Read(&ack)) {
+  }
+  return stream->Finish();
+}
+
+// A valid two-chunk tensor of 1000 floats ("none"), chunk size 2048 bytes.
+std::vector<geotrain::TensorChunk> ValidChunks(const std::string& id) {
+  std::vector<float> data = RandomTensor(1000, 9);
+  Bytes encoded;
+  EXPECT_TRUE(EncodeTensor(Codec{}, data, &encoded).ok());
+  const uint32_t crc = InspectEncoded(encoded.span()).value().payload_crc;
+  std::vector<geotrain::TensorChunk> chunks;
+  for (uint64_t offset = 0; offset < encoded.size(); offset += 2048) {
+    geotrain::TensorChunk c;
+    const uint64_t len = std::min<uint64_t>(2048, encoded.size() - offset);
+    if (offset == 0) {
+      auto* h = c.mutable_header();
+      h->mutable_key()->set_job_id("job-1");
+      h->mutable_key()->set_step(1);
+      h->mutable_key()->set_tensor_id(id);
+      h->mutable_key()->set_src("sender");
+      h->set_dtype(geotrain::TENSOR_DTYPE_F32);
+      h->add_shape(10);
+      h->add_shape(100);
+      h->set_codec("none");
+      h->set_total_bytes(encoded.size());
+      h->set_checksum(crc);
+      h->set_chunk_bytes(2048);
+    }
+    c.set_offset(offset);
+    c.set_last(offset + len == encoded.size());
+    c.set_payload(std::string(reinterpret_cast<const char*>(encoded.data()) + offset, len));
+    chunks.push_back(c);
+  }
+  return chunks;
+}
+
+TEST(TensorStream, RawValidChunksFromTheGeneratedStubAreAccepted) {
+  Endpoint endpoint;
+  ASSERT_TRUE(SendRaw(endpoint.address(), ValidChunks("ok")).ok());
+  auto got = endpoint.streams().Recv(Key("ok"), Soon());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->Decode().value(), RandomTensor(1000, 9));
+}
+
+TEST(TensorStream, MalformedChunksAreRejectedBeforeUse) {
+  TensorStreamOptions options;
+  options.max_tensor_bytes = 1 << 20;
+  Endpoint endpoint(options);
+  struct Case {
+    const char* what;
+    std::function<void(std::vector<geotrain::TensorChunk>&)> mutate;
+    grpc::StatusCode expected;
+  };
+  const std::vector<Case> cases = {
+      {"no header", [](auto& c) { c[0].clear_header(); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"shape disagrees with size", [](auto& c) { c[0].mutable_header()->set_shape(1, 101); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"negative dimension", [](auto& c) { c[0].mutable_header()->set_shape(1, -100); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"huge shape",
+       [](auto& c) {
+         for (int i = 0; i < 6; ++i) c[0].mutable_header()->add_shape(1 << 20);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"over max_tensor_bytes",
+       [](auto& c) {
+         c[0].mutable_header()->set_shape(1, 1000000);
+         c[0].mutable_header()->set_total_bytes(40 + 4000000000ull);
+       },
+       grpc::StatusCode::RESOURCE_EXHAUSTED},
+      {"unknown codec", [](auto& c) { c[0].mutable_header()->set_codec("zip"); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"codec disagrees with size", [](auto& c) { c[0].mutable_header()->set_codec("bf16"); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"no dtype", [](auto& c) { c[0].mutable_header()->clear_dtype(); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"zero chunk size", [](auto& c) { c[0].mutable_header()->set_chunk_bytes(0); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"empty tensor id", [](auto& c) { c[0].mutable_header()->mutable_key()->clear_tensor_id(); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"first offset not zero", [](auto& c) { c[0].set_offset(8); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"gap between chunks", [](auto& c) { c[1].set_offset(c[1].offset() + 4); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"short chunk", [](auto& c) { c[0].mutable_payload()->pop_back(); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"long last chunk", [](auto& c) { c.back().mutable_payload()->push_back('x'); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"wrong last flag", [](auto& c) { c[0].set_last(true); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"header repeated", [](auto& c) { *c[1].mutable_header() = c[0].header(); }, grpc::StatusCode::INVALID_ARGUMENT},
+      {"flipped payload byte", [](auto& c) { (*c[1].mutable_payload())[100] ^= 1; }, grpc::StatusCode::DATA_LOSS},
+      {"wrong checksum", [](auto& c) { c[0].mutable_header()->set_checksum(c[0].header().checksum() + 1); },
+       grpc::StatusCode::DATA_LOSS},
+      {"ends inside the tensor", [](auto& c) { c.pop_back(); }, grpc::StatusCode::DATA_LOSS},
+      {"codec header corrupted", [](auto& c) { (*c[0].mutable_payload())[10] ^= 1; },
+       grpc::StatusCode::DATA_LOSS},
+  };
+  for (const Case& test_case : cases) {
+    std::vector<geotrain::TensorChunk> chunks = ValidChunks("bad");
+    test_case.mutate(chunks);
+    const grpc::Status status = SendRaw(endpoint.address(), chunks);
+    EXPECT_EQ(status.error_code(), test_case.expected) << test_case.what << ": " << status.error_message();
+    EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 0u) << test_case.what;
+    EXPECT_EQ(endpoint.streams().stats().mailbox_bytes, 0u) << test_case.what;
+  }
+  EXPECT_EQ(endpoint.streams().stats().streams_rejected, cases.size());
+  // The endpoint still works afterwards.
+  ASSERT_TRUE(SendRaw(endpoint.address(), ValidChunks("good")).ok());
+  EXPECT_TRUE(endpoint.streams().Recv(Key("good"), Soon()).ok());
+}
+
+TEST(TensorStream, DuplicateKeyIsRefusedAndMailboxIsBounded) {
+  TensorStreamOptions options;
+  options.max_mailbox_bytes = 100000;
+  Endpoint endpoint(options);
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(10000, 2.0f);  // 40,040 bytes encoded
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("d"), {10000}, data, Codec{}, Soon()).ok());
+  EXPECT_EQ(client.Send(endpoint.address(), Key("d"), {10000}, data, Codec{}, Soon()).code(),
+            absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("e"), {10000}, data, Codec{}, Soon()).ok());
+  // A third one would pass the mailbox limit: refused, not buffered.
+  EXPECT_EQ(client.Send(endpoint.address(), Key("f"), {10000}, data, Codec{}, Soon()).code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(endpoint.streams().Recv(Key("d"), Soon()).ok());
+  EXPECT_TRUE(client.Send(endpoint.address(), Key("f"), {10000}, data, Codec{}, Soon()).ok());
+}
+
+TEST(TensorStream, DiscardJobDropsOnlyThatJobsTensors) {
+  Endpoint endpoint;
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(1000, 1.0f);
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("a"), {1000}, data, Codec{}, Soon()).ok());
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("b"), {1000}, data, Codec{}, Soon()).ok());
+  TensorKey other = Key("a");
+  other.job_id = "job-2";
+  ASSERT_TRUE(client.Send(endpoint.address(), other, {1000}, data, Codec{}, Soon()).ok());
+  EXPECT_EQ(endpoint.streams().DiscardJob("job-1"), 2u);
+  EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 1u);
+  EXPECT_EQ(endpoint.streams().stats().mailbox_bytes, 4040u);
+  EXPECT_EQ(endpoint.streams().Recv(Key("a"), absl::Now() + absl::Milliseconds(50)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(endpoint.streams().Recv(other, Soon()).ok());
+}
+
+TEST(TensorStream, DeadlinesExpireCleanly) {
+  Endpoint endpoint;
+  absl::Time start = absl::Now();
+  auto missing = endpoint.streams().Recv(Key("never"), absl::Now() + absl::Milliseconds(200));
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(190));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+
+  // Nobody listening: the send gives up at its deadline.
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(1000, 1.0f);
+  start = absl::Now();
+  absl::Status s = client.Send("127.0.0.1:1", Key("x"), {1000}, data, Codec{}, absl::Now() + absl::Milliseconds(300));
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.code(), ::testing::AnyOf(absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kUnavailable));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+
+  // A deadline already passed fails fast.
+  s = client.Send(endpoint.address(), Key("late"), {1000}, data, Codec{}, absl::Now() - absl::Seconds(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+
+  // Shutdown wakes a waiting Recv.
+  std::thread waker([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    endpoint.streams().Shutdown();
+  });
+  EXPECT_EQ(endpoint.streams().Recv(Key("never"), Soon()).status().code(), absl::StatusCode::kCancelled);
+  waker.join();
+}
+
+}  // namespace
+}  // namespace geotrain::comm
