@@ -1,0 +1,601 @@
+// The step-time simulator behind the planner (see cost_model.h and docs/planner.md for the
+// formulas).
+#include "scheduler/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace geotrain::scheduler {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double GB(double bytes) { return bytes / 1e9; }
+
+}  // namespace
+
+ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
+  ModelCosts m;
+  m.seq_len = seq_len;
+  m.n_embd = config.n_embd;
+  m.n_head = config.n_head;
+  const double C = config.n_embd, T = seq_len, Vp = config.padded_vocab_size;
+  const double e = m.bytes_per_element;
+  LayerCost embedding;
+  embedding.name = "embedding";
+  embedding.forward_flops = T * C;  // the add of wte and wpe rows
+  embedding.parameters = static_cast<double>(config.EmbeddingParameters());
+  embedding.activation_bytes = T * C * e;
+  embedding.output_bytes = T * C * e;
+  m.layers.push_back(embedding);
+  for (int l = 0; l < config.n_layer; ++l) {
+    LayerCost block;
+    block.name = absl::StrCat("h.", l);
+    block.forward_flops = config.BlockForwardFlops(seq_len);
+    block.parameters = static_cast<double>(config.BlockParameters());
+    block.activation_bytes =
+        static_cast<double>(config.BlockActivationFloatsPerToken(seq_len)) * T * e;
+    block.output_bytes = T * C * e;
+    block.tensor_parallel_comm = true;
+    m.layers.push_back(block);
+  }
+  LayerCost head;
+  head.name = "head";
+  head.forward_flops = 2.0 * T * C * Vp;
+  head.parameters = 2 * C;  // ln_f; the tied wte copy is counted by Simulate when pp > 1
+  head.activation_bytes = (C + 2 + 2 * Vp) * T * e;  // ln_f output and stats, logits, probabilities
+  head.output_bytes = 0;
+  m.layers.push_back(head);
+  m.tied_parameters = Vp * C;
+  return m;
+}
+
+double ModelCosts::TotalForwardFlops() const {
+  double total = 0;
+  for (const LayerCost& l : layers) total += l.forward_flops;
+  return total;
+}
+
+double Codec::SecondsPerByte(const LinkSpec& link) const {
+  return ratio / link.bandwidth_bytes_per_s +
+         (throughput_bytes_per_s > 0 ? 2.0 / throughput_bytes_per_s : 0);
+}
+
+absl::StatusOr<Codec> ParseCodec(const std::string& name) {
+  // Throughputs are the codec issue's goal figures for one core (4 GB/s for casts); calibrate with
+  // runs.
+  if (name == "none") return Codec{"none", 1.0, 0, true};
+  if (name == "fp16" || name == "bf16") return Codec{name, 0.5, 4e9, true};
+  if (name == "int8")
+    return Codec{"int8", 0.25 + 1.0 / 1024, 2e9, false};  // a scale per 256 values
+  if (name.rfind("topk:", 0) == 0) {
+    double fraction = 0;
+    if (!absl::SimpleAtod(name.substr(5), &fraction) || !(fraction > 0 && fraction < 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "codec '", name, "': top-k needs a fraction between 0 and 1, e.g. topk:0.01"));
+    }
+    return Codec{name, 2 * fraction, 0.5e9,
+                 false};  // value + index per kept element; selection is slow
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown codec '", name, "'; use none, fp16, bf16, int8 or topk:F (e.g. topk:0.01)"));
+}
+
+const char* ScheduleName(Schedule schedule) {
+  return schedule == Schedule::k1F1B ? "1f1b" : "gpipe";
+}
+
+double JobOptions::EfficiencyOf(const std::string& device) const {
+  auto it = efficiency_by_device.find(device);
+  return it != efficiency_by_device.end() ? it->second : efficiency;
+}
+
+double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link) {
+  if (n <= 1) return 0;
+  return 2.0 * (n - 1) / n * bytes / link.bandwidth_bytes_per_s + 2.0 * (n - 1) * link.latency_s;
+}
+
+PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
+                                  const std::vector<double>& backward_s,
+                                  const std::vector<double>& transfer_s,
+                                  const std::vector<double>& latency_s, int microbatches,
+                                  Schedule schedule) {
+  const int p = static_cast<int>(forward_s.size());
+  const int m = microbatches;
+  PipelineTimeline out;
+  out.last_backward_start.assign(p, 0);
+  out.last_backward_end.assign(p, 0);
+  out.busy.assign(p, 0);
+  if (p == 0 || m <= 0) return out;
+  // Op lists: +i+1 is the forward of microbatch i, -(i+1) its backward.
+  std::vector<std::vector<int>> ops(p);
+  for (int s = 0; s < p; ++s) {
+    auto& list = ops[s];
+    list.reserve(2 * m);
+    if (schedule == Schedule::kGPipe) {
+      for (int i = 0; i < m; ++i) list.push_back(i + 1);
+      for (int i = 0; i < m; ++i) list.push_back(-(i + 1));
+    } else {
+      const int warmup = std::min(p - 1 - s, m);
+      for (int i = 0; i < warmup; ++i) list.push_back(i + 1);
+      for (int i = 0; i < m - warmup; ++i) {
+        list.push_back(warmup + i + 1);
+        list.push_back(-(i + 1));
+      }
+      for (int i = m - warmup; i < m; ++i) list.push_back(-(i + 1));
+    }
+  }
+  std::vector<double> forward_arrival(static_cast<size_t>(p) * m, -1),
+      backward_arrival(forward_arrival), forward_done(forward_arrival);
+  std::vector<double> stage_free(p, 0), link_forward_free(p, 0), link_backward_free(p, 0);
+  std::vector<size_t> next(p, 0);
+  size_t remaining = static_cast<size_t>(2) * p * m;
+  // Sweeps alternate direction: forwards flow down the stages, backwards up, so each sweep carries
+  // a wave of either all the way and the number of sweeps grows with m, not m x p.
+  for (int sweep = 0; remaining > 0; ++sweep) {
+    bool progress = false;
+    for (int k = 0; k < p; ++k) {
+      const int s = sweep % 2 == 0 ? k : p - 1 - k;
+      while (next[s] < ops[s].size()) {
+        const int op = ops[s][next[s]];
+        const bool forward = op > 0;
+        const int i = (forward ? op : -op) - 1;
+        const size_t at = static_cast<size_t>(s) * m + i;
+        double ready;
+        if (forward) {
+          ready = s == 0 ? 0 : forward_arrival[at];
+        } else {
+          ready = s == p - 1 ? forward_done[at] : backward_arrival[at];
+        }
+        if (ready < 0) break;
+        const double duration = forward ? forward_s[s] : backward_s[s];
+        const double start = std::max(stage_free[s], ready);
+        const double end = start + duration;
+        stage_free[s] = end;
+        out.busy[s] += duration;
+        if (forward) {
+          forward_done[at] = end;
+          if (s + 1 < p) {
+            const double send = std::max(end, link_forward_free[s]);
+            link_forward_free[s] = send + transfer_s[s];
+            forward_arrival[at + m] = send + transfer_s[s] + latency_s[s];
+          }
+        } else {
+          if (s > 0) {
+            const double send = std::max(end, link_backward_free[s - 1]);
+            link_backward_free[s - 1] = send + transfer_s[s - 1];
+            backward_arrival[at - m] = send + transfer_s[s - 1] + latency_s[s - 1];
+          }
+          if (next[s] + 1 == ops[s].size()) {
+            out.last_backward_start[s] = start;
+            out.last_backward_end[s] = end;
+          }
+        }
+        out.makespan = std::max(out.makespan, end);
+        ++next[s];
+        --remaining;
+        progress = true;
+      }
+    }
+    if (!progress) break;  // cannot happen for the two schedules above; guards against a hang
+  }
+  return out;
+}
+
+int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
+  int best = -1;
+  double best_cost = 1.0 / link.bandwidth_bytes_per_s;
+  for (int c = 0; c < static_cast<int>(job.codecs.size()); ++c) {
+    const Codec& codec = job.codecs[c];
+    if (activations && !codec.for_activations) continue;
+    const double cost = codec.SecondsPerByte(link);
+    if (cost < best_cost * 0.999) {
+      best = c;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end,
+                        int stage, int pp, int tp, int microbatch_size, int microbatches,
+                        Schedule schedule) {
+  double parameters = 0, activations = 0;
+  for (int l = begin; l < end; ++l) {
+    parameters += model.layers[l].parameters;
+    activations += model.layers[l].activation_bytes;
+  }
+  if (pp > 1 && end == model.num_layers() && begin > 0) parameters += model.tied_parameters;
+  const int held = schedule == Schedule::kGPipe ? microbatches : std::min(pp - stage, microbatches);
+  const double e = model.bytes_per_element;
+  const double state = parameters / tp * (2 * e + job.optimizer_bytes_per_parameter);
+  const double boundary = (stage > 0 ? 1 : 0) + (stage + 1 < pp ? 1 : 0);
+  const double buffers = boundary * 2.0 * microbatch_size * model.seq_len * model.n_embd * e;
+  return state + activations * microbatch_size / tp * held + buffers + job.fixed_memory_bytes;
+}
+
+namespace {
+
+double StageFlops(const ModelCosts& model, int begin, int end) {
+  double f = 0;
+  for (int l = begin; l < end; ++l) f += model.layers[l].forward_flops;
+  return f;
+}
+
+int StageBlocks(const ModelCosts& model, int begin, int end) {
+  int n = 0;
+  for (int l = begin; l < end; ++l) n += model.layers[l].tensor_parallel_comm ? 1 : 0;
+  return n;
+}
+
+double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
+  double p = 0;
+  for (int l = begin; l < end; ++l) p += model.layers[l].parameters;
+  if (pp > 1 && end == model.num_layers() && begin > 0) p += model.tied_parameters;
+  return p;
+}
+
+// Gradient all-reduce of one stage's DP group (one per tp rank; the tp rings share the WAN).
+// Returns the seconds and adds the wire bytes of every cross-site hop to traffic[a][b] (ordered by
+// direction).
+double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
+                             const std::vector<int>& member_sites, double bytes_per_rank,
+                             std::vector<std::vector<double>>* traffic,
+                             std::vector<std::vector<int>>* used_codec) {
+  const int n = static_cast<int>(member_sites.size());
+  if (n <= 1 || bytes_per_rank <= 0) return 0;
+  std::vector<int> count(cluster.num_sites(), 0);
+  for (int s : member_sites) ++count[s];
+  std::vector<int> sites;
+  for (int s = 0; s < cluster.num_sites(); ++s) {
+    if (count[s] > 0) sites.push_back(s);
+  }
+  const int tp = plan.tp;
+  if (sites.size() == 1) {
+    return RingAllReduceSeconds(bytes_per_rank, n, cluster.Link(sites[0], sites[0]));
+  }
+  auto codec_of = [&](int a, int b) {
+    if (!plan.gradient_codec.empty()) return plan.gradient_codec[a][b];
+    return ChooseCodec(job, cluster.Link(a, b), /*activations=*/false);
+  };
+  // The sites' cyclic ring order is their index order; the slowest hop paces the ring.
+  const int S = static_cast<int>(sites.size());
+  double worst_seconds_per_byte = 0, worst_wan_latency = 0;
+  for (int i = 0; i < S; ++i) {
+    const int a = sites[i], b = sites[(i + 1) % S];
+    const LinkSpec& link = cluster.Link(a, b);
+    const int c = codec_of(a, b);
+    const double spb =
+        c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+    worst_seconds_per_byte = std::max(worst_seconds_per_byte, spb);
+    worst_wan_latency = std::max(worst_wan_latency, link.latency_s);
+  }
+  double intra_latency = 0;
+  for (int s : sites) intra_latency = std::max(intra_latency, cluster.Link(s, s).latency_s);
+  // Flat ring over all n members: every step crosses the slowest WAN hop, shared by the tp rings.
+  const double flat = 2.0 * (n - 1) / n * bytes_per_rank * tp * worst_seconds_per_byte +
+                      2.0 * (n - 1) * std::max(worst_wan_latency, intra_latency);
+  // Hierarchical: reduce to a leader per site, ring among the S leaders over the WAN, broadcast
+  // back.
+  double intra = 0;
+  for (int s : sites) {
+    const int k = count[s];
+    if (k <= 1) continue;
+    const LinkSpec& l = cluster.Link(s, s);
+    intra = std::max(
+        intra, (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
+  }
+  const double hierarchical = 2 * intra +
+                              2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte +
+                              2.0 * (S - 1) * worst_wan_latency;
+  const bool use_flat = flat < hierarchical;
+  const double per_hop = use_flat ? 2.0 * (n - 1) / n : 2.0 * (S - 1) / S;
+  for (int i = 0; i < S; ++i) {
+    const int a = sites[i], b = sites[(i + 1) % S];
+    const int c = codec_of(a, b);
+    (*traffic)[a][b] += per_hop * bytes_per_rank * tp * (c < 0 ? 1.0 : job.codecs[c].ratio);
+    (*used_codec)[std::min(a, b)][std::max(a, b)] = c;
+  }
+  return use_flat ? flat : hierarchical;
+}
+
+std::string CodecName(const JobOptions& job, int c) { return c < 0 ? "none" : job.codecs[c].name; }
+
+}  // namespace
+
+absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model,
+                                    const JobOptions& job, const Plan& plan) {
+  const int L = model.num_layers();
+  if (plan.dp < 1 || plan.pp < 1 || plan.tp < 1 || plan.microbatch_size < 1) {
+    return absl::InvalidArgumentError("plan: dp, pp, tp and microbatch_size must be at least 1");
+  }
+  if (static_cast<int>(plan.stage_begin.size()) != plan.pp + 1 || plan.stage_begin.front() != 0 ||
+      plan.stage_begin.back() != L) {
+    return absl::InvalidArgumentError(absl::StrCat("plan: stage_begin needs pp + 1 = ", plan.pp + 1,
+                                                   " boundaries from 0 to ", L));
+  }
+  for (int s = 0; s < plan.pp; ++s) {
+    if (plan.stage_begin[s] >= plan.stage_begin[s + 1]) {
+      return absl::InvalidArgumentError(absl::StrCat("plan: stage ", s, " holds no layer"));
+    }
+  }
+  if (static_cast<int>(plan.devices.size()) != plan.dp ||
+      static_cast<int>(plan.microbatches.size()) != plan.dp) {
+    return absl::InvalidArgumentError("plan: devices and microbatches need one entry per replica");
+  }
+  std::vector<char> used(cluster.devices.size(), 0);
+  for (const auto& replica : plan.devices) {
+    if (static_cast<int>(replica.size()) != plan.pp) {
+      return absl::InvalidArgumentError("plan: every replica needs pp stages");
+    }
+    for (const auto& stage : replica) {
+      if (static_cast<int>(stage.size()) != plan.tp) {
+        return absl::InvalidArgumentError("plan: every stage needs tp devices");
+      }
+      for (int d : stage) {
+        if (d < 0 || d >= static_cast<int>(cluster.devices.size())) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("plan: device index ", d, " outside the cluster"));
+        }
+        if (used[d]++) {
+          return absl::InvalidArgumentError(absl::StrCat("plan: device ", d, " holds two actors"));
+        }
+      }
+    }
+  }
+  int total_sequences = 0;
+  for (int m : plan.microbatches) {
+    if (m < 1)
+      return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");
+    total_sequences += m * plan.microbatch_size;
+  }
+
+  const int pp = plan.pp, tp = plan.tp, b = plan.microbatch_size;
+  const int n_sites = cluster.num_sites();
+  Prediction out;
+  out.device_memory_bytes.assign(cluster.devices.size(), 0);
+  std::vector<std::vector<double>> traffic_gradient(n_sites, std::vector<double>(n_sites, 0));
+  std::vector<std::vector<double>> traffic_activation = traffic_gradient;
+  std::vector<std::vector<int>> gradient_codec_used(n_sites, std::vector<int>(n_sites, -2));
+  std::vector<std::vector<int>> activation_codec_used = gradient_codec_used;
+  auto activation_codec_of = [&](int a, int c) {
+    if (!plan.activation_codec.empty()) return plan.activation_codec[a][c];
+    return ChooseCodec(job, cluster.Link(a, c), /*activations=*/true);
+  };
+
+  // Memory, and the per-stage compute of each replica.
+  double worst_memory_fraction = 0;
+  std::string reject;
+  const double tokens_per_microbatch = static_cast<double>(b) * model.seq_len;
+  double tied_sync = 0;
+  std::vector<const PipelineTimeline*> timelines(plan.dp);
+  std::map<std::vector<double>, PipelineTimeline> simulated;
+  double slowest_makespan = -1;
+  int slowest = 0;
+  std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp);
+  // (first, last) stage site pairs -> replicas, and when their wte gradients are complete.
+  std::map<std::pair<int, int>, int> tied_pairs;
+  std::map<std::pair<int, int>, double> tied_ready;
+  for (int r = 0; r < plan.dp; ++r) {
+    std::vector<double> forward(pp), backward(pp), transfer(std::max(pp - 1, 0)), latency(transfer);
+    for (int s = 0; s < pp; ++s) {
+      const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
+      double slowest_flops = kInf;
+      for (int k = 0; k < tp; ++k) {
+        const Device& d = cluster.devices[plan.devices[r][s][k]];
+        slowest_flops = std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name));
+        const double mem = StageMemoryBytes(model, job, begin, end, s, pp, tp, b,
+                                            plan.microbatches[r], plan.schedule);
+        out.device_memory_bytes[plan.devices[r][s][k]] = mem;
+        const double usable = d.mem_bytes * (1 - job.memory_headroom);
+        const double fraction = mem / usable;
+        if (fraction > worst_memory_fraction) {
+          worst_memory_fraction = fraction;
+          if (fraction > 1) {
+            const double state = StageParameters(model, begin, end, pp) / tp *
+                                 (2 * model.bytes_per_element + job.optimizer_bytes_per_parameter);
+            reject = absl::StrFormat(
+                "stage %d (layers %s..%s) on %s at site %s needs %.2f GB of %.2f GB usable "
+                "(parameters+gradients+optimizer %.2f GB, activations and buffers %.2f GB, fixed "
+                "%.2f GB)",
+                s, model.layers[begin].name, model.layers[end - 1].name, d.name,
+                cluster.site_names[d.site], GB(mem), GB(usable), GB(state),
+                GB(mem - state - job.fixed_memory_bytes), GB(job.fixed_memory_bytes));
+          }
+        }
+      }
+      const double flops = StageFlops(model, begin, end) * b;
+      const int site = cluster.devices[plan.devices[r][s][0]].site;
+      const double tp_comm = tp > 1
+                                 ? StageBlocks(model, begin, end) * 2 *
+                                       RingAllReduceSeconds(tokens_per_microbatch * model.n_embd *
+                                                                model.bytes_per_element,
+                                                            tp, cluster.Link(site, site))
+                                 : 0;
+      const double overhead = (end - begin) * job.layer_overhead_s;
+      forward[s] = flops / (tp * slowest_flops) + tp_comm + overhead;
+      backward[s] = 2 * flops / (tp * slowest_flops) + tp_comm + 2 * overhead;
+      if (s + 1 < pp) {
+        const int next_site = cluster.devices[plan.devices[r][s + 1][0]].site;
+        const LinkSpec& link = cluster.Link(site, next_site);
+        const double bytes = model.layers[end - 1].output_bytes * b;
+        int c = -1;
+        if (site != next_site) c = activation_codec_of(site, next_site);
+        transfer[s] =
+            bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
+        latency[s] = link.latency_s;
+        if (site != next_site) {
+          const double wire = bytes * (c < 0 ? 1.0 : job.codecs[c].ratio) * plan.microbatches[r];
+          traffic_activation[site][next_site] += wire;  // activations forward
+          traffic_activation[next_site][site] += wire;  // their gradients backward
+          activation_codec_used[std::min(site, next_site)][std::max(site, next_site)] = c;
+        }
+      }
+    }
+    // Replicas on identical devices and links behave identically: simulate each kind once.
+    std::vector<double> signature;
+    signature.reserve(4 * pp + 1);
+    signature.insert(signature.end(), forward.begin(), forward.end());
+    signature.insert(signature.end(), backward.begin(), backward.end());
+    signature.insert(signature.end(), transfer.begin(), transfer.end());
+    signature.insert(signature.end(), latency.begin(), latency.end());
+    signature.push_back(plan.microbatches[r]);
+    auto known = simulated.find(signature);
+    if (known == simulated.end()) {
+      known =
+          simulated
+              .emplace(std::move(signature), SimulatePipeline(forward, backward, transfer, latency,
+                                                              plan.microbatches[r], plan.schedule))
+              .first;
+    }
+    timelines[r] = &known->second;
+    if (timelines[r]->makespan > slowest_makespan) {
+      slowest_makespan = timelines[r]->makespan;
+      slowest = r;
+    }
+    forward_of[r] = std::move(forward);
+    backward_of[r] = std::move(backward);
+    if (pp > 1) {
+      const int first = cluster.devices[plan.devices[r][0][0]].site;
+      const int last = cluster.devices[plan.devices[r][pp - 1][0]].site;
+      ++tied_pairs[{first, last}];
+      double& ready = tied_ready[{first, last}];
+      ready = std::max(ready, std::max(timelines[r]->last_backward_end[0],
+                                       timelines[r]->last_backward_end[pp - 1]));
+    }
+  }
+  out.pipeline_time_s = slowest_makespan;
+  out.stage_forward_s = forward_of[slowest];
+  out.stage_backward_s = backward_of[slowest];
+  {
+    const PipelineTimeline& t = *timelines[slowest];
+    double busy = 0;
+    for (double x : t.busy) busy += x;
+    out.bubble_fraction = t.makespan > 0 ? 1 - busy / pp / t.makespan : 0;
+  }
+
+  // Gradient all-reduce per stage, overlapped with the last microbatch's backward (one bucket per
+  // layer).
+  out.stage_allreduce_s.assign(pp, 0);
+  double finish = out.pipeline_time_s, earliest_start = kInf;
+  for (int s = 0; s < pp; ++s) {
+    const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
+    double start_last = 0, end_last = 0;
+    for (int r = 0; r < plan.dp; ++r) {
+      start_last = std::max(start_last, timelines[r]->last_backward_start[s]);
+      end_last = std::max(end_last, timelines[r]->last_backward_end[s]);
+    }
+    std::vector<int> member_sites;
+    for (int r = 0; r < plan.dp; ++r)
+      member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
+    const double bytes = StageParameters(model, begin, end, pp) / tp * model.bytes_per_element;
+    const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes,
+                                                 &traffic_gradient, &gradient_codec_used);
+    out.stage_allreduce_s[s] = seconds;
+    if (seconds <= 0) continue;
+    const int buckets = std::max(1, end - begin);
+    finish = std::max(finish, std::max(end_last + seconds / buckets, start_last + seconds));
+    earliest_start = std::min(earliest_start, start_last);
+  }
+  // Stages' all-reduces share the WAN: no link can carry its gradient bytes faster than its
+  // bandwidth.
+  if (earliest_start < kInf) {
+    for (int a = 0; a < n_sites; ++a) {
+      for (int c = 0; c < n_sites; ++c) {
+        if (a == c || traffic_gradient[a][c] <= 0) continue;
+        finish =
+            std::max(finish, earliest_start + cluster.Link(a, c).latency_s +
+                                 traffic_gradient[a][c] / cluster.Link(a, c).bandwidth_bytes_per_s);
+      }
+    }
+  }
+  out.dp_exposed_s = finish - out.pipeline_time_s;
+
+  // Tied wte gradients: the first and the last stage of each replica send each other their partial
+  // gradient once both are complete (full duplex: both directions at once), then both apply the
+  // sum.
+  for (const auto& [pair, replicas] : tied_pairs) {
+    const auto [first, last] = pair;
+    const LinkSpec& link = cluster.Link(first, last);
+    const double bytes = model.tied_parameters * model.bytes_per_element;  // all tp ranks together
+    int c = -1;
+    if (first != last) {
+      c = plan.gradient_codec.empty() ? ChooseCodec(job, link, false)
+                                      : plan.gradient_codec[first][last];
+      traffic_gradient[first][last] += bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio);
+      traffic_gradient[last][first] += bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio);
+      gradient_codec_used[std::min(first, last)][std::max(first, last)] = c;
+    }
+    const double spb =
+        c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+    tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + link.latency_s);
+  }
+  out.tied_sync_s = std::max(0.0, tied_sync - finish);
+  out.step_time_s = std::max(finish, tied_sync);
+  out.tokens_per_s = out.step_time_s > 0
+                         ? total_sequences * static_cast<double>(model.seq_len) / out.step_time_s
+                         : 0;
+
+  double used_flops = 0;
+  for (int d = 0; d < static_cast<int>(used.size()); ++d) {
+    if (!used[d]) continue;
+    used_flops += cluster.devices[d].tflops * 1e12 * job.EfficiencyOf(cluster.devices[d].name);
+  }
+  out.compute_bound_s = 3 * model.TotalForwardFlops() * total_sequences / used_flops;
+  out.max_memory_fraction = worst_memory_fraction;
+  out.fits = reject.empty();
+  out.reject_reason = reject;
+  for (int a = 0; a < n_sites; ++a) {
+    for (int c = a + 1; c < n_sites; ++c) {
+      const double g = traffic_gradient[a][c] + traffic_gradient[c][a];
+      const double x = traffic_activation[a][c] + traffic_activation[c][a];
+      if (g + x <= 0) continue;
+      LinkTraffic t;
+      t.site_a = a;
+      t.site_b = c;
+      t.gradient_bytes = g;
+      t.activation_bytes = x;
+      t.bytes = g + x;
+      t.gradient_codec =
+          gradient_codec_used[a][c] == -2 ? "" : CodecName(job, gradient_codec_used[a][c]);
+      t.activation_codec =
+          activation_codec_used[a][c] == -2 ? "" : CodecName(job, activation_codec_used[a][c]);
+      out.cross_site.push_back(t);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model,
+                                           const JobOptions& job, const Plan& plan,
+                                           const std::vector<double>& measured_stage_compute_s) {
+  if (static_cast<int>(measured_stage_compute_s.size()) != plan.pp || plan.devices.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "calibration: need ", plan.pp, " measured stage times (one per stage of replica 0)"));
+  }
+  double cc = 0, cm = 0;
+  for (int s = 0; s < plan.pp; ++s) {
+    double slowest = kInf;
+    for (int d : plan.devices[0][s]) slowest = std::min(slowest, cluster.devices[d].tflops * 1e12);
+    const double c = 3 * StageFlops(model, plan.stage_begin[s], plan.stage_begin[s + 1]) *
+                     plan.microbatch_size / (plan.tp * slowest);  // seconds at 100% efficiency
+    // The per-layer overhead is not compute: take it off the measurement before fitting.
+    const double m = measured_stage_compute_s[s] -
+                     3 * (plan.stage_begin[s + 1] - plan.stage_begin[s]) * job.layer_overhead_s;
+    if (!(m > 0) || !std::isfinite(m)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration: stage ", s, " time must be positive"));
+    }
+    cc += c * c;
+    cm += c * m;
+  }
+  return cc / cm;
+}
+
+}  // namespace geotrain::scheduler

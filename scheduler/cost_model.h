@@ -1,0 +1,171 @@
+// The planner's cost model, which is also a step-time simulator: given a cluster (cluster.h), a
+// model's layer costs, a job and a plan (DP x PP x TP degrees, stage slicing, placement of every
+// (replica, stage, tp_rank) on a device, microbatch size and schedule, codec per cross-site link),
+// it predicts the step time, its parts (pipeline, exposed gradient all-reduce, tied-embedding
+// sync), the bubble, the memory of every device and the bytes each cross-site link carries per
+// step. The formulas are in docs/planner.md.
+//
+//   ModelCosts model = ModelCosts::FromConfig(*GPT2Config::FromPreset("gpt2-medium"),
+//   /*seq_len=*/1024); JobOptions job;  job.global_batch = 64;  job.seq_len = 1024; Prediction p =
+//   Simulate(cluster, model, job, plan); if (!p.fits) std::cout << p.reject_reason;
+//
+// The pipeline is simulated event by event (each stage runs its schedule's list of forward and
+// backward microbatch ops; a boundary transfer occupies its link for bytes / bandwidth and arrives
+// one latency later), so unequal stages and slow links show up as they would in a run. Everything
+// else is closed-form.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/config.h"
+#include "scheduler/cluster.h"
+
+namespace geotrain::scheduler {
+
+// One slice unit of the model for stage slicing: the embedding, each transformer block, the head.
+struct LayerCost {
+  std::string name;
+  double forward_flops = 0;     // per sequence of seq_len tokens; backward costs 2x
+  double parameters = 0;        // parameters held (the head's tied wte copy is added by Simulate)
+  double activation_bytes = 0;  // per sequence, kept from forward for backward
+  double output_bytes = 0;      // per sequence, sent to the next stage if a boundary follows
+  bool tensor_parallel_comm = false;  // a block: 2 all-reduces forward and 2 backward under TP
+};
+
+struct ModelCosts {
+  std::vector<LayerCost> layers;  // [embedding, block 0 .. block L-1, head]
+  int seq_len = 0;
+  int n_embd = 0;
+  int n_head = 0;  // tensor parallelism splits heads: tp must divide it
+  double tied_parameters = 0;    // wte (Vp x C): held by the first and the last stage when pp > 1
+  double bytes_per_element = 4;  // fp32 activations, gradients and master weights
+
+  static ModelCosts FromConfig(const GPT2Config& config, int seq_len);
+  int num_layers() const { return static_cast<int>(layers.size()); }
+  double TotalForwardFlops() const;
+};
+
+// A gradient/activation codec on cross-site links: wire bytes = ratio x raw bytes; encoding and
+// decoding cost raw bytes / throughput each. Lossy codecs (int8, top-k) are used for gradients
+// only.
+struct Codec {
+  std::string name;
+  double ratio = 1;
+  double throughput_bytes_per_s = 0;  // 0: free (no codec)
+  bool for_activations = true;
+  // Seconds per raw byte sent over `link`: ratio / bandwidth + 2 / throughput (encode + decode).
+  double SecondsPerByte(const LinkSpec& link) const;
+};
+// none, fp16, bf16, int8, topk:F (0 < F < 1; ratio 2F: a value and an index per kept element).
+absl::StatusOr<Codec> ParseCodec(const std::string& name);
+
+enum class Schedule { k1F1B, kGPipe };
+const char* ScheduleName(Schedule schedule);
+
+struct JobOptions {
+  int global_batch = 0;  // sequences per optimizer step
+  int seq_len = 0;
+  std::vector<Codec> codecs;          // allowed on cross-site links; empty: none only
+  double memory_headroom = 0.10;      // fraction of each device's memory kept free
+  double fixed_memory_bytes = 1.0e9;  // runtime context, workspace, allocator slack per device
+  double efficiency = 0.40;  // achieved / peak FLOP/s (MFU) for devices not in efficiency_by_device
+  std::map<std::string, double> efficiency_by_device;  // device name -> MFU, calibrated from runs
+  double optimizer_bytes_per_parameter = 8;            // Adam: two fp32 moments
+  // Fixed cost per layer and microbatch (kernel launches, framework): forward pays it once,
+  // backward twice. It is what makes many tiny microbatches slower than fewer larger ones;
+  // calibrate it with the efficiency.
+  double layer_overhead_s = 30e-6;
+  double EfficiencyOf(const std::string& device) const;
+};
+
+// A plan in the simulator's terms. devices[r][s][k] is the index into Cluster::devices of the
+// device holding stage s of replica r, tensor-parallel rank k. Replica r runs microbatches[r]
+// microbatches of microbatch_size sequences (replicas may differ in speed and so in share of the
+// global batch).
+struct Plan {
+  int dp = 1, pp = 1, tp = 1;
+  int microbatch_size = 1;
+  Schedule schedule = Schedule::k1F1B;
+  std::vector<int> stage_begin;  // pp + 1 layer indices into ModelCosts::layers: stage s =
+                                 // [begin[s], begin[s+1])
+  std::vector<std::vector<std::vector<int>>> devices;
+  std::vector<int> microbatches;  // per replica
+  // Codec per ordered site pair for gradients and activations (index into JobOptions::codecs, -1:
+  // none). Empty: chosen by ChooseCodec for each link.
+  std::vector<std::vector<int>> gradient_codec, activation_codec;
+};
+
+struct LinkTraffic {
+  int site_a = 0, site_b = 0;  // site_a < site_b
+  double bytes = 0;            // per step, both directions, after compression
+  double gradient_bytes = 0;
+  double activation_bytes = 0;
+  std::string gradient_codec, activation_codec;
+};
+
+struct Prediction {
+  bool fits = true;
+  std::string reject_reason;  // which device does not fit, with the numbers
+  double step_time_s = 0;
+  double tokens_per_s = 0;
+  double pipeline_time_s = 0;  // forward/backward of all microbatches, slowest replica
+  double dp_exposed_s = 0;     // gradient all-reduce not hidden under backward
+  double tied_sync_s = 0;      // wte gradient exchange (pp > 1) not hidden under the all-reduce
+  double bubble_fraction =
+      0;  // idle share of the pipeline time, averaged over stages of the slowest replica
+  double compute_bound_s = 0;  // step time if nothing but compute mattered (all devices busy)
+  std::vector<double> stage_forward_s, stage_backward_s;  // per microbatch, slowest replica
+  std::vector<double> stage_allreduce_s;                  // gradient all-reduce per stage
+  std::vector<double> device_memory_bytes;                // per Cluster::devices index; 0: unused
+  double max_memory_fraction = 0;  // max over used devices of memory / usable memory
+  std::vector<LinkTraffic> cross_site;
+};
+
+// Seconds of a ring all-reduce of `bytes` among n members whose slowest hop is `link`:
+// 2(n-1)/n bytes / bandwidth + 2(n-1) latency.
+double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link);
+
+// Event-by-event simulation of one pipeline: per-stage forward/backward seconds per microbatch and
+// per boundary (s -> s+1) transfer serialisation seconds and latency. Returns, per stage, when its
+// last backward starts and ends, and its busy time; makespan is the end of the last op of any
+// stage.
+struct PipelineTimeline {
+  double makespan = 0;
+  std::vector<double> last_backward_start, last_backward_end, busy;
+};
+PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
+                                  const std::vector<double>& backward_s,
+                                  const std::vector<double>& transfer_s,
+                                  const std::vector<double>& latency_s, int microbatches,
+                                  Schedule schedule);
+
+// The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
+// activations only consider codecs with for_activations.
+int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations);
+
+// Memory of one device holding layers [begin, end) at stage `stage` of `pp` with tp ranks,
+// microbatch size b and `microbatches` microbatches: parameters, gradients and optimizer state
+// ((4 + 4 + optimizer) bytes per parameter / tp), activations of the microbatches the schedule
+// holds (GPipe: all; 1F1B: min(pp - stage, microbatches)), the boundary buffers, and
+// fixed_memory_bytes.
+double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end,
+                        int stage, int pp, int tp, int microbatch_size, int microbatches,
+                        Schedule schedule);
+
+// Simulates `plan`. Checks shapes (an error names what is inconsistent); a plan that does not fit
+// in memory comes back with fits = false and the reason, and its times still filled in.
+absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model,
+                                    const JobOptions& job, const Plan& plan);
+
+// Calibration hook for measured runs: given the plan that ran and the measured forward+backward
+// compute seconds per microbatch of each stage (replica 0, no communication), returns the
+// efficiency (MFU) that makes the model's compute times fit them in the least-squares sense. Feed
+// it into JobOptions::efficiency_by_device for the devices of that plan.
+absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model,
+                                           const JobOptions& job, const Plan& plan,
+                                           const std::vector<double>& measured_stage_compute_s);
+
+}  // namespace geotrain::scheduler

@@ -1,0 +1,251 @@
+// Tests of the cluster description and the step-time simulator: formulas, limits, memory accounting
+// against hand-computed numbers, codec choice, calibration.
+#include "scheduler/cost_model.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/spec.h"
+#include "scheduler/cluster.h"
+#include "spec.pb.h"
+
+namespace geotrain::scheduler {
+namespace {
+
+// Two sites with `per_site` devices each, joined by one link.
+Cluster TwoSites(const std::string& device, int per_site, double latency_ms, double mbps) {
+  Topology t;
+  for (const char* name : {"utah", "amsterdam"}) {
+    TopologySite* site = t.add_sites();
+    site->set_name(name);
+    TopologyWorker* w = site->add_workers();
+    w->set_device(device);
+    w->set_count(per_site);
+  }
+  TopologyLink* link = t.add_links();
+  link->set_a("utah");
+  link->set_b("amsterdam");
+  link->set_latency_ms(latency_ms);
+  link->set_bandwidth_mbps(mbps);
+  EXPECT_TRUE(ValidateTopology(&t).ok());
+  absl::StatusOr<Cluster> c = ClusterFromTopology(t);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+ModelCosts Costs(const std::string& preset, int seq_len) {
+  absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset(preset);
+  EXPECT_TRUE(config.ok());
+  return ModelCosts::FromConfig(*config, seq_len);
+}
+
+// Pure data parallelism over the first n devices, equal shares.
+Plan DataParallel(const ModelCosts& model, int n, int microbatches_per_replica) {
+  Plan p;
+  p.dp = n;
+  p.stage_begin = {0, model.num_layers()};
+  for (int r = 0; r < n; ++r) {
+    p.devices.push_back({{r}});
+    p.microbatches.push_back(microbatches_per_replica);
+  }
+  return p;
+}
+
+TEST(ClusterTest, FromTopologyExpandsWorkersAndMirrorsLinks) {
+  Cluster c = TwoSites("RTX6000", 3, 51.5, 1000);
+  ASSERT_EQ(c.devices.size(), 6u);
+  EXPECT_EQ(c.devices[4].site, 1);
+  EXPECT_EQ(c.devices[4].slot, 1);
+  EXPECT_DOUBLE_EQ(c.devices[0].tflops, 130.5);
+  EXPECT_DOUBLE_EQ(c.devices[0].mem_bytes, 24e9);
+  EXPECT_DOUBLE_EQ(c.Link(0, 1).latency_s, 0.0515);
+  EXPECT_DOUBLE_EQ(c.Link(1, 0).bandwidth_bytes_per_s, 125e6);
+  EXPECT_DOUBLE_EQ(c.Link(0, 0).bandwidth_bytes_per_s, 100e9 / 8);
+}
+
+TEST(ClusterTest, MissingLinkIsAnErrorThatNamesThePair) {
+  Topology t;
+  for (const char* name : {"a", "b"}) {
+    TopologySite* site = t.add_sites();
+    site->set_name(name);
+    site->add_workers()->set_device("T4");
+  }
+  ASSERT_TRUE(ValidateTopology(&t).ok());
+  absl::StatusOr<Cluster> c = ClusterFromTopology(t);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()),
+              testing::HasSubstr("no link between sites 'a' and 'b'"));
+}
+
+TEST(CostModelTest, RingAllReduceFormula) {
+  const LinkSpec link{0.01, 1e9};
+  // 2(n-1)/n * bytes / bw + 2(n-1) * latency, n = 4, 1 GB.
+  EXPECT_DOUBLE_EQ(RingAllReduceSeconds(1e9, 4, link), 1.5 + 0.06);
+  EXPECT_EQ(RingAllReduceSeconds(1e9, 1, link), 0);
+}
+
+TEST(CostModelTest, PipelineBubbleMatchesTheFormulaForEqualStages) {
+  for (Schedule schedule : {Schedule::k1F1B, Schedule::kGPipe}) {
+    for (int p : {1, 2, 4, 8}) {
+      for (int m : {1, 4, 16, 64}) {
+        std::vector<double> f(p, 1.0), b(p, 2.0), x(p - 1 > 0 ? p - 1 : 0, 0.0);
+        PipelineTimeline t = SimulatePipeline(f, b, x, x, m, schedule);
+        EXPECT_NEAR(t.makespan, (m + p - 1) * 3.0, 1e-9)
+            << ScheduleName(schedule) << " p=" << p << " m=" << m;
+        const double bubble = 1 - t.busy[0] / t.makespan;
+        EXPECT_NEAR(bubble, (p - 1.0) / (m + p - 1.0), 1e-9);
+      }
+    }
+  }
+}
+
+TEST(CostModelTest, PipelineIsPacedByItsSlowestStageAndLatencyAddsPerBoundary) {
+  // Unequal stages: the slowest stage sets the steady state.
+  PipelineTimeline t = SimulatePipeline({1, 3, 1}, {2, 6, 2}, {0, 0}, {0, 0}, 32, Schedule::k1F1B);
+  EXPECT_GE(t.makespan, 32 * 9.0);
+  EXPECT_LT(t.makespan, 32 * 9.0 + 2 * 9.0 + 1e-9);
+  // One microbatch: every boundary is crossed twice (forward and backward), each adds its latency
+  // and its serialisation.
+  PipelineTimeline base =
+      SimulatePipeline({1, 1, 1, 1}, {2, 2, 2, 2}, {0, 0, 0}, {0, 0, 0}, 1, Schedule::k1F1B);
+  PipelineTimeline slow = SimulatePipeline({1, 1, 1, 1}, {2, 2, 2, 2}, {0.5, 0.5, 0.5},
+                                           {0.1, 0.1, 0.1}, 1, Schedule::k1F1B);
+  EXPECT_NEAR(slow.makespan - base.makespan, 2 * 3 * 0.6, 1e-9);
+}
+
+TEST(CostModelTest, MoreLatencyNeverSpeedsUpDataParallelism) {
+  const ModelCosts model = Costs("gpt2", 1024);
+  JobOptions job;
+  job.global_batch = 32;
+  job.seq_len = 1024;
+  double previous = 0;
+  for (double latency_ms : {0.0, 1.0, 10.0, 30.0, 100.0, 300.0}) {
+    Cluster c = TwoSites("A100", 2, latency_ms, 10000);
+    absl::StatusOr<Prediction> p = Simulate(c, model, job, DataParallel(model, 4, 8));
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_GE(p->step_time_s, previous) << latency_ms << " ms";
+    previous = p->step_time_s;
+  }
+}
+
+TEST(CostModelTest, MemoryOfOneDeviceMatchesHandComputedNumbers) {
+  // GPT-2 124M, T = 1024, one sequence, one device, fp32 with Adam.
+  // N = 50304*768 + 1024*768 + 12*7,087,872 + 2*768 = 124,475,904 parameters; 16 bytes each.
+  // Activations per sequence: embedding 1024*768*4 = 3,145,728; 12 blocks of
+  // (18*768 + 4 + 12*1024) floats * 1024 tokens * 4 = 106,971,136 each; head (768 + 2 +
+  // 2*50304)*1024*4 = 415,244,288. Plus 1 GB fixed.
+  const ModelCosts model = Costs("gpt2", 1024);
+  JobOptions job;
+  job.global_batch = 1;
+  job.seq_len = 1024;
+  Topology t;
+  TopologySite* site = t.add_sites();
+  site->set_name("lab");
+  site->add_workers()->set_device("A100");
+  ASSERT_TRUE(ValidateTopology(&t).ok());
+  absl::StatusOr<Cluster> c = ClusterFromTopology(t);
+  ASSERT_TRUE(c.ok());
+  absl::StatusOr<Prediction> p = Simulate(*c, model, job, DataParallel(model, 1, 1));
+  ASSERT_TRUE(p.ok());
+  const double expected = 124475904.0 * 16 + 3145728.0 + 12 * 106971136.0 + 415244288.0 + 1e9;
+  EXPECT_DOUBLE_EQ(p->device_memory_bytes[0], expected);
+  EXPECT_TRUE(p->fits);
+  EXPECT_NEAR(p->max_memory_fraction, expected / (80e9 * 0.9), 1e-12);
+  // 1F1B holds min(pp - stage, m) microbatches; GPipe holds all m.
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 8, Schedule::k1F1B),
+                   6 * 7087872.0 * 16 + 2 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 8, Schedule::kGPipe),
+                   6 * 7087872.0 * 16 + 8 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
+  // Tensor parallelism divides state and activations.
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 1, 2, 2, 1, 8, Schedule::k1F1B),
+                   6 * 7087872.0 * 16 / 2 + 1 * 106971136.0 * 6 / 2 + 2.0 * 1024 * 768 * 4 + 1e9);
+}
+
+TEST(CostModelTest, PlanThatDoesNotFitIsRejectedWithTheNumbers) {
+  const ModelCosts model = Costs("gpt2-xl", 1024);
+  JobOptions job;
+  job.global_batch = 4;
+  job.seq_len = 1024;
+  Cluster c = TwoSites("T4", 2, 10, 1000);
+  absl::StatusOr<Prediction> p = Simulate(c, model, job, DataParallel(model, 4, 1));
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(p->fits);
+  EXPECT_GT(p->max_memory_fraction, 1);
+  EXPECT_THAT(p->reject_reason, testing::HasSubstr("on T4 at site utah needs"));
+  EXPECT_THAT(p->reject_reason, testing::HasSubstr("GB usable"));
+}
+
+TEST(CostModelTest, CodecChoiceFollowsTheLink) {
+  JobOptions job;
+  for (const char* name : {"bf16", "int8", "topk:0.01"}) job.codecs.push_back(*ParseCodec(name));
+  // 100 Gbit/s: compressing costs more than it saves.
+  EXPECT_EQ(ChooseCodec(job, LinkSpec{0, 100e9 / 8}, false), -1);
+  // 100 Mbit/s: gradients take the smallest wire size; activations only lossless-enough codecs.
+  EXPECT_EQ(job.codecs[ChooseCodec(job, LinkSpec{0.05, 100e6 / 8}, false)].name, "topk:0.01");
+  EXPECT_EQ(job.codecs[ChooseCodec(job, LinkSpec{0.05, 100e6 / 8}, true)].name, "bf16");
+  EXPECT_FALSE(ParseCodec("zip").ok());
+  EXPECT_FALSE(ParseCodec("topk:2").ok());
+}
+
+TEST(CostModelTest, CrossSitePipelineTrafficCountsActivationsBothWays) {
+  const ModelCosts model = Costs("gpt2", 1024);
+  JobOptions job;
+  job.global_batch = 8;
+  job.seq_len = 1024;
+  job.codecs.push_back(*ParseCodec("bf16"));
+  Cluster c = TwoSites("A100", 1, 50, 1000);
+  Plan p;
+  p.pp = 2;
+  p.microbatch_size = 2;
+  p.stage_begin = {0, 7, model.num_layers()};
+  p.devices = {{{0}, {1}}};
+  p.microbatches = {4};
+  absl::StatusOr<Prediction> pr = Simulate(c, model, job, p);
+  ASSERT_TRUE(pr.ok()) << pr.status();
+  ASSERT_EQ(pr->cross_site.size(), 1u);
+  // 4 microbatches x 2 sequences x 1024 x 768 floats x 4 bytes x bf16 (0.5), forward and backward.
+  EXPECT_DOUBLE_EQ(pr->cross_site[0].activation_bytes, 2 * 4 * 2 * 1024 * 768 * 4 * 0.5);
+  EXPECT_EQ(pr->cross_site[0].activation_codec, "bf16");
+  // The tied wte gradient (50304 x 768 fp32) crosses once each way.
+  EXPECT_DOUBLE_EQ(pr->cross_site[0].gradient_bytes, 2 * 50304.0 * 768 * 4 * 0.5);
+  EXPECT_GT(pr->tied_sync_s, 0.05);
+}
+
+TEST(CostModelTest, CalibrationRecoversTheEfficiencyOfMeasuredStageTimes) {
+  const ModelCosts model = Costs("gpt2", 1024);
+  JobOptions job;
+  job.global_batch = 8;
+  job.seq_len = 1024;
+  job.efficiency = 0.37;
+  Cluster c = TwoSites("A100", 1, 0, 100000);
+  Plan p;
+  p.pp = 2;
+  p.stage_begin = {0, 6, model.num_layers()};
+  p.devices = {{{0}, {1}}};
+  p.microbatches = {8};
+  absl::StatusOr<Prediction> pr = Simulate(c, model, job, p);
+  ASSERT_TRUE(pr.ok());
+  std::vector<double> measured;
+  for (int s = 0; s < 2; ++s) measured.push_back(pr->stage_forward_s[s] + pr->stage_backward_s[s]);
+  absl::StatusOr<double> eff = CalibrateEfficiency(c, model, job, p, measured);
+  ASSERT_TRUE(eff.ok());
+  EXPECT_NEAR(*eff, 0.37, 1e-9);
+  EXPECT_FALSE(CalibrateEfficiency(c, model, job, p, {1.0}).ok());
+}
+
+TEST(CostModelTest, InconsistentPlansAreErrors) {
+  const ModelCosts model = Costs("gpt2", 1024);
+  JobOptions job;
+  job.global_batch = 8;
+  job.seq_len = 1024;
+  Cluster c = TwoSites("A100", 1, 0, 1000);
+  Plan p = DataParallel(model, 2, 4);
+  p.devices[1][0][0] = 0;  // the same device twice
+  EXPECT_FALSE(Simulate(c, model, job, p).ok());
+  p = DataParallel(model, 2, 4);
+  p.stage_begin = {0, 3};
+  EXPECT_FALSE(Simulate(c, model, job, p).ok());
+}
+
+}  // namespace
+}  // namespace geotrain::scheduler
