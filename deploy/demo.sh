@@ -75,7 +75,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 plt.figure(figsize=(6, 3.5))
 plt.plot(steps, losses, marker=".")
-plt.xlabel("step"); plt.ylabel("training loss"); plt.title("geotrain demo: GPT-2 (gpt2-demo) on fortunes, DP2 x PP2 over 2 sites")
+plt.xlabel("step"); plt.ylabel("training loss"); plt.title("geotrain demo: gpt2-demo on fortunes, DP2 x PP2, 2 sites", fontsize=10)
 plt.grid(alpha=0.3); plt.tight_layout(); plt.savefig(sys.argv[2], dpi=120)
 tokens.sort()
 print(f"\nsummary: {len(steps)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "

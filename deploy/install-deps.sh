@@ -12,7 +12,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libboost-dev libboost-system-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libopenblas-dev libzstd-dev libyaml-cpp-dev libsqlite3-dev
+  libopenblas-dev libzstd-dev libyaml-cpp-dev libsqlite3-dev libicu-dev
   prometheus curl procps iproute2 openssl
   python3-torch python3-numpy python3-matplotlib
   fortunes libcli11-dev

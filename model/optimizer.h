@@ -1,0 +1,61 @@
+// Training arithmetic around the model: AdamW over a stage's parameter buffer, global gradient-norm
+// clipping and the warm-up + cosine learning-rate schedule.
+//
+//   AdamW adam(stage.num_params(), stage.segments(), {.weight_decay = 0.1f});
+//   double norm = std::sqrt(stage.GradSquaredNormShare());   // sum the shares of all stages/ranks first
+//   adam.Step(stage.params(), stage.grads(), schedule.At(step), ClipScale(norm, 1.0));
+//
+// The update follows torch.optim.AdamW exactly (decoupled decay applied first, bias corrections in
+// the step size and in the denominator), so the parity tests can compare against PyTorch.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/gpt2.h"
+
+namespace geotrain::model {
+
+struct AdamWOptions {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // applied only to segments with weight_decay set
+};
+
+class AdamW {
+ public:
+  AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options);
+
+  // One update of params from grads * grad_scale (grad_scale from ClipScale). Increments step().
+  void Step(float* params, const float* grads, float lr, float grad_scale);
+
+  int64_t step() const { return step_; }
+  void set_step(int64_t step) { step_ = step; }
+  // First and second moments, (num_params) each: for checkpoints.
+  std::vector<float>& m() { return m_; }
+  std::vector<float>& v() { return v_; }
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  AdamWOptions options_;
+  std::vector<ParameterSegment> segments_;
+  std::vector<float> m_, v_;
+  int64_t step_ = 0;
+};
+
+// Factor to multiply gradients with so that their global norm is at most max_norm (as
+// torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), capped at 1). max_norm <= 0: no clipping.
+float ClipScale(double global_norm, double max_norm);
+
+// Linear warm-up over warmup_steps to max_lr, then cosine decay to min_lr at total_steps.
+struct LearningRateSchedule {
+  double max_lr = 6e-4;
+  double min_lr = 6e-5;
+  int warmup_steps = 0;
+  int total_steps = 1;
+  // Rate for optimizer step `step` (0-based).
+  double At(int step) const;
+};
+
+}  // namespace geotrain::model

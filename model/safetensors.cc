@@ -1,0 +1,261 @@
+// safetensors reading and writing, atomic file writes and CRC-32 (see safetensors.h).
+#include "model/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace geotrain::model {
+namespace {
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h >> 15) & 1, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  float value;
+  if (exponent == 0) {
+    value = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 31) {
+    value = mantissa ? NAN : INFINITY;
+  } else {
+    value = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  }
+  return sign ? -value : value;
+}
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+}
+
+}  // namespace
+
+const NamedTensor* SafetensorsFile::Find(const std::string& name) const {
+  for (const NamedTensor& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+uint32_t Crc32(const void* data, size_t size, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+absl::Status WriteFileAtomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return Errno("cannot create", tmp);
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      absl::Status s = Errno("cannot write", tmp);
+      ::close(fd);
+      return s;
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    absl::Status s = Errno("cannot fsync", tmp);
+    ::close(fd);
+    return s;
+  }
+  if (::close(fd) != 0) return Errno("cannot close", tmp);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return Errno("cannot rename onto", path);
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
+  return ss.str();
+}
+
+absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vector<NamedTensor>& tensors,
+                                        const std::map<std::string, std::string>& metadata) {
+  std::string header = "{";
+  if (!metadata.empty()) {
+    header += "\"__metadata__\":{";
+    bool first = true;
+    for (const auto& [k, v] : metadata) {
+      if (!first) header += ",";
+      first = false;
+      absl::StrAppend(&header, "\"", JsonEscape(k), "\":\"", JsonEscape(v), "\"");
+    }
+    header += "}";
+  }
+  uint64_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const NamedTensor& t = tensors[i];
+    int64_t count = 1;
+    for (int64_t d : t.shape) count *= d;
+    if (count != static_cast<int64_t>(t.data.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.data.size(),
+                                                     " floats but its shape holds ", count));
+    }
+    if (header.size() > 1) header += ",";
+    absl::StrAppend(&header, "\"", JsonEscape(t.name), "\":{\"dtype\":\"F32\",\"shape\":[");
+    for (size_t d = 0; d < t.shape.size(); ++d) absl::StrAppend(&header, d ? "," : "", t.shape[d]);
+    const uint64_t bytes = t.data.size() * sizeof(float);
+    absl::StrAppend(&header, "],\"data_offsets\":[", offset, ",", offset + bytes, "]}");
+    offset += bytes;
+  }
+  header += "}";
+  while (header.size() % 8 != 0) header += ' ';
+  std::string out;
+  out.reserve(8 + header.size() + offset);
+  const uint64_t header_size = header.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((header_size >> (8 * i)) & 0xff));
+  out += header;
+  for (const NamedTensor& t : tensors) {
+    out.append(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float));
+  }
+  return WriteFileAtomically(path, out);
+}
+
+absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadFileToString(path);
+  if (!bytes.ok()) return bytes.status();
+  const std::string& b = *bytes;
+  if (b.size() < 8) {
+    return absl::DataLossError(absl::StrCat(path, ": ", b.size(), " bytes is too short for a safetensors file"));
+  }
+  uint64_t header_size = 0;
+  for (int i = 0; i < 8; ++i) header_size |= static_cast<uint64_t>(static_cast<unsigned char>(b[i])) << (8 * i);
+  if (header_size > b.size() - 8 || header_size > (100u << 20)) {
+    return absl::DataLossError(absl::StrCat(path, ": header length ", header_size, " exceeds the file (",
+                                            b.size(), " bytes); the file is truncated or not safetensors"));
+  }
+  google::protobuf::Struct header;
+  google::protobuf::util::JsonParseOptions options;
+  auto parsed = google::protobuf::util::JsonStringToMessage(b.substr(8, header_size), &header, options);
+  if (!parsed.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON: ", parsed.ToString()));
+  }
+  const uint64_t data_size = b.size() - 8 - header_size;
+  const char* data = b.data() + 8 + header_size;
+  SafetensorsFile file;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::vector<std::pair<uint64_t, size_t>> order;
+  for (const auto& [name, value] : header.fields()) {
+    if (name == "__metadata__") {
+      for (const auto& [k, v] : value.struct_value().fields()) file.metadata[k] = v.string_value();
+      continue;
+    }
+    auto bad = [&](const std::string& why) {
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': ", why));
+    };
+    if (value.kind_case() != google::protobuf::Value::kStructValue) return bad("entry is not an object");
+    const auto& f = value.struct_value().fields();
+    auto dtype_it = f.find("dtype"), shape_it = f.find("shape"), offsets_it = f.find("data_offsets");
+    if (dtype_it == f.end() || shape_it == f.end() || offsets_it == f.end()) {
+      return bad("needs dtype, shape and data_offsets");
+    }
+    const std::string dtype = dtype_it->second.string_value();
+    size_t elem = 0;
+    if (dtype == "F32") elem = 4;
+    else if (dtype == "F16" || dtype == "BF16") elem = 2;
+    else return bad(absl::StrCat("dtype ", dtype, " is not supported (F32, F16, BF16)"));
+    NamedTensor t;
+    t.name = name;
+    uint64_t count = 1;
+    for (const auto& d : shape_it->second.list_value().values()) {
+      const double v = d.number_value();
+      if (v < 0 || v != std::floor(v) || v > 1e12) return bad("shape has a bad dimension");
+      t.shape.push_back(static_cast<int64_t>(v));
+      count *= static_cast<uint64_t>(v);
+    }
+    const auto& offs = offsets_it->second.list_value().values();
+    if (offs.size() != 2) return bad("data_offsets must have two entries");
+    const double begin_d = offs[0].number_value(), end_d = offs[1].number_value();
+    if (begin_d < 0 || end_d < begin_d || end_d > static_cast<double>(data_size)) {
+      return bad(absl::StrCat("data_offsets [", begin_d, ", ", end_d, "] lie outside the ", data_size,
+                              " data bytes; the file is truncated or corrupt"));
+    }
+    const uint64_t begin = static_cast<uint64_t>(begin_d), end = static_cast<uint64_t>(end_d);
+    if (end - begin != count * elem) {
+      return bad(absl::StrCat("shape needs ", count * elem, " bytes but data_offsets give ", end - begin));
+    }
+    t.data.resize(count);
+    if (elem == 4) {
+      std::memcpy(t.data.data(), data + begin, count * 4);
+    } else {
+      for (uint64_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, data + begin + 2 * i, 2);
+        t.data[i] = dtype == "BF16" ? [&] {
+          const uint32_t bits = static_cast<uint32_t>(h) << 16;
+          float x;
+          std::memcpy(&x, &bits, 4);
+          return x;
+        }()
+                                    : HalfToFloat(h);
+      }
+    }
+    ranges.emplace_back(begin, end);
+    order.emplace_back(begin, file.tensors.size());
+    file.tensors.push_back(std::move(t));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) {
+      return absl::DataLossError(absl::StrCat(path, ": tensors overlap in the data section; the file is corrupt"));
+    }
+  }
+  std::sort(order.begin(), order.end());
+  std::vector<NamedTensor> sorted;
+  for (const auto& [offset, index] : order) sorted.push_back(std::move(file.tensors[index]));
+  file.tensors = std::move(sorted);
+  return file;
+}
+
+}  // namespace geotrain::model

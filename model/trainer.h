@@ -1,0 +1,48 @@
+// Single-process training of a job spec: the reference every distributed run must match.
+//
+//   absl::StatusOr<JobSpec> spec = LoadJobSpecFile("job.yaml");
+//   LocalTrainer trainer;
+//   absl::Status s = trainer.Run(*spec, {.resume = true});
+//
+// One optimizer step takes train.global_batch sequences of train.seq_len tokens (parallel.microbatches
+// microbatches, gradients accumulated), in the order DataLoader gives them with one replica; then global
+// norm clipping (train.grad_clip; 0 disables), AdamW (train.lr with warm-up and cosine decay to
+// train.min_lr, train.weight_decay, beta1/beta2) and, every train.eval_every steps, the mean validation
+// loss over train.eval_batches batches of data.val. Checkpoints go to checkpoint.dir every
+// checkpoint.every_steps steps and at the end; resume continues from the latest one exactly.
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "spec.pb.h"
+
+namespace geotrain::model {
+
+struct LocalTrainOptions {
+  bool resume = false;
+  bool progress_bar = false;  // redraw a progress bar (for a TTY)
+  FILE* out = stdout;
+  int stop_after_step = 0;  // > 0: return after this step (still counting train.steps for the schedule)
+};
+
+struct StepRecord {
+  int step = 0;
+  float loss = 0.0f;
+  float val_loss = -1.0f;  // < 0 when not evaluated at this step
+  double lr = 0.0, grad_norm = 0.0, tokens_per_second = 0.0;
+};
+
+class LocalTrainer {
+ public:
+  absl::Status Run(const JobSpec& spec, const LocalTrainOptions& options);
+  const std::vector<StepRecord>& history() const { return history_; }
+
+ private:
+  std::vector<StepRecord> history_;
+};
+
+}  // namespace geotrain::model
