@@ -509,6 +509,14 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
       wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"));
   (void)jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line);
   if (metrics_ == nullptr) return;
+  if (auto job = jobs_->Get(job_id); job.ok() && job->predicted_step_seconds() > 0) {
+    metrics_->Gauges("geotrain_predicted_step_seconds", "The planner's predicted step time, by job")
+        .Add({{"job", job_id}})
+        .Set(job->predicted_step_seconds());
+  }
+  metrics_->Gauges("geotrain_measured_step_seconds", "The latest measured step time, by job")
+      .Add({{"job", job_id}})
+      .Set(agg.step_seconds);
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                                                    2.5,  5,     10,   30,  60,  120};
   prometheus::BuildHistogram()
