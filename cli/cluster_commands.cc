@@ -62,32 +62,42 @@ absl::StatusOr<int> FreePort() {
 }
 
 // Starts argv[0] in its own session with stdout and stderr appended to `log`; returns its pid.
+// The child runs only async-signal-safe calls: gRPC threads may hold allocator or stdio locks at fork.
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const char* log_path = log.c_str();
+  static constexpr char kExecFailed[] = "geotrain cluster: cannot execute the binary\n";
   const pid_t pid = ::fork();
   if (pid < 0) return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
   if (pid == 0) {
     ::setsid();
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    const int fd = ::open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd >= 0) {
       ::dup2(fd, STDOUT_FILENO);
       ::dup2(fd, STDERR_FILENO);
     }
-    const int null = ::open("/dev/null", O_RDONLY);
+    const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (null >= 0) ::dup2(null, STDIN_FILENO);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
     ::execv(args[0], args.data());
-    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
+    ssize_t ignored = ::write(STDERR_FILENO, kExecFailed, sizeof(kExecFailed) - 1);
+    (void)ignored;
     ::_exit(127);
   }
   return pid;
 }
 
+// True when `pid` runs one of geotrain's binaries (geotrain, geotrain-netem): a recorded pid that was
+// reused by another program is left alone.
 bool RunsGeotrain(pid_t pid) {
-  std::ifstream cmdline(absl::StrCat("/proc/", pid, "/cmdline"));
-  std::string text((std::istreambuf_iterator<char>(cmdline)), std::istreambuf_iterator<char>());
-  return text.find("geotrain") != std::string::npos;
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink(absl::StrCat("/proc/", pid, "/exe"), ec);
+  if (ec) return false;
+  std::string name = exe.filename().string();
+  // A binary replaced by a rebuild while it runs shows as "geotrain (deleted)".
+  if (const size_t cut = name.find(" (deleted)"); cut != std::string::npos) name.resize(cut);
+  return name == "geotrain" || name == "geotrain-netem";
 }
 
 struct Started {

@@ -292,6 +292,7 @@ void HeadServer::DetectorLoop() {
       }
       runner_->OnWorkerDead(dead);
     }
+    runner_->Reconcile(registry_->Actors());
     runner_->StartPendingJobs();
     RefreshMetrics();
     stop_mu_.Lock();

@@ -101,7 +101,12 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   };
   // Pinned actors first, then the rest in order.
   std::map<std::tuple<int, int, int>, Slot*> chosen;
-  for (const auto& [key, pin] : pinned) {
+  // Pins to a worker first, then pins to a site, so that a site pin never takes the device a worker
+  // pin needs.
+  std::vector<std::pair<std::tuple<int, int, int>, const PlacementSpec*>> ordered(pinned.begin(), pinned.end());
+  std::stable_sort(ordered.begin(), ordered.end(),
+                   [](const auto& a, const auto& b) { return !a.second->worker().empty() && b.second->worker().empty(); });
+  for (const auto& [key, pin] : ordered) {
     Slot* slot = take(pin);
     if (slot == nullptr) {
       return absl::UnavailableError(absl::StrCat("no free device on ", pin->worker().empty() ? "site " : "worker ",
@@ -314,6 +319,17 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
                                    absl::StrCat("placed ", placement.size(), " actors; creating them"));
   if (!started.ok()) return started.status();
   for (const ActorPlacement& p : placement) {
+    bool ended;
+    {
+      absl::MutexLock lock(&mu_);
+      ended = runs_[job.job_id()].ended;
+    }
+    if (ended) {
+      // Cancelled (or failed) while its actors were being created: stop the ones already made.
+      std::vector<ActorPlacement> made(placement.begin(), placement.begin() + (&p - placement.data()));
+      StopActors(made, "the job ended while its actors were being created");
+      return absl::OkStatus();
+    }
     const WorkerInfo& w = workers[p.actor.worker_id()];
     auto channel = MakeChannel(w.address(), tls_);
     if (!channel.ok()) return channel.status();
@@ -372,6 +388,32 @@ void JobRunner::EndJob(const std::string& job_id, JobState state, const std::str
   }
   (void)jobs_->Transition(job_id, state, message);
   if (state != JOB_SUCCEEDED) StopActors(actors, message);
+}
+
+void JobRunner::Reconcile(const std::vector<ActorRecord>& reported) {
+  std::map<std::string, const ActorRecord*> by_id;
+  for (const ActorRecord& a : reported) by_id[a.actor_id()] = &a;
+  std::vector<std::pair<std::string, std::string>> failed;
+  std::vector<std::string> succeeded;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [job_id, run] : runs_) {
+      if (run.ended) continue;
+      for (const ActorPlacement& p : run.actors) {
+        auto it = by_id.find(p.actor.actor_id());
+        if (it == by_id.end() || it->second->state() != ACTOR_DEAD || run.done.count(p.actor.actor_id())) continue;
+        if (it->second->message() == "finished") {
+          run.done.insert(p.actor.actor_id());
+        } else {
+          failed.push_back({job_id, absl::StrCat("actor ", p.actor.actor_id(), " died: ", it->second->message())});
+          break;
+        }
+      }
+      if (static_cast<int>(run.done.size()) == static_cast<int>(run.actors.size())) succeeded.push_back(job_id);
+    }
+  }
+  for (const auto& [job_id, why] : failed) EndJob(job_id, JOB_FAILED, why);
+  for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor finished");
 }
 
 void JobRunner::StopJob(const std::string& job_id, const std::string& reason) {

@@ -74,6 +74,9 @@ class JobRunner {
   bool OnStepReport(const StepReport& report);
   // Fails jobs whose actors ran on `worker`.
   void OnWorkerDead(const WorkerInfo& worker);
+  // Reconciles runs with the actor states workers report in heartbeats, for when a step report was
+  // lost: an actor that finished counts as done; one that died fails its job with its message.
+  void Reconcile(const std::vector<ActorRecord>& reported);
   // Stops every actor of the job (after a cancel).
   void StopJob(const std::string& job_id, const std::string& reason);
   // Actors of running jobs as the head placed them (for status when workers have not reported yet).

@@ -61,10 +61,13 @@ class AsyncSender {
  public:
   AsyncSender(comm::Communicator* comm, comm::TensorStreamClient* client, std::string my_site)
       : comm_(comm), client_(client), my_site_(std::move(my_site)), thread_([this] { Loop(); }) {}
+  // Drops whatever is still queued (the step is being abandoned) and joins; a send in flight ends at
+  // its deadline.
   ~AsyncSender() {
     {
       absl::MutexLock lock(&mu_);
       stop_ = true;
+      queue_.clear();
     }
     thread_.join();
   }
@@ -117,6 +120,7 @@ class AsyncSender {
       absl::MutexLock lock(&mu_);
       traffic_.Add(my_site_, item.site, sent, 4.0 * item.data.size());
       if (!st.ok() && error_.ok()) error_ = st;
+      if (!error_.ok()) queue_.clear();  // later sends of the step are moot
       busy_ = false;
     }
   }
@@ -194,11 +198,19 @@ void StageActor::SetState(ActorState state, const std::string& message) {
 
 void StageActor::Report(const StepReport& report) {
   if (!head_) return;
-  grpc::ClientContext ctx;
-  AttachToken(&ctx, config_.token);
-  SetDeadlineMillis(&ctx, 5000);
+  // The last report and an error decide the job's end: they are retried (about a minute in all);
+  // an ordinary step report is tried once.
+  const bool decisive = report.done() || !report.error().empty();
+  grpc::Status s;
   ReportStepReply reply;
-  grpc::Status s = head_->ReportStep(&ctx, report, &reply);
+  for (int attempt = 0, backoff_ms = 500; attempt < (decisive ? 8 : 1); ++attempt, backoff_ms *= 2) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(std::min(backoff_ms, 8000)));
+    grpc::ClientContext ctx;
+    AttachToken(&ctx, config_.token);
+    SetDeadlineMillis(&ctx, 5000);
+    s = head_->ReportStep(&ctx, report, &reply);
+    if (s.ok()) break;
+  }
   if (!s.ok()) {
     GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": cannot report step " << report.step()
                     << " to the head: " << s.error_message();

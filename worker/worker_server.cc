@@ -10,6 +10,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/spec.h"
 #include "worker/devices.h"
 
 namespace geotrain {
@@ -40,14 +41,30 @@ class WorkerServer::Service final : public Worker::Service {
                           absl::StrCat("CreateActor: device_index ", a.device_index(), " out of range [0, ",
                                        worker_->devices_.size(), ")"));
     }
-    if (request->spec().parallel().dp() * request->spec().parallel().pp() * request->spec().parallel().tp() !=
-        request->peers_size()) {
+    // Everything the actor will index with comes from the network: check it all first.
+    const ParallelSpec& plan = request->spec().parallel();
+    auto invalid = [&timer](const std::string& why) {
       timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("CreateActor: the plan needs dp x pp x tp actors, the request lists ",
-                                       request->peers_size()));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("CreateActor: ", why));
+    };
+    if (absl::Status s = ValidateJobSpec(request->spec()); !s.ok()) return invalid(std::string(s.message()));
+    if (plan.dp() > 4096 || plan.pp() > 4096 || plan.tp() > 4096 ||
+        static_cast<int64_t>(plan.dp()) * plan.pp() * plan.tp() != request->peers_size()) {
+      return invalid(absl::StrCat("the plan needs dp x pp x tp actors, the request lists ", request->peers_size()));
     }
+    if (a.replica() < 0 || a.replica() >= plan.dp() || a.stage() < 0 || a.stage() >= plan.pp() ||
+        a.tp_rank() < 0 || a.tp_rank() >= plan.tp()) {
+      return invalid(absl::StrCat("actor (replica ", a.replica(), ", stage ", a.stage(), ", tp rank ", a.tp_rank(),
+                                  ") is outside the plan"));
+    }
+    bool listed = false;
+    for (const ActorPeer& p : request->peers()) listed |= p.actor_id() == a.actor_id();
+    if (!listed) return invalid("the actor is missing from its own peer list");
     absl::MutexLock lock(&worker_->mu_);
+    if (worker_->stopping_) {
+      timer.set_code(grpc::StatusCode::UNAVAILABLE);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down");
+    }
     auto it = worker_->actors_.find(a.actor_id());
     if (it != worker_->actors_.end() && !it->second->finished()) {
       timer.set_code(grpc::StatusCode::ALREADY_EXISTS);
@@ -269,7 +286,16 @@ void WorkerServer::JoinLoop() {
       interval = heartbeat_interval_ms_;
       beat.set_worker_id(worker_id_);
       beat.set_incarnation(incarnation_);
-      for (const auto& [id, a] : actors_) *beat.add_actors() = a->Record();
+      std::map<std::string, bool> job_finished;  // job -> every actor of it here has finished
+      for (const auto& [id, a] : actors_) {
+        *beat.add_actors() = a->Record();
+        auto [it, inserted] = job_finished.emplace(a->Record().job_id(), a->finished());
+        if (!inserted) it->second = it->second && a->finished();
+      }
+      // A job that is over on this worker leaves nothing in the mailbox (late or orphaned tensors).
+      for (const auto& [job, finished] : job_finished) {
+        if (finished && discarded_jobs_.insert(job).second) tensor_streams_->DiscardJob(job);
+      }
     }
     if (!SleepMillis(interval)) return;
     std::vector<LinkMeasurement> links;

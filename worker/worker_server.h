@@ -16,6 +16,7 @@
 #pragma once
 
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -100,6 +101,7 @@ class WorkerServer {
   int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
   // Running (and finished) stage actors by id; their records come from StageActor::Record().
   std::map<std::string, std::unique_ptr<StageActor>> actors_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> discarded_jobs_ ABSL_GUARDED_BY(mu_);   // jobs whose tensors were dropped
   std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);              // from the latest heartbeat reply
   std::vector<LinkMeasurement> pending_links_ ABSL_GUARDED_BY(mu_);  // probes not yet reported
 };

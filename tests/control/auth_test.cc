@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "common/rpc.h"
+#include "common/spec.h"
 #include "control.grpc.pb.h"
 #include "google/protobuf/descriptor.h"
 #include "head/head_server.h"
@@ -102,6 +103,51 @@ TEST_F(AuthTest, EveryMethodNeedsTheToken) {
       EXPECT_NE(CallWithToken(channel, method, &right), grpc::StatusCode::UNAUTHENTICATED) << method;
     }
   }
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// Inputs from the network are checked before the actor indexes with them: a plan with dp 0 or an
+// actor outside its plan is refused, and the worker keeps serving.
+TEST_F(AuthTest, CreateActorRefusesMalformedPlans) {
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(worker_->port()), grpc::InsecureChannelCredentials());
+  auto stub = Worker::NewStub(channel);
+  auto call = [&](const CreateActorRequest& request) {
+    grpc::ClientContext ctx;
+    AttachToken(&ctx, "right-token");
+    CreateActorReply reply;
+    return stub->CreateActor(&ctx, request, &reply);
+  };
+  CreateActorRequest request;
+  request.mutable_actor()->set_actor_id("a-1");
+  request.mutable_actor()->set_job_id("job-1");
+  ApplyJobDefaults(request.mutable_spec());
+  request.mutable_spec()->mutable_parallel()->set_dp(0);
+  grpc::Status s = call(request);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+
+  request.mutable_spec()->mutable_parallel()->set_dp(1);
+  request.mutable_actor()->set_stage(3);  // pp is 1
+  ActorPeer* peer = request.add_peers();
+  peer->set_actor_id("a-1");
+  s = call(request);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("outside the plan"), std::string::npos);
+
+  request.mutable_actor()->set_stage(0);
+  peer->set_actor_id("someone-else");
+  s = call(request);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("peer list"), std::string::npos);
+
+  grpc::ClientContext ctx;
+  AttachToken(&ctx, "right-token");
+  PingReply reply;
+  EXPECT_TRUE(stub->Ping(&ctx, PingRequest(), &reply).ok()) << "the worker still serves";
 }
 
 }  // namespace

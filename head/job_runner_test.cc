@@ -1,0 +1,94 @@
+// Placement of a job's actors: order, pins, TP groups inside a site, memory refusal with the numbers.
+#include "head/job_runner.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/spec.h"
+
+namespace geotrain {
+namespace {
+
+using ::testing::HasSubstr;
+
+WorkerInfo Worker(const std::string& id, const std::string& site, double mem_gb, int devices = 1) {
+  WorkerInfo w;
+  w.set_worker_id(id);
+  w.set_site(site);
+  w.set_state(WORKER_ALIVE);
+  for (int d = 0; d < devices; ++d) {
+    Device* dev = w.add_devices();
+    dev->set_name("T4");
+    dev->set_tflops(65);
+    dev->set_memory_bytes(static_cast<uint64_t>(mem_gb * 1e9));
+  }
+  return w;
+}
+
+JobInfo Job(int dp, int pp, int tp) {
+  JobInfo job;
+  job.set_job_id("job-000007");
+  JobSpec* spec = job.mutable_spec();
+  spec->mutable_model()->set_preset("gpt2-tiny-test");
+  spec->mutable_train()->set_global_batch(8);
+  spec->mutable_train()->set_seq_len(16);
+  spec->mutable_parallel()->set_plan("manual");
+  spec->mutable_parallel()->set_dp(dp);
+  spec->mutable_parallel()->set_pp(pp);
+  spec->mutable_parallel()->set_tp(tp);
+  spec->mutable_parallel()->set_microbatches(1);
+  ApplyJobDefaults(spec);
+  return job;
+}
+
+TEST(PlaceActorsTest, FillsDevicesInSiteOrderAndWaitsWhenShort) {
+  std::vector<WorkerInfo> workers = {Worker("w2", "b", 16), Worker("w1", "a", 16), Worker("w3", "b", 16)};
+  auto placed = PlaceActors(Job(3, 1, 1), workers);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  ASSERT_EQ(placed->size(), 3u);
+  EXPECT_EQ((*placed)[0].actor.worker_id(), "w1");  // site a first
+  EXPECT_EQ((*placed)[1].site, "b");
+  EXPECT_EQ((*placed)[2].actor.actor_id(), "job-000007-r2s0t0");
+  auto waiting = PlaceActors(Job(2, 2, 1), workers);
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(waiting.status().message(), HasSubstr("needs 4 devices"));
+  workers[0].set_state(WORKER_DEAD);
+  EXPECT_EQ(PlaceActors(Job(3, 1, 1), workers).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(PlaceActors(Job(1, 3, 1), workers).status().code(), absl::StatusCode::kInvalidArgument);  // 2 layers
+}
+
+TEST(PlaceActorsTest, WorkerPinsWinOverSitePins) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16)};
+  JobInfo job = Job(2, 1, 1);
+  PlacementSpec* site_pin = job.mutable_spec()->mutable_parallel()->add_placement();
+  site_pin->set_replica(0);
+  site_pin->set_site("a");
+  PlacementSpec* worker_pin = job.mutable_spec()->mutable_parallel()->add_placement();
+  worker_pin->set_replica(1);
+  worker_pin->set_worker("w1");
+  auto placed = PlaceActors(job, workers);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  EXPECT_EQ((*placed)[1].actor.worker_id(), "w1");
+  EXPECT_EQ((*placed)[0].actor.worker_id(), "w2");
+}
+
+TEST(PlaceActorsTest, TensorParallelGroupsStayInsideASite) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "b", 16)};
+  auto placed = PlaceActors(Job(1, 1, 2), workers);
+  EXPECT_EQ(placed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(placed.status().message(), HasSubstr("inside a site"));
+  workers = {Worker("w1", "a", 16, /*devices=*/2)};
+  EXPECT_TRUE(PlaceActors(Job(1, 1, 2), workers).ok());
+}
+
+TEST(PlaceActorsTest, PlanThatDoesNotFitIsRefusedWithTheNumbers) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 0.0001)};
+  auto placed = PlaceActors(Job(1, 1, 1), workers);
+  EXPECT_EQ(placed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(placed.status().message(), HasSubstr("does not fit"));
+  EXPECT_THAT(placed.status().message(), HasSubstr("GB"));
+  EXPECT_GT(EstimateActorMemory(Job(1, 1, 1).spec(), 0), 16u * 100000);  // at least its parameters x 16
+}
+
+}  // namespace
+}  // namespace geotrain
