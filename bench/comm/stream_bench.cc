@@ -24,27 +24,15 @@
 
 #include "comm/tensor_stream.h"
 
+#include "bench/bench_util.h"
+
 namespace {
 
 using namespace geotrain::comm;
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// The machine's load average (first field of /proc/loadavg), printed with the figures: the benchmark machines are
-// shared, and contention changes results a lot.
-std::string LoadAverage() {
-  std::FILE* f = std::fopen("/proc/loadavg", "r");
-  if (f == nullptr) return "?";
-  char buffer[64] = {0};
-  const size_t got = std::fread(buffer, 1, sizeof(buffer) - 1, f);
-  std::fclose(f);
-  std::string s(buffer, got);
-  return s.substr(0, s.find(' '));
-}
+using geotrain::bench::LoadAverage;
+using geotrain::bench::Median;
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
