@@ -8,8 +8,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <thread>
+#include <vector>
 
 namespace geotrain::netem {
 namespace {
@@ -107,6 +110,32 @@ int64_t NowNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+double ReceiverRate(int from, int to, int64_t bytes, size_t write_block, int64_t* received) {
+  std::thread writer([&] {
+    std::vector<char> block(write_block, 'x');
+    for (int64_t left = bytes; left > 0;) {
+      const size_t n = static_cast<size_t>(std::min<int64_t>(left, static_cast<int64_t>(block.size())));
+      if (!WriteAll(from, block.data(), n)) break;
+      left -= static_cast<int64_t>(n);
+    }
+  });
+  std::vector<char> buffer(256 * 1024);
+  int64_t got = 0, first_bytes = 0, first_ns = 0, last_ns = 0;
+  while (got < bytes) {
+    const ssize_t n = recv(to, buffer.data(), buffer.size(), 0);
+    if (n <= 0) break;
+    if (got == 0) {
+      first_ns = NowNanos();
+      first_bytes = n;
+    }
+    got += n;
+    last_ns = NowNanos();
+  }
+  writer.join();
+  if (received != nullptr) *received = got;
+  return (got - first_bytes) / ((last_ns - first_ns) / 1e9);
 }
 
 }  // namespace geotrain::netem

@@ -22,5 +22,9 @@ bool WaitReadable(int fd, int timeout_ms);
 void CloseFd(int fd);
 // Monotonic nanoseconds (steady_clock).
 int64_t NowNanos();
+// Sends `bytes` from `from` (on a writer thread, in `write_block`-byte writes) and reads them at `to`;
+// returns the receiver's rate in bytes/s from its first read to its last, leaving out the first read
+// (a token bucket's burst). `received` (optional) gets how many bytes arrived.
+double ReceiverRate(int from, int to, int64_t bytes, size_t write_block, int64_t* received = nullptr);
 
 }  // namespace geotrain::netem

@@ -98,30 +98,7 @@ std::vector<double> OneWayDelaysMs(int from, int to, int n, int gap_ms) {
 }
 
 // Bytes per second seen by the receiver from its first read to its last (first read left out).
-double BulkRate(int from, int to, int64_t bytes) {
-  std::thread writer([&] {
-    std::vector<char> block(256 * 1024, 'x');
-    for (int64_t left = bytes; left > 0;) {
-      const size_t n = static_cast<size_t>(std::min<int64_t>(left, block.size()));
-      if (!WriteAll(from, block.data(), n)) break;
-      left -= static_cast<int64_t>(n);
-    }
-  });
-  std::vector<char> buffer(256 * 1024);
-  int64_t got = 0, first_bytes = 0, first_ns = 0, last_ns = 0;
-  while (got < bytes) {
-    const ssize_t n = recv(to, buffer.data(), buffer.size(), 0);
-    if (n <= 0) break;
-    if (got == 0) {
-      first_ns = NowNanos();
-      first_bytes = n;
-    }
-    got += n;
-    last_ns = NowNanos();
-  }
-  writer.join();
-  return (got - first_bytes) / ((last_ns - first_ns) / 1e9);
-}
+double BulkRate(int from, int to, int64_t bytes) { return ReceiverRate(from, to, bytes, 256 * 1024); }
 
 // Median round trip (microseconds) of `n` 64-byte ping-pongs.
 double PingPongMicros(int client, int server, int n) {

@@ -122,30 +122,10 @@ TEST(EmulatorTest, AddedOneWayLatencyMatchesConfigured) {
 // Sends `bytes` from `from`; returns the receiver's rate (bytes/s) from its first read to its last,
 // leaving out the first read (the bucket's burst).
 double MeasureRate(int from, int to, int64_t bytes) {
-  std::thread writer([&] {
-    std::vector<char> block(64 * 1024, 'x');
-    int64_t left = bytes;
-    while (left > 0) {
-      const size_t n = static_cast<size_t>(std::min<int64_t>(left, block.size()));
-      if (!WriteAll(from, block.data(), n)) break;
-      left -= static_cast<int64_t>(n);
-    }
-  });
-  std::vector<char> buffer(256 * 1024);
-  int64_t got = 0, first_bytes = 0, first_ns = 0, last_ns = 0;
-  while (got < bytes) {
-    const ssize_t n = recv(to, buffer.data(), buffer.size(), 0);
-    if (n <= 0) break;
-    if (got == 0) {
-      first_ns = NowNanos();
-      first_bytes = n;
-    }
-    got += n;
-    last_ns = NowNanos();
-  }
-  writer.join();
+  int64_t got = 0;
+  const double rate = ReceiverRate(from, to, bytes, 64 * 1024, &got);
   EXPECT_EQ(got, bytes);
-  return (got - first_bytes) / ((last_ns - first_ns) / 1e9);
+  return rate;
 }
 
 TEST(EmulatorTest, ThroughputMatchesTheCap) {
