@@ -398,4 +398,67 @@ void BucketedAllReduce::Loop() {
   }
 }
 
+// --- GradientBuckets -------------------------------------------------------------------------------------
+
+GradientBuckets::GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups,
+                                 int64_t bucket_bytes, std::string tag_prefix)
+    : groups_(std::move(groups)),
+      bucket_of_group_(groups_.size()),
+      offset_in_bucket_(groups_.size()),
+      ready_(groups_.size(), false),
+      all_reduce_(communicator, std::move(tag_prefix)) {
+  const int64_t bucket_elements = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
+  int64_t filled = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    int64_t size = 0;
+    for (const absl::Span<float>& piece : groups_[g]) size += static_cast<int64_t>(piece.size());
+    elements_ += size;
+    if (buckets_.empty() || filled >= bucket_elements) {
+      buckets_.push_back(Bucket{static_cast<int>(g), static_cast<int>(g), {}, 0});
+      filled = 0;
+    }
+    bucket_of_group_[g] = static_cast<int>(buckets_.size()) - 1;
+    offset_in_bucket_[g] = filled;
+    buckets_.back().end_group = static_cast<int>(g) + 1;
+    filled += size;
+    buckets_.back().data.resize(static_cast<size_t>(filled));
+  }
+}
+
+void GradientBuckets::GroupReady(int group) {
+  if (group < 0 || group >= static_cast<int>(groups_.size()) || ready_[group]) {
+    if (misuse_.ok()) misuse_ = absl::InternalError(absl::StrCat("gradient group ", group, " reported twice or unknown"));
+    return;
+  }
+  ready_[group] = true;
+  Bucket& bucket = buckets_[bucket_of_group_[group]];
+  float* out = bucket.data.data() + offset_in_bucket_[group];
+  for (const absl::Span<float>& piece : groups_[group]) {
+    std::copy(piece.begin(), piece.end(), out);
+    out += piece.size();
+  }
+  if (++bucket.groups_ready == bucket.end_group - bucket.first_group) {
+    all_reduce_.Start(bucket_of_group_[group], absl::MakeSpan(bucket.data));
+  }
+}
+
+absl::Status GradientBuckets::Finish() {
+  absl::Status status = all_reduce_.WaitAll();  // always drain, so no bucket is in flight after Finish
+  const bool complete = std::all_of(ready_.begin(), ready_.end(), [](bool r) { return r; });
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (Bucket& bucket : buckets_) bucket.groups_ready = 0;
+  absl::Status misuse = std::exchange(misuse_, absl::OkStatus());
+  if (!misuse.ok()) return misuse;
+  if (!status.ok()) return status;
+  if (!complete) return absl::FailedPreconditionError("gradient all-reduce finished before every group was ready");
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const float* in = buckets_[bucket_of_group_[g]].data.data() + offset_in_bucket_[g];
+    for (const absl::Span<float>& piece : groups_[g]) {
+      std::copy(in, in + piece.size(), piece.begin());
+      in += piece.size();
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace geotrain::comm

@@ -170,4 +170,51 @@ class BucketedAllReduce {
   std::thread thread_;
 };
 
+// A stage's gradient all-reduce, bucketed and overlapped with backward. The gradient pieces come in
+// groups, in the order backward finishes them (the last block's first, then earlier blocks, then the
+// embeddings and final LayerNorm); consecutive groups are packed into buckets of about `bucket_bytes`
+// (a group is never split). GroupReady(g) copies group g into its bucket; once every group of a bucket is
+// in, the bucket's all-reduce starts on BucketedAllReduce's thread while the caller's backward goes on.
+// Finish() waits for every bucket and copies the sums back into the pieces.
+//
+//   GradientBuckets buckets(&dp_comm, {layer_spans(L-1), ..., layer_spans(0), embedding_spans}, 25 << 20);
+//   stage.set_layer_gradients_ready([&](int l) { if (l >= 0) buckets.GroupReady(L - 1 - l); });
+//   ... last microbatch's backward ...
+//   buckets.GroupReady(L);             // the embeddings, after the tied-embedding sum
+//   RETURN_IF_ERROR(buckets.Finish());  // before the optimizer step
+//
+// Every rank must have the same groups (same sizes) and the same bucket_bytes, so that buckets match.
+// A group's pieces must not change between its GroupReady and Finish. The buffers are allocated once.
+// Thread safety: one thread calls GroupReady and Finish; the all-reduces run on the internal thread.
+class GradientBuckets {
+ public:
+  GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups,
+                  int64_t bucket_bytes, std::string tag_prefix = "grad-bucket");
+
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // Elements all-reduced per step (the sum of every group's sizes).
+  int64_t elements() const { return elements_; }
+  // Marks group g as final for this step; starts its bucket's all-reduce when the bucket is complete.
+  // A group reported twice in a step is an error returned by Finish.
+  void GroupReady(int group);
+  // Waits for every bucket, writes the sums back into the groups' pieces and resets for the next step.
+  // FAILED_PRECONDITION if some group never became ready (nothing is written back then).
+  absl::Status Finish();
+
+ private:
+  struct Bucket {
+    int first_group = 0, end_group = 0;  // groups [first_group, end_group)
+    std::vector<float> data;
+    int groups_ready = 0;
+  };
+  std::vector<std::vector<absl::Span<float>>> groups_;
+  std::vector<int> bucket_of_group_;
+  std::vector<int64_t> offset_in_bucket_;  // per group
+  std::vector<bool> ready_;
+  std::vector<Bucket> buckets_;
+  int64_t elements_ = 0;
+  absl::Status misuse_;
+  BucketedAllReduce all_reduce_;  // last: its thread stops before the buckets go away
+};
+
 }  // namespace geotrain::comm

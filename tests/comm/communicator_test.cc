@@ -272,6 +272,63 @@ TEST(Collectives, ConcurrentBucketsOverlapAndSum) {
   }
 }
 
+TEST(Collectives, GradientBucketsPackGroupsInCompletionOrderAndWriteSumsBack) {
+  Cluster cluster(4, kTwoSites, Options("none", "none", AllReduceAlgorithm::kRing));
+  // Per rank: 5 "layers" of three pieces each (uneven sizes) and one "embedding" group.
+  const std::vector<std::vector<size_t>> sizes = {{300, 7, 1000}, {300, 7, 1000}, {50, 1, 2},
+                                                  {300, 7, 1000}, {4000}, {123, 5}};
+  std::vector<std::vector<std::vector<float>>> pieces(4);
+  for (int r = 0; r < 4; ++r) {
+    for (const auto& group : sizes) {
+      for (size_t n : group) {
+        std::vector<float> piece(n);
+        for (size_t i = 0; i < n; ++i) piece[i] = static_cast<float>(r + 1) * static_cast<float>(i % 17);
+        pieces[r].push_back(std::move(piece));
+      }
+    }
+  }
+  for (int step = 0; step < 2; ++step) {  // the buffers are reused across steps
+    ExpectAllOk(cluster.Run([&](int r) -> absl::Status {
+      std::vector<std::vector<absl::Span<float>>> groups;
+      size_t next = 0;
+      for (const auto& group : sizes) {
+        groups.emplace_back();
+        for (size_t k = 0; k < group.size(); ++k) groups.back().push_back(absl::MakeSpan(pieces[r][next++]));
+      }
+      GradientBuckets buckets(&cluster.comm(r), groups, /*bucket_bytes=*/4 * 1200);
+      // Groups of 1307 floats fill a 1200-float bucket each; the small group 2 shares one with group 3.
+      EXPECT_EQ(buckets.num_buckets(), 5);
+      for (int g = 0; g < static_cast<int>(groups.size()); ++g) {
+        buckets.GroupReady(g);
+        absl::SleepFor(absl::Milliseconds(1));  // "backward" keeps computing
+      }
+      return buckets.Finish();
+    }));
+    const float factor = step == 0 ? 10.0f : 40.0f;  // the sum of ranks 1..4, then the sum of those sums
+    for (int r = 0; r < 4; ++r) {
+      for (const auto& piece : pieces[r]) {
+        for (size_t i = 0; i < piece.size(); ++i) ASSERT_EQ(piece[i], factor * static_cast<float>(i % 17));
+      }
+    }
+  }
+}
+
+TEST(Collectives, GradientBucketsRefuseAMissingOrRepeatedGroup) {
+  Cluster cluster(1, {"east"}, Options("none", "none", AllReduceAlgorithm::kRing));
+  std::vector<float> a(10, 1.0f), b(10, 2.0f);
+  GradientBuckets buckets(&cluster.comm(0), {{absl::MakeSpan(a)}, {absl::MakeSpan(b)}}, 1 << 20);
+  buckets.GroupReady(0);
+  EXPECT_EQ(buckets.Finish().code(), absl::StatusCode::kFailedPrecondition);
+  buckets.GroupReady(0);
+  buckets.GroupReady(0);
+  buckets.GroupReady(1);
+  EXPECT_EQ(buckets.Finish().code(), absl::StatusCode::kInternal);
+  buckets.GroupReady(1);
+  buckets.GroupReady(0);
+  EXPECT_TRUE(buckets.Finish().ok());
+  EXPECT_EQ(a[0], 1.0f);  // one rank: the sum is the value itself
+}
+
 TEST(Collectives, AMissingRankMakesTheOthersFailAtTheDeadline) {
   CommunicatorOptions options = Options("none", "none", AllReduceAlgorithm::kRing);
   options.timeout = absl::Milliseconds(500);
