@@ -263,6 +263,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (c->wan_codec().empty()) c->set_wan_codec("bf16");
   if (c->lan_codec().empty()) c->set_lan_codec("none");
   if (c->chunk_bytes() == 0) c->set_chunk_bytes(1 << 20);
+  if (c->grad_bucket_mb() == 0) c->set_grad_bucket_mb(25);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -294,6 +295,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                  absl::StrCat("(", t.global_batch(), ") must be a multiple of dp x microbatches (",
                               per_step, ")"));
     }
+  }
+  if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
+    return bad("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
   }
   if (spec.checkpoint().every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
   return absl::OkStatus();

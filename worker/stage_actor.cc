@@ -337,16 +337,35 @@ absl::Status StageActor::Run() {
   const int prev_rank = first ? -1 : world_rank(r, s - 1, t);
   const std::string& my_site = config_.site;
 
+  // Data parallelism: the replicas' gradients are summed in buckets, each all-reduced as soon as the last
+  // microbatch's backward has finished its layers, overlapped with the backward of earlier layers (each
+  // replica scaled its loss by 1 / (M dp)). The embeddings and final LayerNorm go last, after the
+  // tied-embedding sum.
+  const int num_layers = stage.last_layer() - stage.first_layer();
+  std::unique_ptr<comm::GradientBuckets> grad_buckets;
+  if (dp > 1) {
+    std::vector<std::vector<absl::Span<float>>> groups;
+    for (int l = num_layers - 1; l >= 0; --l) groups.push_back(stage.LayerGradientSpans(l));
+    groups.push_back(stage.NonLayerGradientSpans());
+    const double bucket_mb = spec.comm().grad_bucket_mb() > 0 ? spec.comm().grad_bucket_mb() : 25.0;
+    grad_buckets = std::make_unique<comm::GradientBuckets>(dp_comm.get(), std::move(groups),
+                                                           static_cast<int64_t>(bucket_mb * (1 << 20)));
+  }
+
   AsyncSender sender(&p2p, &p2p_client, config_.site);
   SetState(ACTOR_ALIVE, "training");
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp
                << ", tp rank " << t << ") training " << stage.num_params() << " parameters, layers ["
-               << stage.first_layer() << ", " << stage.last_layer() << ")";
+               << stage.first_layer() << ", " << stage.last_layer() << ")"
+               << (grad_buckets ? absl::StrCat("; gradient all-reduce in ", grad_buckets->num_buckets(),
+                                               " buckets overlapped with backward")
+                                : std::string());
 
   for (int step = 1; step <= spec.train().steps(); ++step) {
     const auto step_start = Clock::now();
     double compute = 0, wait = 0, bubble = 0;
     Traffic traffic;
+    const uint64_t dp_bytes_before = dp_client.stats().bytes_sent;
     if (loader) loader->Next(inputs.data(), targets.data());
     stage.ZeroGrad();
     double loss_sum = 0;
@@ -395,7 +414,14 @@ absl::Status StageActor::Run() {
         wait += SecondsSince(t0);
       }
       const auto t0 = Clock::now();
-      if (absl::Status st = stage.Backward(last ? nullptr : doutput.data(), loss_scale); !st.ok()) return st;
+      if (grad_buckets && m == M - 1) {  // the step's gradients become final layer by layer
+        stage.set_layer_gradients_ready([&](int l) {
+          if (l >= 0) grad_buckets->GroupReady(num_layers - 1 - l);
+        });
+      }
+      absl::Status backward_status = stage.Backward(last ? nullptr : doutput.data(), loss_scale);
+      stage.set_layer_gradients_ready(nullptr);
+      if (!backward_status.ok()) return backward_status;
       compute += SecondsSince(t0);
       latest_forward = -1;  // Backward consumed the activations
       if (first) return absl::OkStatus();
@@ -428,16 +454,12 @@ absl::Status StageActor::Run() {
       const int partner = first ? world_rank(r, pp - 1, t) : world_rank(r, 0, t);
       traffic.Add(my_site, peers[partner].site, misc_client.stats().bytes_sent - before, 4.0 * n);
     }
-    // Data parallelism: sum the replicas' gradients (each replica scaled its loss by 1 / (M dp)).
-    if (dp > 1) {
-      const auto before = dp_client.stats().bytes_sent;
-      if (absl::Status st = dp_comm->AllReduceSum(absl::MakeSpan(stage.grads(), stage.num_params()), "grads");
-          !st.ok()) {
-        return st;
-      }
+    if (grad_buckets) {
+      grad_buckets->GroupReady(num_layers);  // the embeddings and final LayerNorm
+      if (absl::Status st = grad_buckets->Finish(); !st.ok()) return st;
       const int successor = dp_ranks[(r + 1) % dp];
-      traffic.Add(my_site, peers[successor].site, dp_client.stats().bytes_sent - before,
-                  2.0 * (dp - 1) / dp * 4.0 * stage.num_params());
+      traffic.Add(my_site, peers[successor].site, dp_client.stats().bytes_sent - dp_bytes_before,
+                  2.0 * (dp - 1) / dp * 4.0 * static_cast<double>(grad_buckets->elements()));
     }
     // Global gradient norm: every stage and TP rank of the replica adds its share.
     float norm_share[2] = {static_cast<float>(stage.GradSquaredNormShare()),

@@ -51,7 +51,7 @@ def spec_text(name, data_glob, ckpt, steps, parallel, codec="none", lr="1.0e-3")
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data_glob}'}}\n"
             f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: {lr}, warmup_steps: 2, "
             f"weight_decay: 0.1, grad_clip: 1.0, seed: 11}}\n"
-            f"parallel: {parallel}\ncomm: {{wan_codec: '{codec}'}}\n"
+            f"parallel: {parallel}\ncomm: {{wan_codec: '{codec}', grad_bucket_mb: 0.002}}\n"
             f"checkpoint: {{dir: '{ckpt}', every_steps: 0}}\n")
 
 
@@ -135,6 +135,14 @@ class EquivalenceTest(unittest.TestCase):
 
     def test_dp2(self):
         self.check_equal("dp2", "{plan: manual, dp: 2, microbatches: 2}", 4)
+        # grad_bucket_mb 0.002 puts each block in its own bucket: the all-reduce overlapped backward.
+        logs = ""
+        for name in os.listdir(self.c.dir):
+            if name.endswith(".log"):
+                with open(os.path.join(self.c.dir, name), errors="replace") as f:
+                    logs += f.read()
+        buckets = [int(n) for n in re.findall(r"gradient all-reduce in (\d+) buckets", logs)]
+        self.assertTrue(buckets and max(buckets) >= 3, f"bucket counts in the worker logs: {buckets}")
 
     def test_pp2_gpipe(self):
         self.check_equal("pp2-gpipe", "{plan: manual, pp: 2, microbatches: 4, schedule: gpipe}", 4)
