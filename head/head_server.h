@@ -8,10 +8,11 @@
 //   if (absl::Status s = head.Start(); !s.ok()) { ... }
 //   head.Wait();  // until Shutdown() from another thread (e.g. on SIGTERM)
 //
-// Threads: gRPC's sync server threads run the handlers; they call the registry, job manager and job
-// runner, which lock their own state. One detector thread calls CheckLiveness(), fails the jobs of dead
-// workers, starts pending jobs (placing and creating their actors) and refreshes metrics every
-// interval. Shutdown() stops the detector, then the server.
+// Threads: gRPC's sync server threads run the handlers; they call the registry, job manager, job
+// runner and rendezvous table, which lock their own state (FetchRendezvous blocks its handler thread for
+// up to 60 s). One detector thread calls CheckLiveness(), fails the jobs of dead workers, starts pending
+// jobs (placing and creating their actors), drops the rendezvous keys of ended jobs and refreshes
+// metrics every interval. Shutdown() stops the detector, then the server.
 #pragma once
 
 #include <atomic>
@@ -26,6 +27,7 @@
 #include "head/job_manager.h"
 #include "head/job_runner.h"
 #include "head/registry.h"
+#include "head/rendezvous.h"
 #include "head/store.h"
 
 namespace geotrain {
@@ -80,6 +82,7 @@ class HeadServer {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<JobRunner> runner_;
+  std::unique_ptr<RendezvousTable> rendezvous_;  // values a job's actors exchange (NCCL unique ids)
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
 

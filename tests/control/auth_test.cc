@@ -4,6 +4,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "common/rpc.h"
@@ -102,6 +103,21 @@ TEST_F(AuthTest, EveryMethodNeedsTheToken) {
       EXPECT_EQ(CallWithToken(channel, method, &wrong), grpc::StatusCode::UNAUTHENTICATED) << method;
       EXPECT_NE(CallWithToken(channel, method, &right), grpc::StatusCode::UNAUTHENTICATED) << method;
     }
+  }
+}
+
+// The rendezvous methods are among the enumerated ones; with the right token an empty request reaches the
+// handler, which refuses it at once (no job id) rather than waiting.
+TEST_F(AuthTest, RendezvousMethodsAreCovered) {
+  const auto* head = google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("geotrain.Head");
+  ASSERT_NE(head, nullptr);
+  const std::vector<std::string> methods = Methods(head);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(head_->port()), grpc::InsecureChannelCredentials());
+  const std::string right = "right-token";
+  for (const std::string method : {"/geotrain.Head/PublishRendezvous", "/geotrain.Head/FetchRendezvous"}) {
+    EXPECT_NE(std::find(methods.begin(), methods.end(), method), methods.end()) << method;
+    EXPECT_EQ(CallWithToken(channel, method, nullptr), grpc::StatusCode::UNAUTHENTICATED) << method;
+    EXPECT_EQ(CallWithToken(channel, method, &right), grpc::StatusCode::INVALID_ARGUMENT) << method;
   }
 }
 
