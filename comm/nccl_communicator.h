@@ -83,7 +83,7 @@ class NcclCommunicator : public Communicator {
   int size() const override { return size_; }
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
-  // OK while usable; after an error, the error that aborted the communicator.
+  // OK while usable; after an error, the error that aborted the communicator. Waits for a running call.
   absl::Status health() const;
 
   absl::Status AllReduceSum(absl::Span<float> data, std::string_view tag) override;

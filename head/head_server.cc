@@ -202,6 +202,17 @@ class HeadServer::Service final : public Head::Service {
   TokenAuth auth_;
 };
 
+HeadOptions InProcessHeadOptions(std::string state_dir, std::string token) {
+  HeadOptions options;
+  options.bind_host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.state_dir = std::move(state_dir);
+  options.token = std::move(token);
+  options.write_cluster_record = false;
+  return options;
+}
+
 HeadServer::HeadServer(HeadOptions options, const Clock* clock)
     : options_(std::move(options)), clock_(clock) {}
 

@@ -45,6 +45,10 @@ struct HeadOptions {
   bool write_cluster_record = true;
 };
 
+// Options for a head inside a test's or a benchmark's process: loopback, a free port (port() after Start),
+// no metrics, no cluster record.
+HeadOptions InProcessHeadOptions(std::string state_dir, std::string token);
+
 class HeadServer {
  public:
   explicit HeadServer(HeadOptions options, const Clock* clock = RealClock::Get());

@@ -25,13 +25,7 @@ class RendezvousTest : public ::testing::Test {
   void SetUp() override {
     dir_ = (std::filesystem::temp_directory_path() / ("geotrain_rendezvous_" + GenerateToken())).string();
     setenv("GEOTRAIN_HOME", (dir_ + "/home").c_str(), 1);
-    HeadOptions options;
-    options.bind_host = "127.0.0.1";
-    options.port = 0;
-    options.metrics_port = -1;
-    options.state_dir = dir_ + "/state";
-    options.token = kToken;
-    options.write_cluster_record = false;
+    HeadOptions options = InProcessHeadOptions(dir_ + "/state", kToken);
     options.heartbeat_interval_ms = 100;  // the detector, which drops ended jobs' keys, ticks every 100 ms
     options.heartbeat_timeout_ms = 400;
     head_ = std::make_unique<HeadServer>(options);

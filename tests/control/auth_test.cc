@@ -53,14 +53,7 @@ class AuthTest : public ::testing::Test {
   void SetUp() override {
     dir_ = (std::filesystem::temp_directory_path() / ("geotrain_auth_" + GenerateToken())).string();
     setenv("GEOTRAIN_HOME", (dir_ + "/home").c_str(), 1);
-    HeadOptions options;
-    options.bind_host = "127.0.0.1";
-    options.port = 0;
-    options.metrics_port = -1;
-    options.state_dir = dir_ + "/state";
-    options.token = "right-token";
-    options.write_cluster_record = false;
-    head_ = std::make_unique<HeadServer>(options);
+    head_ = std::make_unique<HeadServer>(InProcessHeadOptions(dir_ + "/state", "right-token"));
     absl::Status started = head_->Start();
     ASSERT_TRUE(started.ok()) << started;
     WorkerOptions w;
