@@ -166,6 +166,7 @@ absl::Status NcclCommunicator::health() const {
 }
 
 absl::Status NcclCommunicator::CheckDevice(std::string_view op, const void* data) const {
+  DeviceScope scope(device_);  // so that the query never makes a context on another device
   cudaPointerAttributes attributes;
   if (cudaError_t e = cudaPointerGetAttributes(&attributes, data); e != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it

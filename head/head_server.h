@@ -1,5 +1,5 @@
 // The head daemon: one per cluster. It serves the Head gRPC service (workers register and heartbeat;
-// the CLI submits and follows jobs), runs the failure detector, keeps the job table, persists its state
+// the CLI submits and follows jobs; actors exchange NCCL unique ids through its rendezvous), runs the failure detector, keeps the job table, persists its state
 // under the state dir, serves Prometheus metrics, and records its address and token so that the CLI on
 // this machine finds it with no flags.
 //

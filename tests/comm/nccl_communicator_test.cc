@@ -9,6 +9,8 @@
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <thread>
 
@@ -75,6 +77,16 @@ std::vector<float> SumOverRanks(int ranks, size_t n) {
     for (size_t i = 0; i < n; ++i) sum[i] += v[i];
   }
   return sum;
+}
+
+// Element-wise equality, reporting the first difference and how many there are (not megabytes of values).
+void ExpectSameFloats(const std::vector<float>& actual, const std::vector<float>& expected, const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  size_t differences = 0, first = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    if (actual[i] != expected[i] && differences++ == 0) first = i;
+  }
+  EXPECT_EQ(differences, 0u) << what << ": first at " << first << ": " << actual[first] << " != " << expected[first];
 }
 
 // Makes one communicator per rank (rank r on GPU `devices[r]`), on threads, then runs fn(rank, comm) on
@@ -157,27 +169,27 @@ TEST(NcclCommunicator, SizeOneOperations) {
 
   DeviceBuffer data(0, values);
   ASSERT_TRUE(comm.AllReduceSum(data.span(), "ar").ok());
-  EXPECT_EQ(data.Read(), values);
+  ExpectSameFloats(data.Read(), values, "all-reduce");
   ASSERT_TRUE(comm.Broadcast(data.span(), 0, "bc").ok());
   ASSERT_TRUE(comm.Reduce(data.span(), 0, "rd").ok());
-  EXPECT_EQ(data.Read(), values);
+  ExpectSameFloats(data.Read(), values, "broadcast and reduce");
 
   DeviceBuffer out(0, n);
   ASSERT_TRUE(comm.ReduceScatter(data.span(), out.span(), "rs").ok());
-  EXPECT_EQ(out.Read(), values);
+  ExpectSameFloats(out.Read(), values, "reduce-scatter");
   DeviceBuffer gathered(0, n);
   ASSERT_TRUE(comm.AllGather(data.span(), gathered.span(), "ag").ok());
-  EXPECT_EQ(gathered.Read(), values);
+  ExpectSameFloats(gathered.Read(), values, "all-gather");
 
   DeviceBuffer received(0, n);
   const NcclSend send{0, data.span()};
   const NcclRecv receive{0, received.span()};
   ASSERT_TRUE(comm.SendRecv(absl::MakeConstSpan(&send, 1), absl::MakeConstSpan(&receive, 1), "self").ok());
-  EXPECT_EQ(received.Read(), values);
+  ExpectSameFloats(received.Read(), values, "send to self");
 
   std::vector<float> staged(n);
   ASSERT_TRUE(comm.CopyToHost(data.span(), staged.data()).ok());
-  EXPECT_EQ(staged, values);
+  ExpectSameFloats(staged, values, "copy to host");
 
   std::vector<float> host = values;
   absl::Status refused = comm.AllReduceSum(absl::MakeSpan(host), "host");
@@ -208,22 +220,24 @@ TEST(NcclCommunicator, CollectivesMatchTheCpuReference) {
     ExpectAllOk(ranks.Run([&](int r) -> absl::Status {
       DeviceBuffer data(ranks.device(r), RankValues(r, count));
       if (absl::Status s = ranks.comm(r).AllReduceSum(data.span(), "ar"); !s.ok()) return s;
-      EXPECT_EQ(data.Read(), sum) << "rank " << r;
+      const std::string rank = "rank " + std::to_string(r);
+      ExpectSameFloats(data.Read(), sum, rank + " all-reduce");
 
       DeviceBuffer reduced(ranks.device(r), RankValues(r, count));
       if (absl::Status s = ranks.comm(r).Reduce(reduced.span(), n - 1, "rd"); !s.ok()) return s;
-      EXPECT_EQ(reduced.Read(), r == n - 1 ? sum : RankValues(r, count)) << "rank " << r;
+      ExpectSameFloats(reduced.Read(), r == n - 1 ? sum : RankValues(r, count), rank + " reduce");
 
       DeviceBuffer broadcast(ranks.device(r), RankValues(r, count));
       if (absl::Status s = ranks.comm(r).Broadcast(broadcast.span(), 1, "bc"); !s.ok()) return s;
-      EXPECT_EQ(broadcast.Read(), RankValues(1, count)) << "rank " << r;
+      ExpectSameFloats(broadcast.Read(), RankValues(1, count), rank + " broadcast");
 
       // Reduce-scatter of n * count: rank r gets the sum of block r.
       DeviceBuffer input(ranks.device(r), RankValues(r, n * count));
       DeviceBuffer block(ranks.device(r), count);
       if (absl::Status s = ranks.comm(r).ReduceScatter(input.span(), block.span(), "rs"); !s.ok()) return s;
       const std::vector<float> full_sum = SumOverRanks(n, n * count);
-      EXPECT_EQ(block.Read(), std::vector<float>(full_sum.begin() + r * count, full_sum.begin() + (r + 1) * count));
+      ExpectSameFloats(block.Read(), std::vector<float>(full_sum.begin() + r * count, full_sum.begin() + (r + 1) * count),
+                       rank + " reduce-scatter");
 
       // All-gather: block q of the output is rank q's input.
       DeviceBuffer mine(ranks.device(r), RankValues(r, count));
@@ -234,7 +248,7 @@ TEST(NcclCommunicator, CollectivesMatchTheCpuReference) {
         std::vector<float> v = RankValues(q, count);
         expected.insert(expected.end(), v.begin(), v.end());
       }
-      EXPECT_EQ(all.Read(), expected) << "rank " << r;
+      ExpectSameFloats(all.Read(), expected, rank + " all-gather");
       return absl::OkStatus();
     }));
   }
@@ -256,14 +270,14 @@ TEST(NcclCommunicator, SendRecvAroundARing) {
         !s.ok()) {
       return s;
     }
-    EXPECT_EQ(from_previous.Read(), RankValues((r + n - 1) % n, count)) << "rank " << r;
+    ExpectSameFloats(from_previous.Read(), RankValues((r + n - 1) % n, count), "rank " + std::to_string(r));
     // Plain Send/Recv in a matching order: 0 sends to 1, then 1 sends back.
     if (r < 2) {
       DeviceBuffer buffer(ranks.device(r), RankValues(r, count));
       if (r == 0) {
         if (absl::Status s = ranks.comm(0).Send(1, buffer.span(), "p2p"); !s.ok()) return s;
         if (absl::Status s = ranks.comm(0).Recv(1, buffer.span(), "p2p"); !s.ok()) return s;
-        EXPECT_EQ(buffer.Read(), RankValues(0, count)) << "rank 1 returned what it received";
+        ExpectSameFloats(buffer.Read(), RankValues(0, count), "rank 1 returned what it received");
       } else {
         if (absl::Status s = ranks.comm(1).Recv(0, buffer.span(), "p2p"); !s.ok()) return s;
         if (absl::Status s = ranks.comm(1).Send(0, buffer.span(), "p2p"); !s.ok()) return s;
@@ -353,8 +367,7 @@ TEST(NcclHierarchicalAllReduce, TwoSitesMatchTheSum) {
     for (auto& t : threads) t.join();
     ExpectAllOk(statuses);
     for (int g = 0; g < world; ++g) {
-      ASSERT_EQ(results[g].size(), count);
-      EXPECT_EQ(results[g], results[0]) << "rank " << g << ": every rank ends with the same bits";
+      ExpectSameFloats(results[g], results[0], "rank " + std::to_string(g) + ": every rank ends with the same bits");
     }
     // Lossless: exact (sums of quarters). bf16 on the WAN: within bf16's 2^-8 relative error per encode.
     double worst = 0;
