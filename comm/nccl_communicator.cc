@@ -103,8 +103,8 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(int r
     return absl::InvalidArgumentError(absl::StrCat("nccl: rank ", rank, " is not in [0, ", size, ")"));
   }
   if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl: a unique id has ", sizeof(ncclUniqueId::internal),
-                                                   " bytes, not ", unique_id.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl: a unique id has ", sizeof(ncclUniqueId::internal), " bytes, not ", unique_id.size()));
   }
   DeviceScope scope(device);
   if (scope.status() != cudaSuccess) {
@@ -122,9 +122,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(int r
   ncclComm_t comm = nullptr;
   const std::string what = absl::StrCat("nccl: rank ", rank, " of ", size, " on device ", device);
   ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
-  absl::Status joined = comm == nullptr ? absl::InternalError(absl::StrCat(what, ": ncclCommInitRankConfig: ",
-                                                                           ncclGetErrorString(r)))
-                                        : Enqueued(r, comm);
+  absl::Status joined =
+      comm == nullptr ? absl::InternalError(absl::StrCat(what, ": ncclCommInitRankConfig: ", ncclGetErrorString(r)))
+                      : Enqueued(r, comm);
   if (joined.ok()) joined = AwaitNccl(comm, deadline, what);
   if (!joined.ok()) {
     if (comm != nullptr) ncclCommAbort(comm);
@@ -170,12 +170,14 @@ absl::Status NcclCommunicator::CheckDevice(std::string_view op, const void* data
   cudaPointerAttributes attributes;
   if (cudaError_t e = cudaPointerGetAttributes(&attributes, data); e != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it
-    return absl::InvalidArgumentError(absl::StrCat("nccl ", std::string(op), ": cannot inspect the buffer: ", CudaError(e)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl ", std::string(op), ": cannot inspect the buffer: ", CudaError(e)));
   }
   const bool device_memory = attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
   if (!device_memory || (attributes.type == cudaMemoryTypeDevice && attributes.device != device_)) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl ", std::string(op), ": the buffer is not in the memory of CUDA device ",
-                                                   device_, " (NcclCommunicator works on device pointers)"));
+    return absl::InvalidArgumentError(absl::StrCat("nccl ", std::string(op),
+                                                   ": the buffer is not in the memory of CUDA device ", device_,
+                                                   " (NcclCommunicator works on device pointers)"));
   }
   return absl::OkStatus();
 }
@@ -192,8 +194,8 @@ absl::Status NcclCommunicator::AbortLocked(absl::Status cause) {
 absl::Status NcclCommunicator::Run(std::string_view op, std::string_view tag, int64_t elements,
                                    const std::function<absl::Status()>& enqueue) {
   const absl::Time deadline = absl::Now() + timeout_;
-  const std::string what =
-      absl::StrCat("nccl ", std::string(op), " (tag '", std::string(tag), "', ", elements, " floats) on rank ", rank_, " of ", size_);
+  const std::string what = absl::StrCat("nccl ", std::string(op), " (tag '", std::string(tag), "', ", elements,
+                                        " floats) on rank ", rank_, " of ", size_);
   absl::MutexLock lock(&mu_);
   if (!broken_.ok()) {
     return absl::FailedPreconditionError(
@@ -226,9 +228,9 @@ absl::Status NcclCommunicator::Run(std::string_view op, std::string_view tag, in
     poller.Pause();
   }
   if (absl::IsDeadlineExceeded(status)) {
-    return AbortLocked(absl::DeadlineExceededError(absl::StrCat(
-        what, ": ", status.message(), " within ", absl::FormatDuration(timeout_),
-        " (a rank missing or making different calls?); communicator aborted")));
+    return AbortLocked(absl::DeadlineExceededError(
+        absl::StrCat(what, ": ", status.message(), " within ", absl::FormatDuration(timeout_),
+                     " (a rank missing or making different calls?); communicator aborted")));
   }
   return AbortLocked(absl::InternalError(absl::StrCat(what, ": ", status.message(), "; communicator aborted")));
 }
@@ -248,8 +250,7 @@ absl::Status NcclCommunicator::Reduce(absl::Span<float> data, int root, std::str
   if (data.empty()) return health();
   if (absl::Status s = CheckDevice("Reduce", data.data()); !s.ok()) return s;
   return Run("Reduce", tag, data.size(), [&] {
-    return Enqueued(ncclReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, root, comm_, stream_),
-                    comm_);
+    return Enqueued(ncclReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, root, comm_, stream_), comm_);
   });
 }
 
@@ -263,8 +264,8 @@ absl::Status NcclCommunicator::ReduceScatter(absl::Span<const float> input, absl
   if (absl::Status s = CheckDevice("ReduceScatter", input.data()); !s.ok()) return s;
   if (absl::Status s = CheckDevice("ReduceScatter", output.data()); !s.ok()) return s;
   return Run("ReduceScatter", tag, input.size(), [&] {
-    return Enqueued(
-        ncclReduceScatter(input.data(), output.data(), output.size(), ncclFloat, ncclSum, comm_, stream_), comm_);
+    return Enqueued(ncclReduceScatter(input.data(), output.data(), output.size(), ncclFloat, ncclSum, comm_, stream_),
+                    comm_);
   });
 }
 
@@ -343,8 +344,8 @@ absl::Status NcclCommunicator::CopyToHost(absl::Span<const float> device_data, f
   if (device_data.empty()) return health();
   if (absl::Status s = CheckDevice("CopyToHost", device_data.data()); !s.ok()) return s;
   return Run("CopyToHost", "", device_data.size(), [&] {
-    return Enqueued(cudaMemcpyAsync(host, device_data.data(), device_data.size() * sizeof(float),
-                                    cudaMemcpyDeviceToHost, stream_));
+    return Enqueued(
+        cudaMemcpyAsync(host, device_data.data(), device_data.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   });
 }
 
@@ -352,8 +353,8 @@ absl::Status NcclCommunicator::CopyFromHost(const float* host, absl::Span<float>
   if (device_data.empty()) return health();
   if (absl::Status s = CheckDevice("CopyFromHost", device_data.data()); !s.ok()) return s;
   return Run("CopyFromHost", "", device_data.size(), [&] {
-    return Enqueued(cudaMemcpyAsync(device_data.data(), host, device_data.size() * sizeof(float),
-                                    cudaMemcpyHostToDevice, stream_));
+    return Enqueued(
+        cudaMemcpyAsync(device_data.data(), host, device_data.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
   });
 }
 

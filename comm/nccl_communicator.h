@@ -120,7 +120,7 @@ class NcclCommunicator : public Communicator {
   const absl::Duration timeout_;
   cudaStream_t stream_;
 
-  mutable absl::Mutex mu_;  // serialises calls: NCCL matches them by order
+  mutable absl::Mutex mu_;                // serialises calls: NCCL matches them by order
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_);  // null once aborted
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
 };

@@ -76,8 +76,8 @@ absl::StatusOr<std::string> RendezvousTable::Fetch(const std::string& job_id, co
   auto it = job->second.find(key);
   if (it == job->second.end()) {
     return absl::DeadlineExceededError(absl::StrCat("rendezvous: key '", key, "' of job ", job_id,
-                                                    " was not published within ",
-                                                    absl::ToInt64Milliseconds(timeout), " ms"));
+                                                    " was not published within ", absl::ToInt64Milliseconds(timeout),
+                                                    " ms"));
   }
   return it->second;
 }

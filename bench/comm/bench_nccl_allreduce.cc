@@ -40,12 +40,18 @@ int main(int argc, char** argv) {
   std::string out_path;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--min-mb") min_mb = std::stoul(argv[i + 1]);
-    else if (flag == "--max-mb") max_mb = std::stoul(argv[i + 1]);
-    else if (flag == "--iters") iters = std::stoi(argv[i + 1]);
-    else if (flag == "--warmup") warmup = std::stoi(argv[i + 1]);
-    else if (flag == "--gpus") gpus = std::stoi(argv[i + 1]);
-    else if (flag == "--out") out_path = argv[i + 1];
+    if (flag == "--min-mb")
+      min_mb = std::stoul(argv[i + 1]);
+    else if (flag == "--max-mb")
+      max_mb = std::stoul(argv[i + 1]);
+    else if (flag == "--iters")
+      iters = std::stoi(argv[i + 1]);
+    else if (flag == "--warmup")
+      warmup = std::stoi(argv[i + 1]);
+    else if (flag == "--gpus")
+      gpus = std::stoi(argv[i + 1]);
+    else if (flag == "--out")
+      out_path = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -54,9 +60,10 @@ int main(int argc, char** argv) {
   const int available = DeviceCount();
   const int n = gpus > 0 ? std::min(gpus, available) : available;
   if (n < 2) {
-    std::printf("bench_nccl_allreduce: %d CUDA device(s) visible; an all-reduce needs at least 2. Nothing to "
-                "measure.\n",
-                available);
+    std::printf(
+        "bench_nccl_allreduce: %d CUDA device(s) visible; an all-reduce needs at least 2. Nothing to "
+        "measure.\n",
+        available);
     return 0;
   }
   std::printf("load average (1 min) at the start: %s\n", geotrain::bench::LoadAverage().c_str());
@@ -85,9 +92,12 @@ int main(int argc, char** argv) {
         cudaSetDevice(r);
         size_t free_bytes = 0, total_bytes = 0;
         cudaMemGetInfo(&free_bytes, &total_bytes);
-        if (max_bytes > free_bytes / 2) errors[r] = absl::StrFormat("GPU %d has only %zu bytes free", r, free_bytes);
-        else if (cudaMalloc(&buffers[r], max_bytes) != cudaSuccess) errors[r] = "cudaMalloc failed";
-        else cudaMemset(buffers[r], 0, max_bytes);
+        if (max_bytes > free_bytes / 2)
+          errors[r] = absl::StrFormat("GPU %d has only %zu bytes free", r, free_bytes);
+        else if (cudaMalloc(&buffers[r], max_bytes) != cudaSuccess)
+          errors[r] = "cudaMalloc failed";
+        else
+          cudaMemset(buffers[r], 0, max_bytes);
         cudaDeviceSynchronize();
       });
     }

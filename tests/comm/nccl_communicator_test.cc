@@ -31,10 +31,10 @@ int DeviceCount() {
   return count;
 }
 
-#define REQUIRE_CUDA_DEVICES(n)                                                                    \
-  if (int found = DeviceCount(); found < (n)) {                                                    \
-    if (found == 0) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none or fails)";  \
-    GTEST_SKIP() << "needs " << (n) << " CUDA devices, found " << found;                          \
+#define REQUIRE_CUDA_DEVICES(n)                                                                  \
+  if (int found = DeviceCount(); found < (n)) {                                                  \
+    if (found == 0) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none or fails)"; \
+    GTEST_SKIP() << "needs " << (n) << " CUDA devices, found " << found;                         \
   }
 
 // n floats of device memory on `device`.
@@ -236,7 +236,8 @@ TEST(NcclCommunicator, CollectivesMatchTheCpuReference) {
       DeviceBuffer block(ranks.device(r), count);
       if (absl::Status s = ranks.comm(r).ReduceScatter(input.span(), block.span(), "rs"); !s.ok()) return s;
       const std::vector<float> full_sum = SumOverRanks(n, n * count);
-      ExpectSameFloats(block.Read(), std::vector<float>(full_sum.begin() + r * count, full_sum.begin() + (r + 1) * count),
+      ExpectSameFloats(block.Read(),
+                       std::vector<float>(full_sum.begin() + r * count, full_sum.begin() + (r + 1) * count),
                        rank + " reduce-scatter");
 
       // All-gather: block q of the output is rank q's input.
@@ -266,7 +267,8 @@ TEST(NcclCommunicator, SendRecvAroundARing) {
     // Every rank sends and receives at once: grouped, so nobody waits for a Recv that comes later.
     const NcclSend send{(r + 1) % n, mine.span()};
     const NcclRecv receive{(r + n - 1) % n, from_previous.span()};
-    if (absl::Status s = ranks.comm(r).SendRecv(absl::MakeConstSpan(&send, 1), absl::MakeConstSpan(&receive, 1), "ring");
+    if (absl::Status s =
+            ranks.comm(r).SendRecv(absl::MakeConstSpan(&send, 1), absl::MakeConstSpan(&receive, 1), "ring");
         !s.ok()) {
       return s;
     }
@@ -325,8 +327,8 @@ TEST(NcclHierarchicalAllReduce, TwoSitesMatchTheSum) {
       streams[s]->Register(&builder);
       servers.push_back(builder.BuildAndStart());
       clients.push_back(std::make_unique<TensorStreamClient>(kToken));
-      peers.push_back(PeerInfo{"leader" + std::to_string(s), "127.0.0.1:" + std::to_string(port),
-                               s == 0 ? "east" : "west"});
+      peers.push_back(
+          PeerInfo{"leader" + std::to_string(s), "127.0.0.1:" + std::to_string(port), s == 0 ? "east" : "west"});
     }
     CommunicatorOptions options;
     options.job_id = "job-h";
@@ -334,8 +336,7 @@ TEST(NcclHierarchicalAllReduce, TwoSitesMatchTheSum) {
     options.timeout = absl::Seconds(60);
     std::vector<std::unique_ptr<GrpcCommunicator>> leaders;
     for (int s = 0; s < 2; ++s) {
-      leaders.push_back(
-          std::make_unique<GrpcCommunicator>(s, peers, streams[s].get(), clients[s].get(), options));
+      leaders.push_back(std::make_unique<GrpcCommunicator>(s, peers, streams[s].get(), clients[s].get(), options));
     }
 
     std::vector<std::unique_ptr<Ranks>> sites;

@@ -55,8 +55,7 @@ class RendezvousTest : public ::testing::Test {
                                       const std::string& token = kToken) {
     return comm::ExchangeRendezvous(stub_.get(), token, job_id_, key, /*publisher=*/true, value, absl::Seconds(5));
   }
-  absl::StatusOr<std::string> Fetch(const std::string& key, absl::Duration timeout,
-                                    const std::string& token = kToken) {
+  absl::StatusOr<std::string> Fetch(const std::string& key, absl::Duration timeout, const std::string& token = kToken) {
     return comm::ExchangeRendezvous(stub_.get(), token, job_id_, key, /*publisher=*/false, "", timeout);
   }
 
