@@ -170,6 +170,25 @@ class HeadServer::Service final : public Head::Service {
     EchoPingStream(stream);
     return grpc::Status::OK;
   }
+  grpc::Status PublishRendezvous(grpc::ServerContext* context, const PublishRendezvousRequest* request,
+                                 PublishRendezvousReply*) override {
+    GT_HEAD_RPC_PROLOGUE("PublishRendezvous");
+    if (absl::Status s = head_->rendezvous_->Publish(request->job_id(), request->key(), request->value()); !s.ok()) {
+      return Fail(timer, s);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status FetchRendezvous(grpc::ServerContext* context, const FetchRendezvousRequest* request,
+                               FetchRendezvousReply* reply) override {
+    GT_HEAD_RPC_PROLOGUE("FetchRendezvous");
+    auto value = head_->rendezvous_->Fetch(request->job_id(), request->key(),
+                                           absl::Milliseconds(request->timeout_ms()),
+                                           [context] { return context->IsCancelled(); });
+    if (!value.ok()) return Fail(timer, value.status());
+    reply->set_value(std::move(*value));
+    return grpc::Status::OK;
+  }
 #undef GT_HEAD_RPC_PROLOGUE
 
  private:
@@ -182,6 +201,17 @@ class HeadServer::Service final : public Head::Service {
   HeadServer* head_;
   TokenAuth auth_;
 };
+
+HeadOptions InProcessHeadOptions(std::string state_dir, std::string token) {
+  HeadOptions options;
+  options.bind_host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.state_dir = std::move(state_dir);
+  options.token = std::move(token);
+  options.write_cluster_record = false;
+  return options;
+}
 
 HeadServer::HeadServer(HeadOptions options, const Clock* clock)
     : options_(std::move(options)), clock_(clock) {}
@@ -225,6 +255,15 @@ absl::Status HeadServer::Start() {
   registry_->Restore(*workers);
   jobs_ = std::make_unique<JobManager>(clock_, store_.get());
   if (absl::Status s = jobs_->Restore(); !s.ok()) return s;
+  rendezvous_ = std::make_unique<RendezvousTable>([this](const std::string& job_id) -> absl::Status {
+    auto job = jobs_->Get(job_id);
+    if (!job.ok()) return job.status();
+    if (IsTerminal(job->state())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rendezvous: job ", job_id, " has ended (", JobStateName(job->state()), ")"));
+    }
+    return absl::OkStatus();
+  });
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<MetricsServer>();
@@ -294,6 +333,7 @@ void HeadServer::DetectorLoop() {
     }
     runner_->Reconcile(registry_->Actors());
     runner_->StartPendingJobs();
+    rendezvous_->DropEndedJobs();
     RefreshMetrics();
     stop_mu_.Lock();
   }
@@ -365,6 +405,7 @@ void HeadServer::Shutdown() {
     stopping_ = true;
   }
   if (detector_.joinable()) detector_.join();
+  if (rendezvous_) rendezvous_->Shutdown();  // wakes waiting fetches before the server drains
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (options_.write_cluster_record) RemoveClusterRecordIfOwned(getpid());
   GT_LOG(INFO) << "head " << head_id_ << " stopped";

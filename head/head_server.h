@@ -1,5 +1,5 @@
 // The head daemon: one per cluster. It serves the Head gRPC service (workers register and heartbeat;
-// the CLI submits and follows jobs), runs the failure detector, keeps the job table, persists its state
+// the CLI submits and follows jobs; actors exchange NCCL unique ids through its rendezvous), runs the failure detector, keeps the job table, persists its state
 // under the state dir, serves Prometheus metrics, and records its address and token so that the CLI on
 // this machine finds it with no flags.
 //
@@ -8,10 +8,11 @@
 //   if (absl::Status s = head.Start(); !s.ok()) { ... }
 //   head.Wait();  // until Shutdown() from another thread (e.g. on SIGTERM)
 //
-// Threads: gRPC's sync server threads run the handlers; they call the registry, job manager and job
-// runner, which lock their own state. One detector thread calls CheckLiveness(), fails the jobs of dead
-// workers, starts pending jobs (placing and creating their actors) and refreshes metrics every
-// interval. Shutdown() stops the detector, then the server.
+// Threads: gRPC's sync server threads run the handlers; they call the registry, job manager, job
+// runner and rendezvous table, which lock their own state (FetchRendezvous blocks its handler thread for
+// up to 60 s). One detector thread calls CheckLiveness(), fails the jobs of dead workers, starts pending
+// jobs (placing and creating their actors), drops the rendezvous keys of ended jobs and refreshes
+// metrics every interval. Shutdown() stops the detector, then the server.
 #pragma once
 
 #include <atomic>
@@ -26,6 +27,7 @@
 #include "head/job_manager.h"
 #include "head/job_runner.h"
 #include "head/registry.h"
+#include "head/rendezvous.h"
 #include "head/store.h"
 
 namespace geotrain {
@@ -42,6 +44,10 @@ struct HeadOptions {
   TlsFiles tls;
   bool write_cluster_record = true;
 };
+
+// Options for a head inside a test's or a benchmark's process: loopback, a free port (port() after Start),
+// no metrics, no cluster record.
+HeadOptions InProcessHeadOptions(std::string state_dir, std::string token);
 
 class HeadServer {
  public:
@@ -80,6 +86,7 @@ class HeadServer {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<JobRunner> runner_;
+  std::unique_ptr<RendezvousTable> rendezvous_;  // values a job's actors exchange (NCCL unique ids)
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
 

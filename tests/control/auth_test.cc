@@ -4,6 +4,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "common/rpc.h"
@@ -52,14 +53,7 @@ class AuthTest : public ::testing::Test {
   void SetUp() override {
     dir_ = (std::filesystem::temp_directory_path() / ("geotrain_auth_" + GenerateToken())).string();
     setenv("GEOTRAIN_HOME", (dir_ + "/home").c_str(), 1);
-    HeadOptions options;
-    options.bind_host = "127.0.0.1";
-    options.port = 0;
-    options.metrics_port = -1;
-    options.state_dir = dir_ + "/state";
-    options.token = "right-token";
-    options.write_cluster_record = false;
-    head_ = std::make_unique<HeadServer>(options);
+    head_ = std::make_unique<HeadServer>(InProcessHeadOptions(dir_ + "/state", "right-token"));
     absl::Status started = head_->Start();
     ASSERT_TRUE(started.ok()) << started;
     WorkerOptions w;
@@ -102,6 +96,21 @@ TEST_F(AuthTest, EveryMethodNeedsTheToken) {
       EXPECT_EQ(CallWithToken(channel, method, &wrong), grpc::StatusCode::UNAUTHENTICATED) << method;
       EXPECT_NE(CallWithToken(channel, method, &right), grpc::StatusCode::UNAUTHENTICATED) << method;
     }
+  }
+}
+
+// The rendezvous methods are among the enumerated ones; with the right token an empty request reaches the
+// handler, which refuses it at once (no job id) rather than waiting.
+TEST_F(AuthTest, RendezvousMethodsAreCovered) {
+  const auto* head = google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("geotrain.Head");
+  ASSERT_NE(head, nullptr);
+  const std::vector<std::string> methods = Methods(head);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(head_->port()), grpc::InsecureChannelCredentials());
+  const std::string right = "right-token";
+  for (const std::string method : {"/geotrain.Head/PublishRendezvous", "/geotrain.Head/FetchRendezvous"}) {
+    EXPECT_NE(std::find(methods.begin(), methods.end(), method), methods.end()) << method;
+    EXPECT_EQ(CallWithToken(channel, method, nullptr), grpc::StatusCode::UNAUTHENTICATED) << method;
+    EXPECT_EQ(CallWithToken(channel, method, &right), grpc::StatusCode::INVALID_ARGUMENT) << method;
   }
 }
 
