@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -69,6 +70,11 @@ class CudaContext {
   void CopyOnDevice(void* dst, const void* src, size_t bytes);
   void Zero(void* ptr, size_t bytes);
 
+  // Remembers the first error of queued work (a failed launch, a cuBLAS status, a workspace that could
+  // not grow) for the next Synchronize() to return; later errors are dropped until then. The ops call
+  // it; callers only need it for errors of their own launches on stream().
+  void RecordError(absl::Status status);
+
  private:
   CudaContext(int device, GemmPrecision precision) : device_(device), precision_(precision) {}
   int device_;
@@ -77,6 +83,7 @@ class CudaContext {
   cublasHandle_t cublas_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  absl::Status first_error_;
 };
 
 // ---- The model ops (see model/ops.h for each one's contract; pointers are device pointers). ----
