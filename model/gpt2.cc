@@ -356,9 +356,31 @@ absl::Status GPT2Stage::Backward(const float* doutput, float loss_scale) {
     if (absl::Status s = AllReduce(dln_, N * C); !s.ok()) return s;
     layernorm_backward(dres, g_.ln1w + l * C, g_.ln1b + l * C, dln_, residual, p_.ln1w + l * C,
                        ln1_mean_ + l * act_stride, ln1_rstd_ + l * act_stride, N, C);
+    if (layer_gradients_ready_) layer_gradients_ready_(l);
   }
   if (has_embedding_) encoder_backward(g_.wte, g_.wpe, dres, tokens_.data(), B, T, C);
+  if (layer_gradients_ready_) layer_gradients_ready_(-1);
   return absl::OkStatus();
+}
+
+std::vector<absl::Span<float>> GPT2Stage::LayerGradientSpans(int local_layer) {
+  std::vector<absl::Span<float>> spans;
+  if (local_layer < 0 || local_layer >= num_layers_) return spans;
+  auto gs = Slots(g_);
+  for (const BlockName& b : kBlockNames) {
+    const int64_t per_layer = sizes_[b.kind] / num_layers_;
+    spans.emplace_back(*gs[b.kind] + local_layer * per_layer, per_layer);
+  }
+  return spans;
+}
+
+std::vector<absl::Span<float>> GPT2Stage::NonLayerGradientSpans() {
+  std::vector<absl::Span<float>> spans;
+  auto gs = Slots(g_);
+  for (Kind kind : {kWte, kWpe, kLnfw, kLnfb}) {
+    if (sizes_[kind] > 0) spans.emplace_back(*gs[kind], sizes_[kind]);
+  }
+  return spans;
 }
 
 double GPT2Stage::GradSquaredNormShare() const {

@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "model/config.h"
 #include "model/tp_comm.h"
 
@@ -111,6 +112,25 @@ class GPT2Stage {
   absl::Status Backward(const float* doutput, float loss_scale);
   void ZeroGrad();
 
+  // Hook for overlapping the gradient all-reduce with backward. When set, Backward calls fn(l) for each
+  // local block l in descending order (num_layers()-1 .. 0) as soon as block l's parameter gradients are
+  // final for this Backward call (right after its ln1 backward): this call does not touch
+  // LayerGradientSpans(l) again. It then calls fn(-1) at the very end, once the gradients of
+  // NonLayerGradientSpans() (wte, wpe, ln_f) are final too. fn runs on the thread that called Backward,
+  // synchronously: Backward continues when fn returns, so fn should only hand the spans to another thread
+  // (or queue work) and must not call back into this stage. On an error Backward returns early and the
+  // remaining calls are not made. Pass an empty function to remove the hook.
+  void set_layer_gradients_ready(std::function<void(int local_layer)> fn) {
+    layer_gradients_ready_ = std::move(fn);
+  }
+  int num_layers() const { return num_layers_; }
+  // The 12 gradient pieces of local block l (0 <= l < num_layers()), in buffer order: ln1w, ln1b, qkvw,
+  // qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb (this rank's shards on a TP rank).
+  std::vector<absl::Span<float>> LayerGradientSpans(int local_layer);
+  // The gradients that belong to no block: wte, wpe, lnfw, lnfb, those this stage holds. Together with
+  // LayerGradientSpans(0 .. num_layers()-1) they cover grads() exactly once.
+  std::vector<absl::Span<float>> NonLayerGradientSpans();
+
   const float* output() const;   // (B,T,C) after Forward, not on the last stage
   const float* dinput() const;   // (B,T,C) after Backward, not on the first stage
   float loss() const { return loss_; }   // mean over B*T, last stage with targets
@@ -162,6 +182,7 @@ class GPT2Stage {
   int B_ = 0, T_ = 0;
   float loss_ = 0.0f;
   bool have_targets_ = false;
+  std::function<void(int)> layer_gradients_ready_;
 
   int64_t sizes_[kNumParameterTensors] = {};
   std::vector<float> params_, grads_;

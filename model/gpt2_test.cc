@@ -2,6 +2,7 @@
 // tensor-parallel shards against the unsplit model, gradient accumulation, AdamW and the schedule.
 #include "model/gpt2.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <thread>
@@ -204,6 +205,59 @@ TEST(GPT2Test, GradientAccumulationEqualsTheLargerBatch) {
   }
   for (int64_t i = 0; i < whole->num_params(); ++i) {
     ASSERT_NEAR(whole->grads()[i], accumulated->grads()[i], 1e-6) << i;
+  }
+}
+
+// The hook for overlapping the gradient all-reduce: the spans cover grads() exactly once, the hook
+// fires L-1 .. 0 then -1, and a layer's gradients do not change after its call.
+TEST(GPT2Test, LayerGradientHookAndSpansCoverTheGradients) {
+  GPT2Config c = TinyConfig();
+  Batch b = MakeBatch(c, 23);
+  for (int num_stages : {1, 2}) {
+    std::vector<std::unique_ptr<GPT2Stage>> stages;
+    for (int k = 0; k < num_stages; ++k) stages.push_back(Make(c, StageOptions::Split(c, k, num_stages)));
+    for (auto& s : stages) {
+      std::vector<int> covered(s->num_params(), 0);
+      auto mark = [&](const std::vector<absl::Span<float>>& spans) {
+        for (absl::Span<float> span : spans) {
+          for (size_t i = 0; i < span.size(); ++i) ++covered[span.data() + i - s->grads()];
+        }
+      };
+      for (int l = 0; l < s->num_layers(); ++l) {
+        EXPECT_EQ(s->LayerGradientSpans(l).size(), 12u);
+        mark(s->LayerGradientSpans(l));
+      }
+      mark(s->NonLayerGradientSpans());
+      EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), s->num_params()) << num_stages << " stages";
+    }
+    // Forward through the stages, then backward with the hook recording order and snapshots.
+    for (int k = 0; k < num_stages; ++k) {
+      const float* input = k == 0 ? nullptr : stages[k - 1]->output();
+      ASSERT_TRUE(stages[k]->Forward(b.B, b.T, b.tokens.data(), input, b.targets.data()).ok());
+    }
+    for (int k = num_stages - 1; k >= 0; --k) {
+      GPT2Stage& s = *stages[k];
+      std::vector<int> order;
+      std::vector<std::vector<float>> snapshots(s.num_layers());
+      s.set_layer_gradients_ready([&](int l) {
+        order.push_back(l);
+        if (l < 0) return;
+        for (absl::Span<float> span : s.LayerGradientSpans(l)) {
+          snapshots[l].insert(snapshots[l].end(), span.begin(), span.end());
+        }
+      });
+      const float* doutput = k == num_stages - 1 ? nullptr : stages[k + 1]->dinput();
+      ASSERT_TRUE(s.Backward(doutput, 1.0f).ok());
+      std::vector<int> expected;
+      for (int l = s.num_layers() - 1; l >= -1; --l) expected.push_back(l);
+      EXPECT_EQ(order, expected);
+      for (int l = 0; l < s.num_layers(); ++l) {
+        std::vector<float> now;
+        for (absl::Span<float> span : s.LayerGradientSpans(l)) now.insert(now.end(), span.begin(), span.end());
+        EXPECT_EQ(now, snapshots[l]) << "layer " << l << " changed after its hook";
+      }
+      s.set_layer_gradients_ready(nullptr);
+    }
   }
 }
 
