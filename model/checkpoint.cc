@@ -101,9 +101,11 @@ absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& sta
   if (ec) return absl::InternalError(absl::StrCat("cannot create checkpoint directory ", step_dir, ": ", ec.message()));
 
   if (absl::Status s = SaveStageWeights(step_dir + "/model.safetensors", stage); !s.ok()) return s;
+  std::vector<float> host_m, host_v;
+  if (absl::Status s = adam.CopyMomentsToHost(&host_m, &host_v); !s.ok()) return s;
   std::vector<NamedTensor> moments;
   for (const char* which : {"m.", "v."}) {
-    const float* buffer = which[0] == 'm' ? adam.m().data() : adam.v().data();
+    const float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
     for (const std::string& name : stage.TensorNames()) {
       NamedTensor t;
       t.name = which + name;
@@ -200,8 +202,11 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, GPT2Stage&
     return s;
   }
   const SafetensorsFile& opt = files["optimizer.safetensors"];
+  // Every element the files hold is set; the rest (wte's padded rows) keeps its current value.
+  std::vector<float> host_m, host_v;
+  if (absl::Status s = adam.CopyMomentsToHost(&host_m, &host_v); !s.ok()) return s;
   for (const char* which : {"m.", "v."}) {
-    float* buffer = which[0] == 'm' ? adam.m().data() : adam.v().data();
+    float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
     for (const std::string& name : stage.TensorNames()) {
       const NamedTensor* t = opt.Find(which + name);
       if (t == nullptr) return absl::DataLossError(absl::StrCat(step_dir, "/optimizer.safetensors: missing ", which, name));
@@ -211,6 +216,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, GPT2Stage&
       }
     }
   }
+  if (absl::Status s = adam.CopyMomentsFromHost(host_m, host_v); !s.ok()) return s;
   int64_t adam_step = 0;
   if (auto it = opt.metadata.find("step"); it != opt.metadata.end()) adam_step = std::stoll(it->second);
   adam.set_step(adam_step);

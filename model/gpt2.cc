@@ -114,7 +114,12 @@ absl::StatusOr<std::unique_ptr<GPT2Stage>> GPT2Stage::Create(const GPT2Config& c
   StageOptions o = options;
   o.last_layer = last;
   o.max_seq_len = max_T;
-  return std::unique_ptr<GPT2Stage>(new GPT2Stage(c, o));
+  std::unique_ptr<GPT2Stage> stage(new GPT2Stage(c, o));
+  if (absl::Status s = stage->BuildLayout(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("allocating a GPT-2 stage on ", stage->backend_->name(), ": ",
+                                               s.message(), "; lower max_batch or max_seq_len"));
+  }
+  return stage;
 }
 
 GPT2Stage::GPT2Stage(const GPT2Config& config, const StageOptions& options)
@@ -125,16 +130,16 @@ GPT2Stage::GPT2Stage(const GPT2Config& config, const StageOptions& options)
       has_embedding_(options.has_embedding),
       has_head_(options.has_head),
       tp_comm_(options.tp_comm),
+      backend_(options.backend != nullptr ? options.backend : CpuBackendInstance()),
       max_batch_(options.max_batch),
       max_seq_len_(options.max_seq_len) {
   if (tp_comm_ != nullptr) {
     tp_rank_ = tp_comm_->rank();
     tp_size_ = tp_comm_->size();
   }
-  BuildLayout();
 }
 
-void GPT2Stage::BuildLayout() {
+absl::Status GPT2Stage::BuildLayout() {
   const int64_t C = config_.n_embd, Vp = config_.padded_vocab_size, maxT = config_.block_size;
   const int64_t Ls = num_layers_, Cr = C / tp_size_, Hr = 4 * C / tp_size_;
   sizes_[kWte] = (has_embedding_ || has_head_) ? Vp * C : 0;
@@ -160,14 +165,23 @@ void GPT2Stage::BuildLayout() {
     segments_.push_back(seg);
     total += sizes_[k];
   }
-  params_.assign(total, 0.0f);
-  grads_.assign(total, 0.0f);
+  num_params_ = total;
+  auto allocate = [&](DeviceBuffer& buffer, size_t bytes) -> absl::Status {
+    absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(*backend_, bytes);
+    if (!b.ok()) return b.status();
+    buffer = std::move(*b);
+    return absl::OkStatus();
+  };
+  if (absl::Status s = allocate(params_memory_, sizeof(float) * total); !s.ok()) return s;
+  if (absl::Status s = allocate(grads_memory_, sizeof(float) * total); !s.ok()) return s;
+  params_ = params_memory_.as<float>();
+  grads_ = grads_memory_.as<float>();
   auto ps = Slots(p_);
   auto gs = Slots(g_);
   int64_t offset = 0;
   for (int k = 0; k < kNumParameterTensors; ++k) {
-    *ps[k] = sizes_[k] ? params_.data() + offset : nullptr;
-    *gs[k] = sizes_[k] ? grads_.data() + offset : nullptr;
+    *ps[k] = sizes_[k] ? params_ + offset : nullptr;
+    *gs[k] = sizes_[k] ? grads_ + offset : nullptr;
     offset += sizes_[k];
   }
 
@@ -194,32 +208,47 @@ void GPT2Stage::BuildLayout() {
                          &losses_,    &lse_};
   int64_t act_total = 0;
   for (int64_t s : act_sizes) act_total += s;
-  acts_memory_.assign(act_total, 0.0f);
+  if (absl::Status s = allocate(acts_memory_, sizeof(float) * act_total); !s.ok()) return s;
   offset = 0;
   for (size_t i = 0; i < std::size(act_sizes); ++i) {
-    *act_slots[i] = act_sizes[i] ? acts_memory_.data() + offset : nullptr;
+    *act_slots[i] = act_sizes[i] ? acts_memory_.as<float>() + offset : nullptr;
     offset += act_sizes[i];
   }
   const int64_t scratch_sizes[] = {BT * C, BT * C, BT * C, BT * 3 * Cr, BT * Cr, BT * Hr};
   float** scratch_slots[] = {&dresidual_, &dln_, &proj_, &dqkv_, &datty_, &dfch_};
   int64_t scratch_total = 0;
   for (int64_t s : scratch_sizes) scratch_total += s;
-  scratch_memory_.assign(scratch_total, 0.0f);
+  if (absl::Status s = allocate(scratch_memory_, sizeof(float) * scratch_total); !s.ok()) return s;
   offset = 0;
   for (size_t i = 0; i < std::size(scratch_sizes); ++i) {
-    *scratch_slots[i] = scratch_memory_.data() + offset;
+    *scratch_slots[i] = scratch_memory_.as<float>() + offset;
     offset += scratch_sizes[i];
   }
-  tokens_.assign(BT, 0);
-  targets_.assign(BT, 0);
+  if (absl::Status s = allocate(tokens_memory_, sizeof(int32_t) * BT); !s.ok()) return s;
+  if (absl::Status s = allocate(targets_memory_, sizeof(int32_t) * BT); !s.ok()) return s;
+  tokens_ = tokens_memory_.as<int32_t>();
+  targets_ = targets_memory_.as<int32_t>();
+  if (tp_size_ > 1 && backend_->is_cuda() && !tp_comm_->accepts_device_memory()) tp_staging_.resize(BT * C);
+  return absl::OkStatus();
 }
 
-absl::Status GPT2Stage::AllReduce(float* data, int64_t n) {
+absl::Status GPT2Stage::AllReduceHost(float* data, int64_t n) {
   if (tp_size_ == 1) return absl::OkStatus();
   return tp_comm_->AllReduceSum(data, n);
 }
 
-void GPT2Stage::ZeroGrad() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+// The TensorParallelComm implementations sum host memory; a device stage therefore copies the
+// activation gradient out and back (n <= max_batch x max_seq_len x C, the staging buffer's size).
+absl::Status GPT2Stage::AllReduce(float* data, int64_t n) {
+  if (tp_size_ == 1) return absl::OkStatus();
+  if (tp_staging_.empty()) return tp_comm_->AllReduceSum(data, n);
+  const size_t bytes = sizeof(float) * n;
+  if (absl::Status s = backend_->CopyToHost(tp_staging_.data(), data, bytes); !s.ok()) return s;
+  if (absl::Status s = tp_comm_->AllReduceSum(tp_staging_.data(), n); !s.ok()) return s;
+  return backend_->CopyToDevice(data, tp_staging_.data(), bytes);
+}
+
+void GPT2Stage::ZeroGrad() { backend_->Zero(grads_, sizeof(float) * num_params_); }
 
 const float* GPT2Stage::output() const {
   if (num_layers_ == 0) return input_;
@@ -230,8 +259,8 @@ const float* GPT2Stage::logits() const { return logits_; }
 
 absl::Status GPT2Stage::Forward(int B, int T, const int32_t* tokens, const float* input, const int32_t* targets) {
   if (B <= 0 || T <= 0 || B > max_batch_ || T > max_seq_len_) {
-    return absl::InvalidArgumentError(absl::StrCat("forward: batch ", B, " x ", T, " exceeds the stage's ",
-                                                   max_batch_, " x ", max_seq_len_));
+    return absl::InvalidArgumentError(
+        absl::StrCat("forward: batch ", B, " x ", T, " exceeds the stage's ", max_batch_, " x ", max_seq_len_));
   }
   B_ = B;
   T_ = T;
@@ -246,12 +275,12 @@ absl::Status GPT2Stage::Forward(int B, int T, const int32_t* tokens, const float
         return absl::InvalidArgumentError(absl::StrCat("forward: token ", tokens[i], " at ", i,
                                                        " is outside the vocabulary of ", config_.vocab_size));
       }
-      tokens_[i] = tokens[i];
     }
-    encoder_forward(input_, tokens_.data(), p_.wte, p_.wpe, B, T, C);
+    if (absl::Status s = backend_->CopyToDevice(tokens_, tokens, sizeof(int32_t) * N); !s.ok()) return s;
+    backend_->encoder_forward(input_, tokens_, p_.wte, p_.wpe, B, T, C);
   } else {
     if (input == nullptr) return absl::InvalidArgumentError("forward: a later stage needs input activations");
-    std::memcpy(input_, input, sizeof(float) * N * C);
+    backend_->CopyOnDevice(input_, input, sizeof(float) * N * C);
   }
   for (int l = 0; l < num_layers_; ++l) {
     const float* residual = l == 0 ? input_ : residual3_ + (l - 1) * act_stride * C;
@@ -269,42 +298,43 @@ absl::Status GPT2Stage::Forward(int B, int T, const int32_t* tokens, const float
     float* fch_gelu = fch_gelu_ + l * act_stride * Hr;
     float* residual3 = residual3_ + l * act_stride * C;
 
-    layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, p_.ln1w + l * C, p_.ln1b + l * C, N, C);
-    matmul_forward(qkv, ln1, p_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, p_.qkvb + l * 3 * Cr, N, C, 3 * Cr);
-    attention_forward(atty, att_lse, qkv, B, T, Cr, NHr);
-    matmul_forward(proj_, atty, p_.attprojw + static_cast<int64_t>(l) * C * Cr, nullptr, N, Cr, C);
+    backend_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, p_.ln1w + l * C, p_.ln1b + l * C, N, C);
+    backend_->matmul_forward(qkv, ln1, p_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, p_.qkvb + l * 3 * Cr, N, C,
+                             3 * Cr);
+    backend_->attention_forward(atty, att_lse, qkv, B, T, Cr, NHr);
+    backend_->matmul_forward(proj_, atty, p_.attprojw + static_cast<int64_t>(l) * C * Cr, nullptr, N, Cr, C);
     if (absl::Status s = AllReduce(proj_, N * C); !s.ok()) return s;
-    add_bias(proj_, p_.attprojb + l * C, N, C);
-    residual_forward(residual2, residual, proj_, N * C);
-    layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, p_.ln2w + l * C, p_.ln2b + l * C, N, C);
-    matmul_forward(fch, ln2, p_.fcw + static_cast<int64_t>(l) * Hr * C, p_.fcb + l * Hr, N, C, Hr);
-    gelu_forward(fch_gelu, fch, N * Hr);
-    matmul_forward(proj_, fch_gelu, p_.fcprojw + static_cast<int64_t>(l) * C * Hr, nullptr, N, Hr, C);
+    backend_->add_bias(proj_, p_.attprojb + l * C, N, C);
+    backend_->residual_forward(residual2, residual, proj_, N * C);
+    backend_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, p_.ln2w + l * C, p_.ln2b + l * C, N, C);
+    backend_->matmul_forward(fch, ln2, p_.fcw + static_cast<int64_t>(l) * Hr * C, p_.fcb + l * Hr, N, C, Hr);
+    backend_->gelu_forward(fch_gelu, fch, N * Hr);
+    backend_->matmul_forward(proj_, fch_gelu, p_.fcprojw + static_cast<int64_t>(l) * C * Hr, nullptr, N, Hr, C);
     if (absl::Status s = AllReduce(proj_, N * C); !s.ok()) return s;
-    add_bias(proj_, p_.fcprojb + l * C, N, C);
-    residual_forward(residual3, residual2, proj_, N * C);
+    backend_->add_bias(proj_, p_.fcprojb + l * C, N, C);
+    backend_->residual_forward(residual3, residual2, proj_, N * C);
   }
   have_targets_ = false;
   if (has_head_) {
     const int V = config_.vocab_size, Vp = config_.padded_vocab_size;
-    layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, output(), p_.lnfw, p_.lnfb, N, C);
-    matmul_forward(logits_, lnf_, p_.wte, nullptr, N, C, Vp);
+    backend_->layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, output(), p_.lnfw, p_.lnfb, N, C);
+    backend_->matmul_forward(logits_, lnf_, p_.wte, nullptr, N, C, Vp);
     if (targets != nullptr) {
       for (int64_t i = 0; i < N; ++i) {
         if (targets[i] < 0 || targets[i] >= V) {
           return absl::InvalidArgumentError(
               absl::StrCat("forward: target ", targets[i], " at ", i, " is outside the vocabulary of ", V));
         }
-        targets_[i] = targets[i];
       }
-      crossentropy_forward(losses_, lse_, logits_, targets_.data(), N, V, Vp);
-      double sum = 0.0;
-      for (int64_t i = 0; i < N; ++i) sum += losses_[i];
-      loss_ = static_cast<float>(sum / N);
+      if (absl::Status s = backend_->CopyToDevice(targets_, targets, sizeof(int32_t) * N); !s.ok()) return s;
+      backend_->crossentropy_forward(losses_, lse_, logits_, targets_, N, V, Vp);
+      absl::StatusOr<double> sum = backend_->Sum(losses_, N);
+      if (!sum.ok()) return sum.status();
+      loss_ = static_cast<float>(*sum / N);
       have_targets_ = true;
     }
   }
-  return absl::OkStatus();
+  return backend_->Synchronize();
 }
 
 absl::Status GPT2Stage::Backward(const float* doutput, float loss_scale) {
@@ -319,13 +349,13 @@ absl::Status GPT2Stage::Backward(const float* doutput, float loss_scale) {
     if (!have_targets_) return absl::FailedPreconditionError("backward on the last stage needs targets in forward");
     have_targets_ = false;  // logits are about to be overwritten by their gradient
     const int V = config_.vocab_size, Vp = config_.padded_vocab_size;
-    crossentropy_backward_inplace(logits_, lse_, targets_.data(), loss_scale / static_cast<float>(N), N, V, Vp);
-    matmul_backward(dln_, g_.wte, nullptr, logits_, lnf_, p_.wte, N, C, Vp, false);
-    std::fill(dres, dres + N * C, 0.0f);
-    layernorm_backward(dres, g_.lnfw, g_.lnfb, dln_, output(), p_.lnfw, lnf_mean_, lnf_rstd_, N, C);
+    backend_->crossentropy_backward_inplace(logits_, lse_, targets_, loss_scale / static_cast<float>(N), N, V, Vp);
+    backend_->matmul_backward(dln_, g_.wte, nullptr, logits_, lnf_, p_.wte, N, C, Vp, false);
+    backend_->Zero(dres, sizeof(float) * N * C);
+    backend_->layernorm_backward(dres, g_.lnfw, g_.lnfb, dln_, output(), p_.lnfw, lnf_mean_, lnf_rstd_, N, C);
   } else {
     if (doutput == nullptr) return absl::InvalidArgumentError("backward: a non-last stage needs doutput");
-    std::memcpy(dres, doutput, sizeof(float) * N * C);
+    backend_->CopyOnDevice(dres, doutput, sizeof(float) * N * C);
   }
   for (int l = num_layers_ - 1; l >= 0; --l) {
     const float* residual = l == 0 ? input_ : residual3_ + (l - 1) * act_stride * C;
@@ -339,26 +369,30 @@ absl::Status GPT2Stage::Backward(const float* doutput, float loss_scale) {
     const float* fch_gelu = fch_gelu_ + l * act_stride * Hr;
 
     // MLP: dres is d(residual3) and also d(fcproj output).
-    matmul_backward(dfch_, g_.fcprojw + static_cast<int64_t>(l) * C * Hr, g_.fcprojb + l * C, dres, fch_gelu,
-                    p_.fcprojw + static_cast<int64_t>(l) * C * Hr, N, Hr, C, false);
-    gelu_backward(dfch_, fch, dfch_, N * Hr);
-    matmul_backward(dln_, g_.fcw + static_cast<int64_t>(l) * Hr * C, g_.fcb + l * Hr, dfch_, ln2,
-                    p_.fcw + static_cast<int64_t>(l) * Hr * C, N, C, Hr, false);
+    backend_->matmul_backward(dfch_, g_.fcprojw + static_cast<int64_t>(l) * C * Hr, g_.fcprojb + l * C, dres, fch_gelu,
+                              p_.fcprojw + static_cast<int64_t>(l) * C * Hr, N, Hr, C, false);
+    backend_->gelu_backward(dfch_, fch, dfch_, N * Hr);
+    backend_->matmul_backward(dln_, g_.fcw + static_cast<int64_t>(l) * Hr * C, g_.fcb + l * Hr, dfch_, ln2,
+                              p_.fcw + static_cast<int64_t>(l) * Hr * C, N, C, Hr, false);
     if (absl::Status s = AllReduce(dln_, N * C); !s.ok()) return s;
-    layernorm_backward(dres, g_.ln2w + l * C, g_.ln2b + l * C, dln_, residual2, p_.ln2w + l * C,
-                       ln2_mean_ + l * act_stride, ln2_rstd_ + l * act_stride, N, C);
+    backend_->layernorm_backward(dres, g_.ln2w + l * C, g_.ln2b + l * C, dln_, residual2, p_.ln2w + l * C,
+                                 ln2_mean_ + l * act_stride, ln2_rstd_ + l * act_stride, N, C);
     // Attention: dres is now d(residual2) and d(attproj output).
-    matmul_backward(datty_, g_.attprojw + static_cast<int64_t>(l) * C * Cr, g_.attprojb + l * C, dres, atty,
-                    p_.attprojw + static_cast<int64_t>(l) * C * Cr, N, Cr, C, false);
-    attention_backward(dqkv_, datty_, qkv, atty, att_lse, B, T, Cr, NHr);
-    matmul_backward(dln_, g_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, g_.qkvb + l * 3 * Cr, dqkv_, ln1,
-                    p_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, N, C, 3 * Cr, false);
+    backend_->matmul_backward(datty_, g_.attprojw + static_cast<int64_t>(l) * C * Cr, g_.attprojb + l * C, dres, atty,
+                              p_.attprojw + static_cast<int64_t>(l) * C * Cr, N, Cr, C, false);
+    backend_->attention_backward(dqkv_, datty_, qkv, atty, att_lse, B, T, Cr, NHr);
+    backend_->matmul_backward(dln_, g_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, g_.qkvb + l * 3 * Cr, dqkv_, ln1,
+                              p_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, N, C, 3 * Cr, false);
     if (absl::Status s = AllReduce(dln_, N * C); !s.ok()) return s;
-    layernorm_backward(dres, g_.ln1w + l * C, g_.ln1b + l * C, dln_, residual, p_.ln1w + l * C,
-                       ln1_mean_ + l * act_stride, ln1_rstd_ + l * act_stride, N, C);
-    if (layer_gradients_ready_) layer_gradients_ready_(l);
+    backend_->layernorm_backward(dres, g_.ln1w + l * C, g_.ln1b + l * C, dln_, residual, p_.ln1w + l * C,
+                                 ln1_mean_ + l * act_stride, ln1_rstd_ + l * act_stride, N, C);
+    if (layer_gradients_ready_) {
+      if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+      layer_gradients_ready_(l);
+    }
   }
-  if (has_embedding_) encoder_backward(g_.wte, g_.wpe, dres, tokens_.data(), B, T, C);
+  if (has_embedding_) backend_->encoder_backward(g_.wte, g_.wpe, dres, tokens_, B, T, C);
+  if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
   if (layer_gradients_ready_) layer_gradients_ready_(-1);
   return absl::OkStatus();
 }
@@ -387,11 +421,9 @@ double GPT2Stage::GradSquaredNormShare() const {
   double total = 0.0;
   for (const ParameterSegment& seg : segments_) {
     if (seg.duplicate) continue;
-    const float* g = grads_.data() + seg.offset;
-    double s = 0.0;
-#pragma omp parallel for simd reduction(+ : s) schedule(static)
-    for (int64_t i = 0; i < seg.count; ++i) s += static_cast<double>(g[i]) * g[i];
-    total += s;
+    absl::StatusOr<double> s = backend_->SumSquares(grads_ + seg.offset, seg.count);
+    if (!s.ok()) return std::nan("");
+    total += *s;
   }
   return total;
 }
@@ -487,41 +519,70 @@ static void ForEachElement(int kind, int64_t C, int64_t Cr, int64_t Hr, int rank
   }
 }
 
-absl::Status GPT2Stage::CopyTensor(const std::string& name, float* base, const float* full, float* full_out) {
+absl::StatusOr<GPT2Stage::Piece> GPT2Stage::Locate(const std::string& name) const {
   absl::StatusOr<std::pair<int, int>> parsed = ParseName(name);
   if (!parsed.ok()) return parsed.status();
   const auto [kind, layer] = *parsed;
+  const bool per_block = !(kind == kWte || kind == kWpe || kind == kLnfw || kind == kLnfb);
+  Piece piece;
+  piece.kind = kind;
+  piece.count = sizes_[kind] / (per_block ? num_layers_ : 1);
+  for (int k = 0; k < kind; ++k) piece.offset += sizes_[k];
+  piece.offset += layer * piece.count;
+  const std::vector<int64_t> shape = *TensorShape(name);
+  piece.full_count = 1;
+  for (int64_t d : shape) piece.full_count *= d;
+  return piece;
+}
+
+absl::Status GPT2Stage::CopyPiece(const Piece& piece, float* local, const float* full, float* full_out) {
   const int64_t C = config_.n_embd, Cr = C / tp_size_, Hr = 4 * C / tp_size_;
-  const int64_t per_layer = sizes_[kind] / (kind == kWte || kind == kWpe || kind == kLnfw || kind == kLnfb
-                                                ? 1
-                                                : num_layers_);
-  // Offset of the tensor inside the buffer.
-  int64_t offset = 0;
-  for (int k = 0; k < kind; ++k) offset += sizes_[k];
-  float* local = base + offset + layer * per_layer;
-  int64_t count = 1;
-  absl::StatusOr<std::vector<int64_t>> shape = TensorShape(name);
-  for (int64_t d : *shape) count *= d;
+  const int64_t count = piece.full_count;
   if (full != nullptr) {
-    ForEachElement(kind, C, Cr, Hr, tp_rank_, count, [&](int64_t li, int64_t fi) { local[li] = full[fi]; });
+    ForEachElement(piece.kind, C, Cr, Hr, tp_rank_, count, [&](int64_t li, int64_t fi) { local[li] = full[fi]; });
   } else {
-    if (IsSharded(kind)) std::fill(full_out, full_out + count, 0.0f);
-    ForEachElement(kind, C, Cr, Hr, tp_rank_, count, [&](int64_t li, int64_t fi) { full_out[fi] = local[li]; });
-    if (IsSharded(kind)) return AllReduce(full_out, count);
+    if (IsSharded(piece.kind)) std::fill(full_out, full_out + count, 0.0f);
+    ForEachElement(piece.kind, C, Cr, Hr, tp_rank_, count,
+                   [&](int64_t li, int64_t fi) { full_out[fi] = local[li]; });
+    if (IsSharded(piece.kind)) return AllReduceHost(full_out, count);
   }
   return absl::OkStatus();
 }
 
+// On a device the piece is copied to the host, changed there (an import does not write every element:
+// wte's padded rows) and copied back.
+absl::Status GPT2Stage::CopyBackendPiece(const std::string& name, float* base, const float* full, float* full_out) {
+  absl::StatusOr<Piece> piece = Locate(name);
+  if (!piece.ok()) return piece.status();
+  if (!backend_->is_cuda()) return CopyPiece(*piece, base + piece->offset, full, full_out);
+  std::vector<float> host(piece->count);
+  float* local = base + piece->offset;
+  const size_t bytes = sizeof(float) * piece->count;
+  if (absl::Status s = backend_->CopyToHost(host.data(), local, bytes); !s.ok()) return s;
+  if (absl::Status s = CopyPiece(*piece, host.data(), full, full_out); !s.ok()) return s;
+  return full != nullptr ? backend_->CopyToDevice(local, host.data(), bytes) : absl::OkStatus();
+}
+
 absl::Status GPT2Stage::ImportTensor(const std::string& name, const float* data, int64_t count) {
-  return ImportTensorToBuffer(name, data, count, params_.data());
+  if (absl::Status s = CheckTensorCount(name, count); !s.ok()) return s;
+  return CopyBackendPiece(name, params_, data, nullptr);
 }
 
 absl::Status GPT2Stage::ExportTensorFromBuffer(const std::string& name, const float* buffer, float* out) {
-  return CopyTensor(name, const_cast<float*>(buffer), nullptr, out);
+  absl::StatusOr<Piece> piece = Locate(name);
+  if (!piece.ok()) return piece.status();
+  return CopyPiece(*piece, const_cast<float*>(buffer) + piece->offset, nullptr, out);
 }
 
 absl::Status GPT2Stage::ImportTensorToBuffer(const std::string& name, const float* data, int64_t count,
                                              float* buffer) {
+  if (absl::Status s = CheckTensorCount(name, count); !s.ok()) return s;
+  absl::StatusOr<Piece> piece = Locate(name);
+  if (!piece.ok()) return piece.status();
+  return CopyPiece(*piece, buffer + piece->offset, data, nullptr);
+}
+
+absl::Status GPT2Stage::CheckTensorCount(const std::string& name, int64_t count) const {
   absl::StatusOr<std::vector<int64_t>> shape = TensorShape(name);
   if (!shape.ok()) return shape.status();
   int64_t expected = 1;
@@ -530,15 +591,15 @@ absl::Status GPT2Stage::ImportTensorToBuffer(const std::string& name, const floa
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", name, "' has ", count, " elements; the model expects ", expected));
   }
-  return CopyTensor(name, buffer, data, nullptr);
+  return absl::OkStatus();
 }
 
 absl::Status GPT2Stage::ExportTensor(const std::string& name, bool from_grads, float* out) {
-  return CopyTensor(name, from_grads ? grads_.data() : params_.data(), nullptr, out);
+  return CopyBackendPiece(name, from_grads ? grads_ : params_, nullptr, out);
 }
 
 void GPT2Stage::InitializeWeights(uint64_t seed) {
-  std::fill(params_.begin(), params_.end(), 0.0f);
+  backend_->Zero(params_, sizeof(float) * num_params_);
   const float residual_std = 0.02f / std::sqrt(2.0f * config_.n_layer);
   std::vector<float> full;
   for (const std::string& name : TensorNames()) {
@@ -554,7 +615,8 @@ void GPT2Stage::InitializeWeights(uint64_t seed) {
       NormalStream stream(seed, name);
       for (float& x : full) x = stream.Next(stddev);
     }
-    (void)CopyTensor(name, params_.data(), full.data(), nullptr);
+    // A device copy error is kept by the backend and reported by its next Synchronize (Forward's).
+    (void)CopyBackendPiece(name, params_, full.data(), nullptr);
   }
 }
 
@@ -566,13 +628,22 @@ absl::Status SumTiedEmbeddingGradients(GPT2Stage& first, GPT2Stage& last) {
     return absl::InvalidArgumentError("SumTiedEmbeddingGradients needs the first stage and the last stage");
   }
   const int64_t n = static_cast<int64_t>(first.config().padded_vocab_size) * first.config().n_embd;
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float s = a[i] + b[i];
-    a[i] = s;
-    b[i] = s;
+  const size_t bytes = sizeof(float) * n;
+  Backend& backend = first.backend();
+  if (&backend == &last.backend() || (!backend.is_cuda() && !last.backend().is_cuda())) {
+    // One memory: a += b, then b = a (both hold a + b, bit for bit).
+    backend.accumulate(a, b, n);
+    backend.CopyOnDevice(b, a, bytes);
+    return backend.Synchronize();
   }
-  return absl::OkStatus();
+  std::vector<float> host_a(n), host_b(n);
+  if (absl::Status s = backend.CopyToHost(host_a.data(), a, bytes); !s.ok()) return s;
+  if (absl::Status s = last.backend().CopyToHost(host_b.data(), b, bytes); !s.ok()) return s;
+  CpuBackendInstance()->accumulate(host_a.data(), host_b.data(), n);
+  if (absl::Status s = backend.CopyToDevice(a, host_a.data(), bytes); !s.ok()) return s;
+  if (absl::Status s = last.backend().CopyToDevice(b, host_a.data(), bytes); !s.ok()) return s;
+  if (absl::Status s = backend.Synchronize(); !s.ok()) return s;
+  return last.backend().Synchronize();
 }
 
 }  // namespace geotrain::model

@@ -1,4 +1,4 @@
-// GPT-2 in fp32 on the CPU, cut into pipeline stages and tensor-parallel shards.
+// GPT-2 in fp32 on the CPU or a CUDA device, cut into pipeline stages and tensor-parallel shards.
 //
 // A GPT2Stage owns a contiguous range of blocks [first_layer, last_layer); the first stage also owns
 // the token and position embeddings, the last one the final LayerNorm, the head (tied to wte) and the
@@ -6,16 +6,23 @@
 // stage holds rank r's shard (Megatron): heads [r*NH/tp, (r+1)*NH/tp) of each block and MLP hidden
 // columns [r*4C/tp, (r+1)*4C/tp); everything else is replicated.
 //
-//   GPT2Stage model(config, {});                    // the full model, tp = 1
-//   model.InitializeWeights(/*seed=*/1337);
-//   model.ZeroGrad();
-//   model.Forward(B, T, tokens, nullptr, targets);  // then model.loss()
-//   model.Backward(nullptr, 1.0f);                  // grads accumulate in model.grads()
+//   auto model = GPT2Stage::Create(config, {});         // the full model, tp = 1, on the CPU
+//   (*model)->InitializeWeights(/*seed=*/1337);
+//   (*model)->ZeroGrad();
+//   (*model)->Forward(B, T, tokens, nullptr, targets);  // then loss()
+//   (*model)->Backward(nullptr, 1.0f);                  // grads accumulate in grads()
 //
 // Stages run in sequence compose to the full model's numbers exactly: stage k's output() feeds stage
 // k+1's Forward(input), and stage k+1's dinput() feeds stage k's Backward(doutput). The last stage
 // keeps its own copy of wte when it is not also the first: call SumTiedEmbeddingGradients before the
 // optimizer step so both copies get the same (summed) gradient and stay equal.
+//
+// Device: StageOptions::backend chooses where parameters, gradients and activations live and where the
+// ops run (model/backend.h; null is the CPU). Every float* the stage returns or takes as activations
+// (params(), grads(), param_tensors(), grad_tensors(), the gradient spans, output(), dinput(), logits(),
+// Forward's input, Backward's doutput) is backend memory: DEVICE pointers on a CUDA backend, moved with
+// the backend's CopyToHost / CopyToDevice. Tokens and targets are host arrays (checked, then copied to the
+// device); the tensor import and export functions take and give host arrays.
 //
 // Memory: parameters, gradients and activations are each one allocation, made at construction (the
 // activations for up to max_batch x max_seq_len); Forward and Backward do not allocate for tensors.
@@ -31,6 +38,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "model/backend.h"
 #include "model/config.h"
 #include "model/tp_comm.h"
 
@@ -65,6 +73,7 @@ struct StageOptions {
   bool has_embedding = true;  // normally first_layer == 0
   bool has_head = true;       // normally last_layer == n_layer
   TensorParallelComm* tp_comm = nullptr;  // null: tp = 1
+  Backend* backend = nullptr;             // null: the CPU; not owned, must outlive the stage
   int max_batch = 4;
   int max_seq_len = 0;  // 0: block_size
   // Convenience: the options of stage `stage` of `num_stages` with blocks split as evenly as possible
@@ -84,7 +93,7 @@ struct ParameterSegment {
 
 class GPT2Stage {
  public:
-  // Checks the options (layer range, n_head % tp, sizes) and allocates everything.
+  // Checks the options (layer range, n_head % tp, sizes) and allocates everything through the backend.
   static absl::StatusOr<std::unique_ptr<GPT2Stage>> Create(const GPT2Config& config, const StageOptions& options);
   GPT2Stage(const GPT2Stage&) = delete;
   GPT2Stage& operator=(const GPT2Stage&) = delete;
@@ -96,6 +105,7 @@ class GPT2Stage {
   int last_layer() const { return last_layer_; }
   int tp_rank() const { return tp_rank_; }
   int tp_size() const { return tp_size_; }
+  Backend& backend() const { return *backend_; }
 
   // GPT-2 initialisation: N(0, 0.02) for weights and embeddings, residual projections (attn.c_proj,
   // mlp.c_proj) N(0, 0.02/sqrt(2L)), biases 0, LayerNorm weights 1. Each full HF tensor draws from its
@@ -103,12 +113,14 @@ class GPT2Stage {
   void InitializeWeights(uint64_t seed);
 
   // Forward on B sequences of T tokens (B <= max_batch, T <= max_seq_len). First stage: tokens (B,T),
-  // input ignored; otherwise input (B,T,C) is the previous stage's output (copied). Last stage: targets
-  // (B,T) give the loss; they may be null to compute logits only.
+  // host memory, input ignored; otherwise input (B,T,C), backend memory, is the previous stage's output
+  // (copied). Last stage: targets (B,T), host memory, give the loss; they may be null to compute logits
+  // only. Returns once the work is done on the device too (device errors are reported here).
   absl::Status Forward(int B, int T, const int32_t* tokens, const float* input, const int32_t* targets);
   // Backward of the last Forward; ACCUMULATES parameter gradients. Last stage: doutput is ignored and
   // the loss gradient is loss_scale * d(mean loss) (use 1/microbatches when accumulating). Otherwise
-  // doutput (B,T,C) is the next stage's dinput(). Destroys logits().
+  // doutput (B,T,C), backend memory, is the next stage's dinput(). Destroys logits(). Returns once the
+  // work is done on the device too.
   absl::Status Backward(const float* doutput, float loss_scale);
   void ZeroGrad();
 
@@ -118,8 +130,9 @@ class GPT2Stage {
   // LayerGradientSpans(l) again. It then calls fn(-1) at the very end, once the gradients of
   // NonLayerGradientSpans() (wte, wpe, ln_f) are final too. fn runs on the thread that called Backward,
   // synchronously: Backward continues when fn returns, so fn should only hand the spans to another thread
-  // (or queue work) and must not call back into this stage. On an error Backward returns early and the
-  // remaining calls are not made. Pass an empty function to remove the hook.
+  // (or queue work) and must not call back into this stage. On a CUDA backend Backward waits for the
+  // device before each call, so the gradients are in device memory when fn runs. On an error Backward
+  // returns early and the remaining calls are not made. Pass an empty function to remove the hook.
   void set_layer_gradients_ready(std::function<void(int local_layer)> fn) {
     layer_gradients_ready_ = std::move(fn);
   }
@@ -138,15 +151,17 @@ class GPT2Stage {
   int batch() const { return B_; }
   int seq_len() const { return T_; }
 
-  float* params() { return params_.data(); }
-  float* grads() { return grads_.data(); }
-  int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
+  // Backend memory (device pointers on a CUDA backend), num_params() floats each.
+  float* params() { return params_; }
+  float* grads() { return grads_; }
+  int64_t num_params() const { return num_params_; }
   const ParameterTensors& param_tensors() const { return p_; }
   const ParameterTensors& grad_tensors() const { return g_; }
   const std::vector<ParameterSegment>& segments() const { return segments_; }
 
   // Sum of squared gradients over this stage's share (duplicates counted by exactly one holder): add
-  // the figures of every stage and TP rank, then take the square root for the global norm.
+  // the figures of every stage and TP rank, then take the square root for the global norm. NaN when the
+  // device failed (the backend's next Synchronize, e.g. in the next Forward, reports the error).
   double GradSquaredNormShare() const;
 
   // HF GPT-2 names of the full tensors this stage holds (a shard of some on a TP rank), e.g.
@@ -154,29 +169,47 @@ class GPT2Stage {
   std::vector<std::string> TensorNames() const;
   // Full HF shape of a tensor (wte.weight is (V, C), Conv1D weights (in, out)).
   absl::StatusOr<std::vector<int64_t>> TensorShape(const std::string& name) const;
-  // Sets this stage's part of the tensor `name` from the full HF tensor `data` (shape TensorShape).
+  // Sets this stage's part of the tensor `name` from the full HF tensor `data` (host memory, shape
+  // TensorShape); on a device backend through a host staging copy.
   absl::Status ImportTensor(const std::string& name, const float* data, int64_t count);
   // Writes the full HF tensor `name` from parameters (or gradients when from_grads) into out
-  // (TensorShape elements). On a TP rank > 1 this is collective: every rank must call it in the same
-  // order, and each gets the whole tensor (shards are gathered through the all-reduce).
+  // (host memory, TensorShape elements). On a TP rank > 1 this is collective: every rank must call it in
+  // the same order, and each gets the whole tensor (shards are gathered through the all-reduce).
   absl::Status ExportTensor(const std::string& name, bool from_grads, float* out);
-  // The same two mappings for any buffer with the parameter layout (num_params floats), e.g. the
-  // optimizer's moments, so that they can be saved under HF names too.
+  // The same two mappings for any HOST buffer with the parameter layout (num_params floats), e.g. the
+  // optimizer's moments copied to the host (AdamW::CopyMomentsToHost), to save them under HF names too.
   absl::Status ImportTensorToBuffer(const std::string& name, const float* data, int64_t count, float* buffer);
   absl::Status ExportTensorFromBuffer(const std::string& name, const float* buffer, float* out);
 
  private:
+  // This stage's piece of one HF tensor: `count` floats at `offset` of the parameter layout.
+  struct Piece {
+    int kind = 0;
+    int64_t offset = 0, count = 0;
+    int64_t full_count = 0;  // elements of the full HF tensor
+  };
+
   GPT2Stage(const GPT2Config& config, const StageOptions& options);
-  void BuildLayout();
+  absl::Status BuildLayout();
+  // Sum all-reduce over the TP group of backend memory (staged through host memory on a device unless
+  // the comm accepts device pointers), and of host memory.
   absl::Status AllReduce(float* data, int64_t n);
+  absl::Status AllReduceHost(float* data, int64_t n);
   // Maps a name to (kind, local layer); kind indexes ParameterTensors in declaration order.
   absl::StatusOr<std::pair<int, int>> ParseName(const std::string& name) const;
-  absl::Status CopyTensor(const std::string& name, float* base, const float* full, float* full_out);
+  absl::StatusOr<Piece> Locate(const std::string& name) const;
+  absl::Status CheckTensorCount(const std::string& name, int64_t count) const;
+  // Copies between a piece in host memory (`local`) and the full HF tensor: from `full` when it is set,
+  // else into `full_out` (collective on a TP rank for sharded tensors).
+  absl::Status CopyPiece(const Piece& piece, float* local, const float* full, float* full_out);
+  // The same for a piece of a backend buffer (params_ or grads_), through host staging on a device.
+  absl::Status CopyBackendPiece(const std::string& name, float* base, const float* full, float* full_out);
 
   GPT2Config config_;
   int first_layer_, last_layer_, num_layers_;
   bool has_embedding_, has_head_;
   TensorParallelComm* tp_comm_;
+  Backend* backend_;
   int tp_rank_ = 0, tp_size_ = 1;
   int max_batch_, max_seq_len_;
   int B_ = 0, T_ = 0;
@@ -185,13 +218,19 @@ class GPT2Stage {
   std::function<void(int)> layer_gradients_ready_;
 
   int64_t sizes_[kNumParameterTensors] = {};
-  std::vector<float> params_, grads_;
+  int64_t num_params_ = 0;
+  DeviceBuffer params_memory_, grads_memory_;
+  float* params_ = nullptr;
+  float* grads_ = nullptr;
   ParameterTensors p_{}, g_{};
   std::vector<ParameterSegment> segments_;
 
-  // Activations (one buffer) and backward scratch (another).
-  std::vector<float> acts_memory_, scratch_memory_;
-  std::vector<int32_t> tokens_, targets_;
+  // Activations (one buffer) and backward scratch (another), tokens and targets (B,T), in backend memory.
+  DeviceBuffer acts_memory_, scratch_memory_, tokens_memory_, targets_memory_;
+  int32_t* tokens_ = nullptr;
+  int32_t* targets_ = nullptr;
+  // Host copy of activations for the TP all-reduce on a device (max_batch x max_seq_len x C), else empty.
+  std::vector<float> tp_staging_;
   float* input_ = nullptr;     // (B,T,C): encoded tokens or the copied stage input
   float* ln1_ = nullptr;       // (Ls,B,T,C)
   float* ln1_mean_ = nullptr;  // (Ls,B,T)
@@ -222,7 +261,8 @@ class GPT2Stage {
 };
 
 // Adds the two wte gradient parts of a first and a last stage (different stages, tp-equal shapes) so
-// both hold the sum; call before the optimizer step. A no-op error-free call when first == last.
+// both hold the sum; call before the optimizer step. A no-op error-free call when first == last. The
+// stages may be on different backends (the sum then goes through host memory).
 absl::Status SumTiedEmbeddingGradients(GPT2Stage& first, GPT2Stage& last);
 
 }  // namespace geotrain::model

@@ -411,4 +411,29 @@ void crossentropy_backward_inplace(float* logits, const float* lse, const int32_
   }
 }
 
+void accumulate(float* out, const float* in, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+}
+
+void scale(float* x, int64_t n, float factor) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay, float beta1,
+                  float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float grad = grads[i] * grad_scale;
+    const float param = params[i] * decay;
+    const float mi = m[i] + (1.0f - beta1) * (grad - m[i]);
+    const float vi = beta2 * v[i] + (1.0f - beta2) * grad * grad;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    params[i] = param - step_size * mi / denom;
+  }
+}
+
 }  // namespace geotrain::model

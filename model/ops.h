@@ -64,4 +64,17 @@ void crossentropy_forward(float* losses, float* lse, const float* logits, const 
 void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss,
                                    int64_t N, int V, int Vp);
 
+// ---- Training arithmetic (the CPU twins of model/cuda/ops_cuda.h's). ----
+// out(n) += in(n).
+void accumulate(float* out, const float* in, int64_t n);
+// x(n) *= factor.
+void scale(float* x, int64_t n, float factor);
+// One AdamW update of n parameters, torch.optim.AdamW to the operation (decoupled decay first):
+//   g = grads*grad_scale; p = params*decay; m += (1-b1)(g-m); v = b2 v + (1-b2) g^2;
+//   params = p - step_size * m / (sqrt(v) / bc2_sqrt + eps)
+// decay = 1 - lr*weight_decay (1 without decay), step_size = lr / (1 - b1^t), bc2_sqrt = sqrt(1 - b2^t) for
+// step t (1-based); AdamW::Step computes them.
+void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay, float beta1,
+                  float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt);
+
 }  // namespace geotrain::model

@@ -3,11 +3,41 @@
 
 #include <algorithm>
 #include <cmath>
+#include <new>
+
+#include "absl/strings/str_cat.h"
 
 namespace geotrain::model {
 
+AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options,
+             Backend* backend)
+    : options_(options), segments_(std::move(segments)), num_params_(num_params), backend_(backend) {}
+
 AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options)
-    : options_(options), segments_(std::move(segments)), m_(num_params, 0.0f), v_(num_params, 0.0f) {}
+    : AdamW(num_params, std::move(segments), options, CpuBackendInstance()) {
+  // Host memory: fails only as operator new does.
+  if (absl::Status s = AllocateMoments(); !s.ok()) throw std::bad_alloc();
+}
+
+absl::StatusOr<std::unique_ptr<AdamW>> AdamW::Create(int64_t num_params, std::vector<ParameterSegment> segments,
+                                                     AdamWOptions options, Backend& backend) {
+  std::unique_ptr<AdamW> adam(new AdamW(num_params, std::move(segments), options, &backend));
+  if (absl::Status s = adam->AllocateMoments(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("AdamW moments on ", backend.name(), ": ", s.message()));
+  }
+  return adam;
+}
+
+absl::Status AdamW::AllocateMoments() {
+  const size_t bytes = sizeof(float) * num_params_;
+  absl::StatusOr<DeviceBuffer> m = DeviceBuffer::Allocate(*backend_, bytes);
+  if (!m.ok()) return m.status();
+  absl::StatusOr<DeviceBuffer> v = DeviceBuffer::Allocate(*backend_, bytes);
+  if (!v.ok()) return v.status();
+  m_ = std::move(*m);
+  v_ = std::move(*v);
+  return absl::OkStatus();
+}
 
 void AdamW::Step(float* params, const float* grads, float lr, float grad_scale) {
   ++step_;
@@ -18,22 +48,27 @@ void AdamW::Step(float* params, const float* grads, float lr, float grad_scale) 
   const float bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   for (const ParameterSegment& seg : segments_) {
     const float decay = seg.weight_decay ? 1.0f - lr * options_.weight_decay : 1.0f;
-    float* p = params + seg.offset;
-    const float* g = grads + seg.offset;
-    float* m = m_.data() + seg.offset;
-    float* v = v_.data() + seg.offset;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < seg.count; ++i) {
-      const float grad = g[i] * grad_scale;
-      const float param = p[i] * decay;
-      const float mi = m[i] + (1.0f - b1) * (grad - m[i]);
-      const float vi = b2 * v[i] + (1.0f - b2) * grad * grad;
-      m[i] = mi;
-      v[i] = vi;
-      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      p[i] = param - step_size * mi / denom;
-    }
+    backend_->adamw_update(params + seg.offset, grads + seg.offset, m() + seg.offset, v() + seg.offset, seg.count,
+                           decay, b1, b2, eps, grad_scale, step_size, bc2_sqrt);
   }
+}
+
+absl::Status AdamW::CopyMomentsToHost(std::vector<float>* m, std::vector<float>* v) {
+  m->resize(num_params_);
+  v->resize(num_params_);
+  const size_t bytes = sizeof(float) * num_params_;
+  if (absl::Status s = backend_->CopyToHost(m->data(), this->m(), bytes); !s.ok()) return s;
+  return backend_->CopyToHost(v->data(), this->v(), bytes);
+}
+
+absl::Status AdamW::CopyMomentsFromHost(const std::vector<float>& m, const std::vector<float>& v) {
+  if (static_cast<int64_t>(m.size()) != num_params_ || static_cast<int64_t>(v.size()) != num_params_) {
+    return absl::InvalidArgumentError(absl::StrCat("AdamW moments of ", m.size(), " and ", v.size(),
+                                                   " floats given for ", num_params_, " parameters"));
+  }
+  const size_t bytes = sizeof(float) * num_params_;
+  if (absl::Status s = backend_->CopyToDevice(this->m(), m.data(), bytes); !s.ok()) return s;
+  return backend_->CopyToDevice(this->v(), v.data(), bytes);
 }
 
 float ClipScale(double global_norm, double max_norm) {

@@ -6,12 +6,20 @@
 //   adam.Step(stage.params(), stage.grads(), schedule.At(step), ClipScale(norm, 1.0));
 //
 // The update follows torch.optim.AdamW exactly (decoupled decay applied first, bias corrections in
-// the step size and in the denominator), so the parity tests can compare against PyTorch.
+// the step size and in the denominator), so the parity tests can compare against PyTorch. The arithmetic
+// is the backend's adamw_update (model/ops.h on the CPU); on a device, params, grads and the moments are
+// device memory:
+//
+//   ASSIGN_OR_RETURN(std::unique_ptr<AdamW> adam, AdamW::Create(n, stage.segments(), {}, stage.backend()));
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "model/backend.h"
 #include "model/gpt2.h"
 
 namespace geotrain::model {
@@ -25,22 +33,41 @@ struct AdamWOptions {
 
 class AdamW {
  public:
+  // On the CPU (moments in host memory).
   AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options);
+  // On `backend` (not owned; must outlive the optimizer): the moments are allocated there, zeroed.
+  static absl::StatusOr<std::unique_ptr<AdamW>> Create(int64_t num_params, std::vector<ParameterSegment> segments,
+                                                       AdamWOptions options, Backend& backend);
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
 
-  // One update of params from grads * grad_scale (grad_scale from ClipScale). Increments step().
+  // One update of params from grads * grad_scale (grad_scale from ClipScale), both backend memory.
+  // Increments step(). Queued on a device: its errors surface at the backend's next Synchronize (the
+  // stage's next Forward).
   void Step(float* params, const float* grads, float lr, float grad_scale);
 
   int64_t step() const { return step_; }
   void set_step(int64_t step) { step_ = step; }
-  // First and second moments, (num_params) each: for checkpoints.
-  std::vector<float>& m() { return m_; }
-  std::vector<float>& v() { return v_; }
+  int64_t num_params() const { return num_params_; }
+  Backend& backend() const { return *backend_; }
+  // First and second moments, (num_params) each, in backend memory (device pointers on a device).
+  float* m() { return m_.as<float>(); }
+  float* v() { return v_.as<float>(); }
+  // The moments through host memory, for checkpoints: resize m and v to num_params and fill them; or set
+  // the moments from them (num_params each).
+  absl::Status CopyMomentsToHost(std::vector<float>* m, std::vector<float>* v);
+  absl::Status CopyMomentsFromHost(const std::vector<float>& m, const std::vector<float>& v);
   const AdamWOptions& options() const { return options_; }
 
  private:
+  AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options, Backend* backend);
+  absl::Status AllocateMoments();
+
   AdamWOptions options_;
   std::vector<ParameterSegment> segments_;
-  std::vector<float> m_, v_;
+  int64_t num_params_;
+  Backend* backend_;
+  DeviceBuffer m_, v_;
   int64_t step_ = 0;
 };
 

@@ -28,6 +28,9 @@ class TensorParallelComm {
   virtual absl::Status AllReduceSum(float* data, int64_t n) = 0;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // True when AllReduceSum takes device pointers of the stage's CUDA backend (e.g. an NCCL comm on the
+  // same device and stream). Otherwise a CUDA stage stages its all-reduces through host memory.
+  virtual bool accepts_device_memory() const { return false; }
 };
 
 // A group of `size` ranks in one process, each driven by its own thread. Sums in rank order, so results
