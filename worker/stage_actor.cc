@@ -17,6 +17,10 @@
 #include "model/gpt2.h"
 #include "model/optimizer.h"
 
+#ifdef GEOTRAIN_HAVE_CUDA
+#include "comm/nccl_communicator.h"
+#endif
+
 namespace geotrain {
 namespace {
 
@@ -39,6 +43,28 @@ class GrpcTensorParallelComm : public model::TensorParallelComm {
  private:
   comm::Communicator* comm_;
 };
+
+#ifdef GEOTRAIN_HAVE_CUDA
+// model::TensorParallelComm over NCCL, for a CUDA stage whose tensor-parallel group shares a site: the
+// stage hands it device pointers. NCCL runs on its own stream, so the stage's queued work is waited for
+// first; the sum is in place when the call returns.
+class NcclTensorParallelComm : public model::TensorParallelComm {
+ public:
+  NcclTensorParallelComm(std::unique_ptr<comm::NcclCommunicator> comm, model::Backend* backend)
+      : comm_(std::move(comm)), backend_(backend) {}
+  absl::Status AllReduceSum(float* data, int64_t n) override {
+    if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    return comm_->AllReduceSum(absl::MakeSpan(data, static_cast<size_t>(n)), "tp");
+  }
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+  bool accepts_device_memory() const override { return true; }
+
+ private:
+  std::unique_ptr<comm::NcclCommunicator> comm_;
+  model::Backend* backend_;
+};
+#endif
 
 // Bytes a client sent, attributed to site pairs (for WAN accounting per step).
 struct Traffic {
@@ -303,8 +329,36 @@ absl::Status StageActor::Run() {
   }
   GrpcTensorParallelComm tp_adapter(tp_comm.get());
 
+  // The device: on a CUDA worker the stage's parameters, gradients, optimizer state and activations live
+  // on its GPU (bf16 GEMMs, fp32 master weights); tensors bound for other actors cross through host
+  // buffers, except a tensor-parallel group's all-reduces, which NCCL runs on device memory (the group
+  // shares a site and, on GPUs, every member is a CUDA stage).
+  std::unique_ptr<model::Backend> device_backend;
+  model::Backend* backend = model::CpuBackendInstance();
+  if (config_.device != "cpu") {
+    auto made = model::MakeBackend(config_.device, model::Precision::kBf16);
+    if (!made.ok()) return made.status();
+    device_backend = std::move(*made);
+    backend = device_backend.get();
+  }
+  const bool on_device = backend->is_cuda();
+  model::TensorParallelComm* stage_tp = tp > 1 ? &tp_adapter : nullptr;
+#ifdef GEOTRAIN_HAVE_CUDA
+  std::unique_ptr<NcclTensorParallelComm> nccl_tp;
+  if (on_device && tp > 1) {
+    if (!head_) return absl::UnavailableError("a CUDA tensor-parallel group needs the head for its NCCL rendezvous");
+    auto nccl = comm::CreateNcclCommunicatorWithRendezvous(
+        head_.get(), config_.token, me.job_id(), absl::StrCat("nccl/tp/replica", r, "/stage", s), t, tp,
+        config_.device_index, absl::Milliseconds(config_.collective_timeout_ms));
+    if (!nccl.ok()) return nccl.status();
+    nccl_tp = std::make_unique<NcclTensorParallelComm>(std::move(*nccl), backend);
+    stage_tp = nccl_tp.get();
+  }
+#endif
+
   model::StageOptions stage_options = model::StageOptions::Split(*config, s, pp);
-  stage_options.tp_comm = tp > 1 ? &tp_adapter : nullptr;
+  stage_options.tp_comm = stage_tp;
+  stage_options.backend = backend;
   stage_options.max_batch = Bm;
   stage_options.max_seq_len = T;
   auto created = model::GPT2Stage::Create(*config, stage_options);
@@ -315,7 +369,9 @@ absl::Status StageActor::Run() {
   adam_options.beta1 = static_cast<float>(spec.train().beta1());
   adam_options.beta2 = static_cast<float>(spec.train().beta2());
   adam_options.weight_decay = static_cast<float>(spec.train().weight_decay());
-  model::AdamW adam(stage.num_params(), stage.segments(), adam_options);
+  auto adam_created = model::AdamW::Create(stage.num_params(), stage.segments(), adam_options, *backend);
+  if (!adam_created.ok()) return adam_created.status();
+  model::AdamW& adam = **adam_created;
   model::LearningRateSchedule schedule;
   schedule.max_lr = spec.train().lr();
   schedule.min_lr = spec.train().min_lr();
@@ -341,12 +397,51 @@ absl::Status StageActor::Run() {
   // microbatch's backward has finished its layers, overlapped with the backward of earlier layers (each
   // replica scaled its loss by 1 / (M dp)). The embeddings and final LayerNorm go last, after the
   // tied-embedding sum.
+  // On a device, the activations in and out and the gradients cross through these host buffers.
+  model::DeviceBuffer device_input, device_doutput;
+  std::vector<float> host_output, host_dinput, host_grads;
+  if (on_device) {
+    const size_t act_bytes = act * sizeof(float);
+    if (!first) {
+      auto b = model::DeviceBuffer::Allocate(*backend, act_bytes);
+      if (!b.ok()) return b.status();
+      device_input = std::move(*b);
+      host_dinput.resize(act);
+    }
+    if (!last) {
+      auto b = model::DeviceBuffer::Allocate(*backend, act_bytes);
+      if (!b.ok()) return b.status();
+      device_doutput = std::move(*b);
+      host_output.resize(act);
+    }
+    if (dp > 1 || tied_comm) host_grads.resize(static_cast<size_t>(stage.num_params()));
+  }
+  // The host span standing for a span of the stage's gradients: itself on the CPU, its place in the
+  // host mirror on a device.
+  auto host_view = [&](absl::Span<float> grads) {
+    if (!on_device) return grads;
+    return absl::MakeSpan(host_grads.data() + (grads.data() - stage.grads()), grads.size());
+  };
+  auto copy_out = [&](const std::vector<absl::Span<float>>& spans) -> absl::Status {
+    if (!on_device) return absl::OkStatus();
+    for (const absl::Span<float>& g : spans) {
+      if (absl::Status st = backend->CopyToHost(host_view(g).data(), g.data(), g.size() * sizeof(float)); !st.ok()) {
+        return st;
+      }
+    }
+    return absl::OkStatus();
+  };
+
   const int num_layers = stage.last_layer() - stage.first_layer();
   std::unique_ptr<comm::GradientBuckets> grad_buckets;
   if (dp > 1) {
     std::vector<std::vector<absl::Span<float>>> groups;
-    for (int l = num_layers - 1; l >= 0; --l) groups.push_back(stage.LayerGradientSpans(l));
-    groups.push_back(stage.NonLayerGradientSpans());
+    for (int l = num_layers - 1; l >= 0; --l) {
+      groups.emplace_back();
+      for (absl::Span<float> g : stage.LayerGradientSpans(l)) groups.back().push_back(host_view(g));
+    }
+    groups.emplace_back();
+    for (absl::Span<float> g : stage.NonLayerGradientSpans()) groups.back().push_back(host_view(g));
     const double bucket_mb = spec.comm().grad_bucket_mb() > 0 ? spec.comm().grad_bucket_mb() : 25.0;
     grad_buckets = std::make_unique<comm::GradientBuckets>(dp_comm.get(), std::move(groups),
                                                            static_cast<int64_t>(bucket_mb * (1 << 20)));
@@ -391,6 +486,12 @@ absl::Status StageActor::Run() {
           if (first_op) bubble += waited;  // pipeline fill
         }
         in = stage_inputs[m].data();
+        if (on_device) {
+          if (absl::Status st = backend->CopyToDevice(device_input.as<float>(), in, act * sizeof(float)); !st.ok()) {
+            return st;
+          }
+          in = device_input.as<float>();
+        }
       }
       first_op = false;
       const auto t0 = Clock::now();
@@ -402,7 +503,12 @@ absl::Status StageActor::Run() {
         loss_sum += stage.loss();
         return absl::OkStatus();
       }
-      return timed_send(next_rank, stage.output(), act, "act");
+      const float* out = stage.output();
+      if (on_device) {
+        if (absl::Status st = backend->CopyToHost(host_output.data(), out, act * sizeof(float)); !st.ok()) return st;
+        out = host_output.data();
+      }
+      return timed_send(next_rank, out, act, "act");
     };
     auto backward = [&](int m) -> absl::Status {
       if (latest_forward != m) {
@@ -414,18 +520,35 @@ absl::Status StageActor::Run() {
         wait += SecondsSince(t0);
       }
       const auto t0 = Clock::now();
+      const float* dout = last ? nullptr : doutput.data();
+      if (on_device && !last) {
+        if (absl::Status st = backend->CopyToDevice(device_doutput.as<float>(), dout, act * sizeof(float));
+            !st.ok()) {
+          return st;
+        }
+        dout = device_doutput.as<float>();
+      }
+      absl::Status hook_status;
       if (grad_buckets && m == M - 1) {  // the step's gradients become final layer by layer
         stage.set_layer_gradients_ready([&](int l) {
-          if (l >= 0) grad_buckets->GroupReady(num_layers - 1 - l);
+          if (l < 0 || !hook_status.ok()) return;
+          hook_status = copy_out(stage.LayerGradientSpans(l));
+          if (hook_status.ok()) grad_buckets->GroupReady(num_layers - 1 - l);
         });
       }
-      absl::Status backward_status = stage.Backward(last ? nullptr : doutput.data(), loss_scale);
+      absl::Status backward_status = stage.Backward(dout, loss_scale);
       stage.set_layer_gradients_ready(nullptr);
       if (!backward_status.ok()) return backward_status;
+      if (!hook_status.ok()) return hook_status;
       compute += SecondsSince(t0);
       latest_forward = -1;  // Backward consumed the activations
       if (first) return absl::OkStatus();
-      return timed_send(prev_rank, stage.dinput(), act, "grad");
+      const float* din = stage.dinput();
+      if (on_device) {
+        if (absl::Status st = backend->CopyToHost(host_dinput.data(), din, act * sizeof(float)); !st.ok()) return st;
+        din = host_dinput.data();
+      }
+      return timed_send(prev_rank, din, act, "grad");
     };
 
     // The schedule.
@@ -450,13 +573,27 @@ absl::Status StageActor::Run() {
       const model::ParameterTensors& g = stage.grad_tensors();
       const size_t n = static_cast<size_t>(config->padded_vocab_size) * config->n_embd;
       const auto before = misc_client.stats().bytes_sent;
-      if (absl::Status st = tied_comm->AllReduceSum(absl::MakeSpan(g.wte, n), "tied"); !st.ok()) return st;
+      const absl::Span<float> wte = absl::MakeSpan(g.wte, n);
+      if (absl::Status st = copy_out({wte}); !st.ok()) return st;
+      if (absl::Status st = tied_comm->AllReduceSum(host_view(wte), "tied"); !st.ok()) return st;
+      if (on_device) {
+        if (absl::Status st = backend->CopyToDevice(g.wte, host_view(wte).data(), n * sizeof(float)); !st.ok()) {
+          return st;
+        }
+      }
       const int partner = first ? world_rank(r, pp - 1, t) : world_rank(r, 0, t);
       traffic.Add(my_site, peers[partner].site, misc_client.stats().bytes_sent - before, 4.0 * n);
     }
     if (grad_buckets) {
+      if (absl::Status st = copy_out(stage.NonLayerGradientSpans()); !st.ok()) return st;
       grad_buckets->GroupReady(num_layers);  // the embeddings and final LayerNorm
       if (absl::Status st = grad_buckets->Finish(); !st.ok()) return st;
+      if (on_device) {  // the groups cover the gradients exactly once: the mirror is the summed gradients
+        if (absl::Status st = backend->CopyToDevice(stage.grads(), host_grads.data(), host_grads.size() * sizeof(float));
+            !st.ok()) {
+          return st;
+        }
+      }
       const int successor = dp_ranks[(r + 1) % dp];
       traffic.Add(my_site, peers[successor].site, dp_client.stats().bytes_sent - dp_bytes_before,
                   2.0 * (dp - 1) / dp * 4.0 * static_cast<double>(grad_buckets->elements()));

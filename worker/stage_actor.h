@@ -44,6 +44,9 @@ struct StageActorConfig {
   std::string head_address;
   TlsFiles tls;
   int64_t collective_timeout_ms = 60000;  // deadline of each receive and collective
+  // Where the stage runs: "cpu", or "cuda:N" on a worker whose device N is a CUDA GPU.
+  std::string device = "cpu";
+  int device_index = 0;
 };
 
 class StageActor {

@@ -80,6 +80,11 @@ class WorkerServer::Service final : public Worker::Service {
     config.token = worker_->options_.token;
     config.head_address = request->head_address().empty() ? worker_->options_.head_address : request->head_address();
     config.tls = worker_->options_.tls;
+    const Device& device = worker_->devices_[a.device_index()];
+    if (device.kind() == DEVICE_KIND_CUDA) {
+      config.device = absl::StrCat("cuda:", device.index());
+      config.device_index = device.index();
+    }
     if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
     auto actor = std::make_unique<StageActor>(config, worker_->tensor_streams_.get());
     actor->Start();
