@@ -4,10 +4,11 @@
 // online softmax) and the backward recomputes each probability from lse.
 //
 // Work split. A block owns 32 rows of one (b, h) and walks tiles of 32 rows of the other side through
-// shared memory. A row belongs to a group of kGroup = 4 adjacent threads that split its channels
-// (thread g holds channels g, g+4, g+8, ...: at any instant the group's threads read 4 consecutive
-// floats of a tile row, so shared-memory reads never conflict); dot products end with two shuffles inside
-// the group. Head sizes up to 128 are compiled as 32, 64 or 128 (zero-padded).
+// shared memory. A row belongs to a group of kGroup = 4 adjacent threads that split its channels by
+// float4 slots (thread g holds slots g, g+4, g+8, ...; see Channel): at any instant the group reads 4
+// consecutive float4 of a tile row (64 bytes, no bank conflicts; the warp's other rows read the same
+// addresses, a broadcast), so one 128-bit shared load feeds 4 FMAs. Dot products end with two shuffles
+// inside the group. Head sizes up to 128 are compiled as 32, 64 or 128 (zero-padded).
 //
 //   forward:   block = 32 queries; tiles of keys and values, 0 .. last query of the block.
 //   backward:  two passes, so that every output element has exactly one writer (no atomics, no zeroing,
@@ -46,6 +47,10 @@ constexpr int kMaxGridY = 65535;
 
 static_assert(kGroup == 4, "GroupSum's shuffles assume groups of 4 adjacent lanes");
 
+// The head channel held in register c (0 .. HS/kGroup-1) by thread g of a row's group: float4 slot
+// g + kGroup * (c / 4), element c % 4. Over g and c this visits every channel of HS exactly once.
+__device__ __forceinline__ int Channel(int g, int c) { return 4 * (g + kGroup * (c / 4)) + c % 4; }
+
 // Sum over the 4 threads of a row's group (all lanes of the warp take part).
 __device__ __forceinline__ float GroupSum(float v) {
   v += __shfl_xor_sync(kFullMask, v, 1);
@@ -72,7 +77,7 @@ __device__ __forceinline__ void LoadChannels(float (&dst)[HS / kGroup], const fl
                                              float factor) {
 #pragma unroll
   for (int i = 0; i < HS / kGroup; ++i) {
-    const int d = g + kGroup * i;
+    const int d = Channel(g, i);
     dst[i] = d < hs ? row[d] * factor : 0.0f;
   }
 }
@@ -88,21 +93,40 @@ __device__ __forceinline__ void LoadTile(float (*tile)[HS], const HeadRows& rows
   }
 }
 
-// Dot product of this thread's channels with a tile row, summed over the group.
+// Dot product of this thread's channels with a tile row (16-byte aligned), summed over the group.
 template <int HS>
 __device__ __forceinline__ float TileDot(const float (&x)[HS / kGroup], const float* tile_row, int g) {
+  static_assert(HS % (4 * kGroup) == 0, "channels go by float4 slots");
+  const float4* slots = reinterpret_cast<const float4*>(tile_row);
   float partial = 0.0f;
 #pragma unroll
-  for (int i = 0; i < HS / kGroup; ++i) partial += x[i] * tile_row[g + kGroup * i];
+  for (int i = 0; i < HS / (4 * kGroup); ++i) {
+    const float4 y = slots[g + kGroup * i];
+    partial += x[4 * i] * y.x + x[4 * i + 1] * y.y + x[4 * i + 2] * y.z + x[4 * i + 3] * y.w;
+  }
   return GroupSum(partial);
+}
+
+// acc += a * (this thread's channels of a tile row).
+template <int HS>
+__device__ __forceinline__ void TileAxpy(float (&acc)[HS / kGroup], float a, const float* tile_row, int g) {
+  const float4* slots = reinterpret_cast<const float4*>(tile_row);
+#pragma unroll
+  for (int i = 0; i < HS / (4 * kGroup); ++i) {
+    const float4 y = slots[g + kGroup * i];
+    acc[4 * i] += a * y.x;
+    acc[4 * i + 1] += a * y.y;
+    acc[4 * i + 2] += a * y.z;
+    acc[4 * i + 3] += a * y.w;
+  }
 }
 
 template <int HS>
 __global__ void __launch_bounds__(kThreads) AttentionForwardKernel(float* out, float* lse, const float* qkv, int B,
                                                                    int T, int C, int NH) {
   constexpr int D = HS / kGroup;
-  __shared__ float tile_k[kTile][HS];
-  __shared__ float tile_v[kTile][HS];
+  __shared__ __align__(16) float tile_k[kTile][HS];
+  __shared__ __align__(16) float tile_v[kTile][HS];
   const int hs = C / NH;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(hs));
   const int g = threadIdx.x % kGroup;
@@ -143,8 +167,7 @@ __global__ void __launch_bounds__(kThreads) AttentionForwardKernel(float* out, f
       for (int j = 0; j < kTile; ++j) {
         const float p = exp2f(score[j] - new_max);
         row_sum += p;
-#pragma unroll
-        for (int i = 0; i < D; ++i) acc[i] += p * tile_v[j][g + kGroup * i];
+        TileAxpy<HS>(acc, p, tile_v[j], g);
       }
       row_max = new_max;
     }
@@ -153,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) AttentionForwardKernel(float* out, f
       float* o = out + (static_cast<int64_t>(b) * T + t) * C + h * hs;
 #pragma unroll
       for (int i = 0; i < D; ++i) {
-        const int d = g + kGroup * i;
+        const int d = Channel(g, i);
         if (d < hs) o[d] = acc[i] * inverse;
       }
       if (g == 0) lse[static_cast<int64_t>(bh) * T + t] = (row_max + log2f(row_sum)) * kLn2;
@@ -167,8 +190,8 @@ __global__ void __launch_bounds__(kThreads)
     AttentionBackwardQueryKernel(float* dqkv, float* delta, const float* dout, const float* qkv, const float* out,
                                  const float* lse, int B, int T, int C, int NH) {
   constexpr int D = HS / kGroup;
-  __shared__ float tile_k[kTile][HS];
-  __shared__ float tile_v[kTile][HS];
+  __shared__ __align__(16) float tile_k[kTile][HS];
+  __shared__ __align__(16) float tile_v[kTile][HS];
   const int hs = C / NH;
   const float scale = 1.0f / sqrtf(static_cast<float>(hs));
   const float scale_log2 = scale * kLog2e;
@@ -205,15 +228,14 @@ __global__ void __launch_bounds__(kThreads)
         const float dp = TileDot<HS>(d_out, tile_v[j], g);
         const float p = k0 + j <= tq ? exp2f(s * scale_log2 - row_lse2) : 0.0f;
         const float ds = p * (dp - row_delta);
-#pragma unroll
-        for (int i = 0; i < D; ++i) dq[i] += ds * tile_k[j][g + kGroup * i];
+        TileAxpy<HS>(dq, ds, tile_k[j], g);
       }
     }
     if (active) {
       float* dst = dqkv + (static_cast<int64_t>(b) * T + t) * 3 * C + h * hs;
 #pragma unroll
       for (int i = 0; i < D; ++i) {
-        const int d = g + kGroup * i;
+        const int d = Channel(g, i);
         if (d < hs) dst[d] = dq[i] * scale;
       }
     }
@@ -226,8 +248,8 @@ __global__ void __launch_bounds__(kThreads)
     AttentionBackwardKeyKernel(float* dqkv, const float* delta, const float* dout, const float* qkv, const float* lse,
                                int B, int T, int C, int NH) {
   constexpr int D = HS / kGroup;
-  __shared__ float tile_q[kTile][HS];
-  __shared__ float tile_dout[kTile][HS];
+  __shared__ __align__(16) float tile_q[kTile][HS];
+  __shared__ __align__(16) float tile_dout[kTile][HS];
   __shared__ float tile_lse2[kTile];
   __shared__ float tile_delta[kTile];
   const int hs = C / NH;
@@ -265,18 +287,15 @@ __global__ void __launch_bounds__(kThreads)
         const float dp = TileDot<HS>(v, tile_dout[i], g);
         const float p = (query >= tk && query < T) ? exp2f(s * scale_log2 - tile_lse2[i]) : 0.0f;
         const float ds = p * (dp - tile_delta[i]);
-#pragma unroll
-        for (int c = 0; c < D; ++c) {
-          dv[c] += p * tile_dout[i][g + kGroup * c];
-          dk[c] += ds * tile_q[i][g + kGroup * c];
-        }
+        TileAxpy<HS>(dv, p, tile_dout[i], g);
+        TileAxpy<HS>(dk, ds, tile_q[i], g);
       }
     }
     if (active) {
       float* dst = dqkv + (static_cast<int64_t>(b) * T + t) * 3 * C + h * hs;
 #pragma unroll
       for (int c = 0; c < D; ++c) {
-        const int d = g + kGroup * c;
+        const int d = Channel(g, c);
         if (d < hs) {
           dst[C + d] = dk[c] * scale;
           dst[2 * C + d] = dv[c];

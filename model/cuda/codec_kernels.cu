@@ -93,8 +93,10 @@ __global__ void PackInt8Kernel(float* scales, int8_t* q, const float* in, int64_
     if (threadIdx.x == 0) scales[block] = __fdiv_rn(max_abs, 127.0f);
     if (i < n) {
       // rintf rounds half to even, as the CPU's add-and-subtract of 1.5 * 2^23 does for |v| <= 127.5.
-      const float v = fminf(fmaxf(rintf(__fmul_rn(x, inverse)), -127.0f), 127.0f);
-      q[i] = static_cast<int8_t>(static_cast<int32_t>(v));
+      const float v = rintf(__fmul_rn(x, inverse));
+      // NaN only from 0 * inf, when max|block| < 127 / FLT_MAX makes the inverse overflow: the x86 CPU
+      // loop converts it to 0x80000000, whose low byte is 0.
+      q[i] = v != v ? 0 : static_cast<int8_t>(static_cast<int32_t>(fminf(fmaxf(v, -127.0f), 127.0f)));
     }
   }
 }

@@ -58,6 +58,7 @@ cublasComputeType_t ComputeType(const CudaContext& ctx) {
 }
 
 // One column-major GEMM with fp32 C (see the mapping above); returns the cuBLAS status.
+// a_ptr and b_ptr point into operands a and b (which give the element type).
 cublasStatus_t Gemm(CudaContext& ctx, cublasOperation_t transa, cublasOperation_t transb, int64_t m, int64_t n,
                     int64_t k, const Operand& a, const void* a_ptr, int64_t lda, const Operand& b, const void* b_ptr,
                     int64_t ldb, float beta, float* c, int64_t ldc) {

@@ -87,6 +87,10 @@ class CudaContext {
 };
 
 // ---- The model ops (see model/ops.h for each one's contract; pointers are device pointers). ----
+// Differences from the CPU: attention supports head sizes C/NH up to 128 (larger ones are an
+// INVALID_ARGUMENT at the next Synchronize()); encoder_backward's dwte, layernorm_backward's dweight and dbias
+// and bias_backward's (so matmul_backward's) dbias are summed with float atomics: their last bits vary from run
+// to run.
 void encoder_forward(CudaContext& ctx, float* out, const int32_t* inp, const float* wte, const float* wpe, int B,
                      int T, int C);
 void encoder_backward(CudaContext& ctx, float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T,

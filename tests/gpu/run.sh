@@ -130,7 +130,8 @@ existing_targets() {
   local listing target
   listing=$(cmake --build "$BUILD" --target help 2>/dev/null)
   for target in "$@"; do
-    if grep -Eq "^\.\.\. $target( |$)" <<< "$listing"; then echo "$target"; fi
+    # Makefiles list "... NAME", Ninja "NAME: phony".
+    if grep -Eq "^(\.\.\. )?$target(:| |$)" <<< "$listing"; then echo "$target"; fi
   done
 }
 
