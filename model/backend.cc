@@ -155,6 +155,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, Precision) 
       " requested but this geotrain was built without the CUDA backend; install the CUDA "
       "toolkit (nvcc, cuBLAS) and NCCL and rebuild with -DGEOTRAIN_CUDA=ON, or use device 'cpu'"));
 }
+
+cuda::CudaContext* CudaContextOf(Backend&) { return nullptr; }
 #endif
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(Backend& backend, size_t bytes) {

@@ -19,6 +19,7 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return name_; }
   bool is_cuda() const override { return true; }
+  cuda::CudaContext& context() { return *ctx_; }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
@@ -133,7 +134,7 @@ class CudaBackend final : public Backend {
     return status;
   }
   absl::StatusOr<double> Keep(absl::StatusOr<double> value) {
-    if (!value.ok()) Keep(value.status());
+    if (!value.ok()) (void)Keep(value.status());
     return value;
   }
 
@@ -143,6 +144,11 @@ class CudaBackend final : public Backend {
 };
 
 }  // namespace
+
+cuda::CudaContext* CudaContextOf(Backend& backend) {
+  auto* cuda_backend = dynamic_cast<CudaBackend*>(&backend);
+  return cuda_backend != nullptr ? &cuda_backend->context() : nullptr;
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, Precision precision) {
   const int count = cuda::DeviceCount();
