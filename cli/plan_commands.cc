@@ -1,13 +1,19 @@
 // `geotrain plan`: ranks parallelisation plans for a model on a topology file with the planner
-// (scheduler/planner.h) and explains the winner; --json prints the same as one JSON object.
+// (scheduler/planner.h) and explains the winner; --json prints the same as one JSON object. With
+// --job SPEC the model, batch, sequence length and WAN codec come from a job spec, and --predict
+// simulates that spec's manual plan (as the runtime runs it) instead of searching.
 //
 //   geotrain plan --topology utah_amsterdam.yaml --model gpt2-medium --global-batch 48 --seq-len
 //   1024
+//   geotrain plan --topology two_sites.yaml --job job.yaml --predict --json
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -26,7 +32,7 @@ namespace {
 
 struct PlanFlags {
   std::string topology;
-  std::string model = "gpt2";
+  std::string model;  // a preset, or --job
   int global_batch = 0;
   int seq_len = 0;
   bool json = false;
@@ -38,7 +44,109 @@ struct PlanFlags {
   double intra_site_latency_ms = 0.05;
   std::string tp_degrees = "1,2,4,8";
   bool no_subsets = false;
+  std::string job_spec;  // --job: model, batch, seq_len and WAN codec from a job spec
+  bool predict = false;  // --predict: simulate the spec's manual plan
+  bool runtime_plans = false;
+  std::string efficiency_by_device;  // NAME=E,...
+  double layer_overhead_us = 30;
+  double step_overhead_ms = 0;
+  bool sequential_sync = false;
+  double message_round_trips = 1;
+  double message_window_kib = 0;
+  std::string shared_host_scale;  // N=SCALE,...
+  bool codecs_given = false;
 };
+
+// Parses "NAME=E,NAME=E" into JobOptions::efficiency_by_device.
+absl::Status ParseEfficiencies(const std::string& text, std::map<std::string, double>* out) {
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    double e = 0;
+    if (kv.first.empty() || !absl::SimpleAtod(kv.second, &e) || !(e > 0 && e <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--efficiency-by-device '", item, "': give NAME=EFFICIENCY with 0 < EFFICIENCY <= 1"));
+    }
+    (*out)[kv.first] = e;
+  }
+  return absl::OkStatus();
+}
+
+// The manual plan of `spec` as the runtime runs it on `cluster`: the runtime's stage slicing, the
+// same microbatch count on every replica, and each actor on the device its placement names (worker
+// ids as `cluster up` gives them: SITE-INDEX), else on the first free device of its site, else on
+// the first free device.
+absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler::Cluster& cluster,
+                                           const scheduler::ModelCosts& model) {
+  const ParallelSpec& parallel = spec.parallel();
+  if (parallel.plan() != "manual") {
+    return absl::InvalidArgumentError(
+        "--predict needs a job spec with parallel: {plan: manual, ...}");
+  }
+  scheduler::Plan plan;
+  plan.dp = parallel.dp();
+  plan.pp = parallel.pp();
+  plan.tp = parallel.tp();
+  plan.schedule =
+      parallel.schedule() == "gpipe" ? scheduler::Schedule::kGPipe : scheduler::Schedule::k1F1B;
+  plan.microbatch_size = spec.train().global_batch() / (plan.dp * parallel.microbatches());
+  plan.microbatches.assign(plan.dp, parallel.microbatches());
+  plan.stage_begin = scheduler::RuntimeStageBegin(model, plan.pp);
+  if (plan.stage_begin.empty()) {
+    return absl::InvalidArgumentError("parallel.pp exceeds the model's blocks");
+  }
+  std::map<std::string, int> site_of;
+  for (int s = 0; s < cluster.num_sites(); ++s) site_of[cluster.site_names[s]] = s;
+  std::vector<char> used(cluster.devices.size(), 0);
+  auto take = [&](int site, int worker) -> int {
+    for (int d = 0; d < static_cast<int>(cluster.devices.size()); ++d) {
+      const scheduler::Device& device = cluster.devices[d];
+      if (used[d] || (site >= 0 && device.site != site) || (worker >= 0 && device.worker != worker))
+        continue;
+      used[d] = 1;
+      return d;
+    }
+    return -1;
+  };
+  plan.devices.assign(plan.dp,
+                      std::vector<std::vector<int>>(plan.pp, std::vector<int>(plan.tp, -1)));
+  for (const PlacementSpec& pin : parallel.placement()) {
+    int site = -1, worker = -1;
+    if (!pin.worker().empty()) {
+      const size_t dash = pin.worker().rfind('-');
+      if (dash == std::string::npos || !site_of.count(pin.worker().substr(0, dash)) ||
+          !absl::SimpleAtoi(pin.worker().substr(dash + 1), &worker)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("placement worker '", pin.worker(),
+                         "': expected SITE-INDEX as `cluster up` names workers"));
+      }
+      site = site_of[pin.worker().substr(0, dash)];
+    } else if (!pin.site().empty()) {
+      if (!site_of.count(pin.site())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("placement site '", pin.site(), "' is not in the topology"));
+      }
+      site = site_of[pin.site()];
+    }
+    if (pin.replica() >= plan.dp || pin.stage() >= plan.pp || pin.tp_rank() >= plan.tp) continue;
+    int& slot = plan.devices[pin.replica()][pin.stage()][pin.tp_rank()];
+    if (slot >= 0) continue;
+    slot = take(site, worker);
+    if (slot < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("no free device for the placement of replica ",
+                                                     pin.replica(), " stage ", pin.stage()));
+    }
+  }
+  for (auto& replica : plan.devices) {
+    for (auto& stage : replica) {
+      for (int& d : stage) {
+        if (d < 0) d = take(-1, -1);
+        if (d < 0)
+          return absl::InvalidArgumentError("the plan needs more devices than the topology has");
+      }
+    }
+  }
+  return plan;
+}
 
 int RunPlan(const PlanFlags& flags) {
   absl::StatusOr<Topology> topology = LoadTopologyFile(flags.topology);
@@ -56,27 +164,71 @@ int RunPlan(const PlanFlags& flags) {
                  std::string(cluster.status().message()).c_str());
     return 2;
   }
-  absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset(flags.model);
+  std::optional<JobSpec> spec;
+  int global_batch = flags.global_batch, seq_len = flags.seq_len;
+  std::string codecs = flags.codecs;
+  absl::StatusOr<GPT2Config> config = absl::InvalidArgumentError("give --model or --job");
+  if (!flags.job_spec.empty()) {
+    absl::StatusOr<JobSpec> loaded = LoadJobSpecFile(flags.job_spec);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "geotrain plan: %s\n", std::string(loaded.status().message()).c_str());
+      return 2;
+    }
+    spec = *std::move(loaded);
+    config = GPT2Config::FromSpec(spec->model());
+    if (global_batch == 0) global_batch = spec->train().global_batch();
+    if (seq_len == 0) seq_len = spec->train().seq_len();
+    if (!flags.codecs_given) codecs = spec->comm().wan_codec();
+  } else if (!flags.model.empty()) {
+    config = GPT2Config::FromPreset(flags.model);
+  }
   if (!config.ok()) {
     std::fprintf(stderr, "geotrain plan: %s\n", std::string(config.status().message()).c_str());
     return 2;
   }
-  if (flags.seq_len < 1 || flags.seq_len > config->block_size) {
-    std::fprintf(stderr,
-                 "geotrain plan: --seq-len %d must be between 1 and the model's block size %d\n",
-                 flags.seq_len, config->block_size);
+  if (flags.predict && !spec) {
+    std::fprintf(stderr, "geotrain plan: --predict needs --job SPEC.yaml with a manual plan\n");
     return 2;
   }
-  if (flags.global_batch < 1) {
+  if (seq_len < 1 || seq_len > config->block_size) {
+    std::fprintf(stderr,
+                 "geotrain plan: --seq-len %d must be between 1 and the model's block size %d\n",
+                 seq_len, config->block_size);
+    return 2;
+  }
+  if (global_batch < 1) {
     std::fprintf(stderr, "geotrain plan: --global-batch must be a positive number of sequences\n");
     return 2;
   }
   scheduler::JobOptions job;
-  job.global_batch = flags.global_batch;
-  job.seq_len = flags.seq_len;
+  job.global_batch = global_batch;
+  job.seq_len = seq_len;
   job.efficiency = flags.efficiency;
   job.memory_headroom = flags.memory_headroom;
-  for (absl::string_view name : absl::StrSplit(flags.codecs, ',', absl::SkipEmpty())) {
+  job.layer_overhead_s = flags.layer_overhead_us * 1e-6;
+  job.step_overhead_s = flags.step_overhead_ms * 1e-3;
+  job.sequential_sync = flags.sequential_sync;
+  job.message_round_trips = flags.message_round_trips;
+  job.message_window_bytes = flags.message_window_kib * 1024;
+  for (absl::string_view item : absl::StrSplit(flags.shared_host_scale, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    int n = 0;
+    double scale = 0;
+    if (!absl::SimpleAtoi(kv.first, &n) || !absl::SimpleAtod(kv.second, &scale) || n < 1 ||
+        !(scale > 0)) {
+      std::fprintf(stderr,
+                   "geotrain plan: --shared-host-scale '%s': give DEVICES=SCALE, e.g. 2=0.7\n",
+                   std::string(item).c_str());
+      return 2;
+    }
+    job.shared_host_scale[n] = scale;
+  }
+  if (absl::Status s = ParseEfficiencies(flags.efficiency_by_device, &job.efficiency_by_device);
+      !s.ok()) {
+    std::fprintf(stderr, "geotrain plan: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  for (absl::string_view name : absl::StrSplit(codecs, ',', absl::SkipEmpty())) {
     if (name == "none") continue;
     absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
     if (!codec.ok()) {
@@ -88,6 +240,7 @@ int RunPlan(const PlanFlags& flags) {
   }
   scheduler::PlannerOptions options;
   options.search_subsets = !flags.no_subsets;
+  options.runtime_plans = flags.runtime_plans;
   options.max_ranked = std::max(flags.top, 1);
   options.tp_degrees.clear();
   for (absl::string_view degree : absl::StrSplit(flags.tp_degrees, ',', absl::SkipEmpty())) {
@@ -98,7 +251,30 @@ int RunPlan(const PlanFlags& flags) {
     }
     options.tp_degrees.push_back(t);
   }
-  const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(*config, flags.seq_len);
+  const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(*config, seq_len);
+  if (flags.predict) {
+    absl::StatusOr<scheduler::Plan> plan = PlanOfSpec(*spec, *cluster, model);
+    absl::StatusOr<scheduler::Prediction> prediction =
+        plan.ok() ? scheduler::Simulate(*cluster, model, job, *plan)
+                  : absl::StatusOr<scheduler::Prediction>(plan.status());
+    if (!prediction.ok()) {
+      std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.job_spec.c_str(),
+                   std::string(prediction.status().message()).c_str());
+      return 2;
+    }
+    const scheduler::PlanCandidate candidate{*plan, *prediction, "as placed", "spec", {}};
+    if (flags.json) {
+      std::cout << scheduler::PlanCandidateToJson(*cluster, model, candidate) << "\n";
+    } else {
+      std::cout << absl::StrFormat(
+          "%s on %s: predicted step %.3f s (pipeline %.3f s, exposed all-reduce %.3f s, tied "
+          "exchange %.3f s, bubble %.0f%%)%s\n",
+          flags.job_spec, flags.topology, prediction->step_time_s, prediction->pipeline_time_s,
+          prediction->dp_exposed_s, prediction->tied_sync_s, 100 * prediction->bubble_fraction,
+          prediction->fits ? "" : absl::StrCat("; does not fit: ", prediction->reject_reason));
+    }
+    return 0;
+  }
   absl::StatusOr<scheduler::PlanResult> result = scheduler::PlanJob(*cluster, model, job, options);
   if (!result.ok()) {
     std::fprintf(stderr, "geotrain plan: %s\n", std::string(result.status().message()).c_str());
@@ -107,7 +283,7 @@ int RunPlan(const PlanFlags& flags) {
   if (flags.json) {
     std::cout << scheduler::PlanResultToJson(*cluster, model, job, *result, flags.top);
   } else {
-    std::cout << "geotrain plan: " << flags.model << " ("
+    std::cout << "geotrain plan: " << (spec ? flags.job_spec : flags.model) << " ("
               << absl::StrFormat("%.0fM", config->NumParameters() / 1e6) << " parameters) on "
               << flags.topology << "\n";
     std::cout << scheduler::FormatPlanResult(*cluster, model, job, *result, flags.top);
@@ -124,16 +300,47 @@ void AddPlanCommands(CLI::App& app, Context& context) {
   plan->add_option("--topology", flags->topology,
                    "topology file (YAML or JSON): sites, workers, links")
       ->required();
-  plan->add_option("--model", flags->model,
-                   "model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, ...)")
-      ->required();
-  plan->add_option("--global-batch", flags->global_batch, "sequences per optimizer step")
-      ->required();
-  plan->add_option("--seq-len", flags->seq_len, "tokens per sequence")->required();
+  CLI::Option* model = plan->add_option(
+      "--model", flags->model, "model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, ...)");
+  CLI::Option* job = plan->add_option(
+      "--job", flags->job_spec,
+      "job spec (YAML/JSON) giving the model, global batch, seq len and WAN codec");
+  model->excludes(job);
+  plan->add_option("--global-batch", flags->global_batch, "sequences per optimizer step");
+  plan->add_option("--seq-len", flags->seq_len, "tokens per sequence");
+  plan->add_flag(
+      "--predict", flags->predict,
+      "simulate the --job spec's manual plan (runtime slicing, its placement) instead of "
+      "searching");
+  plan->add_flag("--runtime-plans", flags->runtime_plans,
+                 "search only plans the runtime runs as planned (its stage slicing, equal "
+                 "microbatch counts per replica)");
+  plan->add_option("--efficiency-by-device", flags->efficiency_by_device,
+                   "calibrated efficiency per device name, NAME=E,NAME=E (overrides --efficiency)");
+  plan->add_option("--layer-overhead-us", flags->layer_overhead_us,
+                   "fixed cost per layer and microbatch forward, in us (backward pays it twice; "
+                   "default 30)");
+  plan->add_flag("--sequential-sync", flags->sequential_sync,
+                 "model geotrain's runtime step end: tied, gradient, norm and loss all-reduces one "
+                 "after the other after the schedule, no overlap with backward");
+  plan->add_option("--message-round-trips", flags->message_round_trips,
+                   "with --sequential-sync: round trips one message costs (default 1)");
+  plan->add_option("--message-window-kib", flags->message_window_kib,
+                   "with --sequential-sync: one more round trip per this many KiB of a message "
+                   "(flow-control window; default 0: none)");
+  plan->add_option("--shared-host-scale", flags->shared_host_scale,
+                   "devices sharing one host: N=SCALE,... multiplies every device's efficiency "
+                   "when the plan uses N devices");
+  plan->add_option("--step-overhead-ms", flags->step_overhead_ms,
+                   "fixed cost per optimizer step (optimizer, step barrier), in ms (default 0)");
   plan->add_flag("--json", flags->json, "print the result as JSON");
   plan->add_option("--top", flags->top, "how many ranked plans to print (default 5)");
-  plan->add_option(
-      "--codecs", flags->codecs,
+  plan->add_option_function<std::string>(
+      "--codecs",
+      [flags](const std::string& v) {
+        flags->codecs = v;
+        flags->codecs_given = true;
+      },
       "codecs allowed on cross-site links: none, fp16, bf16, int8, topk:F (default fp16,bf16)");
   plan->add_option("--efficiency", flags->efficiency,
                    "assumed achieved/peak FLOP/s per device (default 0.4)");

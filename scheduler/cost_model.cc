@@ -105,7 +105,12 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
                                   const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s,
                                   const std::vector<double>& latency_s, int microbatches,
-                                  Schedule schedule) {
+                                  Schedule schedule, const std::vector<double>& round_trips) {
+  // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier.
+  auto busy_latencies = [&](int s) { return round_trips.empty() ? 0.0 : 2 * round_trips[s]; };
+  auto arrival_latencies = [&](int s) {
+    return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1;
+  };
   const int p = static_cast<int>(forward_s.size());
   const int m = microbatches;
   PipelineTimeline out;
@@ -163,14 +168,16 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
           forward_done[at] = end;
           if (s + 1 < p) {
             const double send = std::max(end, link_forward_free[s]);
-            link_forward_free[s] = send + transfer_s[s];
-            forward_arrival[at + m] = send + transfer_s[s] + latency_s[s];
+            link_forward_free[s] = send + transfer_s[s] + busy_latencies(s) * latency_s[s];
+            forward_arrival[at + m] = send + transfer_s[s] + arrival_latencies(s) * latency_s[s];
           }
         } else {
           if (s > 0) {
             const double send = std::max(end, link_backward_free[s - 1]);
-            link_backward_free[s - 1] = send + transfer_s[s - 1];
-            backward_arrival[at - m] = send + transfer_s[s - 1] + latency_s[s - 1];
+            link_backward_free[s - 1] =
+                send + transfer_s[s - 1] + busy_latencies(s - 1) * latency_s[s - 1];
+            backward_arrival[at - m] =
+                send + transfer_s[s - 1] + arrival_latencies(s - 1) * latency_s[s - 1];
           }
           if (next[s] + 1 == ops[s].size()) {
             out.last_backward_start[s] = start;
@@ -357,6 +364,13 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   }
 
   const int pp = plan.pp, tp = plan.tp, b = plan.microbatch_size;
+  // Round trips of one message of `wire` bytes with sequential sync (the runtime's messages).
+  auto round_trips = [&](double wire) {
+    return job.message_round_trips +
+           (job.message_window_bytes > 0 ? wire / job.message_window_bytes : 0);
+  };
+  const auto scale = job.shared_host_scale.find(plan.dp * plan.pp * plan.tp);
+  const double host_scale = scale == job.shared_host_scale.end() ? 1.0 : scale->second;
   const int n_sites = cluster.num_sites();
   Prediction out;
   out.device_memory_bytes.assign(cluster.devices.size(), 0);
@@ -383,13 +397,15 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   std::map<std::pair<int, int>, int> tied_pairs;
   std::map<std::pair<int, int>, double> tied_ready;
   for (int r = 0; r < plan.dp; ++r) {
-    std::vector<double> forward(pp), backward(pp), transfer(std::max(pp - 1, 0)), latency(transfer);
+    std::vector<double> forward(pp), backward(pp), transfer(std::max(pp - 1, 0)), latency(transfer),
+        message_round_trips;
     for (int s = 0; s < pp; ++s) {
       const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
       double slowest_flops = kInf;
       for (int k = 0; k < tp; ++k) {
         const Device& d = cluster.devices[plan.devices[r][s][k]];
-        slowest_flops = std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name));
+        slowest_flops =
+            std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name) * host_scale);
         const double mem = StageMemoryBytes(model, job, begin, end, s, pp, tp, b,
                                             plan.microbatches[r], plan.schedule);
         out.device_memory_bytes[plan.devices[r][s][k]] = mem;
@@ -430,6 +446,9 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         transfer[s] =
             bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
         latency[s] = link.latency_s;
+        if (job.sequential_sync) {
+          message_round_trips.push_back(round_trips(bytes * (c < 0 ? 1.0 : job.codecs[c].ratio)));
+        }
         if (site != next_site) {
           const double wire = bytes * (c < 0 ? 1.0 : job.codecs[c].ratio) * plan.microbatches[r];
           traffic_activation[site][next_site] += wire;  // activations forward
@@ -445,13 +464,15 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     signature.insert(signature.end(), backward.begin(), backward.end());
     signature.insert(signature.end(), transfer.begin(), transfer.end());
     signature.insert(signature.end(), latency.begin(), latency.end());
+    signature.insert(signature.end(), message_round_trips.begin(), message_round_trips.end());
     signature.push_back(plan.microbatches[r]);
     auto known = simulated.find(signature);
     if (known == simulated.end()) {
       known =
           simulated
-              .emplace(std::move(signature), SimulatePipeline(forward, backward, transfer, latency,
-                                                              plan.microbatches[r], plan.schedule))
+              .emplace(std::move(signature),
+                       SimulatePipeline(forward, backward, transfer, latency, plan.microbatches[r],
+                                        plan.schedule, message_round_trips))
               .first;
     }
     timelines[r] = &known->second;
@@ -480,10 +501,28 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     out.bubble_fraction = t.makespan > 0 ? 1 - busy / pp / t.makespan : 0;
   }
 
+  // Sequential sync (the runtime's step epilogue): the tied wte all-reduce first, a ring of two
+  // (both directions at once: its bytes once plus two latencies), when both stages are done.
+  double epilogue_start = out.pipeline_time_s;
+  if (job.sequential_sync) {
+    for (const auto& [pair, replicas] : tied_pairs) {
+      const auto [first, last] = pair;
+      const LinkSpec& link = cluster.Link(first, last);
+      const int c = first == last                 ? -1
+                    : plan.gradient_codec.empty() ? ChooseCodec(job, link, false)
+                                                  : plan.gradient_codec[first][last];
+      const double spb =
+          c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+      const double bytes = model.tied_parameters * model.bytes_per_element * replicas;
+      const double wire = bytes / 2 * (c < 0 ? 1.0 : job.codecs[c].ratio);  // per ring step
+      epilogue_start = std::max(
+          epilogue_start, tied_ready[pair] + bytes * spb + 4 * round_trips(wire) * link.latency_s);
+    }
+  }
   // Gradient all-reduce per stage, overlapped with the last microbatch's backward (one bucket per
-  // layer).
+  // layer), or after the tied all-reduce with sequential sync.
   out.stage_allreduce_s.assign(pp, 0);
-  double finish = out.pipeline_time_s, earliest_start = kInf;
+  double finish = epilogue_start, earliest_start = kInf;
   for (int s = 0; s < pp; ++s) {
     const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
     double start_last = 0, end_last = 0;
@@ -499,6 +538,30 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
                                                  &traffic_gradient, &gradient_codec_used);
     out.stage_allreduce_s[s] = seconds;
     if (seconds <= 0) continue;
+    if (job.sequential_sync) {
+      // Each of the ring's 2 (n - 1) steps waits 2 r latencies instead of one.
+      double worst_latency = 0;
+      for (size_t i = 0; i < member_sites.size(); ++i) {
+        worst_latency = std::max(
+            worst_latency,
+            cluster.Link(member_sites[i], member_sites[(i + 1) % member_sites.size()]).latency_s);
+      }
+      double ratio = 1;  // the codec of the group's first cross-site pair
+      for (int m : member_sites) {
+        if (m == member_sites[0]) continue;
+        const int c = plan.gradient_codec.empty()
+                          ? ChooseCodec(job, cluster.Link(member_sites[0], m), false)
+                          : plan.gradient_codec[member_sites[0]][m];
+        ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
+        break;
+      }
+      const double chunk = bytes * tp / plan.dp * ratio;
+      const double extra = 2.0 * (plan.dp - 1) * (2 * round_trips(chunk) - 1) * worst_latency;
+      out.stage_allreduce_s[s] = seconds + extra;
+      finish = std::max(finish, epilogue_start + seconds + extra);
+      earliest_start = std::min(earliest_start, epilogue_start);
+      continue;
+    }
     const int buckets = std::max(1, end - begin);
     finish = std::max(finish, std::max(end_last + seconds / buckets, start_last + seconds));
     earliest_start = std::min(earliest_start, start_last);
@@ -515,7 +578,30 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
     }
   }
-  out.dp_exposed_s = finish - out.pipeline_time_s;
+  out.dp_exposed_s = finish - epilogue_start;
+  if (job.sequential_sync) {
+    // Then two scalar rings, latency only: the gradient norm among each replica's stages, the loss
+    // among the replicas' last stages.
+    auto ring_latency = [&](const std::vector<int>& sites) {
+      double worst = 0;
+      for (size_t i = 0; i < sites.size(); ++i) {
+        worst = std::max(worst, cluster.Link(sites[i], sites[(i + 1) % sites.size()]).latency_s);
+      }
+      return 2.0 * (static_cast<double>(sites.size()) - 1) * 2 * job.message_round_trips * worst;
+    };
+    double norm = 0;
+    std::vector<int> last_sites;
+    for (int r = 0; r < plan.dp; ++r) {
+      std::vector<int> stage_sites;
+      for (int s = 0; s < pp; ++s)
+        stage_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
+      norm = std::max(norm, ring_latency(stage_sites));
+      last_sites.push_back(stage_sites.back());
+    }
+    out.scalar_sync_s = norm + ring_latency(last_sites);
+    out.tied_sync_s = epilogue_start - out.pipeline_time_s;
+    out.step_time_s = finish + out.scalar_sync_s + job.step_overhead_s;
+  }
 
   // Tied wte gradients: the first and the last stage of each replica send each other their partial
   // gradient once both are complete (full duplex: both directions at once), then both apply the
@@ -536,8 +622,10 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
     tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + link.latency_s);
   }
-  out.tied_sync_s = std::max(0.0, tied_sync - finish);
-  out.step_time_s = std::max(finish, tied_sync);
+  if (!job.sequential_sync) {
+    out.tied_sync_s = std::max(0.0, tied_sync - finish);
+    out.step_time_s = std::max(finish, tied_sync) + job.step_overhead_s;
+  }
   out.tokens_per_s = out.step_time_s > 0
                          ? total_sequences * static_cast<double>(model.seq_len) / out.step_time_s
                          : 0;

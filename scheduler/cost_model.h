@@ -39,7 +39,7 @@ struct ModelCosts {
   std::vector<LayerCost> layers;  // [embedding, block 0 .. block L-1, head]
   int seq_len = 0;
   int n_embd = 0;
-  int n_head = 0;  // tensor parallelism splits heads: tp must divide it
+  int n_head = 0;                // tensor parallelism splits heads: tp must divide it
   double tied_parameters = 0;    // wte (Vp x C): held by the first and the last stage when pp > 1
   double bytes_per_element = 4;  // fp32 activations, gradients and master weights
 
@@ -78,6 +78,28 @@ struct JobOptions {
   // backward twice. It is what makes many tiny microbatches slower than fewer larger ones;
   // calibrate it with the efficiency.
   double layer_overhead_s = 30e-6;
+  // Fixed cost per optimizer step on top of the schedule (optimizer, data loading, step reports,
+  // the step barrier): 0 unless calibrated from a profiling run.
+  double step_overhead_s = 0;
+  // How the step ends. false (the default): gradient all-reduces overlap the last microbatch's
+  // backward (bucketed), the tied wte exchange runs beside them. true: geotrain's runtime today
+  // (worker/stage_actor.cc): after the schedule, one after the other, the tied wte all-reduce (a
+  // ring of the first and last stage), the gradient all-reduce, the gradient-norm all-reduce among
+  // the replica's stages and the loss all-reduce among replicas; nothing overlaps the backward.
+  bool sequential_sync = false;
+  // Round trips one message costs with sequential_sync (the runtime's send returns once the peer
+  // holds the tensor): a point-to-point send keeps its sender busy for bytes / bandwidth + 2 r
+  // latency and arrives after bytes / bandwidth + (2 r - 1) latency; each ring step of an
+  // all-reduce takes its chunk's time + 2 r latency. 1 by design; HTTP/2 flow control on large
+  // messages makes it more (calibrate it from a profiling run).
+  double message_round_trips = 1;
+  // ... plus one round trip per message_window_bytes of the message's wire bytes (a flow-control
+  // window: at most that many bytes in flight per round trip). 0: no window.
+  double message_window_bytes = 0;
+  // Devices that share one host (the CPU workers of an emulated cluster on one machine) slow each
+  // other down: with n devices in use, every device's efficiency is multiplied by
+  // shared_host_scale[n] (absent: 1). Calibrated by running devices alone and together.
+  std::map<int, double> shared_host_scale;
   double EfficiencyOf(const std::string& device) const;
 };
 
@@ -114,6 +136,7 @@ struct Prediction {
   double pipeline_time_s = 0;  // forward/backward of all microbatches, slowest replica
   double dp_exposed_s = 0;     // gradient all-reduce not hidden under backward
   double tied_sync_s = 0;      // wte gradient exchange (pp > 1) not hidden under the all-reduce
+  double scalar_sync_s = 0;    // gradient-norm and loss all-reduces (sequential_sync only)
   double bubble_fraction =
       0;  // idle share of the pipeline time, averaged over stages of the slowest replica
   double compute_bound_s = 0;  // step time if nothing but compute mattered (all devices busy)
@@ -136,11 +159,14 @@ struct PipelineTimeline {
   double makespan = 0;
   std::vector<double> last_backward_start, last_backward_end, busy;
 };
+// With round_trips (one per boundary, JobOptions::message_round_trips), a send over boundary s
+// keeps its link (the sender) busy 2 r_s latencies after its serialisation and arrives (2 r_s - 1)
+// latencies after it; empty: a plain link (busy for the serialisation, arriving one latency later).
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
                                   const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s,
                                   const std::vector<double>& latency_s, int microbatches,
-                                  Schedule schedule);
+                                  Schedule schedule, const std::vector<double>& round_trips = {});
 
 // The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
 // activations only consider codecs with for_activations.

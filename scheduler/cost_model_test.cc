@@ -247,5 +247,77 @@ TEST(CostModelTest, InconsistentPlansAreErrors) {
   EXPECT_FALSE(Simulate(c, model, job, p).ok());
 }
 
+// gpt2-tiny-test's job in the tests below: 8 sequences of 32 tokens.
+JobOptions TinyJob() {
+  JobOptions job;
+  job.global_batch = 8;
+  job.seq_len = 32;
+  return job;
+}
+
+// The runtime's step end (sequential_sync): two replicas across a 50 ms link pay the compute, the
+// gradient ring (its bytes once plus 2 x 2r latencies) and the loss ring (2 x 2r latencies) one
+// after the other; nothing hides under the backward.
+TEST(CostModelTest, SequentialSyncAddsTheRuntimesRingsAfterTheSchedule) {
+  Cluster c = TwoSites("RTX6000", 1, 50, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.layer_overhead_s = 0;
+  Plan plan = DataParallel(model, 2, 1);
+  plan.devices = {{{0}}, {{1}}};  // one replica per site
+  plan.microbatch_size = 4;
+  absl::StatusOr<Prediction> overlapped = Simulate(c, model, job, plan);
+  ASSERT_TRUE(overlapped.ok());
+  job.sequential_sync = true;
+  job.message_round_trips = 1;
+  absl::StatusOr<Prediction> p = Simulate(c, model, job, plan);
+  ASSERT_TRUE(p.ok());
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  const double l = 0.050, W = 1000e6 / 8;
+  const double gradients = parameters * 4 / W + 2 * 2 * l;  // ring of two: bytes once, 2 steps
+  EXPECT_NEAR(p->dp_exposed_s, gradients, 1e-9);
+  EXPECT_NEAR(p->scalar_sync_s, 2 * 2 * l, 1e-12);  // the loss ring; one stage: no norm ring
+  EXPECT_NEAR(p->step_time_s, p->pipeline_time_s + gradients + 2 * 2 * l, 1e-9);
+  EXPECT_GT(p->step_time_s, overlapped->step_time_s);
+  // A flow-control window adds a round trip per window of each ring step's bytes.
+  job.message_window_bytes = parameters * 4 / 2;  // one window per chunk of the two-member ring
+  absl::StatusOr<Prediction> windowed = Simulate(c, model, job, plan);
+  ASSERT_TRUE(windowed.ok());
+  EXPECT_NEAR(windowed->dp_exposed_s - p->dp_exposed_s, 2 * 2 * l, 1e-9);
+}
+
+// A pipeline message of r round trips keeps the sender 2r latencies and arrives (2r - 1) latencies
+// after its serialisation: two stages, one microbatch, 1 round trip = the plain link's timing for
+// the arrivals, so the makespan is unchanged; 2 round trips add 2 latencies per direction.
+TEST(CostModelTest, MessageRoundTripsDelayPipelineArrivals) {
+  const std::vector<double> fwd = {1, 1}, bwd = {2, 2}, transfer = {0.1}, latency = {0.5};
+  const PipelineTimeline plain = SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe);
+  const PipelineTimeline one =
+      SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe, {1.0});
+  const PipelineTimeline two =
+      SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe, {2.0});
+  EXPECT_DOUBLE_EQ(plain.makespan, 1 + 0.6 + 1 + 2 + 0.6 + 2);
+  EXPECT_DOUBLE_EQ(one.makespan, plain.makespan);
+  EXPECT_DOUBLE_EQ(two.makespan, plain.makespan + 2 * 2 * 0.5);
+}
+
+// Devices that share a host run slower when the plan uses several of them.
+TEST(CostModelTest, SharedHostScaleSlowsComputeWithTheDevicesInUse) {
+  Cluster c = TwoSites("RTX6000", 1, 0.05, 100000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.shared_host_scale[2] = 0.5;
+  Plan one = DataParallel(model, 1, 1);
+  one.microbatch_size = 8;
+  Plan two = DataParallel(model, 2, 1);
+  two.microbatch_size = 4;
+  absl::StatusOr<Prediction> p1 = Simulate(c, model, job, one);
+  absl::StatusOr<Prediction> p2 = Simulate(c, model, job, two);
+  ASSERT_TRUE(p1.ok() && p2.ok());
+  // Half the batch each, at half the speed: the same forward time per replica.
+  EXPECT_NEAR(p2->stage_forward_s[0], p1->stage_forward_s[0], 1e-12);
+}
+
 }  // namespace
 }  // namespace geotrain::scheduler

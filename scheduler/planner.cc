@@ -315,7 +315,8 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
   const int G = job_.global_batch;
   const int L = model_.num_layers();
   for (int tp : options_.tp_degrees) {
-    if (tp < 1 || (tp > 1 && (model_.n_head <= 0 || model_.n_head % tp != 0))) continue;  // heads split evenly
+    if (tp < 1 || (tp > 1 && (model_.n_head <= 0 || model_.n_head % tp != 0)))
+      continue;  // heads split evenly
     std::vector<Unit> all_units = MakeUnits(devices, chain, tp);
     const int U = static_cast<int>(all_units.size());
     for (int pp = 1; pp <= std::min(U, L); ++pp) {
@@ -391,6 +392,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
           const int M = G / b;
           if (M < dp) continue;
           if (fitted && M / dp > std::max(8 * pp, 64)) break;
+          if (options_.runtime_plans && M % dp != 0) continue;  // the runtime splits evenly
           for (int s = 0; s < pp; ++s) {
             stage_tp_comm[s] = 0;
             if (tp > 1) {
@@ -404,8 +406,10 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
           for (Schedule schedule : options_.schedules) {
             if (pp == 1 && schedule != options_.schedules.front())
               continue;  // one stage: schedules agree
-            std::vector<int> begin = SliceStages(stage_flops, stage_mem, stage_tp_comm,
-                                                 boundary_spb, tp, b, held_estimate, schedule);
+            std::vector<int> begin =
+                options_.runtime_plans ? RuntimeStageBegin(model_, pp)
+                                       : SliceStages(stage_flops, stage_mem, stage_tp_comm,
+                                                     boundary_spb, tp, b, held_estimate, schedule);
             Plan& plan = base_plan;
             plan.microbatch_size = b;
             plan.schedule = schedule;
@@ -446,7 +450,9 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
               }
               speed_sum += 1 / bottleneck[r];
             }
-            plan.microbatches = ShareMicrobatches(M, bottleneck, speed_sum);
+            plan.microbatches = options_.runtime_plans
+                                    ? std::vector<int>(dp, M / dp)
+                                    : ShareMicrobatches(M, bottleneck, speed_sum);
             // Lower bound: stage j cannot start before microbatch 0 went forward through stages <
             // j, runs all its microbatches, and the last backward still has to go back through
             // stages < j.
@@ -855,6 +861,17 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   return result;
 }
 
+std::vector<int> RuntimeStageBegin(const ModelCosts& model, int pp) {
+  const int blocks = model.num_layers() - 2;  // [embedding, h.0 .. h.L-1, head]
+  if (pp < 1 || pp > blocks) return {};
+  const int base = blocks / pp, extra = blocks % pp;
+  std::vector<int> begin(pp + 1);
+  begin[0] = 0;
+  for (int s = 1; s < pp; ++s) begin[s] = 1 + s * base + std::min(s, extra);
+  begin[pp] = model.num_layers();
+  return begin;
+}
+
 ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                         const Plan& plan) {
   ManualPlan m;
@@ -893,7 +910,8 @@ ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const J
   auto name = [&](int c) { return c < 0 ? std::string("none") : job.codecs[c].name; };
   for (const auto& [a, b] : pairs) {
     const LinkSpec& link = cluster.Link(a, b);
-    const int g = plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[a][b];
+    const int g =
+        plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[a][b];
     const int x =
         plan.activation_codec.empty() ? ChooseCodec(job, link, true) : plan.activation_codec[a][b];
     m.link_codecs.push_back({cluster.site_names[a], cluster.site_names[b], name(g), name(x)});
@@ -944,7 +962,10 @@ std::string JsonString(const std::string& s) {
 
 std::string JsonNumber(double x) { return std::isfinite(x) ? absl::StrFormat("%.6g", x) : "null"; }
 
-std::string CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
+}  // namespace
+
+std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model,
+                                const PlanCandidate& c) {
   const Plan& p = c.plan;
   const Prediction& pr = c.prediction;
   std::vector<std::string> stages;
@@ -996,6 +1017,7 @@ std::string CandidateJson(const Cluster& cluster, const ModelCosts& model, const
       ",\"pipeline_time_s\":", JsonNumber(pr.pipeline_time_s),
       ",\"dp_exposed_s\":", JsonNumber(pr.dp_exposed_s),
       ",\"tied_sync_s\":", JsonNumber(pr.tied_sync_s),
+      ",\"scalar_sync_s\":", JsonNumber(pr.scalar_sync_s),
       ",\"bubble_fraction\":", JsonNumber(pr.bubble_fraction),
       ",\"compute_bound_s\":", JsonNumber(pr.compute_bound_s),
       ",\"max_memory_fraction\":", JsonNumber(pr.max_memory_fraction), ",\"left_out_devices\":[",
@@ -1004,16 +1026,14 @@ std::string CandidateJson(const Cluster& cluster, const ModelCosts& model, const
       absl::StrJoin(memory, ","), "],\"placement\":[", absl::StrJoin(placement, ","), "]}");
 }
 
-}  // namespace
-
 std::string PlanResultToJson(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                              const PlanResult& result, int top) {
   std::vector<std::string> ranked, rejected, explanation;
   for (int i = 0; i < std::min<int>(top, result.ranked.size()); ++i) {
-    ranked.push_back(CandidateJson(cluster, model, result.ranked[i]));
+    ranked.push_back(PlanCandidateToJson(cluster, model, result.ranked[i]));
   }
   for (const PlanCandidate& c : result.rejected)
-    rejected.push_back(CandidateJson(cluster, model, c));
+    rejected.push_back(PlanCandidateToJson(cluster, model, c));
   for (const std::string& line : result.explanation) explanation.push_back(JsonString(line));
   return absl::StrCat("{\"global_batch\":", job.global_batch, ",\"seq_len\":", job.seq_len,
                       ",\"devices\":", cluster.devices.size(), ",\"sites\":", cluster.num_sites(),

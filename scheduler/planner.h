@@ -35,7 +35,12 @@ struct PlannerOptions {
   std::vector<int> tp_degrees = {1, 2, 4, 8};
   std::vector<Schedule> schedules = {Schedule::k1F1B, Schedule::kGPipe};
   bool search_subsets = true;  // try leaving out slow device types and whole sites
-  int max_ranked = 10;         // plans kept in PlanResult::ranked (distinct shapes)
+  // Only plans geotrain's runtime runs exactly as planned: the runtime's stage slicing
+  // (RuntimeStageBegin) instead of the dynamic-programming one, and the same microbatch count on
+  // every replica. `parallel: {plan: auto}` jobs and the validation (docs/planner.md) use it, so
+  // that the predicted plan is the one that runs.
+  bool runtime_plans = false;
+  int max_ranked = 10;  // plans kept in PlanResult::ranked (distinct shapes)
   int max_rejected = 10;
 };
 
@@ -63,6 +68,12 @@ struct PlanResult {
 absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model,
                                    const JobOptions& job, const PlannerOptions& options = {});
 
+// The runtime's stage slicing (model::StageOptions::Split, the head's placement): blocks split as
+// evenly as possible with the earlier stages taking the extra ones, the embedding on the first
+// stage and the head on the last. Returns pp + 1 indices into ModelCosts::layers; empty when pp
+// exceeds the number of blocks.
+std::vector<int> RuntimeStageBegin(const ModelCosts& model, int pp);
+
 // A chosen plan in the manual form a job spec takes (`parallel: {plan: manual, ...}`).
 struct ManualPlacement {
   int replica = 0, stage = 0, tp_rank = 0;
@@ -79,7 +90,8 @@ struct ManualPlan {
       stage_begin;  // layer index (0 embedding, 1..L blocks, L+1 head) where each stage starts
   std::vector<std::string> stage_first_layer;
   std::vector<ManualPlacement> placement;  // one per (replica, stage, tp_rank), in that order
-  // Codec per pair of sites that the plan's traffic crosses (the simulator's choice, see ChooseCodec).
+  // Codec per pair of sites that the plan's traffic crosses (the simulator's choice, see
+  // ChooseCodec).
   struct LinkCodec {
     std::string site_a, site_b;
     std::string gradient_codec, activation_codec;
@@ -93,6 +105,10 @@ ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const P
 // Fills a job spec's parallel section (plan: manual; microbatches: replica 0's count; placement by
 // site).
 void FillParallelSpec(const ManualPlan& manual, ParallelSpec* spec);
+
+// One candidate (plan and prediction) as a JSON object, as in PlanResultToJson's "ranked" list.
+std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model,
+                                const PlanCandidate& candidate);
 
 // The result as JSON (one object: ranked, rejected, explanation, timings) and as text for a
 // terminal.

@@ -282,5 +282,30 @@ TEST(PlannerTest, ManualFormPlacesEveryActorOnce) {
             std::min<int>(3, r->ranked.size()));
 }
 
+// The runtime's slicing: blocks split evenly, the earlier stages take the extra ones, the embedding
+// on the first stage and the head on the last.
+TEST(PlannerTest, RuntimeStageBeginMatchesTheRuntimesSplit) {
+  const ModelCosts model = Costs("gpt2", 64);  // 12 blocks: layers 0 (embedding) .. 13 (head)
+  EXPECT_THAT(RuntimeStageBegin(model, 1), testing::ElementsAre(0, 14));
+  EXPECT_THAT(RuntimeStageBegin(model, 5), testing::ElementsAre(0, 4, 7, 9, 11, 14));
+  EXPECT_TRUE(RuntimeStageBegin(model, 13).empty());
+}
+
+// With runtime_plans every ranked plan is one the runtime runs as planned: its slicing and equal
+// microbatch counts, even with unequal devices.
+TEST(PlannerTest, RuntimePlansUseTheRuntimesSlicingAndEqualShares) {
+  Cluster c = MakeCluster({{"a", {{"A100", 1}, {"T4", 1}}}, {"b", {{"A100", 1}}}}, 10, 1000);
+  const ModelCosts model = Costs("gpt2", 256);
+  PlannerOptions options;
+  options.runtime_plans = true;
+  absl::StatusOr<PlanResult> r = PlanJob(c, model, Job(24, 256), options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_FALSE(r->ranked.empty());
+  for (const PlanCandidate& candidate : r->ranked) {
+    EXPECT_EQ(candidate.plan.stage_begin, RuntimeStageBegin(model, candidate.plan.pp));
+    for (int m : candidate.plan.microbatches) EXPECT_EQ(m, candidate.plan.microbatches.front());
+  }
+}
+
 }  // namespace
 }  // namespace geotrain::scheduler
