@@ -206,7 +206,9 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
   job.global_batch = spec.train().global_batch();
   job.seq_len = spec.train().seq_len();
   if (auto codec = scheduler::ParseCodec(spec.comm().wan_codec()); codec.ok()) job.codecs.push_back(*codec);
-  auto result = scheduler::PlanJob(cluster, model, job);
+  scheduler::PlannerOptions planner_options;
+  planner_options.runtime_plans = true;  // the runtime's stage split and equal replica shares: the plan that runs
+  auto result = scheduler::PlanJob(cluster, model, job, planner_options);
   if (!result.ok()) return result.status();
   for (const scheduler::PlanCandidate& candidate : result->ranked) {
     const scheduler::ManualPlan manual = scheduler::ToManualPlan(cluster, model, candidate.plan);
