@@ -231,15 +231,23 @@ absl::StatusOr<uint64_t> ShapeElements(absl::Span<const int64_t> shape, int max_
 // With glibc's default trim threshold (128 KiB) every such free can hand the pages back to the kernel
 // (madvise/brk shrink, with TLB shoot-downs), so the next read page-faults fresh zeroed pages: on loopback
 // that cost ~10x the transfer itself (docs/benchmarks/comm.md). Keeping up to kRetainFreedBytes of freed heap
-// makes the buffers warm again. Process-wide; skipped when GLIBC_TUNABLES already sets a trim threshold.
+// makes the buffers warm again. Setting a threshold turns off glibc's dynamic mmap threshold (which would
+// otherwise rise to 32 MiB as large blocks are freed), so the mmap threshold is set to that ceiling too, or
+// every allocation above 128 KiB elsewhere in the process would be mmap'ed and faulted in afresh.
+// Process-wide; skipped when GLIBC_TUNABLES already sets either threshold.
 constexpr int kRetainFreedBytes = 256 << 20;
+constexpr int kMmapThresholdBytes = 32 << 20;
 
 void RetainFreedMemory() {
 #if defined(__GLIBC__)
   static std::once_flag once;
   std::call_once(once, [] {
     const char* tunables = std::getenv("GLIBC_TUNABLES");
-    if (tunables != nullptr && std::strstr(tunables, "trim_threshold") != nullptr) return;
+    if (tunables != nullptr &&
+        (std::strstr(tunables, "trim_threshold") != nullptr || std::strstr(tunables, "mmap_threshold") != nullptr)) {
+      return;
+    }
+    mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
     mallopt(M_TRIM_THRESHOLD, kRetainFreedBytes);
   });
 #endif
