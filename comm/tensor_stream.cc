@@ -14,9 +14,13 @@
 #include <grpcpp/support/server_callback.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include <malloc.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -221,6 +225,32 @@ absl::StatusOr<uint64_t> ShapeElements(absl::Span<const int64_t> shape, int max_
     product *= static_cast<uint64_t>(d);
   }
   return product;
+}
+
+// gRPC reads the socket into 64 KiB buffers that it frees on another thread once the message is consumed.
+// With glibc's default trim threshold (128 KiB) every such free can hand the pages back to the kernel
+// (madvise/brk shrink, with TLB shoot-downs), so the next read page-faults fresh zeroed pages: on loopback
+// that cost ~10x the transfer itself (docs/benchmarks/comm.md). Keeping up to kRetainFreedBytes of freed heap
+// makes the buffers warm again. Setting a threshold turns off glibc's dynamic mmap threshold (which would
+// otherwise rise to 32 MiB as large blocks are freed), so the mmap threshold is set to that ceiling too, or
+// every allocation above 128 KiB elsewhere in the process would be mmap'ed and faulted in afresh.
+// Process-wide; skipped when GLIBC_TUNABLES already sets either threshold.
+constexpr int kRetainFreedBytes = 256 << 20;
+constexpr int kMmapThresholdBytes = 32 << 20;
+
+void RetainFreedMemory() {
+#if defined(__GLIBC__)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* tunables = std::getenv("GLIBC_TUNABLES");
+    if (tunables != nullptr &&
+        (std::strstr(tunables, "trim_threshold") != nullptr || std::strstr(tunables, "mmap_threshold") != nullptr)) {
+      return;
+    }
+    mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
+    mallopt(M_TRIM_THRESHOLD, kRetainFreedBytes);
+  });
+#endif
 }
 
 void DestroySharedBytes(void* user_data) { delete static_cast<std::shared_ptr<uint8_t[]>*>(user_data); }
@@ -465,7 +495,9 @@ class TensorStreamServer::Service : public geotrain::TensorStream::WithRawCallba
 };
 
 TensorStreamServer::TensorStreamServer(std::string token, TensorStreamOptions options)
-    : token_(std::move(token)), options_(options), service_(std::make_unique<Service>(this)) {}
+    : token_(std::move(token)), options_(options), service_(std::make_unique<Service>(this)) {
+  RetainFreedMemory();
+}
 
 TensorStreamServer::~TensorStreamServer() { Shutdown(); }
 
@@ -577,7 +609,9 @@ TensorStreamServer::Stats TensorStreamServer::stats() const {
 // --- Client ----------------------------------------------------------------------------------------------
 
 TensorStreamClient::TensorStreamClient(std::string token, TensorStreamOptions options)
-    : token_(std::move(token)), options_(options) {}
+    : token_(std::move(token)), options_(options) {
+  RetainFreedMemory();
+}
 
 TensorStreamClient::~TensorStreamClient() = default;
 

@@ -28,6 +28,11 @@
 // Copies: sender: one encode pass (fp32 -> codec bytes, a memcpy for "none"); the chunks reference the
 // encoded buffer through grpc::Slice without copying. Receiver: one copy from gRPC's slices into the tensor's
 // buffer (the CRC is computed on the same pass over cache-hot data), and one decode pass in Recv's caller.
+// Memory: the first TensorStreamServer or TensorStreamClient raises glibc's malloc trim threshold for the
+// process (mallopt M_TRIM_THRESHOLD = 256 MiB, and M_MMAP_THRESHOLD = 32 MiB, glibc's own dynamic ceiling,
+// unless GLIBC_TUNABLES sets either) so that gRPC's receive buffers stay resident between reads instead of
+// being returned to the kernel and page-faulted back in on every read, which cut loopback throughput ~10x
+// (docs/benchmarks/comm.md). Freed heap up to that size is kept by the process rather than returned.
 // Threading: all methods are thread-safe. Server callbacks run on gRPC's threads and never block; Recv blocks
 // the caller until the tensor arrives or the deadline passes (DEADLINE_EXCEEDED).
 // Ownership: TensorStreamServer must outlive the grpc::Server it was registered on (shut the server down

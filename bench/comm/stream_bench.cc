@@ -3,6 +3,7 @@
 //   A  = end to end: Send(fp32 tensor, codec none) -> Recv -> DecodeInto an fp32 buffer
 //   A' = transport only: SendEncoded(already encoded bytes) -> Recv (the encoded tensor in the mailbox)
 //   B  = one persistent TCP connection on 127.0.0.1: write the bytes, the peer reads them into a buffer
+//   M  = memcpy of the same bytes between the same two buffers (the memory-bandwidth ceiling of one copy)
 //
 //   build/bench/comm/comm_stream_bench [--sizes-mib 1,16,64,256] [--chunk-kib 1024] [--reps 7]
 //     [--window-kib 8192] [--frame-kib 0] [--read-kib 0]   (transport tuning; 0 = gRPC's default)
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
               chunk_kib, options.http2_window_bytes, options.http2_max_frame_bytes, options.tcp_read_chunk_bytes);
   struct Row {
     size_t mib;
-    double stream_gbs, transport_gbs, tcp_gbs;
+    double stream_gbs, transport_gbs, tcp_gbs, memcpy_gbs;
   };
   std::vector<Row> rows;
   int64_t step = 0;
@@ -150,7 +151,7 @@ int main(int argc, char** argv) {
     std::vector<float> data, out;
     std::vector<uint8_t> tcp_src, tcp_dst;
     Bytes encoded;
-    std::vector<double> stream_times, transport_times, tcp_times;
+    std::vector<double> stream_times, transport_times, tcp_times, memcpy_times;
   };
   std::vector<SizeState> states;
   for (size_t mib : sizes_mib) {
@@ -193,7 +194,12 @@ int main(int argc, char** argv) {
       const double a2 = Seconds(start, Clock::now());
       // B: raw TCP.
       const double b = tcp.Copy(st.tcp_src.data(), st.tcp_dst.data(), st.bytes);
+      // M: memcpy.
+      start = Clock::now();
+      std::memcpy(st.tcp_dst.data(), st.tcp_src.data(), st.bytes);
+      const double m = Seconds(start, Clock::now());
       if (r == 0) continue;
+      st.memcpy_times.push_back(m);
       st.stream_times.push_back(a);
       st.transport_times.push_back(a2);
       st.tcp_times.push_back(b);
@@ -202,10 +208,10 @@ int main(int argc, char** argv) {
   for (SizeState& st : states) {
     const double bytes = static_cast<double>(st.bytes);
     Row row{st.mib, bytes / Median(st.stream_times) / 1e9, bytes / Median(st.transport_times) / 1e9,
-            bytes / Median(st.tcp_times) / 1e9};
-    std::printf("%4zu MiB: stream end-to-end %.2f GB/s, stream transport %.2f GB/s, raw TCP %.2f GB/s "
-                "(ratios %.2f, %.2f; %d reps)\n",
-                st.mib, row.stream_gbs, row.transport_gbs, row.tcp_gbs, row.stream_gbs / row.tcp_gbs,
+            bytes / Median(st.tcp_times) / 1e9, bytes / Median(st.memcpy_times) / 1e9};
+    std::printf("%4zu MiB: stream end-to-end %.2f GB/s, stream transport %.2f GB/s, raw TCP %.2f GB/s, memcpy %.2f "
+                "GB/s (ratios %.2f, %.2f; %d reps)\n",
+                st.mib, row.stream_gbs, row.transport_gbs, row.tcp_gbs, row.memcpy_gbs, row.stream_gbs / row.tcp_gbs,
                 row.transport_gbs / row.tcp_gbs, reps);
     rows.push_back(row);
   }
@@ -224,11 +230,12 @@ int main(int argc, char** argv) {
     }
     std::printf("%zu KiB tensor Send+Recv latency: median %.0f us\n", kib, Median(times) * 1e6);
   }
-  std::printf("\n| tensor | stream end-to-end GB/s | stream transport GB/s | raw TCP GB/s | e2e / TCP | transport / TCP |\n");
-  std::printf("|---|---|---|---|---|---|\n");
+  std::printf("\n| tensor | stream end-to-end GB/s | stream transport GB/s | raw TCP GB/s | memcpy GB/s | e2e / TCP | "
+              "transport / TCP |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
-    std::printf("| %zu MiB | %.2f | %.2f | %.2f | %.2f | %.2f |\n", r.mib, r.stream_gbs, r.transport_gbs, r.tcp_gbs,
-                r.stream_gbs / r.tcp_gbs, r.transport_gbs / r.tcp_gbs);
+    std::printf("| %zu MiB | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", r.mib, r.stream_gbs, r.transport_gbs,
+                r.tcp_gbs, r.memcpy_gbs, r.stream_gbs / r.tcp_gbs, r.transport_gbs / r.tcp_gbs);
   }
   streams.Shutdown();
   server->Shutdown();
