@@ -451,7 +451,7 @@ absl::Status StageActor::Run() {
   SetState(ACTOR_ALIVE, "training");
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp
                << ", tp rank " << t << ") training " << stage.num_params() << " parameters, layers ["
-               << stage.first_layer() << ", " << stage.last_layer() << ")"
+               << stage.first_layer() << ", " << stage.last_layer() << ") on " << backend->name()
                << (grad_buckets ? absl::StrCat("; gradient all-reduce in ", grad_buckets->num_buckets(),
                                                " buckets overlapped with backward")
                                 : std::string());

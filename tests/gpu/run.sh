@@ -3,7 +3,8 @@
 # 8 minutes): configures build-gpu/ with the CUDA backend on, builds the GPU tests, prints the devices,
 # runs `ctest -L gpu` (every kernel against the CPU reference, and the whole model where
 # tests/gpu/gpu_model_test exists), then the benchmarks that exist: bench_gpu_step (a GPT-2 124M training
-# step) and, with two GPUs or more, bench_nccl_allreduce.
+# step), a real job on the GPU through head and worker (tests/gpu/job_on_gpu.py) and, with two GPUs or
+# more, bench_nccl_allreduce.
 #
 #   bash tests/gpu/run.sh            # results in $OUT if set, else ./gpu-results/
 #
@@ -167,6 +168,12 @@ if step configure 180 bash -c configure_or_install; then
     step bench_gpu_step 120 "$bench" --out "$RESULTS/bench_gpu_step.json"
   else
     skip bench_gpu_step "not built"
+  fi
+
+  # A real job end to end: head, a worker on this machine's GPUs, stage actors training on them (and
+  # TP=2 over NCCL, DP=2, with two GPUs or more), losses against the CPU's train --local.
+  if step build-geotrain 150 cmake --build "$BUILD" -j "$JOBS" --target geotrain; then
+    step job_on_gpu 300 python3 tests/gpu/job_on_gpu.py "$(find_executable geotrain)"
   fi
 
   bench=$(find_executable bench_nccl_allreduce)
