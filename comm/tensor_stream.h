@@ -189,12 +189,19 @@ class TensorStreamClient {
 
   struct Stats {
     uint64_t tensors_sent = 0;
-    uint64_t bytes_sent = 0;  // encoded bytes acknowledged
+    uint64_t bytes_sent = 0;     // encoded bytes acknowledged
+    uint64_t bytes_written = 0;  // chunk payload bytes gRPC has accepted (acknowledged or not)
   };
   Stats stats() const;
 
  private:
+  class ChunkEncoder;
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+  // Writes `encoded` in chunks and waits for the ack. With `encoder`, each chunk is encoded into `encoded` just
+  // before it is written and the codec header's CRCs go with the last chunk (`checksum` is then 0).
+  absl::Status SendChunks(const std::string& peer_address, const TensorKey& key, absl::Span<const int64_t> shape,
+                          const Codec& codec, const Bytes& encoded, uint32_t checksum, ChunkEncoder* encoder,
+                          absl::Time deadline);
 
   const std::string token_;
   const TensorStreamOptions options_;
