@@ -899,6 +899,49 @@ absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Byt
   return absl::OkStatus();
 }
 
+size_t EncodedElementBytes(const Codec& codec) {
+  if (codec.zstd) return 0;
+  switch (codec.kind) {
+    case CodecKind::kNone:
+      return 4;
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+      return 2;
+    case CodecKind::kInt8:
+    case CodecKind::kTopK:
+      return 0;
+  }
+  return 0;
+}
+
+void EncodeElements(const Codec& codec, absl::Span<const float> input, uint8_t* out) {
+  const Kernels* k = K();
+  switch (codec.kind) {
+    case CodecKind::kNone:
+      if (!input.empty()) std::memcpy(out, input.data(), input.size() * 4);
+      break;
+    case CodecKind::kFp16:
+      k->f32_to_f16(input.data(), reinterpret_cast<uint16_t*>(out), input.size());
+      break;
+    case CodecKind::kBf16:
+      k->f32_to_bf16(input.data(), reinterpret_cast<uint16_t*>(out), input.size());
+      break;
+    case CodecKind::kInt8:
+    case CodecKind::kTopK:
+      break;  // not element-wise: EncodedElementBytes is 0
+  }
+}
+
+void WriteCodecHeader(const Codec& codec, uint64_t element_count, uint32_t payload_crc, uint8_t* out) {
+  Header h;
+  h.kind = static_cast<uint8_t>(codec.kind);
+  h.count = element_count;
+  h.raw_bytes = FixedRawBytes(codec.kind, element_count);
+  h.payload_bytes = h.raw_bytes;
+  h.payload_crc = payload_crc;
+  WriteHeader(h, out);
+}
+
 absl::Status CheckEncodedSize(const Codec& codec, uint64_t element_count, uint64_t encoded_bytes) {
   if (element_count > kMaxCodecElements) {
     return absl::InvalidArgumentError(absl::StrCat(element_count, " elements is above the codec limit"));

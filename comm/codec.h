@@ -105,6 +105,15 @@ struct EncodedInfo {
 absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Bytes* out,
                           std::vector<float>* residual = nullptr);
 
+// Encoding by ranges, for the element-wise codecs ("none", "fp16", "bf16", without zstd): the same bytes as
+// EncodeTensor, produced a range of elements at a time so that a sender can send one chunk while it encodes the
+// next. EncodedElementBytes is 4 or 2 for those codecs and 0 for the others (int8's scales precede all values;
+// top-k and zstd need the whole tensor). EncodeElements writes input.size() encoded elements to `out`;
+// WriteCodecHeader writes the 40-byte header for `element_count` elements whose payload has CRC-32C `payload_crc`.
+size_t EncodedElementBytes(const Codec& codec);
+void EncodeElements(const Codec& codec, absl::Span<const float> input, uint8_t* out);
+void WriteCodecHeader(const Codec& codec, uint64_t element_count, uint32_t payload_crc, uint8_t* out);
+
 // Whether an encoded tensor of `codec` with `element_count` elements may be `encoded_bytes` long (exact for
 // the fixed-size codecs, an upper bound for top-k and zstd). Receivers check this before allocating.
 absl::Status CheckEncodedSize(const Codec& codec, uint64_t element_count, uint64_t encoded_bytes);

@@ -33,6 +33,8 @@ namespace {
 
 constexpr char kStreamMethod[] = "/geotrain.TensorStream/Stream";
 constexpr size_t kMaxHeaderBytes = 64 * 1024;
+// Encode + CRC and copy + CRC work in blocks of this size so the second pass reads from L1/L2.
+constexpr size_t kCacheBlockBytes = 64 * 1024;
 
 grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
@@ -132,18 +134,20 @@ struct ParsedChunk {
   bool last = false;
   bool has_payload = false;
   uint64_t payload_bytes = 0;
+  bool has_trailer = false;  // field 5: the codec header's two CRCs, on the last chunk of a streamed encode
+  uint64_t trailer = 0;
   SliceReader payload_at{nullptr};
 };
 
 absl::Status ParseChunk(const std::vector<grpc::Slice>* slices, ParsedChunk* chunk) {
   SliceReader reader(slices);
-  bool seen[5] = {false, false, false, false, false};
+  bool seen[6] = {false, false, false, false, false, false};
   while (reader.remaining() > 0) {
     uint64_t tag;
     if (!reader.ReadVarint(&tag)) return absl::InvalidArgumentError("chunk: truncated field tag");
     const uint64_t field = tag >> 3;
     const int wire_type = static_cast<int>(tag & 7);
-    if (field >= 1 && field <= 4) {
+    if (field >= 1 && field <= 5) {
       if (seen[field]) return absl::InvalidArgumentError(absl::StrCat("chunk: field ", field, " repeated"));
       seen[field] = true;
     }
@@ -155,6 +159,13 @@ absl::Status ParseChunk(const std::vector<grpc::Slice>* slices, ParsedChunk* chu
         if (v > 1) return absl::InvalidArgumentError("chunk: bad 'last' value");
         chunk->last = v == 1;
       }
+      continue;
+    }
+    if (field == 5) {
+      uint8_t bytes[8];
+      if (wire_type != 1 || !reader.Copy(bytes, 8)) return absl::InvalidArgumentError("chunk: bad trailer field");
+      std::memcpy(&chunk->trailer, bytes, 8);
+      chunk->has_trailer = true;
       continue;
     }
     if (field == 1 || field == 4) {
@@ -430,19 +441,33 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     }
     const bool last = received_ + expected_len == total;
     if (chunk.last != last) return absl::InvalidArgumentError("chunk 'last' flag disagrees with the sizes");
-    uint8_t* dst = tensor_.encoded.data() + received_;
-    if (expected_len > 0) chunk.payload_at.Copy(dst, expected_len);
-    // CRC of the bytes after the codec header, on the data just copied (still in cache).
-    const uint64_t crc_begin = std::max<uint64_t>(received_, kCodecHeaderBytes);
+    if (chunk.has_trailer && !last) return absl::InvalidArgumentError("chunk carries a trailer before the last chunk");
+    if (chunk.has_trailer && expected_crc_ != 0) {
+      return absl::InvalidArgumentError("chunk carries a trailer but the stream header has a checksum");
+    }
+    // Copy a cache-sized block at a time and take the CRC of the bytes after the codec header on the data just
+    // copied (still in cache).
     const uint64_t end = received_ + expected_len;
-    if (end > crc_begin) crc_ = Crc32c(tensor_.encoded.data() + crc_begin, end - crc_begin, crc_);
-    received_ = end;
+    while (received_ < end) {
+      const uint64_t n = std::min<uint64_t>(end - received_, kCacheBlockBytes);
+      uint8_t* dst = tensor_.encoded.data() + received_;
+      chunk.payload_at.Copy(dst, n);
+      const uint64_t crc_begin = std::max<uint64_t>(received_, kCodecHeaderBytes);
+      if (received_ + n > crc_begin) crc_ = Crc32c(tensor_.encoded.data() + crc_begin, received_ + n - crc_begin, crc_);
+      received_ += n;
+    }
     if (!last) return absl::OkStatus();
-    return FinishTensor();
+    return FinishTensor(chunk.has_trailer ? &chunk.trailer : nullptr);
   }
 
-  absl::Status FinishTensor() {
+  // `trailer`: the last 8 bytes of the codec header (payload CRC, header CRC) when the sender encoded while
+  // sending; the first chunk carried zeros in their place. Both CRCs are checked below before delivery.
+  absl::Status FinishTensor(const uint64_t* trailer) {
     in_progress_ = false;
+    if (trailer != nullptr) {
+      std::memcpy(tensor_.encoded.data() + kCodecHeaderBytes - 8, trailer, 8);
+      expected_crc_ = static_cast<uint32_t>(*trailer);
+    }
     if (crc_ != expected_crc_) {
       return absl::DataLossError(absl::StrCat("tensor ", tensor_.key.ToString(), " checksum mismatch"));
     }
@@ -631,25 +656,89 @@ std::shared_ptr<grpc::Channel> TensorStreamClient::ChannelFor(const std::string&
   return channel;
 }
 
+// Encodes an element-wise codec a chunk at a time into the tensor's buffer, just before the chunk is written,
+// so the encode of one chunk overlaps the receiver's work on the previous one (and the bytes are still in cache
+// when gRPC copies them into the socket). The codec header's two CRCs are not known until the end: the buffer
+// holds zeros in their place (never changed afterwards, since gRPC may still reference it) and Trailer()
+// returns them for the last chunk.
+class TensorStreamClient::ChunkEncoder {
+ public:
+  ChunkEncoder(const Codec& codec, absl::Span<const float> data, Bytes* buffer)
+      : codec_(codec), data_(data), element_bytes_(EncodedElementBytes(codec)), buffer_(buffer) {
+    WriteCodecHeader(codec, data.size(), 0, buffer->data());
+    std::memset(buffer->data() + kCodecHeaderBytes - 8, 0, 8);
+  }
+  // Makes bytes [0, end) of the buffer ready.
+  void EncodeThrough(uint64_t end) {
+    if (end <= kCodecHeaderBytes) return;
+    const uint64_t target = std::min<uint64_t>(data_.size(), (end - kCodecHeaderBytes + element_bytes_ - 1) /
+                                                                 element_bytes_);
+    // A cache-sized block at a time, so that the CRC reads what the encode has just written.
+    while (done_ < target) {
+      const uint64_t n = std::min<uint64_t>(target - done_, kCacheBlockBytes / element_bytes_);
+      uint8_t* out = buffer_->data() + kCodecHeaderBytes + done_ * element_bytes_;
+      EncodeElements(codec_, data_.subspan(done_, n), out);
+      crc_ = Crc32c(out, n * element_bytes_, crc_);
+      done_ += n;
+    }
+  }
+  // Bytes 32..39 of the finished codec header: the payload CRC, then the header CRC (little endian).
+  uint64_t Trailer() const {
+    uint8_t header[kCodecHeaderBytes];
+    WriteCodecHeader(codec_, data_.size(), crc_, header);
+    uint64_t trailer;
+    std::memcpy(&trailer, header + kCodecHeaderBytes - 8, 8);
+    return trailer;
+  }
+
+ private:
+  const Codec codec_;
+  const absl::Span<const float> data_;
+  const size_t element_bytes_;
+  Bytes* buffer_;
+  uint64_t done_ = 0;  // elements encoded
+  uint32_t crc_ = 0;
+};
+
 absl::Status TensorStreamClient::Send(const std::string& peer_address, const TensorKey& key,
                                       absl::Span<const int64_t> shape, absl::Span<const float> data,
                                       const Codec& codec, absl::Time deadline, std::vector<float>* residual) {
-  Bytes encoded;
-  if (absl::Status s = EncodeTensor(codec, data, &encoded, residual); !s.ok()) return s;
-  return SendEncoded(peer_address, key, shape, codec, encoded, deadline);
+  const size_t element_bytes = EncodedElementBytes(codec);
+  if (element_bytes == 0) {  // int8, top-k, zstd: the whole tensor is encoded before the first chunk
+    Bytes encoded;
+    if (absl::Status s = EncodeTensor(codec, data, &encoded, residual); !s.ok()) return s;
+    return SendEncoded(peer_address, key, shape, codec, encoded, deadline);
+  }
+  absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
+  if (!elements.ok()) return elements.status();
+  if (*elements != data.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("sending tensor ", key.ToString(), ": shape has ", *elements,
+                                                   " elements, the data ", data.size()));
+  }
+  Bytes buffer(kCodecHeaderBytes + data.size() * element_bytes);
+  ChunkEncoder encoder(codec, data, &buffer);
+  return SendChunks(peer_address, key, shape, codec, buffer, /*checksum=*/0, &encoder, deadline);
 }
 
 absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, const TensorKey& key,
                                              absl::Span<const int64_t> shape, const Codec& codec,
                                              const Bytes& encoded, absl::Time deadline) {
-  const std::string context_text = absl::StrCat("sending tensor ", key.ToString(), " to ", peer_address);
   absl::StatusOr<EncodedInfo> info = InspectEncoded(encoded.span(), /*verify_checksum=*/false);
   if (!info.ok()) return info.status();
   absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
   if (!elements.ok()) return elements.status();
   if (*elements != info->element_count || info->codec.kind != codec.kind || info->codec.zstd != codec.zstd) {
-    return absl::InvalidArgumentError(absl::StrCat(context_text, ": encoded tensor does not match shape or codec"));
+    return absl::InvalidArgumentError(absl::StrCat("sending tensor ", key.ToString(), " to ", peer_address,
+                                                   ": encoded tensor does not match shape or codec"));
   }
+  return SendChunks(peer_address, key, shape, codec, encoded, info->payload_crc, /*encoder=*/nullptr, deadline);
+}
+
+absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, const TensorKey& key,
+                                            absl::Span<const int64_t> shape, const Codec& codec,
+                                            const Bytes& encoded, uint32_t checksum, ChunkEncoder* encoder,
+                                            absl::Time deadline) {
+  const std::string context_text = absl::StrCat("sending tensor ", key.ToString(), " to ", peer_address);
   if (options_.chunk_bytes < 1024 || options_.chunk_bytes > options_.max_chunk_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ", options_.chunk_bytes, " outside [1024, ",
                                                    options_.max_chunk_bytes, "]"));
@@ -668,7 +757,7 @@ absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, co
   for (int64_t d : shape) header.add_shape(d);
   header.set_codec(codec.ToString());
   header.set_total_bytes(encoded.size());
-  header.set_checksum(info->payload_crc);
+  header.set_checksum(checksum);  // 0 when encoding while sending: the CRCs come with the last chunk
   header.set_chunk_bytes(options_.chunk_bytes);
   const std::string header_bytes = header.SerializeAsString();
 
@@ -677,8 +766,9 @@ absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, co
   for (uint64_t offset = 0; offset < total;) {
     const uint64_t len = std::min<uint64_t>(options_.chunk_bytes, total - offset);
     const bool last = offset + len == total;
+    if (encoder != nullptr) encoder->EncodeThrough(offset + len);
     std::string prefix;
-    prefix.reserve(header_bytes.size() + 32);
+    prefix.reserve(header_bytes.size() + 48);
     if (offset == 0) {
       prefix.push_back(0x0A);  // field 1, length-delimited
       PutVarint(&prefix, header_bytes.size());
@@ -689,6 +779,11 @@ absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, co
     if (last) {
       prefix.push_back(0x18);  // field 3, varint
       prefix.push_back(1);
+      if (encoder != nullptr) {
+        prefix.push_back(0x29);  // field 5, fixed64
+        const uint64_t trailer = encoder->Trailer();
+        prefix.append(reinterpret_cast<const char*>(&trailer), 8);
+      }
     }
     prefix.push_back(0x22);  // field 4, length-delimited
     PutVarint(&prefix, len);
@@ -701,6 +796,8 @@ absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, co
     writes_ok = last ? stream->Write(message, grpc::WriteOptions().set_last_message()) : stream->Write(message);
     if (!writes_ok) break;
     offset += len;
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_written += len;
   }
   bool acked = false;
   if (writes_ok) {

@@ -14,7 +14,10 @@
 //
 // Protocol: Send opens one bidirectional stream, writes the tensor in chunks (options.chunk_bytes of payload
 // each, the first carrying the TensorHeader) and waits for the receiver's ack, which comes once the tensor is
-// complete, validated and in the mailbox. Send returns OK only after that ack.
+// complete, validated and in the mailbox. Send returns OK only after that ack. For the element-wise codecs (none,
+// fp16, bf16 without zstd) Send encodes each chunk just before writing it; the codec header's two CRCs are then
+// zeros in the first chunk and come in the last chunk's trailer (TensorChunk field 5, fixed64), the stream
+// header's checksum being 0. The receiver accepts both forms (docs/comm.md).
 // Back-pressure: the sender has one write outstanding at a time and gRPC's HTTP/2 flow control holds it
 // when the receiver does not read; the receiver reads one chunk at a time and holds at most
 // options.max_mailbox_bytes of complete or partly received tensors (beyond that a Send is refused with
@@ -22,11 +25,12 @@
 // Validation: every header field and size is checked before anything is allocated: token, key field sizes,
 // dtype, shape (rank, non-negative dims, product without overflow), codec name, total size against the codec's
 // size for that element count and options.max_tensor_bytes, chunk size, contiguous offsets, the last flag,
-// the payload CRC-32C, and the codec header (element count = shape product, codec kind and flags match).
+// the trailer (only on the last chunk, only with a zero header checksum), the payload CRC-32C, and the codec
+// header (its CRC, element count = shape product, codec kind and flags match).
 // A malformed stream is finished with INVALID_ARGUMENT (DATA_LOSS for checksum mismatches) and nothing of it
 // reaches the mailbox.
-// Copies: sender: one encode pass (fp32 -> codec bytes, a memcpy for "none"); the chunks reference the
-// encoded buffer through grpc::Slice without copying. Receiver: one copy from gRPC's slices into the tensor's
+// Copies: sender: one encode pass (fp32 -> codec bytes, a memcpy for "none"), chunk by chunk where the codec
+// allows; the chunks reference the encoded buffer through grpc::Slice without copying. Receiver: one copy from gRPC's slices into the tensor's
 // buffer (the CRC is computed on the same pass over cache-hot data), and one decode pass in Recv's caller.
 // Memory: the first TensorStreamServer or TensorStreamClient raises glibc's malloc trim threshold for the
 // process (mallopt M_TRIM_THRESHOLD = 256 MiB, and M_MMAP_THRESHOLD = 32 MiB, glibc's own dynamic ceiling,
@@ -189,12 +193,19 @@ class TensorStreamClient {
 
   struct Stats {
     uint64_t tensors_sent = 0;
-    uint64_t bytes_sent = 0;  // encoded bytes acknowledged
+    uint64_t bytes_sent = 0;     // encoded bytes acknowledged
+    uint64_t bytes_written = 0;  // chunk payload bytes gRPC has accepted (acknowledged or not)
   };
   Stats stats() const;
 
  private:
+  class ChunkEncoder;
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+  // Writes `encoded` in chunks and waits for the ack. With `encoder`, each chunk is encoded into `encoded` just
+  // before it is written and the codec header's CRCs go with the last chunk (`checksum` is then 0).
+  absl::Status SendChunks(const std::string& peer_address, const TensorKey& key, absl::Span<const int64_t> shape,
+                          const Codec& codec, const Bytes& encoded, uint32_t checksum, ChunkEncoder* encoder,
+                          absl::Time deadline);
 
   const std::string token_;
   const TensorStreamOptions options_;

@@ -1,6 +1,7 @@
 // Tensor stream tests with a real gRPC server on loopback: round trips of several shapes and codecs, big
 // tensors over many chunks, concurrent senders, the token check, malformed chunks sent raw through the
-// generated stub, mailbox limits and deadlines.
+// generated stub (with the checksums in the stream header, and in the last chunk's trailer as Send writes them when
+// it encodes while sending), back-pressure from a receiver that stops reading, mailbox limits and deadlines.
 #include "comm/tensor_stream.h"
 
 #include <grpcpp/grpcpp.h>
@@ -9,7 +10,9 @@
 #include <random>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
 #include "tensor.grpc.pb.h"
 
@@ -273,6 +276,169 @@ TEST(TensorStream, MalformedChunksAreRejectedBeforeUse) {
   // The endpoint still works afterwards.
   ASSERT_TRUE(SendRaw(endpoint.address(), ValidChunks("good")).ok());
   EXPECT_TRUE(endpoint.streams().Recv(Key("good"), Soon()).ok());
+}
+
+// The same tensor as ValidChunks, as a sender that encodes while sending writes it: the stream header's checksum is
+// 0, the codec header's last 8 bytes (payload CRC, header CRC) travel as zeros in the first chunk and for real in
+// the last chunk's field 5 (fixed64), which the generated TensorChunk does not declare.
+constexpr int kTrailerField = 5;
+
+void SetTrailer(geotrain::TensorChunk* chunk, uint64_t trailer) {
+  google::protobuf::UnknownFieldSet* unknown = chunk->GetReflection()->MutableUnknownFields(chunk);
+  unknown->Clear();
+  unknown->AddFixed64(kTrailerField, trailer);
+}
+
+std::vector<geotrain::TensorChunk> TrailerChunks(const std::string& id, uint64_t* trailer_out = nullptr) {
+  std::vector<geotrain::TensorChunk> chunks = ValidChunks(id);
+  std::string& first = *chunks[0].mutable_payload();
+  uint64_t trailer;
+  std::memcpy(&trailer, first.data() + kCodecHeaderBytes - 8, 8);
+  std::memset(first.data() + kCodecHeaderBytes - 8, 0, 8);
+  chunks[0].mutable_header()->set_checksum(0);
+  if (trailer_out != nullptr) *trailer_out = trailer;
+  SetTrailer(&chunks.back(), trailer);
+  return chunks;
+}
+
+TEST(TensorStream, ChecksumsInTheLastChunkAreVerifiedBeforeDelivery) {
+  Endpoint endpoint;
+  ASSERT_TRUE(SendRaw(endpoint.address(), TrailerChunks("ok")).ok());
+  auto got = endpoint.streams().Recv(Key("ok"), Soon());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->Decode().value(), RandomTensor(1000, 9));
+  // The delivered buffer is exactly what EncodeTensor makes (the trailer restored the codec header).
+  Bytes local;
+  ASSERT_TRUE(EncodeTensor(Codec{}, RandomTensor(1000, 9), &local).ok());
+  ASSERT_EQ(got->encoded.size(), local.size());
+  EXPECT_EQ(std::memcmp(got->encoded.data(), local.data(), local.size()), 0);
+
+  struct Case {
+    const char* what;
+    std::function<void(std::vector<geotrain::TensorChunk>&, uint64_t trailer)> mutate;
+    grpc::StatusCode expected;
+  };
+  const std::vector<Case> cases = {
+      {"flipped payload byte", [](auto& c, uint64_t) { (*c[1].mutable_payload())[100] ^= 1; },
+       grpc::StatusCode::DATA_LOSS},
+      {"flipped byte in the first chunk", [](auto& c, uint64_t) { (*c[0].mutable_payload())[1000] ^= 1; },
+       grpc::StatusCode::DATA_LOSS},
+      {"codec header corrupted", [](auto& c, uint64_t) { (*c[0].mutable_payload())[10] ^= 1; },
+       grpc::StatusCode::DATA_LOSS},
+      {"wrong payload CRC in the trailer", [](auto& c, uint64_t t) { SetTrailer(&c.back(), t ^ 1); },
+       grpc::StatusCode::DATA_LOSS},
+      {"wrong header CRC in the trailer", [](auto& c, uint64_t t) { SetTrailer(&c.back(), t ^ (uint64_t{1} << 40)); },
+       grpc::StatusCode::DATA_LOSS},
+      {"no trailer", [](auto& c, uint64_t) { c.back().GetReflection()->MutableUnknownFields(&c.back())->Clear(); },
+       grpc::StatusCode::DATA_LOSS},
+      {"trailer before the last chunk", [](auto& c, uint64_t t) { SetTrailer(&c[0], t); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {"trailer and a header checksum",
+       [](auto& c, uint64_t t) { c[0].mutable_header()->set_checksum(static_cast<uint32_t>(t)); },
+       grpc::StatusCode::INVALID_ARGUMENT},
+  };
+  for (const Case& test_case : cases) {
+    uint64_t trailer = 0;
+    std::vector<geotrain::TensorChunk> chunks = TrailerChunks("bad", &trailer);
+    test_case.mutate(chunks, trailer);
+    const grpc::Status status = SendRaw(endpoint.address(), chunks);
+    EXPECT_EQ(status.error_code(), test_case.expected) << test_case.what << ": " << status.error_message();
+    EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 0u) << test_case.what;
+    EXPECT_EQ(endpoint.streams().stats().mailbox_bytes, 0u) << test_case.what;
+  }
+  EXPECT_EQ(endpoint.streams().stats().streams_rejected, cases.size());
+}
+
+TEST(TensorStream, EncodeWhileSendingMatchesEncodeThenSend) {
+  Endpoint endpoint;
+  TensorStreamOptions options;
+  options.chunk_bytes = 1025;  // chunk edges fall inside elements and inside the codec header's neighbourhood
+  TensorStreamClient client(kToken, options);
+  int id = 0;
+  for (const char* codec_name : {"none", "fp16", "bf16"}) {
+    const Codec codec = ParseCodec(codec_name).value();
+    for (size_t n : {size_t{0}, size_t{1}, size_t{245}, size_t{256}, size_t{3001}}) {
+      const std::vector<float> data = RandomTensor(n, static_cast<uint32_t>(n));
+      const TensorKey key = Key("e" + std::to_string(id++));
+      ASSERT_TRUE(client.Send(endpoint.address(), key, {static_cast<int64_t>(n)}, data, codec, Soon()).ok());
+      auto got = endpoint.streams().Recv(key, Soon());
+      ASSERT_TRUE(got.ok()) << got.status();
+      Bytes local;
+      ASSERT_TRUE(EncodeTensor(codec, data, &local).ok());
+      ASSERT_EQ(got->encoded.size(), local.size()) << codec_name << " " << n;
+      EXPECT_EQ(std::memcmp(got->encoded.data(), local.data(), local.size()), 0) << codec_name << " " << n;
+    }
+  }
+  // The shape must match the data.
+  const std::vector<float> data(10, 1.0f);
+  EXPECT_EQ(client.Send(endpoint.address(), Key("m"), {11}, data, Codec{}, Soon()).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// A receiver that reads the first chunk and then stops reading until released.
+class StalledReceiver final : public geotrain::TensorStream::Service {
+ public:
+  grpc::Status Stream(grpc::ServerContext* /*context*/,
+                      grpc::ServerReaderWriter<geotrain::TensorAck, geotrain::TensorChunk>* stream) override {
+    geotrain::TensorChunk chunk;
+    geotrain::TensorAck ack;
+    uint64_t bytes = 0;
+    while (stream->Read(&chunk)) {
+      if (chunk.has_header()) *ack.mutable_key() = chunk.header().key();
+      bytes += chunk.payload().size();
+      if (!first_chunk_read.HasBeenNotified()) {
+        first_chunk_read.Notify();
+        release.WaitForNotification();
+      }
+      if (chunk.last()) break;
+    }
+    ack.set_bytes(bytes);
+    stream->Write(ack);
+    return grpc::Status::OK;
+  }
+  absl::Notification first_chunk_read;
+  absl::Notification release;
+};
+
+TEST(TensorStream, ReceiverThatStopsReadingBlocksTheSenderWithBoundedBuffering) {
+  constexpr int kWindowBytes = 1 << 20;
+  StalledReceiver receiver;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kWindowBytes);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder.RegisterService(&receiver);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+
+  TensorStreamOptions options;
+  options.chunk_bytes = 256 * 1024;
+  TensorStreamClient client(kToken, options);
+  const std::vector<float> data = RandomTensor(8 * 1024 * 1024, 3);  // 32 MiB, 128 chunks
+  const uint64_t total = data.size() * 4 + kCodecHeaderBytes;
+  std::atomic<bool> send_returned{false};
+  absl::Status send_status;
+  std::thread sender([&] {
+    send_status = client.Send(address, Key("slow"), {static_cast<int64_t>(data.size())}, data, Codec{}, Soon(60));
+    send_returned = true;
+  });
+  ASSERT_TRUE(receiver.first_chunk_read.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // Give the sender time to push everything flow control lets through.
+  absl::SleepFor(absl::Milliseconds(500));
+  const uint64_t written = client.stats().bytes_written;
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(send_returned.load()) << "Send finished although the receiver stopped reading";
+  EXPECT_EQ(client.stats().bytes_written, written) << "the sender kept handing chunks to gRPC";
+  // The receiver's stream window plus a few chunks in gRPC's and the kernel's buffers; far below the tensor.
+  EXPECT_GE(written, options.chunk_bytes);
+  EXPECT_LE(written, uint64_t{kWindowBytes} + 8 * options.chunk_bytes) << written << " of " << total;
+  receiver.release.Notify();
+  sender.join();
+  EXPECT_TRUE(send_status.ok()) << send_status;
+  EXPECT_EQ(client.stats().bytes_written, total);
+  EXPECT_EQ(client.stats().bytes_sent, total);
+  server->Shutdown();
 }
 
 TEST(TensorStream, DuplicateKeyIsRefusedAndMailboxIsBounded) {
