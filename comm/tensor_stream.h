@@ -93,9 +93,11 @@ struct TensorStreamOptions {
   size_t max_name_bytes = 512;  // job id, tensor id, sender
   int max_rank = 8;             // dimensions of a shape
   // HTTP/2 transport tuning, applied by Register() to the server builder and by the client to its channels
-  // (0 leaves gRPC's default). gRPC's default 64 KiB stream window and 16 KiB frames cap a single stream
-  // far below what the link can do; see docs/benchmarks/comm.md.
-  int http2_window_bytes = 8 << 20;  // also turns off BDP probing, which would shrink it again
+  // (0 leaves gRPC's default); see docs/benchmarks/comm.md.
+  // 0: gRPC's own flow control, whose BDP probing grows the window to the link's bandwidth-delay product
+  // (a WAN needs it: a fixed window caps one stream at window / RTT). > 0: a fixed stream lookahead of this
+  // many bytes with BDP probing off.
+  int http2_window_bytes = 0;
   int http2_max_frame_bytes = 0;
   int tcp_read_chunk_bytes = 0;
 };
