@@ -143,11 +143,14 @@ def submit_all(geotrain, env, specs, steps, warmup):
     return times
 
 
+PROFILE_REPEATS = 3
+
+
 def profile(geotrain, env, work, data, steps, warmup):
     """The calibration, from runs that are not validation runs (a 50 ms link no topology uses).
 
-    Compute: single-actor jobs on each worker alone, at (global batch 32, 1 microbatch), (16, 1) and
-    (32, 16); then both workers at once at (32, 1) for the shared-host slowdown. Messages: a
+    Compute: single-actor jobs on each worker alone (the median of PROFILE_REPEATS jobs each), at
+    (global batch 32, 1 microbatch), (16, 1) and (32, 16); then both workers at once at (32, 1) for the shared-host slowdown. Messages: a
     pipeline (PP=2, GPipe, 8 microbatches) and a DP=2 job across the 50 ms link; the round trips
     per message are the value (0.5 to 3 in steps of 0.25) whose predictions fit them best.
     """
@@ -164,8 +167,10 @@ def profile(geotrain, env, work, data, steps, warmup):
             return f"{{plan: manual, dp: 1, microbatches: {m}, placement: [{{replica: 0, stage: 0, worker: {worker}}}]}}"
         for kind, worker in (("fast", "a-0"), ("slow", "b-0")):
             for G, m in ((32, 1), (32, 16)):
-                measured[(kind, G, m)] = submit_all(geotrain, env, [spec_for(f"{kind}-{G}-{m}", single(worker, G, m), G)],
-                                                    steps, warmup)[0]
+                # The median of PROFILE_REPEATS jobs: one job's pace on a shared machine drifts by 10-20%.
+                measured[(kind, G, m)] = statistics.median(
+                    submit_all(geotrain, env, [spec_for(f"{kind}-{G}-{m}-{rep}", single(worker, G, m), G)],
+                               steps, warmup)[0] for rep in range(PROFILE_REPEATS))
                 print(f"profile {DEVICES[kind]} alone G={G} m={m}: {measured[(kind, G, m)]:.4f} s/step", flush=True)
         together = submit_all(geotrain, env, [spec_for("fast-together", single("a-0", 32, 1), 32),
                                               spec_for("slow-together", single("b-0", 32, 1), 32)], steps, warmup)
