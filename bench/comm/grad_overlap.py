@@ -16,10 +16,9 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "geo"))
-from run_study import run, write_tokens  # noqa: E402  (one copy of the data writer and runner)
+from run_study import private_cluster_env, run, write_tokens  # noqa: E402  (one copy of each)
 
 # 8 blocks of 256 channels: 3.1 MB of gradients per block, 25 MB per step, so that the all-reduce is
 # comparable with the backward pass on a CPU worker.
@@ -37,10 +36,7 @@ def main():
     ap.add_argument("--small-bucket-mb", type=float, default=4)
     args = ap.parse_args()
     geotrain = os.path.abspath(args.geotrain)
-    work = tempfile.mkdtemp(prefix="geotrain_overlap_")
-    env = dict(os.environ, GEOTRAIN_HOME=os.path.join(work, "home"))
-    env.pop("GEOTRAIN_HEAD", None)
-    env.pop("GEOTRAIN_TOKEN", None)
+    work, env = private_cluster_env("geotrain_overlap_")
     data = os.path.join(work, "train_000000.bin")
     write_tokens(data, 200000, 512)
     topo = os.path.join(work, "topo.yaml")

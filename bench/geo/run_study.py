@@ -49,6 +49,16 @@ def write_tokens(path, n, vocab, seed=3):
         f.write(struct.pack(f"<{n}H", *tokens))
 
 
+def private_cluster_env(prefix, **extra):
+    """A fresh work directory and an environment whose GEOTRAIN_HOME lives in it, with no inherited head
+    or token, so that `cluster up` and the CLI talk only to the cluster this run starts."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    env = dict(os.environ, GEOTRAIN_HOME=os.path.join(work, "home"), **extra)
+    env.pop("GEOTRAIN_HEAD", None)
+    env.pop("GEOTRAIN_TOKEN", None)
+    return work, env
+
+
 def run(cmd, env, timeout=900):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if r.returncode != 0:
@@ -75,10 +85,7 @@ def main():
         return
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="geotrain_geo_")
-    env = dict(os.environ, GEOTRAIN_HOME=os.path.join(work, "home"))
-    env.pop("GEOTRAIN_HEAD", None)
-    env.pop("GEOTRAIN_TOKEN", None)
+    work, env = private_cluster_env("geotrain_geo_")
     data = os.path.join(work, "train_000000.bin")
     write_tokens(data, 200000, 512)
     rows = []

@@ -32,11 +32,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_study import write_tokens  # noqa: E402  (the same synthetic token stream as the geo study)
+from run_study import private_cluster_env, write_tokens  # noqa: E402  (shared with the geo study)
 
 MODEL = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
 SEQ_LEN = 64
@@ -290,10 +289,7 @@ def main():
         report(rows, calibration, args.out)
         return
     geotrain = os.path.abspath(args.geotrain)
-    work = tempfile.mkdtemp(prefix="geotrain_planval_")
-    env = dict(os.environ, GEOTRAIN_HOME=os.path.join(work, "home"), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    env.pop("GEOTRAIN_HEAD", None)
-    env.pop("GEOTRAIN_TOKEN", None)
+    work, env = private_cluster_env("geotrain_planval_", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     data = os.path.join(work, "train_000000.bin")
     write_tokens(data, 200000, 512)
     started = time.time()
