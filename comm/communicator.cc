@@ -350,7 +350,14 @@ absl::Status GrpcCommunicator::Recv(int peer, absl::Span<float> data, std::strin
 // --- BucketedAllReduce -----------------------------------------------------------------------------------
 
 BucketedAllReduce::BucketedAllReduce(Communicator* communicator, std::string tag_prefix)
-    : communicator_(communicator), tag_prefix_(std::move(tag_prefix)), thread_([this] { Loop(); }) {}
+    : BucketedAllReduce(
+          [communicator](absl::Span<float> data, std::string_view tag) {
+            return communicator->AllReduceSum(data, tag);
+          },
+          std::move(tag_prefix)) {}
+
+BucketedAllReduce::BucketedAllReduce(AllReduceFn all_reduce, std::string tag_prefix)
+    : all_reduce_(std::move(all_reduce)), tag_prefix_(std::move(tag_prefix)), thread_([this] { Loop(); }) {}
 
 BucketedAllReduce::~BucketedAllReduce() {
   {
@@ -360,8 +367,9 @@ BucketedAllReduce::~BucketedAllReduce() {
   thread_.join();
 }
 
-std::shared_future<absl::Status> BucketedAllReduce::Start(int bucket_id, absl::Span<float> bucket) {
-  Item item{bucket_id, bucket, std::promise<absl::Status>()};
+std::shared_future<absl::Status> BucketedAllReduce::Start(int bucket_id, absl::Span<float> bucket,
+                                                          BucketFence fence) {
+  Item item{bucket_id, bucket, std::move(fence), std::promise<absl::Status>()};
   std::shared_future<absl::Status> shared = item.done.get_future().share();
   absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(item));
@@ -394,55 +402,99 @@ void BucketedAllReduce::Loop() {
       item = std::move(queue_.front());
       queue_.pop_front();
     }
-    item.done.set_value(communicator_->AllReduceSum(item.data, absl::StrCat(tag_prefix_, "/", item.bucket_id)));
+    absl::Status ready = item.fence ? item.fence() : absl::OkStatus();
+    item.done.set_value(ready.ok() ? all_reduce_(item.data, absl::StrCat(tag_prefix_, "/", item.bucket_id)) : ready);
   }
 }
 
 // --- GradientBuckets -------------------------------------------------------------------------------------
 
+namespace {
+
+// Buckets in host memory; copies happen at once.
+class HostBucketMemory : public BucketMemory {
+ public:
+  absl::StatusOr<float*> Allocate(int64_t elements) override {
+    buffers_.emplace_back(static_cast<size_t>(elements));
+    return buffers_.back().data();
+  }
+  void Copy(float* dst, const float* src, int64_t n) override { std::copy(src, src + n, dst); }
+  BucketFence Fence(int) override { return nullptr; }
+
+ private:
+  std::deque<std::vector<float>> buffers_;  // stable addresses
+};
+
+}  // namespace
+
 GradientBuckets::GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups,
                                  int64_t bucket_bytes, std::string tag_prefix)
-    : groups_(std::move(groups)),
+    : GradientBuckets(
+          [communicator](absl::Span<float> data, std::string_view tag) {
+            return communicator->AllReduceSum(data, tag);
+          },
+          nullptr, std::move(groups), bucket_bytes, std::move(tag_prefix)) {}
+
+GradientBuckets::GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory,
+                                 std::vector<std::vector<absl::Span<float>>> groups, int64_t bucket_bytes,
+                                 std::string tag_prefix)
+    : own_memory_(memory ? nullptr : std::make_unique<HostBucketMemory>()),
+      memory_(memory ? memory : own_memory_.get()),
+      groups_(std::move(groups)),
       bucket_of_group_(groups_.size()),
       offset_in_bucket_(groups_.size()),
       ready_(groups_.size(), false),
-      all_reduce_(communicator, std::move(tag_prefix)) {
+      all_reduce_(std::move(all_reduce), std::move(tag_prefix)) {
   const int64_t bucket_elements = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
-  int64_t filled = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     int64_t size = 0;
     for (const absl::Span<float>& piece : groups_[g]) size += static_cast<int64_t>(piece.size());
     elements_ += size;
-    if (buckets_.empty() || filled >= bucket_elements) {
-      buckets_.push_back(Bucket{static_cast<int>(g), static_cast<int>(g), {}, 0});
-      filled = 0;
+    if (buckets_.empty() || buckets_.back().elements >= bucket_elements) {
+      buckets_.push_back(Bucket{static_cast<int>(g), static_cast<int>(g), 0, nullptr, 0});
     }
     bucket_of_group_[g] = static_cast<int>(buckets_.size()) - 1;
-    offset_in_bucket_[g] = filled;
+    offset_in_bucket_[g] = buckets_.back().elements;
     buckets_.back().end_group = static_cast<int>(g) + 1;
-    filled += size;
-    buckets_.back().data.resize(static_cast<size_t>(filled));
+    buckets_.back().elements += size;
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    absl::StatusOr<float*> data = memory_->Allocate(buckets_[b].elements);
+    if (!data.ok()) {
+      status_ = absl::Status(data.status().code(),
+                             absl::StrCat("cannot allocate gradient bucket ", b, " (",
+                                          buckets_[b].elements * sizeof(float) / (1 << 20),
+                                          " MiB): ", data.status().message(),
+                                          "; lower comm.grad_bucket_mb or the microbatch size"));
+      return;
+    }
+    buckets_[b].data = *data;
   }
 }
 
 void GradientBuckets::GroupReady(int group) {
+  if (!status_.ok()) return;
   if (group < 0 || group >= static_cast<int>(groups_.size()) || ready_[group]) {
-    if (misuse_.ok()) misuse_ = absl::InternalError(absl::StrCat("gradient group ", group, " reported twice or unknown"));
+    if (misuse_.ok()) {
+      misuse_ = absl::InternalError(absl::StrCat("gradient group ", group, " reported twice or unknown"));
+    }
     return;
   }
   ready_[group] = true;
-  Bucket& bucket = buckets_[bucket_of_group_[group]];
-  float* out = bucket.data.data() + offset_in_bucket_[group];
+  const int b = bucket_of_group_[group];
+  Bucket& bucket = buckets_[b];
+  float* out = bucket.data + offset_in_bucket_[group];
   for (const absl::Span<float>& piece : groups_[group]) {
-    std::copy(piece.begin(), piece.end(), out);
+    memory_->Copy(out, piece.data(), static_cast<int64_t>(piece.size()));
     out += piece.size();
   }
   if (++bucket.groups_ready == bucket.end_group - bucket.first_group) {
-    all_reduce_.Start(bucket_of_group_[group], absl::MakeSpan(bucket.data));
+    all_reduce_.Start(b, absl::MakeSpan(bucket.data, static_cast<size_t>(bucket.elements)), memory_->Fence(b));
   }
 }
 
 absl::Status GradientBuckets::Finish() {
+  if (!status_.ok()) return status_;
   absl::Status status = all_reduce_.WaitAll();  // always drain, so no bucket is in flight after Finish
   const bool complete = std::all_of(ready_.begin(), ready_.end(), [](bool r) { return r; });
   std::fill(ready_.begin(), ready_.end(), false);
@@ -452,13 +504,13 @@ absl::Status GradientBuckets::Finish() {
   if (!status.ok()) return status;
   if (!complete) return absl::FailedPreconditionError("gradient all-reduce finished before every group was ready");
   for (size_t g = 0; g < groups_.size(); ++g) {
-    const float* in = buckets_[bucket_of_group_[g]].data.data() + offset_in_bucket_[g];
+    const float* in = buckets_[bucket_of_group_[g]].data + offset_in_bucket_[g];
     for (const absl::Span<float>& piece : groups_[g]) {
-      std::copy(in, in + piece.size(), piece.begin());
+      memory_->Copy(piece.data(), in, static_cast<int64_t>(piece.size()));
       in += piece.size();
     }
   }
-  return absl::OkStatus();
+  return memory_->Check();
 }
 
 }  // namespace geotrain::comm

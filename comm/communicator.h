@@ -28,13 +28,16 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <future>
+#include <memory>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -138,18 +141,27 @@ class GrpcCommunicator : public Communicator {
   std::map<std::string, std::vector<float>> residuals_ ABSL_GUARDED_BY(mu_);  // node-based: stable addresses
 };
 
+// The all-reduce a bucket goes through: a Communicator's AllReduceSum, or e.g. the NCCL hierarchical
+// all-reduce (comm/nccl_communicator.h).
+using AllReduceFn = std::function<absl::Status(absl::Span<float> data, std::string_view tag)>;
+// Something a bucket's all-reduce must wait for before it reads the bucket (e.g. a CUDA event recorded
+// after the copies into it); null when the bucket is ready as soon as it is started.
+using BucketFence = std::function<absl::Status()>;
+
 // Gradient all-reduce in buckets, overlapped with backward: Start() queues a bucket and returns at once; a
-// background thread all-reduces the buckets one at a time in Start order (tag "<prefix>/<bucket_id>", so a
-// top-k residual follows each bucket across steps). The bucket's memory must stay valid and untouched until
-// its future is ready. Every rank must Start the same buckets in the same order.
+// background thread waits for the bucket's fence, then all-reduces the buckets one at a time in Start
+// order (tag "<prefix>/<bucket_id>", so a top-k residual follows each bucket across steps). The bucket's
+// memory must stay valid and untouched until its future is ready. Every rank must Start the same buckets
+// in the same order.
 class BucketedAllReduce {
  public:
   explicit BucketedAllReduce(Communicator* communicator, std::string tag_prefix = "grad-bucket");
+  explicit BucketedAllReduce(AllReduceFn all_reduce, std::string tag_prefix = "grad-bucket");
   ~BucketedAllReduce();  // finishes the queued buckets, then stops the thread
   BucketedAllReduce(const BucketedAllReduce&) = delete;
   BucketedAllReduce& operator=(const BucketedAllReduce&) = delete;
 
-  std::shared_future<absl::Status> Start(int bucket_id, absl::Span<float> bucket);
+  std::shared_future<absl::Status> Start(int bucket_id, absl::Span<float> bucket, BucketFence fence = nullptr);
   // Waits for every bucket started so far; returns the first error among them.
   absl::Status WaitAll();
 
@@ -157,17 +169,34 @@ class BucketedAllReduce {
   struct Item {
     int bucket_id;
     absl::Span<float> data;
+    BucketFence fence;
     std::promise<absl::Status> done;
   };
   void Loop();
 
-  Communicator* const communicator_;
+  const AllReduceFn all_reduce_;
   const std::string tag_prefix_;
   absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_future<absl::Status>> pending_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
+};
+
+// Where GradientBuckets keeps its buckets and how it copies gradient pieces in and out. The default keeps
+// them in host memory and copies at once; DeviceBucketMemory (comm/nccl_communicator.h) keeps them in GPU
+// memory and queues the copies on the stream that computes the gradients.
+class BucketMemory {
+ public:
+  virtual ~BucketMemory() = default;
+  // Memory for `elements` floats, owned by this object until it is destroyed.
+  virtual absl::StatusOr<float*> Allocate(int64_t elements) = 0;
+  // dst <- src, n floats, ordered after the work that produced src.
+  virtual void Copy(float* dst, const float* src, int64_t n) = 0;
+  // Called once bucket `bucket` has had all its copies issued: what its all-reduce must wait for.
+  virtual BucketFence Fence(int bucket) = 0;
+  // Called by Finish before it copies the sums back: an error of the queued copies, if any.
+  virtual absl::Status Check() { return absl::OkStatus(); }
 };
 
 // A stage's gradient all-reduce, bucketed and overlapped with backward. The gradient pieces come in
@@ -178,6 +207,7 @@ class BucketedAllReduce {
 // Finish() waits for every bucket and copies the sums back into the pieces.
 //
 //   GradientBuckets buckets(&dp_comm, {layer_spans(L-1), ..., layer_spans(0), embedding_spans}, 25 << 20);
+//   RETURN_IF_ERROR(buckets.status());
 //   stage.set_layer_gradients_ready([&](int l) { if (l >= 0) buckets.GroupReady(L - 1 - l); });
 //   ... last microbatch's backward ...
 //   buckets.GroupReady(L);             // the embeddings, after the tied-embedding sum
@@ -188,9 +218,15 @@ class BucketedAllReduce {
 // Thread safety: one thread calls GroupReady and Finish; the all-reduces run on the internal thread.
 class GradientBuckets {
  public:
+  // Buckets in host memory, summed by `communicator`.
   GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups,
                   int64_t bucket_bytes, std::string tag_prefix = "grad-bucket");
+  // Buckets in `memory` (which must outlive this object), summed by `all_reduce`.
+  GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory, std::vector<std::vector<absl::Span<float>>> groups,
+                  int64_t bucket_bytes, std::string tag_prefix = "grad-bucket");
 
+  // Whether the buckets could be allocated; every other call fails with this error otherwise.
+  const absl::Status& status() const { return status_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Elements all-reduced per step (the sum of every group's sizes).
   int64_t elements() const { return elements_; }
@@ -204,15 +240,19 @@ class GradientBuckets {
  private:
   struct Bucket {
     int first_group = 0, end_group = 0;  // groups [first_group, end_group)
-    std::vector<float> data;
+    int64_t elements = 0;
+    float* data = nullptr;  // in memory_
     int groups_ready = 0;
   };
+  std::unique_ptr<BucketMemory> own_memory_;  // the host memory, when no memory was given
+  BucketMemory* memory_;
   std::vector<std::vector<absl::Span<float>>> groups_;
   std::vector<int> bucket_of_group_;
   std::vector<int64_t> offset_in_bucket_;  // per group
   std::vector<bool> ready_;
   std::vector<Bucket> buckets_;
   int64_t elements_ = 0;
+  absl::Status status_;
   absl::Status misuse_;
   BucketedAllReduce all_reduce_;  // last: its thread stops before the buckets go away
 };

@@ -425,4 +425,64 @@ absl::Status NcclHierarchicalAllReduce::AllReduceSum(absl::Span<float> device_da
   return absl::OkStatus();
 }
 
+// --- DeviceBucketMemory -------------------------------------------------------------------------------
+
+DeviceBucketMemory::~DeviceBucketMemory() {
+  DeviceScope scope(device_);
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  for (void* b : buffers_) cudaFree(b);
+}
+
+absl::StatusOr<float*> DeviceBucketMemory::Allocate(int64_t elements) {
+  DeviceScope scope(device_);
+  if (scope.status() != cudaSuccess) {
+    return absl::FailedPreconditionError(absl::StrCat("cuda:", device_, ": ", CudaError(scope.status())));
+  }
+  cudaEvent_t event;
+  // Blocking sync: the all-reduce thread sleeps on the event instead of spinning on a core backward needs.
+  if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync);
+      e != cudaSuccess) {
+    return absl::ResourceExhaustedError(absl::StrCat("cudaEventCreate on cuda:", device_, ": ", CudaError(e)));
+  }
+  void* data = nullptr;
+  if (cudaError_t e = cudaMalloc(&data, std::max<int64_t>(1, elements) * sizeof(float)); e != cudaSuccess) {
+    cudaEventDestroy(event);
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", elements * sizeof(float), " bytes on cuda:",
+                                                     device_, ": ", CudaError(e)));
+  }
+  events_.push_back(event);
+  buffers_.push_back(data);
+  return static_cast<float*>(data);
+}
+
+void DeviceBucketMemory::Copy(float* dst, const float* src, int64_t n) {
+  cudaError_t e = cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_);
+  if (e != cudaSuccess && first_error_ == cudaSuccess) first_error_ = e;
+}
+
+BucketFence DeviceBucketMemory::Fence(int bucket) {
+  if (bucket < 0 || bucket >= static_cast<int>(events_.size())) {
+    return [bucket] { return absl::InternalError(absl::StrCat("no device event for gradient bucket ", bucket)); };
+  }
+  cudaEvent_t event = events_[bucket];
+  if (cudaError_t e = cudaEventRecord(event, stream_); e != cudaSuccess) {
+    if (first_error_ == cudaSuccess) first_error_ = e;
+    return [e] { return absl::InternalError(absl::StrCat("cudaEventRecord for a gradient bucket: ", CudaError(e))); };
+  }
+  return [event, device = device_]() -> absl::Status {
+    DeviceScope scope(device);
+    if (cudaError_t e = cudaEventSynchronize(event); e != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("waiting for a gradient bucket's copies on cuda:", device, ": ",
+                                              CudaError(e)));
+    }
+    return absl::OkStatus();
+  };
+}
+
+absl::Status DeviceBucketMemory::Check() {
+  if (first_error_ == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("gradient bucket copies on cuda:", device_, ": ",
+                                          CudaError(std::exchange(first_error_, cudaSuccess))));
+}
+
 }  // namespace geotrain::comm

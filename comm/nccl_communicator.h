@@ -38,6 +38,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -161,6 +162,35 @@ class NcclHierarchicalAllReduce {
   Communicator* const leaders_;
   float* const staging_;  // pinned, chunk_elements_ floats; null on non-leaders
   const int64_t chunk_elements_;
+};
+
+// GradientBuckets' buckets (comm/communicator.h) in the memory of CUDA device `device`, so that a CUDA
+// stage's data-parallel gradients never leave the GPU on their way to NCCL: each piece is copied into its
+// bucket on `stream`, the stream backward runs on, so the copy follows the kernels that produced the
+// piece; a complete bucket's all-reduce waits for a CUDA event recorded after its copies, on the
+// all-reduce thread, while the caller goes on queueing backward work (this is the overlap). The sums are
+// copied back on `stream` once every all-reduce has finished.
+// Thread safety: Allocate, Copy, Fence and Check on the GradientBuckets caller's thread; the fences'
+// waits on its all-reduce thread (each waits on its own event).
+class DeviceBucketMemory : public BucketMemory {
+ public:
+  DeviceBucketMemory(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~DeviceBucketMemory() override;  // frees the buckets and events; the stream must be idle
+  DeviceBucketMemory(const DeviceBucketMemory&) = delete;
+  DeviceBucketMemory& operator=(const DeviceBucketMemory&) = delete;
+
+  // Bucket i's memory is the i-th allocation; its event is made with it.
+  absl::StatusOr<float*> Allocate(int64_t elements) override;
+  void Copy(float* dst, const float* src, int64_t n) override;
+  BucketFence Fence(int bucket) override;
+  absl::Status Check() override;
+
+ private:
+  const int device_;
+  const cudaStream_t stream_;
+  std::vector<void*> buffers_;
+  std::vector<cudaEvent_t> events_;  // per bucket
+  cudaError_t first_error_ = cudaSuccess;  // of the queued copies and event records
 };
 
 }  // namespace geotrain::comm

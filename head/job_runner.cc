@@ -205,6 +205,7 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
   scheduler::JobOptions job;
   job.global_batch = spec.train().global_batch();
   job.seq_len = spec.train().seq_len();
+  job.sequential_sync = true;  // the runtime ends a step as the validated model says (docs/planner.md)
   if (auto codec = scheduler::ParseCodec(spec.comm().wan_codec()); codec.ok()) job.codecs.push_back(*codec);
   scheduler::PlannerOptions planner_options;
   planner_options.runtime_plans = true;  // the runtime's stage split and equal replica shares: the plan that runs
@@ -307,6 +308,8 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     peer->set_site(w.site());
     peer->set_address(w.address());
     *peer->mutable_address_for_site() = w.address_for_site();
+    const int d = p.actor.device_index();
+    peer->set_device_kind(d >= 0 && d < w.devices_size() ? w.devices(d).kind() : DEVICE_KIND_UNSPECIFIED);
   }
   {
     absl::MutexLock lock(&mu_);

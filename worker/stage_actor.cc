@@ -17,14 +17,24 @@
 #include "model/gpt2.h"
 #include "model/optimizer.h"
 
+#include "worker/collectives.h"
+
 #ifdef GEOTRAIN_HAVE_CUDA
 #include "comm/nccl_communicator.h"
+#include "model/cuda/ops_cuda.h"
+#include "model/cuda_backend.h"
 #endif
 
 namespace geotrain {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+#ifdef GEOTRAIN_HAVE_CUDA
+constexpr bool kNcclBuilt = true;
+#else
+constexpr bool kNcclBuilt = false;
+#endif
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -342,11 +352,59 @@ absl::Status StageActor::Run() {
     backend = device_backend.get();
   }
   const bool on_device = backend->is_cuda();
+  // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
+  absl::StatusOr<CollectivePlan> collectives =
+      PlanCollectives(config_.peers, dp, pp, tp, r, s, t, kNcclBuilt);
+  if (!collectives.ok()) return collectives.status();
+  if (!on_device && (collectives->tp_nccl || collectives->dp.use)) {
+    return absl::InternalError(absl::StrCat("actor ", me.actor_id(), " runs on ", backend->name(),
+                                            " but the head lists it on a CUDA device"));
+  }
+  for (const std::string& note : collectives->notes) GT_LOG(INFO) << "actor " << me.actor_id() << ": " << note;
   model::TensorParallelComm* stage_tp = tp > 1 ? &tp_adapter : nullptr;
+  // The data-parallel all-reduce of a bucket: gRPC on host memory, or NCCL on device memory.
+  comm::AllReduceFn dp_all_reduce = [c = dp_comm.get()](absl::Span<float> data, std::string_view tag) {
+    return c->AllReduceSum(data, tag);
+  };
+  std::unique_ptr<comm::BucketMemory> dp_bucket_memory;  // null: host memory
+  std::unique_ptr<comm::GrpcCommunicator> dp_leaders;    // NCCL data parallelism: the site leaders' ring
 #ifdef GEOTRAIN_HAVE_CUDA
   std::unique_ptr<NcclTensorParallelComm> nccl_tp;
-  if (on_device && tp > 1) {
-    if (!head_) return absl::UnavailableError("a CUDA tensor-parallel group needs the head for its NCCL rendezvous");
+  std::unique_ptr<comm::NcclCommunicator> nccl_dp;
+  std::unique_ptr<comm::NcclHierarchicalAllReduce> nccl_dp_hierarchical;
+  if ((collectives->tp_nccl || collectives->dp.use) && !head_) {
+    return absl::UnavailableError("a CUDA actor's NCCL groups need the head for their rendezvous");
+  }
+  if (collectives->dp.use) {
+    const DataParallelNccl& d = collectives->dp;
+    auto nccl = comm::CreateNcclCommunicatorWithRendezvous(
+        head_.get(), config_.token, me.job_id(), absl::StrCat("nccl/dp/stage", s, "/tp", t, "/site-", d.site),
+        d.site_rank, static_cast<int>(d.site_replicas.size()), config_.device_index,
+        absl::Milliseconds(config_.collective_timeout_ms));
+    if (!nccl.ok()) return nccl.status();
+    nccl_dp = std::move(*nccl);
+    if (d.leader_replicas.size() == 1) {  // one site: NCCL all-reduces the whole group
+      dp_all_reduce = [c = nccl_dp.get()](absl::Span<float> data, std::string_view tag) {
+        return c->AllReduceSum(data, tag);
+      };
+    } else {
+      if (d.leader_index >= 0) {
+        std::vector<int> leader_ranks;
+        for (int x : d.leader_replicas) leader_ranks.push_back(world_rank(x, s, t));
+        dp_leaders = group(leader_ranks, &dp_client, options);
+      }
+      auto h = comm::NcclHierarchicalAllReduce::Create(nccl_dp.get(), dp_leaders.get());
+      if (!h.ok()) return h.status();
+      nccl_dp_hierarchical = std::move(*h);
+      dp_all_reduce = [h = nccl_dp_hierarchical.get()](absl::Span<float> data, std::string_view tag) {
+        return h->AllReduceSum(data, tag);
+      };
+    }
+    model::cuda::CudaContext* context = model::CudaContextOf(*backend);
+    if (context == nullptr) return absl::InternalError("a CUDA stage without a CUDA context");
+    dp_bucket_memory = std::make_unique<comm::DeviceBucketMemory>(config_.device_index, context->stream());
+  }
+  if (collectives->tp_nccl) {
     auto nccl = comm::CreateNcclCommunicatorWithRendezvous(
         head_.get(), config_.token, me.job_id(), absl::StrCat("nccl/tp/replica", r, "/stage", s), t, tp,
         config_.device_index, absl::Milliseconds(config_.collective_timeout_ms));
@@ -414,7 +472,7 @@ absl::Status StageActor::Run() {
       device_doutput = std::move(*b);
       host_output.resize(act);
     }
-    if (dp > 1 || tied_comm) host_grads.resize(static_cast<size_t>(stage.num_params()));
+    if ((dp > 1 && !dp_bucket_memory) || tied_comm) host_grads.resize(static_cast<size_t>(stage.num_params()));
   }
   // The host span standing for a span of the stage's gradients: itself on the CPU, its place in the
   // host mirror on a device.
@@ -433,18 +491,26 @@ absl::Status StageActor::Run() {
   };
 
   const int num_layers = stage.last_layer() - stage.first_layer();
+  // With NCCL the buckets live on the device and take the gradients where backward leaves them; otherwise
+  // they take them from the host mirror, which the device copies them to as each layer finishes.
+  const bool dp_on_device = dp_bucket_memory != nullptr;
+  auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : host_view(g); };
+  // Two NCCL communicators of one device running at once can deadlock when ranks issue them in different
+  // orders (NCCL's documentation), so with NCCL tensor parallelism the device buckets start after backward.
+  const bool overlap_dp = !(dp_on_device && collectives->tp_nccl);
   std::unique_ptr<comm::GradientBuckets> grad_buckets;
   if (dp > 1) {
     std::vector<std::vector<absl::Span<float>>> groups;
     for (int l = num_layers - 1; l >= 0; --l) {
       groups.emplace_back();
-      for (absl::Span<float> g : stage.LayerGradientSpans(l)) groups.back().push_back(host_view(g));
+      for (absl::Span<float> g : stage.LayerGradientSpans(l)) groups.back().push_back(dp_view(g));
     }
     groups.emplace_back();
-    for (absl::Span<float> g : stage.NonLayerGradientSpans()) groups.back().push_back(host_view(g));
+    for (absl::Span<float> g : stage.NonLayerGradientSpans()) groups.back().push_back(dp_view(g));
     const double bucket_mb = spec.comm().grad_bucket_mb() > 0 ? spec.comm().grad_bucket_mb() : 25.0;
-    grad_buckets = std::make_unique<comm::GradientBuckets>(dp_comm.get(), std::move(groups),
+    grad_buckets = std::make_unique<comm::GradientBuckets>(dp_all_reduce, dp_bucket_memory.get(), std::move(groups),
                                                            static_cast<int64_t>(bucket_mb * (1 << 20)));
+    if (!grad_buckets->status().ok()) return grad_buckets->status();
   }
 
   AsyncSender sender(&p2p, &p2p_client, config_.site);
@@ -452,9 +518,11 @@ absl::Status StageActor::Run() {
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp
                << ", tp rank " << t << ") training " << stage.num_params() << " parameters, layers ["
                << stage.first_layer() << ", " << stage.last_layer() << ") on " << backend->name()
-               << (grad_buckets ? absl::StrCat("; gradient all-reduce in ", grad_buckets->num_buckets(),
-                                               " buckets overlapped with backward")
-                                : std::string());
+               << (grad_buckets ? absl::StrCat("; gradient all-reduce in ", grad_buckets->num_buckets(), " buckets ",
+                                               overlap_dp ? "overlapped with backward" : "after backward",
+                                               dp_on_device ? ", on NCCL inside the site" : "")
+                                : std::string())
+               << (collectives->tp_nccl ? "; tensor-parallel all-reduces on NCCL" : "");
 
   for (int step = 1; step <= spec.train().steps(); ++step) {
     const auto step_start = Clock::now();
@@ -529,10 +597,10 @@ absl::Status StageActor::Run() {
         dout = device_doutput.as<float>();
       }
       absl::Status hook_status;
-      if (grad_buckets && m == M - 1) {  // the step's gradients become final layer by layer
+      if (grad_buckets && overlap_dp && m == M - 1) {  // the step's gradients become final layer by layer
         stage.set_layer_gradients_ready([&](int l) {
           if (l < 0 || !hook_status.ok()) return;
-          hook_status = copy_out(stage.LayerGradientSpans(l));
+          if (!dp_on_device) hook_status = copy_out(stage.LayerGradientSpans(l));
           if (hook_status.ok()) grad_buckets->GroupReady(num_layers - 1 - l);
         });
       }
@@ -567,6 +635,9 @@ absl::Status StageActor::Run() {
     }
 
     const auto sync_start = Clock::now();
+    if (grad_buckets && !overlap_dp) {
+      for (int g = 0; g < num_layers; ++g) grad_buckets->GroupReady(g);
+    }
     if (absl::Status st = sender.Flush(&traffic); !st.ok()) return st;
     // Tied embedding: the first and last stage hold copies of wte; each needs the sum of both grads.
     if (tied_comm) {
@@ -585,18 +656,26 @@ absl::Status StageActor::Run() {
       traffic.Add(my_site, peers[partner].site, misc_client.stats().bytes_sent - before, 4.0 * n);
     }
     if (grad_buckets) {
-      if (absl::Status st = copy_out(stage.NonLayerGradientSpans()); !st.ok()) return st;
+      if (!dp_on_device) {
+        if (absl::Status st = copy_out(stage.NonLayerGradientSpans()); !st.ok()) return st;
+      }
       grad_buckets->GroupReady(num_layers);  // the embeddings and final LayerNorm
       if (absl::Status st = grad_buckets->Finish(); !st.ok()) return st;
-      if (on_device) {  // the groups cover the gradients exactly once: the mirror is the summed gradients
-        if (absl::Status st = backend->CopyToDevice(stage.grads(), host_grads.data(), host_grads.size() * sizeof(float));
+      if (on_device && !dp_on_device) {  // the groups cover the gradients exactly once: the mirror is the sums
+        if (absl::Status st =
+                backend->CopyToDevice(stage.grads(), host_grads.data(), host_grads.size() * sizeof(float));
             !st.ok()) {
           return st;
         }
       }
-      const int successor = dp_ranks[(r + 1) % dp];
+      // The ring's successor: among all replicas, or among the site leaders with NCCL (the others send
+      // nothing through dp_client).
+      const std::vector<int>& leaders = collectives->dp.leader_replicas;
+      const int ring = dp_leaders ? static_cast<int>(leaders.size()) : dp;
+      const int successor = dp_leaders ? world_rank(leaders[(collectives->dp.leader_index + 1) % ring], s, t)
+                                       : dp_ranks[(r + 1) % dp];
       traffic.Add(my_site, peers[successor].site, dp_client.stats().bytes_sent - dp_bytes_before,
-                  2.0 * (dp - 1) / dp * 4.0 * static_cast<double>(grad_buckets->elements()));
+                  2.0 * (ring - 1) / ring * 4.0 * static_cast<double>(grad_buckets->elements()));
     }
     // Global gradient norm: every stage and TP rank of the replica adds its share.
     float norm_share[2] = {static_cast<float>(stage.GradSquaredNormShare()),

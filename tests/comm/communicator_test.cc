@@ -7,12 +7,15 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/synchronization/mutex.h"
 
 namespace geotrain::comm {
 namespace {
@@ -327,6 +330,101 @@ TEST(Collectives, GradientBucketsRefuseAMissingOrRepeatedGroup) {
   buckets.GroupReady(0);
   EXPECT_TRUE(buckets.Finish().ok());
   EXPECT_EQ(a[0], 1.0f);  // one rank: the sum is the value itself
+}
+
+// A BucketMemory that behaves like a GPU stream: copies are only queued, and run when a bucket's fence is
+// waited for (on the all-reduce thread) or at Check. An all-reduce that did not wait for its bucket's
+// fence would sum stale zeros.
+class QueuedCopyMemory : public BucketMemory {
+ public:
+  explicit QueuedCopyMemory(int max_buckets = 100) : max_buckets_(max_buckets) {}
+  absl::StatusOr<float*> Allocate(int64_t elements) override {
+    if (static_cast<int>(buffers_.size()) >= max_buckets_) return absl::ResourceExhaustedError("out of device memory");
+    buffers_.emplace_back(static_cast<size_t>(elements), 0.0f);
+    return buffers_.back().data();
+  }
+  void Copy(float* dst, const float* src, int64_t n) override {
+    absl::MutexLock lock(&mu_);
+    queued_.push_back({dst, src, n});
+  }
+  BucketFence Fence(int) override {
+    return [this] {
+      Drain();
+      absl::MutexLock lock(&mu_);
+      ++fences_;
+      return absl::OkStatus();
+    };
+  }
+  absl::Status Check() override {
+    Drain();
+    return check_;
+  }
+  void Drain() {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [dst, src, n] : queued_) std::copy(src, src + n, dst);
+    queued_.clear();
+  }
+  int fences() {
+    absl::MutexLock lock(&mu_);
+    return fences_;
+  }
+  absl::Status check_;
+
+ private:
+  const int max_buckets_;
+  std::deque<std::vector<float>> buffers_;
+  absl::Mutex mu_;
+  std::vector<std::tuple<float*, const float*, int64_t>> queued_ ABSL_GUARDED_BY(mu_);
+  int fences_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST(Collectives, GradientBucketsWaitForEachBucketsFenceInTheirMemory) {
+  Cluster cluster(2, {"east", "east"}, Options("none", "none", AllReduceAlgorithm::kRing));
+  std::vector<std::vector<float>> grads(2);
+  for (int r = 0; r < 2; ++r) grads[r].assign(3000, static_cast<float>(r + 1));
+  std::vector<int> fences(2);
+  ExpectAllOk(cluster.Run([&](int r) -> absl::Status {
+    QueuedCopyMemory memory;
+    std::vector<std::vector<absl::Span<float>>> groups;
+    for (int g = 0; g < 3; ++g) groups.push_back({absl::MakeSpan(grads[r]).subspan(1000 * g, 1000)});
+    AllReduceFn all_reduce = [&cluster, r](absl::Span<float> data, std::string_view tag) {
+      return cluster.comm(r).AllReduceSum(data, tag);
+    };
+    GradientBuckets buckets(all_reduce, &memory, groups, /*bucket_bytes=*/4 * 1000);
+    if (!buckets.status().ok()) return buckets.status();
+    EXPECT_EQ(buckets.num_buckets(), 3);
+    for (int g = 0; g < 3; ++g) buckets.GroupReady(g);
+    absl::Status finished = buckets.Finish();
+    fences[r] = memory.fences();
+    return finished;
+  }));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(fences[r], 3);
+    for (float x : grads[r]) ASSERT_EQ(x, 3.0f);  // 1 + 2, written back through the queued copies
+  }
+}
+
+TEST(Collectives, GradientBucketsReportTheirMemorysErrors) {
+  Cluster cluster(1, {"east"}, Options("none", "none", AllReduceAlgorithm::kRing));
+  std::vector<float> a(1000, 1.0f), b(1000, 2.0f);
+  AllReduceFn all_reduce = [&cluster](absl::Span<float> data, std::string_view tag) {
+    return cluster.comm(0).AllReduceSum(data, tag);
+  };
+  QueuedCopyMemory tight(/*max_buckets=*/1);
+  GradientBuckets unallocated(all_reduce, &tight, {{absl::MakeSpan(a)}, {absl::MakeSpan(b)}}, 4 * 1000);
+  EXPECT_EQ(unallocated.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(unallocated.status().message()),
+              testing::AllOf(testing::HasSubstr("gradient bucket 1"), testing::HasSubstr("comm.grad_bucket_mb")));
+  unallocated.GroupReady(0);
+  EXPECT_EQ(unallocated.Finish().code(), absl::StatusCode::kResourceExhausted);
+
+  QueuedCopyMemory failing;
+  failing.check_ = absl::InternalError("gradient bucket copies on cuda:0: an illegal memory access");
+  GradientBuckets buckets(all_reduce, &failing, {{absl::MakeSpan(a)}, {absl::MakeSpan(b)}}, 4 * 1000);
+  ASSERT_TRUE(buckets.status().ok());
+  buckets.GroupReady(0);
+  buckets.GroupReady(1);
+  EXPECT_THAT(buckets.Finish().message(), testing::HasSubstr("illegal memory access"));
 }
 
 TEST(Collectives, AMissingRankMakesTheOthersFailAtTheDeadline) {

@@ -3,7 +3,7 @@
 // join that times out. Two or more: one rank per GPU on threads of this process (one id from
 // NewNcclUniqueId), every collective against a CPU reference, grouped send/receive around a ring, a
 // missing rank failing the others by the deadline, and the hierarchical all-reduce with two "sites" whose
-// leaders talk through a GrpcCommunicator on loopback.
+// leaders talk through a GrpcCommunicator on loopback. Any number: GradientBuckets in DeviceBucketMemory.
 #include "comm/nccl_communicator.h"
 
 #include <cuda_runtime_api.h>
@@ -382,6 +382,68 @@ TEST(NcclHierarchicalAllReduce, TwoSitesMatchTheSum) {
       servers[s]->Shutdown();
     }
   }
+}
+
+// The data-parallel path of a CUDA stage: GradientBuckets in DeviceBucketMemory over NCCL, one rank per GPU
+// (one GPU: a size-1 communicator). Each rank's "backward" writes its gradients with asynchronous copies on
+// its own compute stream, queued behind a large copy that keeps the stream busy, and reports each group at
+// once: a bucket whose all-reduce did not wait for its event would sum stale memory. Two steps, so the
+// buckets and events are reused.
+TEST(DeviceBucketMemory, GradientBucketsSumOnTheGpuAfterEachBucketsEvent) {
+  REQUIRE_CUDA_DEVICES(1);
+  Ranks ranks(AllDevices());
+  ASSERT_TRUE(ranks.ok());
+  const int world = ranks.size();
+  const std::vector<size_t> group_sizes = {300000, 7, 1 << 20, 4096};  // ragged, one group per "layer"
+  size_t total = 0;
+  for (size_t n : group_sizes) total += n;
+  std::vector<std::vector<float>> results(world);
+  ExpectAllOk(ranks.Run([&](int r) -> absl::Status {
+    cudaStream_t compute;
+    if (cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking) != cudaSuccess) {
+      return absl::InternalError("cudaStreamCreate");
+    }
+    DeviceBuffer grads(ranks.device(r), total);
+    DeviceBuffer busy_src(ranks.device(r), 64 << 20), busy_dst(ranks.device(r), 64 << 20);
+    float* pinned = nullptr;
+    if (cudaMallocHost(&pinned, total * sizeof(float)) != cudaSuccess) return absl::InternalError("cudaMallocHost");
+    const std::vector<float> values = RankValues(r, total);
+    std::copy(values.begin(), values.end(), pinned);
+    std::vector<std::vector<absl::Span<float>>> groups;
+    for (size_t offset = 0, g = 0; g < group_sizes.size(); offset += group_sizes[g++]) {
+      groups.push_back({grads.span().subspan(offset, group_sizes[g])});
+    }
+    absl::Status status;
+    {
+      DeviceBucketMemory memory(ranks.device(r), compute);
+      NcclCommunicator* comm = &ranks.comm(r);
+      AllReduceFn all_reduce = [comm](absl::Span<float> data, std::string_view tag) {
+        return comm->AllReduceSum(data, tag);
+      };
+      GradientBuckets buckets(all_reduce, &memory, groups, /*bucket_bytes=*/2 << 20);
+      status = buckets.status();
+      for (int step = 0; step < 2 && status.ok(); ++step) {
+        cudaMemsetAsync(grads.span().data(), 0, total * sizeof(float), compute);
+        cudaMemcpyAsync(busy_dst.span().data(), busy_src.span().data(), (64 << 20) * sizeof(float),
+                        cudaMemcpyDeviceToDevice, compute);
+        size_t offset = 0;
+        for (size_t g = 0; g < group_sizes.size(); ++g) {
+          cudaMemcpyAsync(grads.span().data() + offset, pinned + offset, group_sizes[g] * sizeof(float),
+                          cudaMemcpyHostToDevice, compute);
+          buckets.GroupReady(static_cast<int>(g));
+          offset += group_sizes[g];
+        }
+        status = buckets.Finish();
+      }
+      if (status.ok() && cudaStreamSynchronize(compute) != cudaSuccess) status = absl::InternalError("stream");
+    }
+    results[r] = grads.Read();
+    cudaFreeHost(pinned);
+    cudaStreamDestroy(compute);
+    return status;
+  }));
+  const std::vector<float> sum = SumOverRanks(world, total);
+  for (int r = 0; r < world; ++r) ExpectSameFloats(results[r], sum, "rank " + std::to_string(r));
 }
 
 }  // namespace

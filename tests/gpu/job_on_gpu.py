@@ -3,7 +3,8 @@
 discovered, not emulated) run a small GPT-2 job whose stage actors train on the GPU, and the losses are
 compared with the same job trained by `geotrain train --local` on the CPU. With two GPUs or more it also
 runs TP=2 (the tensor-parallel all-reduces over NCCL, the unique id handed out by the head's rendezvous)
-and DP=2 (gradients staged through host memory over tensor streams).
+and DP=2 (the gradient buckets on the GPU, all-reduced over NCCL inside the site); the worker's log must
+say that each group used NCCL.
 
 Usage (tests/gpu/run.sh calls it): python3 tests/gpu/job_on_gpu.py BUILD_DIR/bin/geotrain
 Exits 0 when every job succeeded on the GPU and its losses follow the CPU's; prints one line per job.
@@ -59,10 +60,12 @@ def main():
         c.start_head()
         c.start_worker("gpu0", "gpu-site")
         wait_for(lambda: list(c.worker_states().values()).count("WORKER_ALIVE") == 1, 60, "the GPU worker")
-        jobs = [("gpu-single", "{plan: manual}")]
+        # (name, parallel section, what the actors' log lines must say about NCCL)
+        jobs = [("gpu-single", "{plan: manual}", None)]
         if gpus >= 2:
-            jobs += [("gpu-tp2", "{plan: manual, tp: 2}"), ("gpu-dp2", "{plan: manual, dp: 2}")]
-        for name, parallel in jobs:
+            jobs += [("gpu-tp2", "{plan: manual, tp: 2}", "tensor-parallel all-reduces on NCCL"),
+                     ("gpu-dp2", "{plan: manual, dp: 2}", "on NCCL inside the site")]
+        for name, parallel, nccl_line in jobs:
             path = os.path.join(c.dir, f"{name}.yaml")
             with open(path, "w") as f:
                 f.write(spec(name, data, parallel))
@@ -77,11 +80,12 @@ def main():
             ok = r.returncode == 0 and "SUCCEEDED" in r.stdout and len(gpu) == STEPS
             logs = c.logs()
             on_gpu = "on cuda:" in logs
+            on_nccl = nccl_line is None or nccl_line in logs  # jobs run one at a time; the line is the latest
             diff = abs(gpu[-1] - cpu[-1]) / cpu[-1] if ok else float("nan")
-            good = ok and on_gpu and diff <= TOLERANCE and gpu[-1] < gpu[0]
+            good = ok and on_gpu and on_nccl and diff <= TOLERANCE and gpu[-1] < gpu[0]
             print(f"{name}: {'PASS' if good else 'FAIL'} final loss {gpu[-1] if gpu else 'n/a'} vs CPU {cpu[-1]:.4f} "
                   f"(relative {diff:.4f}, bound {TOLERANCE}); first {gpu[0] if gpu else 'n/a'}; "
-                  f"stage on the GPU: {on_gpu}")
+                  f"stage on the GPU: {on_gpu}; NCCL as expected: {on_nccl}")
             if not good:
                 failed = 1
                 print(r.stdout[-3000:] + r.stderr[-2000:] + logs[-6000:])
