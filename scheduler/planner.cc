@@ -25,6 +25,25 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // so far are not simulated (pure DP and pure pipeline shapes always are: the explanation compares
 // with them).
 constexpr double kPruneFactor = 1.25;
+// More microbatches must predict a step shorter by more than this fraction to be preferred: each
+// microbatch has fixed costs (kernel launches, messages, smaller GEMMs) that a calibration on a busy
+// machine can measure as zero, so a near-tie is settled for the fewer, larger microbatches.
+constexpr double kMicrobatchTie = 0.005;
+
+int TotalMicrobatches(const Plan& p) {
+  int m = 0;
+  for (int x : p.microbatches) m += x;
+  return m;
+}
+
+// Whether plan a (predicted step time ta) is better than plan b (tb): faster, with near-ties (within
+// kMicrobatchTie) going to the plan with fewer microbatches.
+bool Better(const Plan& a, double ta, const Plan& b, double tb) {
+  const int ma = TotalMicrobatches(a), mb = TotalMicrobatches(b);
+  if (ma > mb) return ta < tb * (1 - kMicrobatchTie);
+  if (ma < mb) return ta <= tb * (1 + kMicrobatchTie);
+  return ta < tb;
+}
 
 // A tensor-parallel group of devices inside one site: the unit that holds one (replica, stage).
 struct Unit {
@@ -122,11 +141,12 @@ class Search {
                             const std::vector<int>& begin) const;
   // Whether a prediction would enter best_by_key_ or rejected_by_key_ (saves copying plans that
   // would not).
-  bool Worth(const Key& key, const Prediction& p) const {
+  bool Worth(const Key& key, const Plan& plan, const Prediction& p) const {
     if (!p.fits)
       return !best_by_key_.count(key);  // the last (smallest microbatch) rejection is kept
     auto it = best_by_key_.find(key);
-    return it == best_by_key_.end() || p.step_time_s < it->second.prediction.step_time_s;
+    return it == best_by_key_.end() ||
+           Better(plan, p.step_time_s, it->second.plan, it->second.prediction.step_time_s);
   }
 
   const Cluster& cluster_;
@@ -303,8 +323,8 @@ void Search::Consider(PlanCandidate candidate, const Key& key) {
   }
   best_time_ = std::min(best_time_, candidate.prediction.step_time_s);
   auto it = best_by_key_.find(key);
-  if (it == best_by_key_.end() ||
-      candidate.prediction.step_time_s < it->second.prediction.step_time_s) {
+  if (it == best_by_key_.end() || Better(candidate.plan, candidate.prediction.step_time_s, it->second.plan,
+                                         it->second.prediction.step_time_s)) {
     best_by_key_[key] = std::move(candidate);
   }
 }
@@ -493,7 +513,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
               subset_best = std::min(subset_best, p->step_time_s);
               fitted = true;
             }
-            if (Worth(key, *p))
+            if (Worth(key, plan, *p))
               Consider(PlanCandidate{plan, *std::move(p), layout, subset_name, {}}, key);
           }
         }
@@ -825,7 +845,9 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   std::vector<PlanCandidate> ranked;
   for (auto& [key, c] : search.best_by_key()) ranked.push_back(c);
   std::sort(ranked.begin(), ranked.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
-    return a.prediction.step_time_s < b.prediction.step_time_s;
+    if (a.prediction.step_time_s != b.prediction.step_time_s)
+      return a.prediction.step_time_s < b.prediction.step_time_s;
+    return TotalMicrobatches(a.plan) < TotalMicrobatches(b.plan);
   });
   // The same shape on the same devices can come from several subsets or layouts: keep the fastest.
   std::set<std::tuple<int, int, int, std::vector<int>>> seen;

@@ -307,5 +307,58 @@ TEST(PlannerTest, RuntimePlansUseTheRuntimesSlicingAndEqualShares) {
   }
 }
 
+// With no per-microbatch cost calibrated (a busy machine can measure it as zero), a plan with 1 and the
+// same plan with 32 microbatches predict the same step. The planner must rank the fewer microbatches
+// first: 32 measured 10% slower (docs/planner.md, validation run 4, whose calibration this is).
+TEST(PlannerTest, TiesGoToFewerMicrobatches) {
+  Topology t;
+  for (const auto& [site, device] : {std::pair<std::string, std::string>{"a", "cpu-core"}, {"b", "cpu-half"}}) {
+    TopologySite* s = t.add_sites();
+    s->set_name(site);
+    TopologyWorker* w = s->add_workers();
+    w->set_device(device);
+    w->set_tflops(0.172);
+    w->set_mem_gb(4);
+  }
+  TopologyLink* link = t.add_links();
+  link->set_a("a");
+  link->set_b("b");
+  link->set_latency_ms(100);
+  link->set_bandwidth_mbps(100);
+  ASSERT_TRUE(ValidateTopology(&t).ok());
+  absl::StatusOr<Cluster> c = ClusterFromTopology(t);
+  ASSERT_TRUE(c.ok()) << c.status();
+  GPT2Config config;
+  config.n_layer = 4;
+  config.n_head = 4;
+  config.n_embd = 128;
+  config.block_size = 64;
+  config.vocab_size = 512;
+  ASSERT_TRUE(config.Validate().ok());
+  JobOptions job = Job(32, 64);
+  job.codecs = {*ParseCodec("bf16")};
+  job.efficiency_by_device = {{"cpu-core", 0.187572}, {"cpu-half", 0.090182}};
+  job.layer_overhead_s = 0;
+  job.sequential_sync = true;
+  job.shared_host_scale = {{2, 0.7746}};
+  PlannerOptions options;
+  options.runtime_plans = true;
+  absl::StatusOr<PlanResult> r = PlanJob(*c, ModelCosts::FromConfig(config, 64), job, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_FALSE(r->ranked.empty());
+  const Plan& best = r->ranked.front().plan;
+  EXPECT_EQ(best.dp * best.pp * best.tp, 1);
+  EXPECT_THAT(best.microbatches, testing::ElementsAre(1));
+  // A pipeline still gets the microbatches that shrink its bubble.
+  Cluster two = MakeCluster({{"a", {{"A100", 1}}}, {"b", {{"A100", 1}}}}, 10, 10000);
+  job = Job(32, 1024);
+  job.layer_overhead_s = 0;
+  r = PlanJob(two, Costs("gpt2", 1024), job, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const PlanCandidate* pipeline = BestWhere(*r, [](const Plan& p) { return p.pp == 2 && p.dp == 1; });
+  ASSERT_NE(pipeline, nullptr);
+  EXPECT_GT(pipeline->plan.microbatches.front(), 1);
+}
+
 }  // namespace
 }  // namespace geotrain::scheduler

@@ -12,8 +12,12 @@ that is what mixed devices mean here.
    shared-host slowdown and the message model (round trips per message, flow-control window).
    That is all that is calibrated (calibration.json). The links are the topology's configured
    latency and bandwidth.
-2. Validation: for each topology, `geotrain plan --runtime-plans --sequential-sync` with the
-   calibration chooses a plan; a fixed set of plans plus the chosen one run (median step time of the
+2. Validation: for each topology, right after its cluster is up, a pace check: a reference job (worker
+   a-0 alone, 16 sequences, 1 microbatch: a shape no validation plan has) runs PROFILE_REPEATS times,
+   and every device efficiency is scaled by its profiled median over this median. This machine is
+   shared, and its pace drifts by 10-20% over minutes (runs 3 and 5 of docs/planner.md); a real
+   cluster's head profiles its workers when the job starts in the same way. Then
+   `geotrain plan --runtime-plans --sequential-sync` with the calibration chooses a plan; a fixed set of plans plus the chosen one run (median step time of the
    steps after the first two), and `geotrain plan --predict` predicts each from the calibration.
 3. Report: CSV, JSON summary, a markdown table and a PNG scatter of predicted vs measured; median
    relative error, Spearman rank correlation, and per topology the chosen plan's measured step time
@@ -42,6 +46,7 @@ SEQ_LEN = 64
 GLOBAL_BATCH = 32
 PEAK_TFLOPS = 0.172  # one AVX-512 core with two FMA pipes at 2.7 GHz (docs/../handbook), per device
 DEVICES = {"fast": "cpu-core", "slow": "cpu-half"}
+MAX_MICROBATCHES = GLOBAL_BATCH  # microbatches of one sequence: the profile's most
 
 # (name, parallel section, wan codec). Placement by worker id as `cluster up` names them.
 A_THEN_B = "placement: [{replica: 0, stage: 0, worker: a-0}, {replica: 0, stage: 1, worker: b-0}]"
@@ -149,7 +154,7 @@ def profile(geotrain, env, work, data, steps, warmup):
     """The calibration, from runs that are not validation runs (a 50 ms link no topology uses).
 
     Compute: single-actor jobs on each worker alone (the median of PROFILE_REPEATS jobs each), at
-    (global batch 32, 1 microbatch), (16, 1) and (32, 16); then both workers at once at (32, 1) for the shared-host slowdown. Messages: a
+    (global batch 32, 1 microbatch) and (32, 32); then both workers at once at (32, 1) for the shared-host slowdown. Messages: a
     pipeline (PP=2, GPipe, 8 microbatches) and a DP=2 job across the 50 ms link; the round trips
     per message are the value (0.5 to 3 in steps of 0.25) whose predictions fit them best.
     """
@@ -165,7 +170,7 @@ def profile(geotrain, env, work, data, steps, warmup):
         def single(worker, G, m):
             return f"{{plan: manual, dp: 1, microbatches: {m}, placement: [{{replica: 0, stage: 0, worker: {worker}}}]}}"
         for kind, worker in (("fast", "a-0"), ("slow", "b-0")):
-            for G, m in ((32, 1), (32, 16)):
+            for G, m in ((32, 1), (32, MAX_MICROBATCHES)) + (((PACE_BATCH, 1),) if kind == "fast" else ()):
                 # The median of PROFILE_REPEATS jobs: one job's pace on a shared machine drifts by 10-20%.
                 measured[(kind, G, m)] = statistics.median(
                     submit_all(geotrain, env, [spec_for(f"{kind}-{G}-{m}-{rep}", single(worker, G, m), G)],
@@ -195,10 +200,13 @@ def profile(geotrain, env, work, data, steps, warmup):
                    "measured": {f"{DEVICES[k]} alone G={G} m={m}": v for (k, G, m), v in measured.items()}}
     calibration["measured"].update({"both at once G=32 m=1": together, "50 ms PP=2 gpipe m=8": link_measured[0],
                                     "50 ms DP=2": link_measured[1], "50 ms DP=2 bf16": link_measured[2]})
-    # Per device: 16 microbatches instead of 1 add 15 x 3 x layers fixed costs; the rest of the
-    # 1-microbatch step is compute (optimizer and step overheads included) at some efficiency.
+    # Per device: 32 microbatches (of one sequence) instead of 1 add 31 x 3 x layers fixed costs; the
+    # rest of the 1-microbatch step is compute (optimizer and step overheads included) at some
+    # efficiency. The extremes give the largest signal against the jobs' noise.
+    extra = MAX_MICROBATCHES - 1
     for kind in ("fast", "slow"):
-        layer_overhead = max(0.0, (measured[(kind, 32, 16)] - measured[(kind, 32, 1)]) / (15 * 3 * layers))
+        layer_overhead = max(0.0, (measured[(kind, 32, MAX_MICROBATCHES)] - measured[(kind, 32, 1)]) /
+                             (extra * 3 * layers))
         compute = measured[(kind, 32, 1)] - 3 * layers * layer_overhead
         calibration["devices"][DEVICES[kind]] = {"efficiency": min(1.0, 32 * ideal / compute),
                                                  "layer_overhead_us": layer_overhead * 1e6}
@@ -222,12 +230,30 @@ def profile(geotrain, env, work, data, steps, warmup):
     return calibration
 
 
-def plan_flags(calibration):
-    eff = ",".join(f"{name}={d['efficiency']:.6f}" for name, d in calibration["devices"].items())
+PACE_BATCH = 16  # the pace check's global batch (no validation plan runs 16 sequences)
+
+
+def pace(geotrain, env, work, data, steps, warmup, name):
+    """The reference job's median step time on the running cluster (worker a-0 alone).
+
+    Only the pace alone is re-measured: a-0 and b-0 running the reference job at once slowed a-0 by up
+    to 2x on mixed topologies (the busy loop beside b-0 makes b-0's runs contend with a-0's), and that
+    factor, applied to every device, over-predicted the two-device plans by 30-90% (run 6)."""
+    path = os.path.join(work, f"pace-{name}.yaml")
+    parallel = "{plan: manual, dp: 1, microbatches: 1, placement: [{replica: 0, stage: 0, worker: a-0}]}"
+    with open(path, "w") as f:
+        f.write(job_yaml(f"pace-{name}", data, parallel, "none", steps, PACE_BATCH))
+    return statistics.median(submit_all(geotrain, env, [path], steps, warmup)[0] for _ in range(PROFILE_REPEATS))
+
+
+def plan_flags(calibration, pace_scale=1.0):
+    """The planner's flags for the calibration; pace_scale multiplies every device efficiency."""
+    eff = ",".join(f"{name}={d['efficiency'] * pace_scale:.6f}" for name, d in calibration["devices"].items())
+    shared_host_scale = calibration["shared_host_scale_2"]
     return ["--runtime-plans", "--sequential-sync", "--efficiency-by-device", eff,
             "--layer-overhead-us", f"{calibration['layer_overhead_us']:.3f}",
             "--step-overhead-ms", f"{calibration['step_overhead_ms']:.3f}",
-            "--shared-host-scale", f"2={calibration['shared_host_scale_2']:.4f}",
+            "--shared-host-scale", f"2={shared_host_scale:.4f}",
             "--message-round-trips", str(calibration["message_round_trips"]),
             "--message-window-kib", str(calibration["message_window_kib"])]
 
@@ -300,10 +326,15 @@ def main():
         with open(os.path.join(args.out, "calibration.json"), "w") as f:
             json.dump(calibration, f, indent=1)
         print(json.dumps(calibration), flush=True)
-        flags = plan_flags(calibration)
         topologies = TOPOLOGIES[1:2] + TOPOLOGIES[5:6] if args.quick else TOPOLOGIES
+        calibration["pace_checks"] = {}
         for name, b_device, latency, bandwidth in topologies:
             with Cluster(geotrain, env, work, name, b_device, latency, bandwidth) as cluster:
+                alone = pace(geotrain, env, work, data, args.steps, args.warmup, name)
+                pace_scale = calibration["measured"][f"{DEVICES['fast']} alone G={PACE_BATCH} m=1"] / alone
+                calibration["pace_checks"][name] = {"seconds": alone, "efficiency_scale": pace_scale}
+                print(f"{name} pace check: {alone:.4f} s/step, efficiencies x {pace_scale:.3f}", flush=True)
+                flags = plan_flags(calibration, pace_scale)
                 base = os.path.join(work, f"{name}-base.yaml")
                 with open(base, "w") as f:
                     f.write(job_yaml("base", data, "{plan: auto}", "none", args.steps))
