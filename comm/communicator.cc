@@ -363,6 +363,7 @@ BucketedAllReduce::~BucketedAllReduce() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    if (failed_.ok() && !queue_.empty()) failed_ = absl::CancelledError("the gradient all-reduce was abandoned");
   }
   thread_.join();
 }
@@ -388,12 +389,15 @@ absl::Status BucketedAllReduce::WaitAll() {
     absl::Status s = f.get();
     if (first_error.ok()) first_error = s;
   }
+  absl::MutexLock lock(&mu_);
+  failed_ = absl::OkStatus();  // the next buckets start afresh
   return first_error;
 }
 
 void BucketedAllReduce::Loop() {
   while (true) {
     Item item;
+    absl::Status failed;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -401,9 +405,16 @@ void BucketedAllReduce::Loop() {
       if (queue_.empty()) return;  // stop_ and nothing left
       item = std::move(queue_.front());
       queue_.pop_front();
+      failed = failed_;
     }
-    absl::Status ready = item.fence ? item.fence() : absl::OkStatus();
-    item.done.set_value(ready.ok() ? all_reduce_(item.data, absl::StrCat(tag_prefix_, "/", item.bucket_id)) : ready);
+    absl::Status status = failed;
+    if (status.ok() && item.fence) status = item.fence();
+    if (status.ok()) status = all_reduce_(item.data, absl::StrCat(tag_prefix_, "/", item.bucket_id));
+    if (!status.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (failed_.ok()) failed_ = status;
+    }
+    item.done.set_value(status);
   }
 }
 
@@ -465,7 +476,8 @@ GradientBuckets::GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory,
                              absl::StrCat("cannot allocate gradient bucket ", b, " (",
                                           buckets_[b].elements * sizeof(float) / (1 << 20),
                                           " MiB): ", data.status().message(),
-                                          "; lower comm.grad_bucket_mb or the microbatch size"));
+                                          "; the buckets hold a second copy of the stage's gradients: use "
+                                          "more pipeline stages or more tensor parallelism"));
       return;
     }
     buckets_[b].data = *data;

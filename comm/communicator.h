@@ -152,7 +152,9 @@ using BucketFence = std::function<absl::Status()>;
 // background thread waits for the bucket's fence, then all-reduces the buckets one at a time in Start
 // order (tag "<prefix>/<bucket_id>", so a top-k residual follows each bucket across steps). The bucket's
 // memory must stay valid and untouched until its future is ready. Every rank must Start the same buckets
-// in the same order.
+// in the same order. Once a bucket fails, the buckets queued after it until the next WaitAll fail with
+// the same error without a collective (a rank that went on would call collectives its peers are not
+// in, and wait for each one's deadline); the destructor fails the queued buckets the same way.
 class BucketedAllReduce {
  public:
   explicit BucketedAllReduce(Communicator* communicator, std::string tag_prefix = "grad-bucket");
@@ -179,6 +181,7 @@ class BucketedAllReduce {
   absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_future<absl::Status>> pending_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);  // the first error since the last WaitAll
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -42,7 +42,10 @@ uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
   uint64_t activations =
       static_cast<uint64_t>(last - first) * Bm * T * config->BlockActivationFloatsPerToken(static_cast<int>(T));
   if (stage == pp - 1) activations += 2 * Bm * T * Vp;  // logits and their gradient
-  return 16 * params + 4 * activations;
+  // Parameters, gradients and AdamW's two moments in fp32; with data parallelism the gradient buckets
+  // hold a second copy of the gradients (comm::GradientBuckets).
+  const uint64_t state_bytes = spec.parallel().dp() > 1 ? 20 : 16;
+  return state_bytes * params + 4 * activations;
 }
 
 absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers) {
@@ -148,7 +151,8 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
         if (p.device_memory_bytes > 0 && p.memory_bytes > p.device_memory_bytes) {
           return absl::FailedPreconditionError(absl::StrFormat(
               "the plan does not fit: stage %d needs about %.2f GB (parameters, gradients and AdamW at 16 "
-              "bytes per parameter, plus activations) but device %d of worker %s has %.2f GB; use more "
+              "bytes per parameter, 20 with data parallelism, plus activations) but device %d of worker %s has "
+              "%.2f GB; use more "
               "pipeline stages, more tensor parallelism, or smaller microbatches",
               s, p.memory_bytes / 1e9, slot->device, slot->worker->worker_id(), p.device_memory_bytes / 1e9));
         }

@@ -210,8 +210,13 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
   return best;
 }
 
+double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, int dp) {
+  const double e = model.bytes_per_element;
+  return 2 * e + job.optimizer_bytes_per_parameter + (dp > 1 ? e : 0);
+}
+
 double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end,
-                        int stage, int pp, int tp, int microbatch_size, int microbatches,
+                        int stage, int pp, int tp, int dp, int microbatch_size, int microbatches,
                         Schedule schedule) {
   double parameters = 0, activations = 0;
   for (int l = begin; l < end; ++l) {
@@ -221,7 +226,7 @@ double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begi
   if (pp > 1 && end == model.num_layers() && begin > 0) parameters += model.tied_parameters;
   const int held = schedule == Schedule::kGPipe ? microbatches : std::min(pp - stage, microbatches);
   const double e = model.bytes_per_element;
-  const double state = parameters / tp * (2 * e + job.optimizer_bytes_per_parameter);
+  const double state = parameters / tp * StateBytesPerParameter(model, job, dp);
   const double boundary = (stage > 0 ? 1 : 0) + (stage + 1 < pp ? 1 : 0);
   const double buffers = boundary * 2.0 * microbatch_size * model.seq_len * model.n_embd * e;
   return state + activations * microbatch_size / tp * held + buffers + job.fixed_memory_bytes;
@@ -406,7 +411,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         const Device& d = cluster.devices[plan.devices[r][s][k]];
         slowest_flops =
             std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name) * host_scale);
-        const double mem = StageMemoryBytes(model, job, begin, end, s, pp, tp, b,
+        const double mem = StageMemoryBytes(model, job, begin, end, s, pp, tp, plan.dp, b,
                                             plan.microbatches[r], plan.schedule);
         out.device_memory_bytes[plan.devices[r][s][k]] = mem;
         const double usable = d.mem_bytes * (1 - job.memory_headroom);
@@ -415,7 +420,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
           worst_memory_fraction = fraction;
           if (fraction > 1) {
             const double state = StageParameters(model, begin, end, pp) / tp *
-                                 (2 * model.bytes_per_element + job.optimizer_bytes_per_parameter);
+                                 StateBytesPerParameter(model, job, plan.dp);
             reject = absl::StrFormat(
                 "stage %d (layers %s..%s) on %s at site %s needs %.2f GB of %.2f GB usable "
                 "(parameters+gradients+optimizer %.2f GB, activations and buffers %.2f GB, fixed "

@@ -82,10 +82,13 @@ struct JobOptions {
   // the step barrier): 0 unless calibrated from a profiling run.
   double step_overhead_s = 0;
   // How the step ends. false (the default): gradient all-reduces overlap the last microbatch's
-  // backward (bucketed), the tied wte exchange runs beside them. true: geotrain's runtime today
-  // (worker/stage_actor.cc): after the schedule, one after the other, the tied wte all-reduce (a
-  // ring of the first and last stage), the gradient all-reduce, the gradient-norm all-reduce among
-  // the replica's stages and the loss all-reduce among replicas; nothing overlaps the backward.
+  // backward (bucketed), the tied wte exchange runs beside them. true: the step end as geotrain's
+  // runtime (worker/stage_actor.cc) was validated with: after the schedule, one after the other, the
+  // tied wte all-reduce (a ring of the first and last stage), the gradient all-reduce, the
+  // gradient-norm all-reduce among the replica's stages and the loss all-reduce among replicas. The
+  // runtime now starts its gradient buckets during the last microbatch's backward; on the validation's
+  // 2 cores that gained nothing (docs/benchmarks.md), so the sequential model still fits it there. It
+  // does not model NCCL inside a site.
   bool sequential_sync = false;
   // Round trips one message costs with sequential_sync (the runtime's send returns once the peer
   // holds the tensor): a point-to-point send keeps its sender busy for bytes / bandwidth + 2 r
@@ -172,13 +175,16 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
 // activations only consider codecs with for_activations.
 int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations);
 
-// Memory of one device holding layers [begin, end) at stage `stage` of `pp` with tp ranks,
-// microbatch size b and `microbatches` microbatches: parameters, gradients and optimizer state
-// ((4 + 4 + optimizer) bytes per parameter / tp), activations of the microbatches the schedule
-// holds (GPipe: all; 1F1B: min(pp - stage, microbatches)), the boundary buffers, and
-// fixed_memory_bytes.
+// Bytes per parameter of a stage's state: parameters, gradients and optimizer state, plus, with
+// data parallelism (dp > 1), the gradient buckets' copy of the gradients (comm::GradientBuckets).
+double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, int dp);
+
+// Memory of one device holding layers [begin, end) at stage `stage` of `pp` with tp ranks in a plan
+// of dp replicas, microbatch size b and `microbatches` microbatches: the state
+// (StateBytesPerParameter / tp per parameter), activations of the microbatches the schedule holds
+// (GPipe: all; 1F1B: min(pp - stage, microbatches)), the boundary buffers, and fixed_memory_bytes.
 double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end,
-                        int stage, int pp, int tp, int microbatch_size, int microbatches,
+                        int stage, int pp, int tp, int dp, int microbatch_size, int microbatches,
                         Schedule schedule);
 
 // Simulates `plan`. Checks shapes (an error names what is inconsistent); a plan that does not fit

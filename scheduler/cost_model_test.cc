@@ -152,13 +152,16 @@ TEST(CostModelTest, MemoryOfOneDeviceMatchesHandComputedNumbers) {
   EXPECT_TRUE(p->fits);
   EXPECT_NEAR(p->max_memory_fraction, expected / (80e9 * 0.9), 1e-12);
   // 1F1B holds min(pp - stage, m) microbatches; GPipe holds all m.
-  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 8, Schedule::k1F1B),
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 1, 8, Schedule::k1F1B),
                    6 * 7087872.0 * 16 + 2 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
-  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 8, Schedule::kGPipe),
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 1, 8, Schedule::kGPipe),
                    6 * 7087872.0 * 16 + 8 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
   // Tensor parallelism divides state and activations.
-  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 1, 2, 2, 1, 8, Schedule::k1F1B),
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 1, 2, 2, 1, 1, 8, Schedule::k1F1B),
                    6 * 7087872.0 * 16 / 2 + 1 * 106971136.0 * 6 / 2 + 2.0 * 1024 * 768 * 4 + 1e9);
+  // Data parallelism adds the gradient buckets' copy of the gradients: 4 more bytes per parameter.
+  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 2, 1, 8, Schedule::k1F1B),
+                   6 * 7087872.0 * 20 + 2 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
 }
 
 TEST(CostModelTest, PlanThatDoesNotFitIsRejectedWithTheNumbers) {

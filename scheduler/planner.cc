@@ -41,7 +41,7 @@ int TotalMicrobatches(const Plan& p) {
 bool Better(const Plan& a, double ta, const Plan& b, double tb) {
   const int ma = TotalMicrobatches(a), mb = TotalMicrobatches(b);
   if (ma > mb) return ta < tb * (1 - kMicrobatchTie);
-  if (ma < mb) return ta <= tb * (1 + kMicrobatchTie);
+  if (ma < mb) return ta * (1 - kMicrobatchTie) <= tb;  // b does not beat a by the margin
   return ta < tb;
 }
 
@@ -125,7 +125,7 @@ class Search {
   std::vector<int> SliceStages(const std::vector<double>& stage_flops,
                                const std::vector<double>& stage_mem,
                                const std::vector<double>& stage_tp_comm,
-                               const std::vector<double>& boundary_spb, int tp, int b,
+                               const std::vector<double>& boundary_spb, int tp, int dp, int b,
                                int held_microbatches, Schedule schedule) const;
   void Consider(PlanCandidate candidate, const Key& key);
   // Seconds per raw byte from site a to site b with the codec the simulator would choose there.
@@ -223,13 +223,13 @@ std::vector<Unit> Search::MakeUnits(const std::vector<int>& devices, const std::
 std::vector<int> Search::SliceStages(const std::vector<double>& stage_flops,
                                      const std::vector<double>& stage_mem,
                                      const std::vector<double>& stage_tp_comm,
-                                     const std::vector<double>& boundary_spb, int tp, int b,
+                                     const std::vector<double>& boundary_spb, int tp, int dp, int b,
                                      int held_microbatches, Schedule schedule) const {
   const int L = model_.num_layers();
   const int pp = static_cast<int>(stage_flops.size());
   if (pp > L) return {};
   const double e = model_.bytes_per_element;
-  const double state_per_param = (2 * e + job_.optimizer_bytes_per_parameter) / tp;
+  const double state_per_param = StateBytesPerParameter(model_, job_, dp) / tp;
   const double buffer = 2.0 * b * model_.seq_len * model_.n_embd * e;
   // f[s][j]: best max stage time slicing layers [0, j) into stages 0..s-1.
   std::vector<std::vector<double>> f(pp + 1, std::vector<double>(L + 1, kInf));
@@ -429,7 +429,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
             std::vector<int> begin =
                 options_.runtime_plans ? RuntimeStageBegin(model_, pp)
                                        : SliceStages(stage_flops, stage_mem, stage_tp_comm,
-                                                     boundary_spb, tp, b, held_estimate, schedule);
+                                                     boundary_spb, tp, dp, b, held_estimate, schedule);
             Plan& plan = base_plan;
             plan.microbatch_size = b;
             plan.schedule = schedule;
@@ -849,12 +849,22 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
       return a.prediction.step_time_s < b.prediction.step_time_s;
     return TotalMicrobatches(a.plan) < TotalMicrobatches(b.plan);
   });
-  // The same shape on the same devices can come from several subsets or layouts: keep the fastest.
-  std::set<std::tuple<int, int, int, std::vector<int>>> seen;
+  // The same shape on the same devices can come from several subsets or layouts: keep the best (near-ties
+  // to fewer microbatches, as within a key).
+  std::map<std::tuple<int, int, int, std::vector<int>>, size_t> seen;
   for (PlanCandidate& c : ranked) {
-    if (seen.insert({c.plan.dp, c.plan.pp, c.plan.tp, c.left_out}).second)
+    auto [it, added] = seen.emplace(std::make_tuple(c.plan.dp, c.plan.pp, c.plan.tp, c.left_out),
+                                    result.ranked.size());
+    if (added) {
       result.ranked.push_back(std::move(c));
+    } else {
+      PlanCandidate& kept = result.ranked[it->second];
+      if (Better(c.plan, c.prediction.step_time_s, kept.plan, kept.prediction.step_time_s)) kept = std::move(c);
+    }
   }
+  std::stable_sort(result.ranked.begin(), result.ranked.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    return a.prediction.step_time_s < b.prediction.step_time_s;
+  });
   for (auto& [key, c] : search.rejected_by_key()) {
     if (!search.best_by_key().count(key) && !search.sliced_keys().count(key))
       result.rejected.push_back(c);

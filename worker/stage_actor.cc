@@ -340,9 +340,9 @@ absl::Status StageActor::Run() {
   GrpcTensorParallelComm tp_adapter(tp_comm.get());
 
   // The device: on a CUDA worker the stage's parameters, gradients, optimizer state and activations live
-  // on its GPU (bf16 GEMMs, fp32 master weights); tensors bound for other actors cross through host
-  // buffers, except a tensor-parallel group's all-reduces, which NCCL runs on device memory (the group
-  // shares a site and, on GPUs, every member is a CUDA stage).
+  // on its GPU (bf16 GEMMs, fp32 master weights); activations bound for other actors cross through host
+  // buffers; the collective groups whose members are all CUDA stages (worker/collectives.h) run on NCCL
+  // on device memory: tensor-parallel all-reduces, and the data-parallel gradient buckets.
   std::unique_ptr<model::Backend> device_backend;
   model::Backend* backend = model::CpuBackendInstance();
   if (config_.device != "cpu") {
@@ -377,10 +377,14 @@ absl::Status StageActor::Run() {
   }
   if (collectives->dp.use) {
     const DataParallelNccl& d = collectives->dp;
+    // With several sites, a non-leader's NCCL broadcast waits while its leader all-reduces over the WAN
+    // (each with the collective deadline) and while remote sites finish their backward: twice the deadline.
+    const int64_t site_timeout_ms =
+        d.leader_replicas.size() > 1 ? 2 * config_.collective_timeout_ms + 30000 : config_.collective_timeout_ms;
     auto nccl = comm::CreateNcclCommunicatorWithRendezvous(
         head_.get(), config_.token, me.job_id(), absl::StrCat("nccl/dp/stage", s, "/tp", t, "/site-", d.site),
         d.site_rank, static_cast<int>(d.site_replicas.size()), config_.device_index,
-        absl::Milliseconds(config_.collective_timeout_ms));
+        absl::Milliseconds(site_timeout_ms));
     if (!nccl.ok()) return nccl.status();
     nccl_dp = std::move(*nccl);
     if (d.leader_replicas.size() == 1) {  // one site: NCCL all-reduces the whole group
@@ -455,7 +459,8 @@ absl::Status StageActor::Run() {
   // microbatch's backward has finished its layers, overlapped with the backward of earlier layers (each
   // replica scaled its loss by 1 / (M dp)). The embeddings and final LayerNorm go last, after the
   // tied-embedding sum.
-  // On a device, the activations in and out and the gradients cross through these host buffers.
+  // On a device, the activations in and out cross through these host buffers, and so do the gradients of
+  // the tied-embedding sum and of a data-parallel all-reduce on gRPC.
   model::DeviceBuffer device_input, device_doutput;
   std::vector<float> host_output, host_dinput, host_grads;
   if (on_device) {

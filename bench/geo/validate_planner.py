@@ -236,6 +236,9 @@ PACE_BATCH = 16  # the pace check's global batch (no validation plan runs 16 seq
 def pace(geotrain, env, work, data, steps, warmup, name):
     """The reference job's median step time on the running cluster (worker a-0 alone).
 
+    The reference was profiled on the profiling cluster, whose b-0 shares its core with a busy loop;
+    uniform topologies have no busy loop, so the scale mixes the machine's drift with that difference
+    (0.97-1.02 in runs 6 and 7). Only the efficiencies are scaled, not the fixed layer cost.
     Only the pace alone is re-measured: a-0 and b-0 running the reference job at once slowed a-0 by up
     to 2x on mixed topologies (the busy loop beside b-0 makes b-0's runs contend with a-0's), and that
     factor, applied to every device, over-predicted the two-device plans by 30-90% (run 6)."""
