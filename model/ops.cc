@@ -9,6 +9,8 @@
 #include <cmath>
 #include <vector>
 
+#include "model/adamw_element.h"
+
 namespace geotrain::model {
 namespace {
 
@@ -425,14 +427,7 @@ void adamw_update(float* params, const float* grads, float* m, float* v, int64_t
                   float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const float grad = grads[i] * grad_scale;
-    const float param = params[i] * decay;
-    const float mi = m[i] + (1.0f - beta1) * (grad - m[i]);
-    const float vi = beta2 * v[i] + (1.0f - beta2) * grad * grad;
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    params[i] = param - step_size * mi / denom;
+    AdamWElement(params, grads, m, v, i, decay, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt);
   }
 }
 

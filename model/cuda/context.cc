@@ -142,28 +142,31 @@ void CudaContext::Free(void* ptr) {
   internal::CheckCuda(*this, cudaFree(ptr), "Free");
 }
 
-absl::Status CudaContext::CopyToDevice(void* dst, const void* src, size_t bytes) {
+namespace {
+
+// A copy between host and device memory on the context's stream; `direction` ("to", "from") names it in
+// errors.
+absl::Status CopyWithHost(CudaContext& ctx, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                          const char* direction) {
   if (bytes == 0) return absl::OkStatus();
-  internal::UseDevice(*this);
-  const cudaError_t error = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_);
+  internal::UseDevice(ctx);
+  const cudaError_t error = cudaMemcpyAsync(dst, src, bytes, kind, ctx.stream());
   if (error != cudaSuccess) {
     cudaGetLastError();
-    return absl::InternalError(absl::StrCat("copy of ", bytes, " bytes to device ", device_, ": ",
+    return absl::InternalError(absl::StrCat("copy of ", bytes, " bytes ", direction, " device ", ctx.device(), ": ",
                                             CudaErrorText(error)));
   }
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::Status CudaContext::CopyToDevice(void* dst, const void* src, size_t bytes) {
+  return CopyWithHost(*this, dst, src, bytes, cudaMemcpyHostToDevice, "to");
+}
+
 absl::Status CudaContext::CopyToHost(void* dst, const void* src, size_t bytes) {
-  if (bytes == 0) return absl::OkStatus();
-  internal::UseDevice(*this);
-  const cudaError_t error = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_);
-  if (error != cudaSuccess) {
-    cudaGetLastError();
-    return absl::InternalError(absl::StrCat("copy of ", bytes, " bytes from device ", device_, ": ",
-                                            CudaErrorText(error)));
-  }
-  return absl::OkStatus();
+  return CopyWithHost(*this, dst, src, bytes, cudaMemcpyDeviceToHost, "from");
 }
 
 void CudaContext::CopyOnDevice(void* dst, const void* src, size_t bytes) {

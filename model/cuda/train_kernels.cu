@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "model/adamw_element.h"
 #include "model/cuda/cuda_check.h"
 #include "model/cuda/device_util.cuh"
 #include "model/cuda/ops_cuda.h"
@@ -78,18 +79,11 @@ absl::StatusOr<double> Reduce(CudaContext& ctx, const float* x, int64_t n, const
   return value;
 }
 
-// model/optimizer.cc's update, element by element, in the same order of operations.
+// The CPU update, element by element: both run model/adamw_element.h.
 __global__ void AdamWKernel(float* params, const float* grads, float* m, float* v, int64_t n, float decay, float beta1,
                             float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) {
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
-    const float grad = grads[i] * grad_scale;
-    const float param = params[i] * decay;
-    const float mi = m[i] + (1.0f - beta1) * (grad - m[i]);
-    const float vi = beta2 * v[i] + (1.0f - beta2) * grad * grad;
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = sqrtf(vi) / bc2_sqrt + eps;
-    params[i] = param - step_size * mi / denom;
+    AdamWElement(params, grads, m, v, i, decay, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt);
   }
 }
 
