@@ -6,7 +6,7 @@ CMAKE_FLAGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 
-.PHONY: all deps configure build demo test clean
+.PHONY: all deps configure build demo test clean format
 
 all: build
 
@@ -24,6 +24,9 @@ demo: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+format:
+	bash tests/style/check_format.sh $(CURDIR) --fix
 
 clean:
 	rm -rf $(BUILD)

@@ -9,8 +9,8 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -143,7 +143,8 @@ absl::StatusOr<ClusterFile> ReadClusterFile(const std::string& state_dir) {
     file.head_address = node["head_address"].as<std::string>("");
     file.netem_control_port = std::stoi(node["netem_control_port"].as<std::string>("0"));
     for (const auto& p : node["processes"]) {
-      file.processes.push_back({p["name"].as<std::string>(""), static_cast<pid_t>(std::stol(p["pid"].as<std::string>("0")))});
+      file.processes.push_back(
+          {p["name"].as<std::string>(""), static_cast<pid_t>(std::stol(p["pid"].as<std::string>("0")))});
     }
     return file;
   } catch (const std::exception& e) {
@@ -196,8 +197,8 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
     for (const Started& p : existing->processes) {
       if (p.pid > 0 && ::kill(p.pid, 0) == 0 && RunsGeotrain(p.pid)) {
-        return absl::AlreadyExistsError(absl::StrCat("a cluster is already up (", state_dir,
-                                                     "); stop it first with `geotrain cluster down`"));
+        return absl::AlreadyExistsError(
+            absl::StrCat("a cluster is already up (", state_dir, "); stop it first with `geotrain cluster down`"));
       }
     }
   }
@@ -284,16 +285,16 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   const auto head_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
   while (!HeadStatus(file.head_address).ok()) {
     if (std::chrono::steady_clock::now() > head_deadline || ::waitpid(*head_pid, nullptr, WNOHANG) != 0) {
-      return fail(absl::UnavailableError(
-          absl::StrCat("the head did not start; see ", state_dir, "/logs/head.log")));
+      return fail(absl::UnavailableError(absl::StrCat("the head did not start; see ", state_dir, "/logs/head.log")));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 
   for (const PlannedWorker& w : workers) {
-    std::vector<std::string> argv = {geotrain, "worker", "start", "--head", file.head_address, "--site", w.site,
-                                     "--bind", "127.0.0.1", "--port", std::to_string(w.port), "--worker-id", w.id,
-                                     "--metrics-port", "0"};
+    std::vector<std::string> argv = {
+        geotrain, "worker",         "start",     "--head", file.head_address,      "--site",
+        w.site,   "--bind",         "127.0.0.1", "--port", std::to_string(w.port), "--worker-id",
+        w.id,     "--metrics-port", "0"};
     for (const std::string& d : w.devices) argv.insert(argv.end(), {"--emulate-device", d});
     for (const auto& [site, index] : w.route_index_by_site) {
       argv.insert(argv.end(), {"--advertise-for", absl::StrCat(site, "=127.0.0.1:", ready->routes[index].bound_port)});
@@ -314,21 +315,23 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     }
     if (alive == static_cast<int>(workers.size())) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      return fail(absl::DeadlineExceededError(absl::StrCat(
-          "only ", alive, " of ", workers.size(), " workers joined within 60 s; see ", state_dir, "/logs/")));
+      return fail(absl::DeadlineExceededError(absl::StrCat("only ", alive, " of ", workers.size(),
+                                                           " workers joined within 60 s; see ", state_dir, "/logs/")));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  std::printf("cluster up: head at %s, %zu workers in %d sites, WAN emulator with %zu routes "
-              "(control port %d)\n",
-              file.head_address.c_str(), workers.size(), topology->sites_size(), routes.size(),
-              file.netem_control_port);
+  std::printf(
+      "cluster up: head at %s, %zu workers in %d sites, WAN emulator with %zu routes "
+      "(control port %d)\n",
+      file.head_address.c_str(), workers.size(), topology->sites_size(), routes.size(), file.netem_control_port);
   for (const TopologyLink& l : topology->links()) {
-    std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(),
-                l.b().c_str(), l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
+    std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
+                l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
   }
-  std::printf("state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
-              "`geotrain cluster down`\n", state_dir.c_str());
+  std::printf(
+      "state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
+      "`geotrain cluster down`\n",
+      state_dir.c_str());
   return absl::OkStatus();
 }
 

@@ -30,6 +30,12 @@
 namespace geotrain::cli {
 namespace {
 
+using head::HeadOptions;
+using head::HeadServer;
+using worker::ParseEmulatedDevice;
+using worker::WorkerOptions;
+using worker::WorkerServer;
+
 // Prints "geotrain: <message>" and returns the exit code for it.
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
@@ -41,12 +47,12 @@ absl::Status Explain(const grpc::Status& s, const std::string& address) {
   switch (s.error_code()) {
     case grpc::StatusCode::UNAVAILABLE:
     case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return absl::UnavailableError(absl::StrCat(
-          "cannot reach the head at ", address, " (", s.error_message(),
-          "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
+      return absl::UnavailableError(
+          absl::StrCat("cannot reach the head at ", address, " (", s.error_message(),
+                       "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
     case grpc::StatusCode::UNAUTHENTICATED:
-      return absl::UnauthenticatedError(absl::StrCat("the head at ", address, " refused the call: ",
-                                                     s.error_message()));
+      return absl::UnauthenticatedError(
+          absl::StrCat("the head at ", address, " refused the call: ", s.error_message()));
     default:
       return FromGrpc(s);
   }
@@ -124,7 +130,6 @@ std::string FormatTime(int64_t unix_ms) {
   return buf;
 }
 
-
 // ---- head start ----
 void AddHeadCommands(CLI::App& app, Context& context) {
   CLI::App* head = app.add_subcommand("head", "run the head node");
@@ -141,8 +146,9 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN, the state dir's, or new)");
   start->add_option("--heartbeat-interval-ms", options->heartbeat_interval_ms, "worker heartbeat interval")
       ->capture_default_str();
-  start->add_option("--heartbeat-timeout-ms", options->heartbeat_timeout_ms,
-                    "silence after which a worker is declared dead")
+  start
+      ->add_option("--heartbeat-timeout-ms", options->heartbeat_timeout_ms,
+                   "silence after which a worker is declared dead")
       ->capture_default_str();
   start->add_option("--tls-cert", options->tls.cert, "server certificate (PEM) for TLS");
   start->add_option("--tls-key", options->tls.key, "server private key (PEM) for TLS");
@@ -153,8 +159,8 @@ void AddHeadCommands(CLI::App& app, Context& context) {
       if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) options->token = env;
     }
     if (options->heartbeat_timeout_ms <= options->heartbeat_interval_ms) {
-      context.exit_code = Fail(absl::InvalidArgumentError(
-          "--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms"));
+      context.exit_code =
+          Fail(absl::InvalidArgumentError("--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms"));
       return;
     }
     InstallStopSignals();
@@ -163,8 +169,8 @@ void AddHeadCommands(CLI::App& app, Context& context) {
       context.exit_code = Fail(s);
       return;
     }
-    std::printf("geotrain head %s listening on port %d (metrics on %d); token in %s/token\n",
-                server.head_id().c_str(), server.port(), server.metrics_port(), options->state_dir.c_str());
+    std::printf("geotrain head %s listening on port %d (metrics on %d); token in %s/token\n", server.head_id().c_str(),
+                server.port(), server.metrics_port(), options->state_dir.c_str());
     std::printf("join workers with: geotrain worker start --head <this-host>:%d --site NAME --token <token>\n",
                 server.port());
     std::fflush(stdout);
@@ -195,11 +201,11 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   auto advertise_for = std::make_shared<std::vector<std::string>>();
   start->add_option("--advertise-for", *advertise_for,
                     "SITE=HOST:PORT: the address peers at SITE dial (repeatable; e.g. a WAN emulator route)");
-  start->add_option("--probe-interval-ms", options->probe_interval_ms,
-                    "how often to measure latency and bandwidth to peers (0: never)")
+  start
+      ->add_option("--probe-interval-ms", options->probe_interval_ms,
+                   "how often to measure latency and bandwidth to peers (0: never)")
       ->capture_default_str();
-  start->add_option("--emulate-device", *emulate,
-                    "stand in for a GPU: NAME:TFLOPS:MEM_GB (repeatable), e.g. T4:65:16");
+  start->add_option("--emulate-device", *emulate, "stand in for a GPU: NAME:TFLOPS:MEM_GB (repeatable), e.g. T4:65:16");
   start->add_option("--tls-cert", options->tls.cert, "client certificate (PEM)");
   start->add_option("--tls-key", options->tls.key, "client private key (PEM)");
   start->add_option("--tls-ca", options->tls.ca, "CA (PEM) that signed the head's certificate");
@@ -208,8 +214,8 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
     for (const std::string& pair : *advertise_for) {
       const size_t eq = pair.find('=');
       if (eq == std::string::npos || eq == 0 || eq + 1 == pair.size()) {
-        context.exit_code = Fail(absl::InvalidArgumentError(
-            absl::StrCat("--advertise-for '", pair, "': expected SITE=HOST:PORT")));
+        context.exit_code =
+            Fail(absl::InvalidArgumentError(absl::StrCat("--advertise-for '", pair, "': expected SITE=HOST:PORT")));
         return;
       }
       options->address_for_site[pair.substr(0, eq)] = pair.substr(eq + 1);
@@ -235,8 +241,8 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       context.exit_code = Fail(s);
       return;
     }
-    std::printf("geotrain worker (site %s) listening on port %d, joining %s\n", options->site.c_str(),
-                server.port(), options->head_address.c_str());
+    std::printf("geotrain worker (site %s) listening on port %d, joining %s\n", options->site.c_str(), server.port(),
+                options->head_address.c_str());
     std::fflush(stdout);
     std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
     server.Wait();
@@ -250,11 +256,10 @@ void PrintStatus(const ClusterStatus& status, const std::string& address) {
               FormatTime(status.head_started_unix_ms()).c_str());
   std::printf("\n%-14s %6s %6s %8s %10s\n", "SITE", "ALIVE", "DEAD", "DEVICES", "TFLOP/S");
   for (const SiteStatus& s : status.sites()) {
-    std::printf("%-14s %6d %6d %8d %10.1f\n", s.name().c_str(), s.alive_workers(), s.dead_workers(),
-                s.devices(), s.tflops());
+    std::printf("%-14s %6d %6d %8d %10.1f\n", s.name().c_str(), s.alive_workers(), s.dead_workers(), s.devices(),
+                s.tflops());
   }
-  std::printf("\n%-12s %-10s %-6s %-22s %-34s %s\n", "WORKER", "SITE", "STATE", "ADDRESS", "DEVICES",
-              "LAST HEARTBEAT");
+  std::printf("\n%-12s %-10s %-6s %-22s %-34s %s\n", "WORKER", "SITE", "STATE", "ADDRESS", "DEVICES", "LAST HEARTBEAT");
   for (const WorkerInfo& w : status.workers()) {
     std::string devices;
     for (const Device& d : w.devices()) {
@@ -267,19 +272,17 @@ void PrintStatus(const ClusterStatus& status, const std::string& address) {
                 w.dead_reason().empty() ? "" : absl::StrCat("  (", w.dead_reason(), ")").c_str());
   }
   if (status.site_links_size() > 0) {
-    std::printf("\n%-14s %-14s %12s %16s %8s\n", "SITE A", "SITE B", "LATENCY MS", "BANDWIDTH MBIT/S",
-                "SAMPLES");
+    std::printf("\n%-14s %-14s %12s %16s %8s\n", "SITE A", "SITE B", "LATENCY MS", "BANDWIDTH MBIT/S", "SAMPLES");
     for (const SiteLink& l : status.site_links()) {
-      std::printf("%-14s %-14s %12.2f %16.0f %8d\n", l.a().c_str(), l.b().c_str(), l.latency_ms(),
-                  l.bandwidth_mbps(), l.samples());
+      std::printf("%-14s %-14s %12.2f %16.0f %8d\n", l.a().c_str(), l.b().c_str(), l.latency_ms(), l.bandwidth_mbps(),
+                  l.samples());
     }
   }
   if (status.actors_size() > 0) {
-    std::printf("\n%-16s %-12s %-12s %4s %5s %3s %s\n", "ACTOR", "JOB", "WORKER", "REPL", "STAGE", "TP",
-                "STATE");
+    std::printf("\n%-16s %-12s %-12s %4s %5s %3s %s\n", "ACTOR", "JOB", "WORKER", "REPL", "STAGE", "TP", "STATE");
     for (const ActorRecord& a : status.actors()) {
-      std::printf("%-16s %-12s %-12s %4d %5d %3d %s\n", a.actor_id().c_str(), a.job_id().c_str(),
-                  a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str());
+      std::printf("%-16s %-12s %-12s %4d %5d %3d %s\n", a.actor_id().c_str(), a.job_id().c_str(), a.worker_id().c_str(),
+                  a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str());
     }
   }
   std::printf("\njobs:");
@@ -338,9 +341,8 @@ void PrintJob(const JobInfo& job) {
                 job.measured_step_seconds());
   }
   for (const ActorRecord& a : job.actors()) {
-    std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(),
-                a.worker_id().c_str(), a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str(),
-                a.message().c_str());
+    std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(), a.worker_id().c_str(),
+                a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str(), a.message().c_str());
   }
 }
 
@@ -353,8 +355,8 @@ class ProgressLine {
     if (event.kind() != "step") return false;
     long step = 0, wan = 0;
     double loss = 0, tokens = 0, seconds = 0;
-    if (std::sscanf(event.line().c_str(), "step %ld loss %lf %lf tokens/s step %lf", &step, &loss, &tokens,
-                    &seconds) != 4) {
+    if (std::sscanf(event.line().c_str(), "step %ld loss %lf %lf tokens/s step %lf", &step, &loss, &tokens, &seconds) !=
+        4) {
       return false;
     }
     const size_t at = event.line().find("wan bytes ");
@@ -364,8 +366,8 @@ class ProgressLine {
     const int filled = static_cast<int>(kWidth * std::min<long>(step, total_) / total_);
     std::string bar(filled, '=');
     if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
-    std::fprintf(stdout, "\r[%s] step %ld/%d | loss %.4f | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(),
-                 step, total_, loss, tokens, seconds, wan_total_ / 1e6);
+    std::fprintf(stdout, "\r[%s] step %ld/%d | loss %.4f | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(), step,
+                 total_, loss, tokens, seconds, wan_total_ / 1e6);
     std::fflush(stdout);
     drawn_ = true;
     return true;
@@ -481,8 +483,8 @@ void AddJobCommands(CLI::App& app, Context& context) {
     }
     std::printf("%-12s %-24s %-10s %-20s %s\n", "JOB", "NAME", "STATE", "SUBMITTED", "MESSAGE");
     for (const JobInfo& j : reply.jobs()) {
-      std::printf("%-12s %-24s %-10s %-20s %s\n", j.job_id().c_str(), j.name().c_str(),
-                  JobStateName(j.state()), FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
+      std::printf("%-12s %-24s %-10s %-20s %s\n", j.job_id().c_str(), j.name().c_str(), JobStateName(j.state()),
+                  FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
     }
   });
 

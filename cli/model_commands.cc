@@ -101,8 +101,8 @@ int ModelSteps(const std::string& config_path, const std::string& weights, const
   ao.beta2 = static_cast<float>(t.beta2());
   ao.weight_decay = static_cast<float>(t.weight_decay());
   model::AdamW adam(model.num_params(), model.segments(), ao);
-  model::LearningRateSchedule schedule{.max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(),
-                                       .total_steps = t.steps()};
+  model::LearningRateSchedule schedule{
+      .max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(), .total_steps = t.steps()};
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
   model::NamedTensor losses{"losses", {t.steps()}, {}};
   for (int step = 0; step < t.steps(); ++step) {
@@ -112,7 +112,8 @@ int ModelSteps(const std::string& config_path, const std::string& weights, const
     losses.data.push_back(model.loss());
     if (absl::Status s = model.Backward(nullptr, 1.0f); !s.ok()) return Fail(s);
     const double norm = std::sqrt(model.GradSquaredNormShare());
-    adam.Step(model.params(), model.grads(), static_cast<float>(schedule.At(step)), model::ClipScale(norm, t.grad_clip()));
+    adam.Step(model.params(), model.grads(), static_cast<float>(schedule.At(step)),
+              model::ClipScale(norm, t.grad_clip()));
   }
   auto params = model::ExportStageTensors(model, false);
   if (!params.ok()) return Fail(params.status());

@@ -63,8 +63,8 @@ absl::Status ParseEfficiencies(const std::string& text, std::map<std::string, do
     std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
     double e = 0;
     if (kv.first.empty() || !absl::SimpleAtod(kv.second, &e) || !(e > 0 && e <= 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--efficiency-by-device '", item, "': give NAME=EFFICIENCY with 0 < EFFICIENCY <= 1"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--efficiency-by-device '", item, "': give NAME=EFFICIENCY with 0 < EFFICIENCY <= 1"));
     }
     (*out)[kv.first] = e;
   }
@@ -79,15 +79,13 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
                                            const scheduler::ModelCosts& model) {
   const ParallelSpec& parallel = spec.parallel();
   if (parallel.plan() != "manual") {
-    return absl::InvalidArgumentError(
-        "--predict needs a job spec with parallel: {plan: manual, ...}");
+    return absl::InvalidArgumentError("--predict needs a job spec with parallel: {plan: manual, ...}");
   }
   scheduler::Plan plan;
   plan.dp = parallel.dp();
   plan.pp = parallel.pp();
   plan.tp = parallel.tp();
-  plan.schedule =
-      parallel.schedule() == "gpipe" ? scheduler::Schedule::kGPipe : scheduler::Schedule::k1F1B;
+  plan.schedule = parallel.schedule() == "gpipe" ? scheduler::Schedule::kGPipe : scheduler::Schedule::k1F1B;
   plan.microbatch_size = spec.train().global_batch() / (plan.dp * parallel.microbatches());
   plan.microbatches.assign(plan.dp, parallel.microbatches());
   plan.stage_begin = scheduler::RuntimeStageBegin(model, plan.pp);
@@ -100,15 +98,13 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
   auto take = [&](int site, int worker) -> int {
     for (int d = 0; d < static_cast<int>(cluster.devices.size()); ++d) {
       const scheduler::Device& device = cluster.devices[d];
-      if (used[d] || (site >= 0 && device.site != site) || (worker >= 0 && device.worker != worker))
-        continue;
+      if (used[d] || (site >= 0 && device.site != site) || (worker >= 0 && device.worker != worker)) continue;
       used[d] = 1;
       return d;
     }
     return -1;
   };
-  plan.devices.assign(plan.dp,
-                      std::vector<std::vector<int>>(plan.pp, std::vector<int>(plan.tp, -1)));
+  plan.devices.assign(plan.dp, std::vector<std::vector<int>>(plan.pp, std::vector<int>(plan.tp, -1)));
   for (const PlacementSpec& pin : parallel.placement()) {
     int site = -1, worker = -1;
     if (!pin.worker().empty()) {
@@ -116,14 +112,12 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
       if (dash == std::string::npos || !site_of.count(pin.worker().substr(0, dash)) ||
           !absl::SimpleAtoi(pin.worker().substr(dash + 1), &worker)) {
         return absl::InvalidArgumentError(
-            absl::StrCat("placement worker '", pin.worker(),
-                         "': expected SITE-INDEX as `cluster up` names workers"));
+            absl::StrCat("placement worker '", pin.worker(), "': expected SITE-INDEX as `cluster up` names workers"));
       }
       site = site_of[pin.worker().substr(0, dash)];
     } else if (!pin.site().empty()) {
       if (!site_of.count(pin.site())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("placement site '", pin.site(), "' is not in the topology"));
+        return absl::InvalidArgumentError(absl::StrCat("placement site '", pin.site(), "' is not in the topology"));
       }
       site = site_of[pin.site()];
     }
@@ -132,16 +126,15 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
     if (slot >= 0) continue;
     slot = take(site, worker);
     if (slot < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("no free device for the placement of replica ",
-                                                     pin.replica(), " stage ", pin.stage()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("no free device for the placement of replica ", pin.replica(), " stage ", pin.stage()));
     }
   }
   for (auto& replica : plan.devices) {
     for (auto& stage : replica) {
       for (int& d : stage) {
         if (d < 0) d = take(-1, -1);
-        if (d < 0)
-          return absl::InvalidArgumentError("the plan needs more devices than the topology has");
+        if (d < 0) return absl::InvalidArgumentError("the plan needs more devices than the topology has");
       }
     }
   }
@@ -155,10 +148,8 @@ int RunPlan(const PlanFlags& flags) {
     return 2;
   }
   scheduler::ClusterOptions cluster_options;
-  cluster_options.intra_site = {flags.intra_site_latency_ms * 1e-3,
-                                flags.intra_site_gbps * 1e9 / 8};
-  absl::StatusOr<scheduler::Cluster> cluster =
-      scheduler::ClusterFromTopology(*topology, cluster_options);
+  cluster_options.intra_site = {flags.intra_site_latency_ms * 1e-3, flags.intra_site_gbps * 1e9 / 8};
+  absl::StatusOr<scheduler::Cluster> cluster = scheduler::ClusterFromTopology(*topology, cluster_options);
   if (!cluster.ok()) {
     std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.topology.c_str(),
                  std::string(cluster.status().message()).c_str());
@@ -191,9 +182,8 @@ int RunPlan(const PlanFlags& flags) {
     return 2;
   }
   if (seq_len < 1 || seq_len > config->block_size) {
-    std::fprintf(stderr,
-                 "geotrain plan: --seq-len %d must be between 1 and the model's block size %d\n",
-                 seq_len, config->block_size);
+    std::fprintf(stderr, "geotrain plan: --seq-len %d must be between 1 and the model's block size %d\n", seq_len,
+                 config->block_size);
     return 2;
   }
   if (global_batch < 1) {
@@ -214,17 +204,14 @@ int RunPlan(const PlanFlags& flags) {
     std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
     int n = 0;
     double scale = 0;
-    if (!absl::SimpleAtoi(kv.first, &n) || !absl::SimpleAtod(kv.second, &scale) || n < 1 ||
-        !(scale > 0)) {
-      std::fprintf(stderr,
-                   "geotrain plan: --shared-host-scale '%s': give DEVICES=SCALE, e.g. 2=0.7\n",
+    if (!absl::SimpleAtoi(kv.first, &n) || !absl::SimpleAtod(kv.second, &scale) || n < 1 || !(scale > 0)) {
+      std::fprintf(stderr, "geotrain plan: --shared-host-scale '%s': give DEVICES=SCALE, e.g. 2=0.7\n",
                    std::string(item).c_str());
       return 2;
     }
     job.shared_host_scale[n] = scale;
   }
-  if (absl::Status s = ParseEfficiencies(flags.efficiency_by_device, &job.efficiency_by_device);
-      !s.ok()) {
+  if (absl::Status s = ParseEfficiencies(flags.efficiency_by_device, &job.efficiency_by_device); !s.ok()) {
     std::fprintf(stderr, "geotrain plan: %s\n", std::string(s.message()).c_str());
     return 2;
   }
@@ -232,8 +219,7 @@ int RunPlan(const PlanFlags& flags) {
     if (name == "none") continue;
     absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
     if (!codec.ok()) {
-      std::fprintf(stderr, "geotrain plan: --codecs: %s\n",
-                   std::string(codec.status().message()).c_str());
+      std::fprintf(stderr, "geotrain plan: --codecs: %s\n", std::string(codec.status().message()).c_str());
       return 2;
     }
     job.codecs.push_back(*codec);
@@ -254,9 +240,8 @@ int RunPlan(const PlanFlags& flags) {
   const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(*config, seq_len);
   if (flags.predict) {
     absl::StatusOr<scheduler::Plan> plan = PlanOfSpec(*spec, *cluster, model);
-    absl::StatusOr<scheduler::Prediction> prediction =
-        plan.ok() ? scheduler::Simulate(*cluster, model, job, *plan)
-                  : absl::StatusOr<scheduler::Prediction>(plan.status());
+    absl::StatusOr<scheduler::Prediction> prediction = plan.ok() ? scheduler::Simulate(*cluster, model, job, *plan)
+                                                                 : absl::StatusOr<scheduler::Prediction>(plan.status());
     if (!prediction.ok()) {
       std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.job_spec.c_str(),
                    std::string(prediction.status().message()).c_str());
@@ -284,8 +269,8 @@ int RunPlan(const PlanFlags& flags) {
     std::cout << scheduler::PlanResultToJson(*cluster, model, job, *result, flags.top);
   } else {
     std::cout << "geotrain plan: " << (spec ? flags.job_spec : flags.model) << " ("
-              << absl::StrFormat("%.0fM", config->NumParameters() / 1e6) << " parameters) on "
-              << flags.topology << "\n";
+              << absl::StrFormat("%.0fM", config->NumParameters() / 1e6) << " parameters) on " << flags.topology
+              << "\n";
     std::cout << scheduler::FormatPlanResult(*cluster, model, job, *result, flags.top);
   }
   return 0;
@@ -297,21 +282,17 @@ void AddPlanCommands(CLI::App& app, Context& context) {
                                       "Rank parallelisation plans (DP x PP x TP, stages, "
                                       "placement, codecs) for a topology and explain "
                                       "the best");
-  plan->add_option("--topology", flags->topology,
-                   "topology file (YAML or JSON): sites, workers, links")
-      ->required();
-  CLI::Option* model = plan->add_option(
-      "--model", flags->model, "model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, ...)");
-  CLI::Option* job = plan->add_option(
-      "--job", flags->job_spec,
-      "job spec (YAML/JSON) giving the model, global batch, seq len and WAN codec");
+  plan->add_option("--topology", flags->topology, "topology file (YAML or JSON): sites, workers, links")->required();
+  CLI::Option* model =
+      plan->add_option("--model", flags->model, "model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, ...)");
+  CLI::Option* job = plan->add_option("--job", flags->job_spec,
+                                      "job spec (YAML/JSON) giving the model, global batch, seq len and WAN codec");
   model->excludes(job);
   plan->add_option("--global-batch", flags->global_batch, "sequences per optimizer step");
   plan->add_option("--seq-len", flags->seq_len, "tokens per sequence");
-  plan->add_flag(
-      "--predict", flags->predict,
-      "simulate the --job spec's manual plan (runtime slicing, its placement) instead of "
-      "searching");
+  plan->add_flag("--predict", flags->predict,
+                 "simulate the --job spec's manual plan (runtime slicing, its placement) instead of "
+                 "searching");
   plan->add_flag("--runtime-plans", flags->runtime_plans,
                  "search only plans the runtime runs as planned (its stage slicing, equal "
                  "microbatch counts per replica)");
@@ -342,18 +323,14 @@ void AddPlanCommands(CLI::App& app, Context& context) {
         flags->codecs_given = true;
       },
       "codecs allowed on cross-site links: none, fp16, bf16, int8, topk:F (default fp16,bf16)");
-  plan->add_option("--efficiency", flags->efficiency,
-                   "assumed achieved/peak FLOP/s per device (default 0.4)");
+  plan->add_option("--efficiency", flags->efficiency, "assumed achieved/peak FLOP/s per device (default 0.4)");
   plan->add_option("--memory-headroom", flags->memory_headroom,
                    "fraction of each device's memory kept free (default 0.1)");
-  plan->add_option("--intra-site-gbps", flags->intra_site_gbps,
-                   "bandwidth inside a site (default 100)");
+  plan->add_option("--intra-site-gbps", flags->intra_site_gbps, "bandwidth inside a site (default 100)");
   plan->add_option("--intra-site-latency-ms", flags->intra_site_latency_ms,
                    "one-way latency inside a site (default 0.05)");
-  plan->add_option("--tp-degrees", flags->tp_degrees,
-                   "tensor-parallel degrees to try (default 1,2,4,8)");
-  plan->add_flag("--no-subsets", flags->no_subsets,
-                 "do not try leaving out slow devices or whole sites");
+  plan->add_option("--tp-degrees", flags->tp_degrees, "tensor-parallel degrees to try (default 1,2,4,8)");
+  plan->add_flag("--no-subsets", flags->no_subsets, "do not try leaving out slow devices or whole sites");
   plan->callback([flags, &context]() { context.exit_code = RunPlan(*flags); });
 }
 

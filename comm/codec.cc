@@ -170,9 +170,7 @@ void Bf16ToF32(const uint16_t* in, float* out, size_t n) { Bf16ToF32Body(in, out
 void F32ToF16(const float* in, uint16_t* out, size_t n) { F32ToF16Scalar(in, out, n); }
 void F16ToF32(const uint16_t* in, float* out, size_t n) { F16ToF32Scalar(in, out, n); }
 bool Int8Encode(const float* in, size_t n, float* s, int8_t* q) { return Int8EncodeBody(in, n, s, q); }
-void Int8Decode(const int8_t* q, const float* s, float* out, size_t b, size_t n) {
-  Int8DecodeBody(q, s, out, b, n);
-}
+void Int8Decode(const int8_t* q, const float* s, float* out, size_t b, size_t n) { Int8DecodeBody(q, s, out, b, n); }
 void AddF32(const float* src, float* acc, size_t n) { AddF32Body(src, acc, n); }
 constexpr Kernels kKernels = {"scalar", F32ToBf16, Bf16ToF32, F32ToF16, F16ToF32, Int8Encode, Int8Decode, AddF32};
 }  // namespace scalar
@@ -226,9 +224,7 @@ GT_AVX512 void F16ToF32(const uint16_t* in, float* out, size_t n) {
   }
   F16ToF32Scalar(in + i, out + i, n - i);
 }
-GT_AVX512 bool Int8Encode(const float* in, size_t n, float* s, int8_t* q) {
-  return Int8EncodeBody(in, n, s, q);
-}
+GT_AVX512 bool Int8Encode(const float* in, size_t n, float* s, int8_t* q) { return Int8EncodeBody(in, n, s, q); }
 GT_AVX512 void Int8Decode(const int8_t* q, const float* s, float* out, size_t b, size_t n) {
   Int8DecodeBody(q, s, out, b, n);
 }
@@ -240,9 +236,8 @@ constexpr Kernels kKernels = {"avx512", F32ToBf16, Bf16ToF32, F32ToF16, F16ToF32
 const Kernels* DetectKernels() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
     return &avx512::kKernels;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
@@ -283,8 +278,8 @@ uint32_t Crc32cSoftware(const uint8_t* p, size_t n, uint32_t crc) {
     std::memcpy(&word, p, 8);
     word ^= crc;
     crc = t.entries[7][word & 0xFF] ^ t.entries[6][(word >> 8) & 0xFF] ^ t.entries[5][(word >> 16) & 0xFF] ^
-          t.entries[4][(word >> 24) & 0xFF] ^ t.entries[3][(word >> 32) & 0xFF] ^
-          t.entries[2][(word >> 40) & 0xFF] ^ t.entries[1][(word >> 48) & 0xFF] ^ t.entries[0][word >> 56];
+          t.entries[4][(word >> 24) & 0xFF] ^ t.entries[3][(word >> 32) & 0xFF] ^ t.entries[2][(word >> 40) & 0xFF] ^
+          t.entries[1][(word >> 48) & 0xFF] ^ t.entries[0][word >> 56];
     p += 8;
     n -= 8;
   }
@@ -424,8 +419,8 @@ uint64_t FixedRawBytes(CodecKind kind, uint64_t count) {
 
 absl::StatusOr<Header> ReadHeader(absl::Span<const uint8_t> in) {
   if (in.size() < kCodecHeaderBytes) {
-    return absl::DataLossError(absl::StrCat("encoded tensor truncated: ", in.size(), " bytes, the header alone is ",
-                                            kCodecHeaderBytes));
+    return absl::DataLossError(
+        absl::StrCat("encoded tensor truncated: ", in.size(), " bytes, the header alone is ", kCodecHeaderBytes));
   }
   const uint8_t* p = in.data();
   if (Get<uint32_t>(p) != kCodecMagic) {
@@ -452,8 +447,8 @@ absl::StatusOr<Header> ReadHeader(absl::Span<const uint8_t> in) {
     return absl::InvalidArgumentError(absl::StrCat("encoded tensor has unknown flags ", h.flags));
   }
   if (h.count > kMaxCodecElements) {
-    return absl::InvalidArgumentError(absl::StrCat("encoded tensor claims ", h.count, " elements, above the limit ",
-                                                   kMaxCodecElements));
+    return absl::InvalidArgumentError(
+        absl::StrCat("encoded tensor claims ", h.count, " elements, above the limit ", kMaxCodecElements));
   }
   if (h.payload_bytes != in.size() - kCodecHeaderBytes) {
     return absl::DataLossError(absl::StrCat("encoded tensor payload is ", in.size() - kCodecHeaderBytes,
@@ -465,8 +460,8 @@ absl::StatusOr<Header> ReadHeader(absl::Span<const uint8_t> in) {
       return absl::InvalidArgumentError("top-k tensor has more than 2^32 elements");
     }
     if (h.raw_bytes < 8 || (h.raw_bytes - 8) % 8 != 0 || (h.raw_bytes - 8) / 8 > h.count) {
-      return absl::DataLossError(absl::StrCat("top-k payload of ", h.raw_bytes, " bytes does not fit ", h.count,
-                                              " elements"));
+      return absl::DataLossError(
+          absl::StrCat("top-k payload of ", h.raw_bytes, " bytes does not fit ", h.count, " elements"));
     }
   } else if (h.raw_bytes != FixedRawBytes(kind, h.count)) {
     return absl::DataLossError(absl::StrCat("payload of ", h.raw_bytes, " bytes does not match ", h.count,
@@ -502,8 +497,8 @@ absl::StatusOr<const uint8_t*> RawPayload(const Header& h, absl::Span<const uint
   thread_local ZSTD_DCtx* dctx = ZSTD_createDCtx();
   const size_t got = ZSTD_decompressDCtx(dctx, raw, h.raw_bytes, payload, h.payload_bytes);
   if (ZSTD_isError(got) || got != h.raw_bytes) {
-    return absl::DataLossError(absl::StrCat("zstd payload is corrupted: ",
-                                            ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short output"));
+    return absl::DataLossError(
+        absl::StrCat("zstd payload is corrupted: ", ZSTD_isError(got) ? ZSTD_getErrorName(got) : "short output"));
   }
   return raw;
 }
@@ -516,8 +511,8 @@ absl::Status CheckTopK(const uint8_t* raw, const Header& h, uint64_t* k_out) {
   for (uint64_t j = 0; j < k; ++j) {
     const uint32_t index = Get<uint32_t>(indices + 4 * j);
     if (index >= h.count || (j > 0 && index <= previous)) {
-      return absl::DataLossError(absl::StrCat("top-k index ", index, " at position ", j,
-                                              " is out of range or not increasing"));
+      return absl::DataLossError(
+          absl::StrCat("top-k index ", index, " at position ", j, " is out of range or not increasing"));
     }
     previous = index;
   }
@@ -566,11 +561,10 @@ absl::Status DecodeImpl(absl::Span<const uint8_t> encoded, absl::Span<float> out
   if (!header.ok()) return header.status();
   const Header& h = *header;
   if (h.count != output.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("encoded tensor has ", h.count, " elements, the destination ",
-                                                   output.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("encoded tensor has ", h.count, " elements, the destination ", output.size()));
   }
-  if (options.verify_checksum &&
-      Crc32c(encoded.data() + kCodecHeaderBytes, h.payload_bytes) != h.payload_crc) {
+  if (options.verify_checksum && Crc32c(encoded.data() + kCodecHeaderBytes, h.payload_bytes) != h.payload_crc) {
     return absl::DataLossError("encoded tensor payload checksum mismatch (corrupted in transit)");
   }
   auto raw_or = RawPayload(h, encoded);
@@ -714,8 +708,8 @@ absl::StatusOr<Codec> ParseCodec(std::string_view text_view) {
     codec.kind = CodecKind::kTopK;
     double fraction = 0;
     if (!absl::SimpleAtod(base.substr(5), &fraction) || !(fraction > 0.0) || fraction > 1.0) {
-      return absl::InvalidArgumentError(absl::StrCat("bad top-k fraction in codec '", text,
-                                                     "': give a number in (0, 1], e.g. topk:0.01"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad top-k fraction in codec '", text, "': give a number in (0, 1], e.g. topk:0.01"));
     }
     codec.topk_fraction = fraction;
   } else {
@@ -733,8 +727,8 @@ absl::StatusOr<Codec> ParseCodec(std::string_view text_view) {
       codec.zstd = true;
       codec.zstd_level = level;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown codec suffix '+", extra, "' in '", text, "'; ",
-                                                     accepted));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown codec suffix '+", extra, "' in '", text, "'; ", accepted));
     }
   }
   return codec;
@@ -819,8 +813,7 @@ std::string_view CodecIsa() { return K()->name; }
 
 void ForceScalarCodecs(bool force) { g_kernels.store(force ? &scalar::kKernels : DetectKernels()); }
 
-absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Bytes* out,
-                          std::vector<float>* residual) {
+absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Bytes* out, std::vector<float>* residual) {
   const uint64_t count = input.size();
   if (count > kMaxCodecElements) {
     return absl::InvalidArgumentError(absl::StrCat("tensor of ", count, " elements is above the codec limit"));
@@ -980,8 +973,7 @@ absl::StatusOr<EncodedInfo> InspectEncoded(absl::Span<const uint8_t> encoded, bo
   return info;
 }
 
-absl::Status DecodeTensor(absl::Span<const uint8_t> encoded, absl::Span<float> output,
-                          const DecodeOptions& options) {
+absl::Status DecodeTensor(absl::Span<const uint8_t> encoded, absl::Span<float> output, const DecodeOptions& options) {
   return DecodeImpl(encoded, output, options, /*accumulate=*/false);
 }
 

@@ -69,13 +69,13 @@ GrpcCommunicator::GrpcCommunicator(int rank, std::vector<PeerInfo> peers, Tensor
   absl::flat_hash_set<std::string> names;
   for (const PeerInfo& p : peers_) {
     if (p.name.empty() || !names.insert(p.name).second) {
-      config_status_ = absl::InvalidArgumentError(absl::StrCat("communicator peers need unique, non-empty names ('",
-                                                               p.name, "')"));
+      config_status_ =
+          absl::InvalidArgumentError(absl::StrCat("communicator peers need unique, non-empty names ('", p.name, "')"));
     }
   }
   if (rank_ < 0 || rank_ >= static_cast<int>(peers_.size())) {
-    config_status_ = absl::InvalidArgumentError(absl::StrCat("communicator rank ", rank_, " is outside the ",
-                                                             peers_.size(), " peers"));
+    config_status_ = absl::InvalidArgumentError(
+        absl::StrCat("communicator rank ", rank_, " is outside the ", peers_.size(), " peers"));
   }
   if (server_ == nullptr || client_ == nullptr) {
     config_status_ = absl::InvalidArgumentError("communicator needs a tensor stream server and client");
@@ -111,9 +111,8 @@ std::vector<float>* GrpcCommunicator::Residual(const std::string& key) {
   return &residuals_[key];
 }
 
-absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer,
-                                      absl::Span<const float> data, const Codec& codec,
-                                      const std::string& residual_key) {
+absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
+                                      const Codec& codec, const std::string& residual_key) {
   std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
   const int64_t n = static_cast<int64_t>(data.size());
   return client_->Send(peers_[peer].address, MakeKey(call, part, rank_), {n}, data, codec, call.deadline, residual);
@@ -156,8 +155,8 @@ absl::Status GrpcCommunicator::RingReduceScatter(const Call& call, const std::ve
   return absl::OkStatus();
 }
 
-absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector<int>& group,
-                                             absl::Span<float> data, const Codec& codec) {
+absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector<int>& group, absl::Span<float> data,
+                                             const Codec& codec) {
   const int n = static_cast<int>(group.size());
   if (n == 1) return absl::OkStatus();
   const int p = static_cast<int>(std::find(group.begin(), group.end(), rank_) - group.begin());
@@ -277,9 +276,9 @@ absl::Status GrpcCommunicator::ReduceScatter(absl::Span<const float> input, absl
                                              std::string_view tag) {
   if (!config_status_.ok()) return config_status_;
   if (input.size() != output.size() * peers_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("ReduceScatter: input has ", input.size(),
-                                                   " elements, expected size() x output = ",
-                                                   output.size() * peers_.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReduceScatter: input has ", input.size(),
+                     " elements, expected size() x output = ", output.size() * peers_.size()));
   }
   const Call call = Begin("reduce-scatter", tag);
   std::vector<float> work(input.begin(), input.end());
@@ -294,9 +293,9 @@ absl::Status GrpcCommunicator::AllGather(absl::Span<const float> input, absl::Sp
                                          std::string_view tag) {
   if (!config_status_.ok()) return config_status_;
   if (output.size() != input.size() * peers_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("AllGather: output has ", output.size(),
-                                                   " elements, expected size() x input = ",
-                                                   input.size() * peers_.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("AllGather: output has ", output.size(),
+                     " elements, expected size() x input = ", input.size() * peers_.size()));
   }
   const Call call = Begin("all-gather", tag);
   std::copy(input.begin(), input.end(), output.begin() + static_cast<ptrdiff_t>(rank_ * input.size()));
@@ -318,9 +317,8 @@ absl::Status GrpcCommunicator::Broadcast(absl::Span<float> data, int root, std::
   std::vector<std::unique_ptr<AsyncStatus>> sends;
   for (int r = 0; r < size(); ++r) {
     if (r == root) continue;
-    sends.push_back(std::make_unique<AsyncStatus>([&, r] {
-      return SendTo(call, "b", r, data, LinkCodec(root, r), absl::StrCat(call.prefix, "/b/", r));
-    }));
+    sends.push_back(std::make_unique<AsyncStatus>(
+        [&, r] { return SendTo(call, "b", r, data, LinkCodec(root, r), absl::StrCat(call.prefix, "/b/", r)); }));
   }
   absl::Status first_error;
   for (auto& send : sends) {
@@ -350,11 +348,9 @@ absl::Status GrpcCommunicator::Recv(int peer, absl::Span<float> data, std::strin
 // --- BucketedAllReduce -----------------------------------------------------------------------------------
 
 BucketedAllReduce::BucketedAllReduce(Communicator* communicator, std::string tag_prefix)
-    : BucketedAllReduce(
-          [communicator](absl::Span<float> data, std::string_view tag) {
-            return communicator->AllReduceSum(data, tag);
-          },
-          std::move(tag_prefix)) {}
+    : BucketedAllReduce([communicator](absl::Span<float> data,
+                                       std::string_view tag) { return communicator->AllReduceSum(data, tag); },
+                        std::move(tag_prefix)) {}
 
 BucketedAllReduce::BucketedAllReduce(AllReduceFn all_reduce, std::string tag_prefix)
     : all_reduce_(std::move(all_reduce)), tag_prefix_(std::move(tag_prefix)), thread_([this] { Loop(); }) {}
@@ -368,8 +364,7 @@ BucketedAllReduce::~BucketedAllReduce() {
   thread_.join();
 }
 
-std::shared_future<absl::Status> BucketedAllReduce::Start(int bucket_id, absl::Span<float> bucket,
-                                                          BucketFence fence) {
+std::shared_future<absl::Status> BucketedAllReduce::Start(int bucket_id, absl::Span<float> bucket, BucketFence fence) {
   Item item{bucket_id, bucket, std::move(fence), std::promise<absl::Status>()};
   std::shared_future<absl::Status> shared = item.done.get_future().share();
   absl::MutexLock lock(&mu_);
@@ -440,11 +435,9 @@ class HostBucketMemory : public BucketMemory {
 
 GradientBuckets::GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups,
                                  int64_t bucket_bytes, std::string tag_prefix)
-    : GradientBuckets(
-          [communicator](absl::Span<float> data, std::string_view tag) {
-            return communicator->AllReduceSum(data, tag);
-          },
-          nullptr, std::move(groups), bucket_bytes, std::move(tag_prefix)) {}
+    : GradientBuckets([communicator](absl::Span<float> data,
+                                     std::string_view tag) { return communicator->AllReduceSum(data, tag); },
+                      nullptr, std::move(groups), bucket_bytes, std::move(tag_prefix)) {}
 
 GradientBuckets::GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory,
                                  std::vector<std::vector<absl::Span<float>>> groups, int64_t bucket_bytes,
@@ -472,12 +465,12 @@ GradientBuckets::GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory,
   for (size_t b = 0; b < buckets_.size(); ++b) {
     absl::StatusOr<float*> data = memory_->Allocate(buckets_[b].elements);
     if (!data.ok()) {
-      status_ = absl::Status(data.status().code(),
-                             absl::StrCat("cannot allocate gradient bucket ", b, " (",
-                                          buckets_[b].elements * sizeof(float) / (1 << 20),
-                                          " MiB): ", data.status().message(),
-                                          "; the buckets hold a second copy of the stage's gradients: use "
-                                          "more pipeline stages or more tensor parallelism"));
+      status_ = absl::Status(
+          data.status().code(),
+          absl::StrCat("cannot allocate gradient bucket ", b, " (", buckets_[b].elements * sizeof(float) / (1 << 20),
+                       " MiB): ", data.status().message(),
+                       "; the buckets hold a second copy of the stage's gradients: use "
+                       "more pipeline stages or more tensor parallelism"));
       return;
     }
     buckets_[b].data = *data;

@@ -30,8 +30,8 @@
 #include <deque>
 #include <functional>
 #include <future>
-#include <memory>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,8 +55,7 @@ class Communicator {
   // data <- sum over ranks of data.
   virtual absl::Status AllReduceSum(absl::Span<float> data, std::string_view tag) = 0;
   // input.size() == size() * output.size(); output <- sum over ranks of input[rank * m, (rank + 1) * m).
-  virtual absl::Status ReduceScatter(absl::Span<const float> input, absl::Span<float> output,
-                                     std::string_view tag) = 0;
+  virtual absl::Status ReduceScatter(absl::Span<const float> input, absl::Span<float> output, std::string_view tag) = 0;
   // output.size() == size() * input.size(); output[r * m, (r + 1) * m) <- rank r's input.
   virtual absl::Status AllGather(absl::Span<const float> input, absl::Span<float> output, std::string_view tag) = 0;
   // data <- root's data.
@@ -137,7 +136,7 @@ class GrpcCommunicator : public Communicator {
   absl::Status config_status_;  // what is wrong with the constructor's arguments, returned by every call
 
   absl::Mutex mu_;
-  std::map<std::string, int64_t> sequence_ ABSL_GUARDED_BY(mu_);  // per (op, tag)
+  std::map<std::string, int64_t> sequence_ ABSL_GUARDED_BY(mu_);              // per (op, tag)
   std::map<std::string, std::vector<float>> residuals_ ABSL_GUARDED_BY(mu_);  // node-based: stable addresses
 };
 
@@ -222,8 +221,8 @@ class BucketMemory {
 class GradientBuckets {
  public:
   // Buckets in host memory, summed by `communicator`.
-  GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups,
-                  int64_t bucket_bytes, std::string tag_prefix = "grad-bucket");
+  GradientBuckets(Communicator* communicator, std::vector<std::vector<absl::Span<float>>> groups, int64_t bucket_bytes,
+                  std::string tag_prefix = "grad-bucket");
   // Buckets in `memory` (which must outlive this object), summed by `all_reduce`.
   GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory, std::vector<std::vector<absl::Span<float>>> groups,
                   int64_t bucket_bytes, std::string tag_prefix = "grad-bucket");

@@ -447,8 +447,8 @@ absl::StatusOr<float*> DeviceBucketMemory::Allocate(int64_t elements) {
   void* data = nullptr;
   if (cudaError_t e = cudaMalloc(&data, std::max<int64_t>(1, elements) * sizeof(float)); e != cudaSuccess) {
     cudaEventDestroy(event);
-    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of ", elements * sizeof(float), " bytes on cuda:",
-                                                     device_, ": ", CudaError(e)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaMalloc of ", elements * sizeof(float), " bytes on cuda:", device_, ": ", CudaError(e)));
   }
   events_.push_back(event);
   buffers_.push_back(data);
@@ -472,8 +472,8 @@ BucketFence DeviceBucketMemory::Fence(int bucket) {
   return [event, device = device_]() -> absl::Status {
     DeviceScope scope(device);
     if (cudaError_t e = cudaEventSynchronize(event); e != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("waiting for a gradient bucket's copies on cuda:", device, ": ",
-                                              CudaError(e)));
+      return absl::InternalError(
+          absl::StrCat("waiting for a gradient bucket's copies on cuda:", device, ": ", CudaError(e)));
     }
     return absl::OkStatus();
   };

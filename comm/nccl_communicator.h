@@ -189,7 +189,7 @@ class DeviceBucketMemory : public BucketMemory {
   const int device_;
   const cudaStream_t stream_;
   std::vector<void*> buffers_;
-  std::vector<cudaEvent_t> events_;  // per bucket
+  std::vector<cudaEvent_t> events_;        // per bucket
   cudaError_t first_error_ = cudaSuccess;  // of the queued copies and event records
 };
 

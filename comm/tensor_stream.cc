@@ -13,7 +13,6 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/server_callback.h>
 #include <grpcpp/support/sync_stream.h>
-
 #include <malloc.h>
 
 #include <algorithm>
@@ -397,8 +396,8 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     }
     if (absl::Status s = CheckEncodedSize(*codec, *elements, h.total_bytes()); !s.ok()) return s;
     if (h.chunk_bytes() == 0 || h.chunk_bytes() > o.max_chunk_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk size ", h.chunk_bytes(), " outside (0, ",
-                                                     o.max_chunk_bytes, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk size ", h.chunk_bytes(), " outside (0, ", o.max_chunk_bytes, "]"));
     }
     if (chunk.offset != 0) return absl::InvalidArgumentError("first chunk of a tensor has a non-zero offset");
     if (absl::Status s = owner_->Reserve(h.total_bytes()); !s.ok()) return s;
@@ -432,12 +431,12 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     const uint64_t total = tensor_.encoded.size();
     const uint64_t expected_len = std::min<uint64_t>(chunk_bytes_, total - received_);
     if (chunk.offset != received_) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk offset ", chunk.offset, " is not contiguous (expected ",
-                                                     received_, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk offset ", chunk.offset, " is not contiguous (expected ", received_, ")"));
     }
     if (chunk.payload_bytes != expected_len) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk carries ", chunk.payload_bytes, " bytes, expected ",
-                                                     expected_len));
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk carries ", chunk.payload_bytes, " bytes, expected ", expected_len));
     }
     const bool last = received_ + expected_len == total;
     if (chunk.last != last) return absl::InvalidArgumentError("chunk 'last' flag disagrees with the sizes");
@@ -475,8 +474,8 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     if (!info.ok()) return info.status();
     if (info->element_count != elements_ || info->codec.kind != codec_.kind || info->codec.zstd != codec_.zstd ||
         info->payload_crc != expected_crc_) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", tensor_.key.ToString(),
-                                                     ": codec header disagrees with the stream header"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", tensor_.key.ToString(), ": codec header disagrees with the stream header"));
     }
     geotrain::TensorAck ack;
     KeyToProto(tensor_.key, ack.mutable_key());
@@ -507,8 +506,8 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
   uint32_t crc_ = 0;
 };
 
-class TensorStreamServer::Service : public geotrain::TensorStream::WithRawCallbackMethod_Stream<
-                                        geotrain::TensorStream::Service> {
+class TensorStreamServer::Service
+    : public geotrain::TensorStream::WithRawCallbackMethod_Stream<geotrain::TensorStream::Service> {
  public:
   explicit Service(TensorStreamServer* owner) : owner_(owner) {}
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(grpc::CallbackServerContext* context) override {
@@ -578,8 +577,8 @@ absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
   const uint64_t bytes = tensor.encoded.size();
   auto [it, inserted] = mailbox_.try_emplace(tensor.key, std::move(tensor));
   if (!inserted) {
-    return absl::AlreadyExistsError(absl::StrCat("tensor ", it->first.ToString(),
-                                                 " is already waiting in the receiver's mailbox"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("tensor ", it->first.ToString(), " is already waiting in the receiver's mailbox"));
   }
   ++stats_.tensors_received;
   stats_.bytes_received += bytes;
@@ -671,8 +670,8 @@ class TensorStreamClient::ChunkEncoder {
   // Makes bytes [0, end) of the buffer ready.
   void EncodeThrough(uint64_t end) {
     if (end <= kCodecHeaderBytes) return;
-    const uint64_t target = std::min<uint64_t>(data_.size(), (end - kCodecHeaderBytes + element_bytes_ - 1) /
-                                                                 element_bytes_);
+    const uint64_t target =
+        std::min<uint64_t>(data_.size(), (end - kCodecHeaderBytes + element_bytes_ - 1) / element_bytes_);
     // A cache-sized block at a time, so that the CRC reads what the encode has just written.
     while (done_ < target) {
       const uint64_t n = std::min<uint64_t>(target - done_, kCacheBlockBytes / element_bytes_);
@@ -701,8 +700,8 @@ class TensorStreamClient::ChunkEncoder {
 };
 
 absl::Status TensorStreamClient::Send(const std::string& peer_address, const TensorKey& key,
-                                      absl::Span<const int64_t> shape, absl::Span<const float> data,
-                                      const Codec& codec, absl::Time deadline, std::vector<float>* residual) {
+                                      absl::Span<const int64_t> shape, absl::Span<const float> data, const Codec& codec,
+                                      absl::Time deadline, std::vector<float>* residual) {
   const size_t element_bytes = EncodedElementBytes(codec);
   if (element_bytes == 0) {  // int8, top-k, zstd: the whole tensor is encoded before the first chunk
     Bytes encoded;
@@ -721,8 +720,8 @@ absl::Status TensorStreamClient::Send(const std::string& peer_address, const Ten
 }
 
 absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, const TensorKey& key,
-                                             absl::Span<const int64_t> shape, const Codec& codec,
-                                             const Bytes& encoded, absl::Time deadline) {
+                                             absl::Span<const int64_t> shape, const Codec& codec, const Bytes& encoded,
+                                             absl::Time deadline) {
   absl::StatusOr<EncodedInfo> info = InspectEncoded(encoded.span(), /*verify_checksum=*/false);
   if (!info.ok()) return info.status();
   absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
@@ -735,13 +734,12 @@ absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, co
 }
 
 absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, const TensorKey& key,
-                                            absl::Span<const int64_t> shape, const Codec& codec,
-                                            const Bytes& encoded, uint32_t checksum, ChunkEncoder* encoder,
-                                            absl::Time deadline) {
+                                            absl::Span<const int64_t> shape, const Codec& codec, const Bytes& encoded,
+                                            uint32_t checksum, ChunkEncoder* encoder, absl::Time deadline) {
   const std::string context_text = absl::StrCat("sending tensor ", key.ToString(), " to ", peer_address);
   if (options_.chunk_bytes < 1024 || options_.chunk_bytes > options_.max_chunk_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("chunk_bytes ", options_.chunk_bytes, " outside [1024, ",
-                                                   options_.max_chunk_bytes, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes ", options_.chunk_bytes, " outside [1024, ", options_.max_chunk_bytes, "]"));
   }
   std::shared_ptr<grpc::Channel> channel = ChannelFor(peer_address);
   grpc::ClientContext context;
@@ -787,10 +785,9 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
     }
     prefix.push_back(0x22);  // field 4, length-delimited
     PutVarint(&prefix, len);
-    grpc::Slice slices[2] = {
-        grpc::Slice(prefix),
-        grpc::Slice(const_cast<uint8_t*>(encoded.data()) + offset, len, &DestroySharedBytes,
-                    new std::shared_ptr<uint8_t[]>(encoded.shared()))};
+    grpc::Slice slices[2] = {grpc::Slice(prefix),
+                             grpc::Slice(const_cast<uint8_t*>(encoded.data()) + offset, len, &DestroySharedBytes,
+                                         new std::shared_ptr<uint8_t[]>(encoded.shared()))};
     grpc::ByteBuffer message(slices, 2);
     // One write outstanding at a time: Write blocks while HTTP/2 flow control holds the stream.
     writes_ok = last ? stream->Write(message, grpc::WriteOptions().set_last_message()) : stream->Write(message);

@@ -49,8 +49,8 @@ void SetLogProcessName(std::string_view name) {
 LogMessage::LogMessage(LogLevel level, const char* file, int line) : level_(level) {
   const auto now = std::chrono::system_clock::now();
   const std::time_t secs = std::chrono::system_clock::to_time_t(now);
-  const int millis = static_cast<int>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
+  const int millis =
+      static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);
   std::tm tm_utc;
   gmtime_r(&secs, &tm_utc);
   char stamp[32];

@@ -37,7 +37,7 @@ class LogMessage {
 #define GT_LOG_LEVEL_INFO ::geotrain::LogLevel::kInfo
 #define GT_LOG_LEVEL_WARNING ::geotrain::LogLevel::kWarning
 #define GT_LOG_LEVEL_ERROR ::geotrain::LogLevel::kError
-#define GT_LOG(level)                                                 \
-  if (GT_LOG_LEVEL_##level < ::geotrain::MinLogLevel()) {             \
-  } else                                                              \
+#define GT_LOG(level)                                     \
+  if (GT_LOG_LEVEL_##level < ::geotrain::MinLogLevel()) { \
+  } else                                                  \
     ::geotrain::LogMessage(GT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()

@@ -12,7 +12,6 @@
 
 #include <cerrno>
 #include <cstring>
-
 #include <fstream>
 #include <sstream>
 
@@ -60,10 +59,10 @@ class ProcessCollector : public prometheus::Collectable {
         const double cpu = (std::stod(f[11]) + std::stod(f[12])) / static_cast<double>(ticks);
         gauge("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
               prometheus::MetricType::Counter, cpu);
-        gauge("process_resident_memory_bytes", "Resident memory size in bytes.",
-              prometheus::MetricType::Gauge, std::stod(f[21]) * static_cast<double>(page));
-        gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.",
-              prometheus::MetricType::Gauge, std::stod(f[20]));
+        gauge("process_resident_memory_bytes", "Resident memory size in bytes.", prometheus::MetricType::Gauge,
+              std::stod(f[21]) * static_cast<double>(page));
+        gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.", prometheus::MetricType::Gauge,
+              std::stod(f[20]));
       }
     }
     gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
@@ -103,8 +102,7 @@ void RpcMetrics::Observe(const std::string& method, int grpc_code, double second
 
 RpcTimer::~RpcTimer() {
   if (metrics_ == nullptr) return;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   metrics_->Observe(method_, code_, seconds);
 }
 
@@ -152,7 +150,7 @@ absl::Status MetricsServer::Start(const std::string& bind_address) {
   socklen_t len = sizeof(addr);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                            : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   listen_fd_ = fd;
   server_thread_ = std::thread([this] { ServeLoop(); });
   return absl::OkStatus();
@@ -212,13 +210,11 @@ void MetricsServer::ServeLoop() {
   }
 }
 
-prometheus::Family<prometheus::Gauge>& MetricsServer::Gauges(const std::string& name,
-                                                             const std::string& help) {
+prometheus::Family<prometheus::Gauge>& MetricsServer::Gauges(const std::string& name, const std::string& help) {
   return prometheus::BuildGauge().Name(name).Help(help).Register(*registry_);
 }
 
-prometheus::Family<prometheus::Counter>& MetricsServer::Counters(const std::string& name,
-                                                                 const std::string& help) {
+prometheus::Family<prometheus::Counter>& MetricsServer::Counters(const std::string& name, const std::string& help) {
   return prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
 }
 

@@ -17,6 +17,25 @@ std::string DeviceKindName(DeviceKind kind) {
   return absl::AsciiStrToLower(StripPrefix(DeviceKind_Name(kind), "DEVICE_KIND_"));
 }
 
+bool IsTerminal(JobState state) { return state == JOB_SUCCEEDED || state == JOB_FAILED || state == JOB_CANCELLED; }
+
+const char* JobStateName(JobState state) {
+  switch (state) {
+    case JOB_PENDING:
+      return "PENDING";
+    case JOB_RUNNING:
+      return "RUNNING";
+    case JOB_SUCCEEDED:
+      return "SUCCEEDED";
+    case JOB_FAILED:
+      return "FAILED";
+    case JOB_CANCELLED:
+      return "CANCELLED";
+    default:
+      return "UNKNOWN";
+  }
+}
+
 void EchoPing(const PingRequest& request, PingReply* reply) {
   if (!request.no_echo()) reply->set_payload(request.payload());
 }

@@ -13,6 +13,9 @@ namespace geotrain {
 std::string WorkerStateName(WorkerState state);  // "ALIVE", "DEAD"
 std::string ActorStateName(ActorState state);    // "PENDING_CREATION", "ALIVE", "RESTARTING", "DEAD"
 std::string DeviceKindName(DeviceKind kind);     // "cpu", "cuda", "emulated"
+const char* JobStateName(JobState state);        // "PENDING", "RUNNING", ...
+// Whether a job in `state` has ended for good (SUCCEEDED, FAILED, CANCELLED).
+bool IsTerminal(JobState state);
 
 // The body of every service's Ping and PingStream (after the token check): echo the payload unless
 // the request asks for no echo (one-way bandwidth probes).

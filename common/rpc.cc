@@ -46,8 +46,8 @@ std::string RandomHex(int bytes) {
 
 }  // namespace
 
-grpc::Status TokenAuth::CheckMetadata(
-    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, const std::string& peer) const {
+grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
+                                      const std::string& peer) const {
   auto it = metadata.find(kTokenMetadataKey);
   if (it == metadata.end()) {
     GT_LOG(WARNING) << "refused a call from " << peer << ": no cluster token";
@@ -158,8 +158,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return grpc::SslCredentials(options);
 }
 
-absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
-                                                           const TlsFiles& tls) {
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls) {
   auto creds = MakeChannelCredentials(tls);
   if (!creds.ok()) return creds.status();
   grpc::ChannelArguments args;
@@ -204,8 +203,7 @@ absl::Status WriteClusterRecord(const ClusterRecord& record) {
   out << YAML::Key << "state_dir" << YAML::Value << record.state_dir;
   out << YAML::Key << "pid" << YAML::Value << std::to_string(record.pid);
   out << YAML::EndMap;
-  return WriteFileAtomically(absl::StrCat(dir, "/current_cluster.json"), std::string(out.c_str()) + "\n",
-                             0600);
+  return WriteFileAtomically(absl::StrCat(dir, "/current_cluster.json"), std::string(out.c_str()) + "\n", 0600);
 }
 
 absl::StatusOr<ClusterRecord> ReadClusterRecord() {

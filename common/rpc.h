@@ -67,8 +67,8 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
 // $GEOTRAIN_HOME (default ~/.geotrain)/current_cluster.json holds {"address", "token_file", ...}.
 std::string GeotrainHome();
 struct ClusterRecord {
-  std::string address;        // host:port of the head's gRPC service
-  std::string token_file;     // mode 0600 file with the token
+  std::string address;     // host:port of the head's gRPC service
+  std::string token_file;  // mode 0600 file with the token
   std::string metrics_address;
   std::string state_dir;
   int64_t pid = 0;

@@ -26,11 +26,21 @@ std::string JsonQuote(std::string_view s) {
   std::string out = "\"";
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char buf[8];
@@ -56,8 +66,7 @@ class YamlToJson {
  public:
   explicit YamlToJson(std::string source) : source_(std::move(source)) {}
 
-  absl::Status Message(const YAML::Node& node, const Descriptor* d, const std::string& path,
-                       std::string* out) {
+  absl::Status Message(const YAML::Node& node, const Descriptor* d, const std::string& path, std::string* out) {
     if (node.IsNull()) {
       *out += "{}";
       return absl::OkStatus();
@@ -75,9 +84,8 @@ class YamlToJson {
         if (d->field(i)->json_name() == key) f = d->field(i);
       }
       if (f == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(source_, ": unknown key '", child, "'; known keys of ",
-                         PathOr(path, "the top level"), ": ", KnownKeys(d)));
+        return absl::InvalidArgumentError(absl::StrCat(source_, ": unknown key '", child, "'; known keys of ",
+                                                       PathOr(path, "the top level"), ": ", KnownKeys(d)));
       }
       if (!first) *out += ",";
       first = false;
@@ -88,8 +96,7 @@ class YamlToJson {
         *out += "[";
         for (size_t i = 0; i < kv.second.size(); ++i) {
           if (i) *out += ",";
-          if (absl::Status s = Value(kv.second[i], f, absl::StrCat(child, "[", i, "]"), out); !s.ok())
-            return s;
+          if (absl::Status s = Value(kv.second[i], f, absl::StrCat(child, "[", i, "]"), out); !s.ok()) return s;
         }
         *out += "]";
       } else if (absl::Status s = Value(kv.second, f, child, out); !s.ok()) {
@@ -105,8 +112,7 @@ class YamlToJson {
     return absl::InvalidArgumentError(absl::StrCat(source_, ": key '", path, "': ", what));
   }
 
-  absl::Status Value(const YAML::Node& node, const FieldDescriptor* f, const std::string& path,
-                     std::string* out) {
+  absl::Status Value(const YAML::Node& node, const FieldDescriptor* f, const std::string& path, std::string* out) {
     if (f->type() == FieldDescriptor::TYPE_MESSAGE) {
       return Message(node, f->message_type(), path, out);
     }
@@ -150,8 +156,7 @@ class YamlToJson {
         if (f->cpp_type() == FieldDescriptor::CPPTYPE_INT32 && (v > INT32_MAX || v < INT32_MIN)) {
           return Error(path, absl::StrCat("value ", text, " does not fit in 32 bits"));
         }
-        if ((f->cpp_type() == FieldDescriptor::CPPTYPE_UINT32 ||
-             f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64) &&
+        if ((f->cpp_type() == FieldDescriptor::CPPTYPE_UINT32 || f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64) &&
             v < 0) {
           return Error(path, absl::StrCat("expected a non-negative integer, got ", text));
         }
@@ -167,8 +172,7 @@ class YamlToJson {
 absl::Status ReadFile(const std::string& path, std::string* text) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno),
-                                            "; check the path"));
+    return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", std::strerror(errno), "; check the path"));
   }
   std::ostringstream ss;
   ss << in.rdbuf();
@@ -178,10 +182,9 @@ absl::Status ReadFile(const std::string& path, std::string* text) {
 
 constexpr KnownDevice kKnownDevices[] = {
     // Dense fp16/bf16 tensor-core TFLOP/s from the vendors' data sheets, and memory in GB.
-    {"T4", 65.0, 16.0},    {"RTX6000", 130.5, 24.0}, {"A30", 165.0, 24.0},
-    {"A40", 149.7, 48.0},  {"A10", 125.0, 24.0},     {"V100", 125.0, 32.0},
-    {"L4", 121.0, 24.0},   {"L40S", 362.0, 48.0},    {"A100", 312.0, 80.0},
-    {"H100", 989.0, 80.0}, {"H200", 989.0, 141.0},
+    {"T4", 65.0, 16.0},    {"RTX6000", 130.5, 24.0}, {"A30", 165.0, 24.0},   {"A40", 149.7, 48.0},
+    {"A10", 125.0, 24.0},  {"V100", 125.0, 32.0},    {"L4", 121.0, 24.0},    {"L40S", 362.0, 48.0},
+    {"A100", 312.0, 80.0}, {"H100", 989.0, 80.0},    {"H200", 989.0, 141.0},
 };
 
 std::string NormalizeDeviceName(std::string_view name) {
@@ -203,15 +206,14 @@ const KnownDevice* FindKnownDevice(std::string_view name) {
   return nullptr;
 }
 
-absl::Status ParseYamlOrJson(std::string_view text, std::string_view source,
-                             google::protobuf::Message* message) {
+absl::Status ParseYamlOrJson(std::string_view text, std::string_view source, google::protobuf::Message* message) {
   YAML::Node root;
   try {
     root = YAML::Load(std::string(text));
   } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()), ": not valid YAML or JSON at line ",
-                                                   e.mark.line + 1, ", column ", e.mark.column + 1,
-                                                   ": ", e.msg));
+    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()),
+                                                   ": not valid YAML or JSON at line ", e.mark.line + 1, ", column ",
+                                                   e.mark.column + 1, ": ", e.msg));
   }
   std::string json;
   YamlToJson converter{std::string(source)};
@@ -226,7 +228,8 @@ absl::Status ParseYamlOrJson(std::string_view text, std::string_view source,
   options.ignore_unknown_fields = false;
   const auto status = google::protobuf::util::JsonStringToMessage(json, message, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()), ": ", std::string(status.message())));
+    return absl::InvalidArgumentError(
+        absl::StrCat(absl::string_view(source.data(), source.size()), ": ", std::string(status.message())));
   }
   return absl::OkStatus();
 }
@@ -292,8 +295,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     const int64_t per_step = static_cast<int64_t>(p.dp()) * p.microbatches();
     if (t.global_batch() % per_step != 0) {
       return bad("train.global_batch",
-                 absl::StrCat("(", t.global_batch(), ") must be a multiple of dp x microbatches (",
-                              per_step, ")"));
+                 absl::StrCat("(", t.global_batch(), ") must be a multiple of dp x microbatches (", per_step, ")"));
     }
   }
   if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
@@ -322,10 +324,10 @@ absl::Status ValidateTopology(Topology* topology) {
       const KnownDevice* known = FindKnownDevice(w.device());
       if (w.tflops() <= 0 || w.mem_gb() <= 0) {
         if (known == nullptr) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "topology: site '", site.name(), "': unknown device '", w.device(),
-              "'; give tflops and mem_gb for it, or use a known device (T4, RTX6000, A30, A40, A100, "
-              "H100, ...)"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("topology: site '", site.name(), "': unknown device '", w.device(),
+                           "'; give tflops and mem_gb for it, or use a known device (T4, RTX6000, A30, A40, A100, "
+                           "H100, ...)"));
         }
         if (w.tflops() <= 0) w.set_tflops(known->tflops);
         if (w.mem_gb() <= 0) w.set_mem_gb(known->mem_gb);
@@ -341,17 +343,16 @@ absl::Status ValidateTopology(Topology* topology) {
       }
     }
     if (link.a() == link.b()) {
-      return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(),
-                                                     " joins a site to itself"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("topology: link ", link.a(), "-", link.b(), " joins a site to itself"));
     }
     if (link.latency_ms() < 0 || link.bandwidth_mbps() < 0 || link.jitter_ms() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "topology: link ", link.a(), "-", link.b(), ": latency, bandwidth and jitter must not be negative"));
+      return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(),
+                                                     ": latency, bandwidth and jitter must not be negative"));
     }
     auto key = std::minmax(link.a(), link.b());
     if (!seen.insert({key.first, key.second}).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topology: link ", link.a(), "-", link.b(), " appears twice"));
+      return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(), " appears twice"));
     }
   }
   return absl::OkStatus();

@@ -20,8 +20,7 @@
 namespace geotrain {
 
 // Parses YAML or JSON text into `message`. `source` names the file in errors.
-absl::Status ParseYamlOrJson(std::string_view text, std::string_view source,
-                             google::protobuf::Message* message);
+absl::Status ParseYamlOrJson(std::string_view text, std::string_view source, google::protobuf::Message* message);
 absl::Status LoadMessageFile(const std::string& path, google::protobuf::Message* message);
 
 // Loads, fills defaults and validates.

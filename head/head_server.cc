@@ -13,28 +13,27 @@
 #include "common/names.h"
 #include "control.grpc.pb.h"
 
-namespace geotrain {
-
+namespace geotrain::head {
 
 // The thin gRPC adapter: checks the token, times the call, and forwards to the components.
 class HeadServer::Service final : public Head::Service {
  public:
   explicit Service(HeadServer* head) : head_(head), auth_(head->token_) {}
 
-#define GT_HEAD_RPC_PROLOGUE(method)                                      \
+#define GT_HEAD_RPC_PROLOGUE(method)                                          \
   RpcTimer timer(head_->metrics_ ? head_->metrics_->rpc() : nullptr, method); \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {                  \
-    timer.set_code(s.error_code());                                      \
-    return s;                                                            \
+  if (grpc::Status s = auth_.Check(context); !s.ok()) {                       \
+    timer.set_code(s.error_code());                                           \
+    return s;                                                                 \
   }
 
   grpc::Status RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
                               RegisterWorkerReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("RegisterWorker");
     if (request->site().empty() || request->address().empty()) {
-      return Fail(timer, absl::InvalidArgumentError(
-                             "RegisterWorker: site and address are required; start the worker with "
-                             "--site NAME"));
+      return Fail(timer,
+                  absl::InvalidArgumentError("RegisterWorker: site and address are required; start the worker with "
+                                             "--site NAME"));
     }
     if (request->devices_size() > 1024) {
       return Fail(timer, absl::InvalidArgumentError("RegisterWorker: more than 1024 devices"));
@@ -92,8 +91,7 @@ class HeadServer::Service final : public Head::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request,
-                      JobInfo* reply) override {
+  grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request, JobInfo* reply) override {
     GT_HEAD_RPC_PROLOGUE("GetJob");
     auto job = head_->jobs_->Get(request->job_id());
     if (!job.ok()) return Fail(timer, job.status());
@@ -109,15 +107,13 @@ class HeadServer::Service final : public Head::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ListJobs(grpc::ServerContext* context, const ListJobsRequest*,
-                        ListJobsReply* reply) override {
+  grpc::Status ListJobs(grpc::ServerContext* context, const ListJobsRequest*, ListJobsReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("ListJobs");
     for (JobInfo& job : head_->jobs_->List()) *reply->add_jobs() = std::move(job);
     return grpc::Status::OK;
   }
 
-  grpc::Status CancelJob(grpc::ServerContext* context, const CancelJobRequest* request,
-                         JobInfo* reply) override {
+  grpc::Status CancelJob(grpc::ServerContext* context, const CancelJobRequest* request, JobInfo* reply) override {
     GT_HEAD_RPC_PROLOGUE("CancelJob");
     auto job = head_->jobs_->Cancel(request->job_id());
     if (!job.ok()) return Fail(timer, job.status());
@@ -147,8 +143,7 @@ class HeadServer::Service final : public Head::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ReportStep(grpc::ServerContext* context, const StepReport* request,
-                          ReportStepReply* reply) override {
+  grpc::Status ReportStep(grpc::ServerContext* context, const StepReport* request, ReportStepReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("ReportStep");
     if (request->job_id().empty() || request->actor_id().empty()) {
       return Fail(timer, absl::InvalidArgumentError("ReportStep: job_id and actor_id are required"));
@@ -157,8 +152,7 @@ class HeadServer::Service final : public Head::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request,
-                    PingReply* reply) override {
+  grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("Ping");
     EchoPing(*request, reply);
     return grpc::Status::OK;
@@ -182,8 +176,7 @@ class HeadServer::Service final : public Head::Service {
   grpc::Status FetchRendezvous(grpc::ServerContext* context, const FetchRendezvousRequest* request,
                                FetchRendezvousReply* reply) override {
     GT_HEAD_RPC_PROLOGUE("FetchRendezvous");
-    auto value = head_->rendezvous_->Fetch(request->job_id(), request->key(),
-                                           absl::Milliseconds(request->timeout_ms()),
+    auto value = head_->rendezvous_->Fetch(request->job_id(), request->key(), absl::Milliseconds(request->timeout_ms()),
                                            [context] { return context->IsCancelled(); });
     if (!value.ok()) return Fail(timer, value.status());
     reply->set_value(std::move(*value));
@@ -213,8 +206,7 @@ HeadOptions InProcessHeadOptions(std::string state_dir, std::string token) {
   return options;
 }
 
-HeadServer::HeadServer(HeadOptions options, const Clock* clock)
-    : options_(std::move(options)), clock_(clock) {}
+HeadServer::HeadServer(HeadOptions options, const Clock* clock) : options_(std::move(options)), clock_(clock) {}
 
 HeadServer::~HeadServer() { Shutdown(); }
 
@@ -247,9 +239,7 @@ absl::Status HeadServer::Start() {
   head_id_ = GenerateId("h");
   started_unix_ms_ = clock_->UnixMillis();
   registry_ = std::make_unique<WorkerRegistry>(
-      clock_,
-      WorkerRegistry::Options{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms},
-      head_id_);
+      clock_, WorkerRegistry::Options{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms}, head_id_);
   auto workers = store_->LoadWorkers();
   if (!workers.ok()) return workers.status();
   registry_->Restore(*workers);
@@ -267,8 +257,7 @@ absl::Status HeadServer::Start() {
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<MetricsServer>();
-    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port));
-        !s.ok()) {
+    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port)); !s.ok()) {
       return s;
     }
   }
@@ -292,8 +281,7 @@ absl::Status HeadServer::Start() {
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     server_.reset();
-    return absl::UnavailableError(absl::StrCat("head: cannot listen on ", options_.bind_host, ":",
-                                               options_.port,
+    return absl::UnavailableError(absl::StrCat("head: cannot listen on ", options_.bind_host, ":", options_.port,
                                                " (port in use?); choose another with --port"));
   }
   const std::string host = options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host;
@@ -311,15 +299,15 @@ absl::Status HeadServer::Start() {
   RefreshMetrics();
   detector_ = std::thread([this] { DetectorLoop(); });
   GT_LOG(INFO) << "head " << head_id_ << " serving on " << host << ":" << port_ << ", metrics on port "
-               << metrics_port() << ", state in " << options_.state_dir << ", "
-               << workers->size() << " known worker(s), " << jobs_->List().size() << " job(s)";
+               << metrics_port() << ", state in " << options_.state_dir << ", " << workers->size()
+               << " known worker(s), " << jobs_->List().size() << " job(s)";
   return absl::OkStatus();
 }
 
 void HeadServer::DetectorLoop() {
   // Checking at a quarter of the timeout bounds detection time by timeout + timeout / 4.
-  const int64_t period = std::max<int64_t>(50, std::min(options_.heartbeat_interval_ms,
-                                                        options_.heartbeat_timeout_ms / 4));
+  const int64_t period =
+      std::max<int64_t>(50, std::min(options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms / 4));
   absl::MutexLock lock(&stop_mu_);
   while (!stopping_) {
     stop_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(period));
@@ -388,8 +376,7 @@ void HeadServer::RefreshMetrics() {
   for (const auto& [key, n] : device_counts) devices.Add({{"site", key.first}, {"kind", key.second}}).Set(n);
   for (const auto& [site, t] : site_tflops) tflops.Add({{"site", site}}).Set(t);
   for (const auto& [state, n] : jobs_->CountByState()) jobs.Add({{"state", JobStateName(state)}}).Set(n);
-  std::map<std::string, int> actor_counts = {
-      {"PENDING_CREATION", 0}, {"ALIVE", 0}, {"RESTARTING", 0}, {"DEAD", 0}};
+  std::map<std::string, int> actor_counts = {{"PENDING_CREATION", 0}, {"ALIVE", 0}, {"RESTARTING", 0}, {"DEAD", 0}};
   for (const ActorRecord& a : registry_->Actors()) ++actor_counts[ActorStateName(a.state())];
   for (const auto& [state, n] : actor_counts) actors.Add({{"state", state}}).Set(n);
 }
@@ -411,4 +398,4 @@ void HeadServer::Shutdown() {
   GT_LOG(INFO) << "head " << head_id_ << " stopped";
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::head

@@ -30,15 +30,15 @@
 #include "head/rendezvous.h"
 #include "head/store.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 struct HeadOptions {
   std::string bind_host = "0.0.0.0";
   int port = 6380;
-  int metrics_port = 9470;         // -1 disables metrics; 0 picks a free port
-  std::string advertise_host;      // host written to the cluster record; default 127.0.0.1
-  std::string state_dir;           // required
-  std::string token;               // empty: reuse <state_dir>/token or make a new one
+  int metrics_port = 9470;     // -1 disables metrics; 0 picks a free port
+  std::string advertise_host;  // host written to the cluster record; default 127.0.0.1
+  std::string state_dir;       // required
+  std::string token;           // empty: reuse <state_dir>/token or make a new one
   int64_t heartbeat_interval_ms = 1000;
   int64_t heartbeat_timeout_ms = 4000;
   TlsFiles tls;
@@ -97,4 +97,4 @@ class HeadServer {
   std::thread detector_;
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::head

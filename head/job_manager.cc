@@ -8,22 +8,7 @@
 #include "common/log.h"
 #include "common/spec.h"
 
-namespace geotrain {
-
-bool IsTerminal(JobState state) {
-  return state == JOB_SUCCEEDED || state == JOB_FAILED || state == JOB_CANCELLED;
-}
-
-const char* JobStateName(JobState state) {
-  switch (state) {
-    case JOB_PENDING: return "PENDING";
-    case JOB_RUNNING: return "RUNNING";
-    case JOB_SUCCEEDED: return "SUCCEEDED";
-    case JOB_FAILED: return "FAILED";
-    case JOB_CANCELLED: return "CANCELLED";
-    default: return "UNKNOWN";
-  }
-}
+namespace geotrain::head {
 
 namespace {
 bool Allowed(JobState from, JobState to) {
@@ -52,8 +37,7 @@ absl::Status JobManager::Restore() {
   return absl::OkStatus();
 }
 
-absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind,
-                                           const std::string& line) {
+absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line) {
   JobEvent event;
   event.set_seq(last_seq_ + 1);
   event.set_unix_ms(clock_->UnixMillis());
@@ -69,8 +53,7 @@ absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind
 absl::StatusOr<JobInfo> JobManager::Submit(JobSpec spec, const std::string& source) {
   ApplyJobDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source.empty() ? "" : absl::StrCat(source, ": "), s.message()));
+    return absl::InvalidArgumentError(absl::StrCat(source.empty() ? "" : absl::StrCat(source, ": "), s.message()));
   }
   absl::MutexLock lock(&mu_);
   char id[32];
@@ -86,8 +69,8 @@ absl::StatusOr<JobInfo> JobManager::Submit(JobSpec spec, const std::string& sour
   if (absl::Status s = store_->PutJob(job); !s.ok()) return s;
   ++next_job_number_;
   jobs_[job.job_id()] = job;
-  if (absl::Status s = AppendEventLocked(jobs_[job.job_id()], "state",
-                                         absl::StrCat("submitted ", job.name(), ": PENDING"));
+  if (absl::Status s =
+          AppendEventLocked(jobs_[job.job_id()], "state", absl::StrCat("submitted ", job.name(), ": PENDING"));
       !s.ok()) {
     return s;
   }
@@ -111,8 +94,7 @@ std::vector<JobInfo> JobManager::List() const {
   return out;
 }
 
-absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobState to,
-                                               const std::string& message) {
+absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobState to, const std::string& message) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) {
@@ -120,8 +102,8 @@ absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobSta
   }
   JobInfo& job = it->second;
   if (!Allowed(job.state(), to)) {
-    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ", JobStateName(job.state()),
-                                                      "; it cannot become ", JobStateName(to)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", JobStateName(job.state()), "; it cannot become ", JobStateName(to)));
   }
   JobInfo updated = job;
   updated.set_state(to);
@@ -129,13 +111,12 @@ absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobSta
   updated.set_updated_unix_ms(clock_->UnixMillis());
   if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
   job = std::move(updated);
-  if (absl::Status s = AppendEventLocked(
-          job, "state", absl::StrCat(JobStateName(to), message.empty() ? "" : ": ", message));
+  if (absl::Status s =
+          AppendEventLocked(job, "state", absl::StrCat(JobStateName(to), message.empty() ? "" : ": ", message));
       !s.ok()) {
     return s;
   }
-  GT_LOG(INFO) << "job " << job_id << " is now " << JobStateName(to) << (message.empty() ? "" : ": ")
-               << message;
+  GT_LOG(INFO) << "job " << job_id << " is now " << JobStateName(to) << (message.empty() ? "" : ": ") << message;
   return job;
 }
 
@@ -168,9 +149,8 @@ absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<
   return absl::OkStatus();
 }
 
-absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step, double loss,
-                                        double tokens_per_second, double measured_step_seconds,
-                                        const std::string& line) {
+absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
+                                        double measured_step_seconds, const std::string& line) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
@@ -192,9 +172,8 @@ absl::Status JobManager::Log(const std::string& job_id, const std::string& line)
   return AppendEventLocked(it->second, "log", line);
 }
 
-absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& job_id,
-                                                             int64_t after_seq, int64_t timeout_ms,
-                                                             bool* ended) {
+absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& job_id, int64_t after_seq,
+                                                             int64_t timeout_ms, bool* ended) {
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
@@ -219,4 +198,4 @@ std::map<JobState, int> JobManager::CountByState() const {
   return out;
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::head

@@ -19,13 +19,11 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "common/names.h"
 #include "control.pb.h"
 #include "head/store.h"
 
-namespace geotrain {
-
-bool IsTerminal(JobState state);
-const char* JobStateName(JobState state);  // "PENDING", ...
+namespace geotrain::head {
 
 class JobManager {
  public:
@@ -54,8 +52,8 @@ class JobManager {
 
   // Events of `job_id` with seq > after_seq; waits up to timeout_ms for at least one when there are
   // none and the job has not ended. `ended` tells whether the job is in a terminal state.
-  absl::StatusOr<std::vector<JobEvent>> WaitEvents(const std::string& job_id, int64_t after_seq,
-                                                   int64_t timeout_ms, bool* ended);
+  absl::StatusOr<std::vector<JobEvent>> WaitEvents(const std::string& job_id, int64_t after_seq, int64_t timeout_ms,
+                                                   bool* ended);
 
   std::map<JobState, int> CountByState() const;
 
@@ -72,4 +70,4 @@ class JobManager {
   int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::head

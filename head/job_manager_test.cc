@@ -8,7 +8,7 @@
 
 #include "common/rpc.h"
 
-namespace geotrain {
+namespace geotrain::head {
 namespace {
 
 using ::testing::HasSubstr;
@@ -36,8 +36,7 @@ TEST_F(JobManagerTest, StateMachine) {
   EXPECT_EQ(job->state(), JOB_PENDING);
   EXPECT_EQ(job->spec().train().lr(), 6e-4);  // defaults applied
 
-  EXPECT_EQ(jobs.Transition(job->job_id(), JOB_SUCCEEDED, "").status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(jobs.Transition(job->job_id(), JOB_SUCCEEDED, "").status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(jobs.Transition(job->job_id(), JOB_RUNNING, "").ok());
   ASSERT_TRUE(jobs.Transition(job->job_id(), JOB_SUCCEEDED, "done").ok());
   auto again = jobs.Cancel(job->job_id());
@@ -90,4 +89,4 @@ TEST_F(JobManagerTest, JobsAndEventsSurviveAReopen) {
 }
 
 }  // namespace
-}  // namespace geotrain
+}  // namespace geotrain::head

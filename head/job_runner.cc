@@ -11,7 +11,7 @@
 #include "model/config.h"
 #include "scheduler/planner.h"
 
-namespace geotrain {
+namespace geotrain::head {
 namespace {
 
 std::string ActorId(const std::string& job_id, int r, int s, int t) {
@@ -37,8 +37,8 @@ uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
   uint64_t params = static_cast<uint64_t>(last - first) * config->BlockParameters() / tp;
   if (stage == 0) params += Vp * C + static_cast<uint64_t>(config->block_size) * C;
   if (stage == pp - 1) params += 2 * C + (stage == 0 ? 0 : Vp * C);
-  const uint64_t Bm = std::max(1, spec.train().global_batch() / std::max(1, spec.parallel().dp() *
-                                                                             spec.parallel().microbatches()));
+  const uint64_t Bm =
+      std::max(1, spec.train().global_batch() / std::max(1, spec.parallel().dp() * spec.parallel().microbatches()));
   uint64_t activations =
       static_cast<uint64_t>(last - first) * Bm * T * config->BlockActivationFloatsPerToken(static_cast<int>(T));
   if (stage == pp - 1) activations += 2 * Bm * T * Vp;  // logits and their gradient
@@ -54,8 +54,8 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   auto config = GPT2Config::FromSpec(spec.model());
   if (!config.ok()) return config.status();
   if (pp > config->n_layer) {
-    return absl::InvalidArgumentError(absl::StrCat("parallel.pp (", pp, ") exceeds the model's ", config->n_layer,
-                                                   " layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.pp (", pp, ") exceeds the model's ", config->n_layer, " layers"));
   }
   if (config->n_head % tp != 0) {
     return absl::InvalidArgumentError(
@@ -79,8 +79,8 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   }
   const int needed = dp * pp * tp;
   if (static_cast<int>(slots.size()) < needed) {
-    return absl::UnavailableError(absl::StrCat("needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp,
-                                               "); ", slots.size(), " alive"));
+    return absl::UnavailableError(
+        absl::StrCat("needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp, "); ", slots.size(), " alive"));
   }
   std::map<std::tuple<int, int, int>, const PlacementSpec*> pinned;
   for (const PlacementSpec& p : spec.parallel().placement()) {
@@ -107,14 +107,15 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   // Pins to a worker first, then pins to a site, so that a site pin never takes the device a worker
   // pin needs.
   std::vector<std::pair<std::tuple<int, int, int>, const PlacementSpec*>> ordered(pinned.begin(), pinned.end());
-  std::stable_sort(ordered.begin(), ordered.end(),
-                   [](const auto& a, const auto& b) { return !a.second->worker().empty() && b.second->worker().empty(); });
+  std::stable_sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
+    return !a.second->worker().empty() && b.second->worker().empty();
+  });
   for (const auto& [key, pin] : ordered) {
     Slot* slot = take(pin);
     if (slot == nullptr) {
       return absl::UnavailableError(absl::StrCat("no free device on ", pin->worker().empty() ? "site " : "worker ",
-                                                 pin->worker().empty() ? pin->site() : pin->worker(),
-                                                 " for replica ", std::get<0>(key), ", stage ", std::get<1>(key)));
+                                                 pin->worker().empty() ? pin->site() : pin->worker(), " for replica ",
+                                                 std::get<0>(key), ", stage ", std::get<1>(key)));
     }
     chosen[key] = slot;
   }
@@ -131,10 +132,10 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
       for (int t = 0; t < tp; ++t) {
         Slot* slot = chosen[{r, s, t}];
         if (t > 0 && slot->worker->site() != chosen[{r, s, 0}]->worker->site()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "the tensor-parallel group of replica ", r, ", stage ", s, " would span sites ",
-              chosen[{r, s, 0}]->worker->site(), " and ", slot->worker->site(),
-              "; tensor parallelism stays inside a site: pin the group with parallel.placement"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("the tensor-parallel group of replica ", r, ", stage ", s, " would span sites ",
+                           chosen[{r, s, 0}]->worker->site(), " and ", slot->worker->site(),
+                           "; tensor parallelism stays inside a site: pin the group with parallel.placement"));
         }
         ActorPlacement p;
         p.actor.set_actor_id(ActorId(job.job_id(), r, s, t));
@@ -229,8 +230,9 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
     out.predicted_step_seconds = candidate.prediction.step_time_s;
     out.explanation = result->explanation;
     if (&candidate != &result->ranked.front()) {
-      out.explanation.push_back("(the top plan splits the batch unevenly across replicas; geotrain's runtime "
-                                "splits it evenly, so the best even plan was taken)");
+      out.explanation.push_back(
+          "(the top plan splits the batch unevenly across replicas; geotrain's runtime "
+          "splits it evenly, so the best even plan was taken)");
     }
     return out;
   }
@@ -324,8 +326,8 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
   std::vector<ActorRecord> records;
   for (const ActorPlacement& p : placement) records.push_back(p.actor);
   (void)jobs_->SetActors(job.job_id(), records);
-  auto started = jobs_->Transition(job.job_id(), JOB_RUNNING,
-                                   absl::StrCat("placed ", placement.size(), " actors; creating them"));
+  auto started =
+      jobs_->Transition(job.job_id(), JOB_RUNNING, absl::StrCat("placed ", placement.size(), " actors; creating them"));
   if (!started.ok()) return started.status();
   for (const ActorPlacement& p : placement) {
     bool ended;
@@ -351,8 +353,8 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     CreateActorReply reply;
     grpc::Status s = stub->CreateActor(&ctx, one, &reply);
     if (!s.ok()) {
-      return absl::UnavailableError(absl::StrCat("creating actor ", p.actor.actor_id(), " on worker ",
-                                                 w.worker_id(), " (", w.address(), "): ", s.error_message()));
+      return absl::UnavailableError(absl::StrCat("creating actor ", p.actor.actor_id(), " on worker ", w.worker_id(),
+                                                 " (", w.address(), "): ", s.error_message()));
     }
   }
   std::string where;
@@ -445,8 +447,8 @@ void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
       if (run.ended) continue;
       for (const ActorPlacement& p : run.actors) {
         if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
-          failed.push_back({job_id, absl::StrCat("actor ", p.actor.actor_id(), " died with worker ",
-                                                 worker.worker_id(), " (", worker.dead_reason(), ")")});
+          failed.push_back({job_id, absl::StrCat("actor ", p.actor.actor_id(), " died with worker ", worker.worker_id(),
+                                                 " (", worker.dead_reason(), ")")});
           break;
         }
       }
@@ -555,8 +557,8 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
     wan_total += bytes;
   }
   const std::string line = absl::StrFormat(
-      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f) wan bytes %d%s",
-      step, agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble, wan_total,
+      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f) wan bytes %d%s", step,
+      agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble, wan_total,
       wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"));
   (void)jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line);
   if (metrics_ == nullptr) return;
@@ -569,15 +571,18 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
       .Add({{"job", job_id}})
       .Set(agg.step_seconds);
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                                                   2.5,  5,     10,   30,  60,  120};
+                                                                   2.5,  5,     10,   30,  60,   120};
   prometheus::BuildHistogram()
       .Name("geotrain_step_duration_seconds")
       .Help("Optimizer step time, by job")
       .Register(metrics_->registry())
       .Add({{"job", job_id}}, kBuckets)
       .Observe(agg.step_seconds);
-  metrics_->Gauges("geotrain_tokens_per_second", "Training throughput, by job").Add({{"job", job_id}}).Set(tokens_per_second);
-  if (agg.have_loss) metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job", job_id}}).Set(agg.loss);
+  metrics_->Gauges("geotrain_tokens_per_second", "Training throughput, by job")
+      .Add({{"job", job_id}})
+      .Set(tokens_per_second);
+  if (agg.have_loss)
+    metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job", job_id}}).Set(agg.loss);
   metrics_->Gauges("geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job")
       .Add({{"job", job_id}})
       .Set(agg.step_seconds > 0 ? agg.bubble / agg.step_seconds : 0);
@@ -601,4 +606,4 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
   (void)actors;
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::head

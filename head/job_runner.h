@@ -31,7 +31,7 @@
 #include "head/job_manager.h"
 #include "head/registry.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 // One actor's placement and its estimated memory.
 struct ActorPlacement {
@@ -119,4 +119,4 @@ class JobRunner {
   std::set<std::string> launching_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::head

@@ -6,7 +6,7 @@
 
 #include "common/spec.h"
 
-namespace geotrain {
+namespace geotrain::head {
 namespace {
 
 using ::testing::HasSubstr;
@@ -91,4 +91,4 @@ TEST(PlaceActorsTest, PlanThatDoesNotFitIsRefusedWithTheNumbers) {
 }
 
 }  // namespace
-}  // namespace geotrain
+}  // namespace geotrain::head

@@ -7,7 +7,7 @@
 #include "common/log.h"
 #include "common/rpc.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 WorkerRegistry::WorkerRegistry(const Clock* clock, Options options, std::string head_id)
     : clock_(clock), options_(options), head_id_(std::move(head_id)) {}
@@ -46,8 +46,8 @@ RegisterWorkerReply WorkerRegistry::Register(const RegisterWorkerRequest& reques
   w.set_last_heartbeat_unix_ms(clock_->UnixMillis());
   w.clear_dead_reason();
   last_seen_ms_[id] = clock_->NowMillis();
-  GT_LOG(INFO) << (returning ? "worker re-registered: " : "worker joined: ") << id << " site "
-               << w.site() << " at " << w.address() << " with " << w.devices_size() << " device(s)";
+  GT_LOG(INFO) << (returning ? "worker re-registered: " : "worker joined: ") << id << " site " << w.site() << " at "
+               << w.address() << " with " << w.devices_size() << " device(s)";
   if (stored != nullptr) *stored = w;
   RegisterWorkerReply reply;
   reply.set_worker_id(id);
@@ -62,8 +62,7 @@ HeartbeatReply WorkerRegistry::Heartbeat(const HeartbeatRequest& request) {
   reply.set_head_id(head_id_);
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(request.worker_id());
-  if (it == workers_.end() || it->second.state() != WORKER_ALIVE ||
-      it->second.incarnation() != request.incarnation()) {
+  if (it == workers_.end() || it->second.state() != WORKER_ALIVE || it->second.incarnation() != request.incarnation()) {
     reply.set_reregister(true);
     return reply;
   }
@@ -158,4 +157,4 @@ std::vector<ActorRecord> WorkerRegistry::Actors() const {
   return out;
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::head

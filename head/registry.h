@@ -19,7 +19,7 @@
 #include "common/clock.h"
 #include "control.pb.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 class WorkerRegistry {
  public:
@@ -68,4 +68,4 @@ class WorkerRegistry {
   std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::head

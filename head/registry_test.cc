@@ -3,7 +3,7 @@
 
 #include <gtest/gtest.h>
 
-namespace geotrain {
+namespace geotrain::head {
 namespace {
 
 RegisterWorkerRequest Request(const std::string& id, const std::string& site) {
@@ -97,4 +97,4 @@ TEST(RegistryTest, RestoredWorkersGetAGracePeriod) {
 }
 
 }  // namespace
-}  // namespace geotrain
+}  // namespace geotrain::head

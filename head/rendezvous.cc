@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 RendezvousTable::RendezvousTable(std::function<absl::Status(const std::string& job_id)> job_check)
     : job_check_(std::move(job_check)) {}
@@ -107,4 +107,4 @@ int64_t RendezvousTable::JobCountForTest() const {
   return static_cast<int64_t>(jobs_.size());
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::head

@@ -30,7 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 class RendezvousTable {
  public:
@@ -73,4 +73,4 @@ class RendezvousTable {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::head

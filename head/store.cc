@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace geotrain {
+namespace geotrain::head {
 namespace {
 
 class Statement {
@@ -35,16 +35,16 @@ absl::StatusOr<std::unique_ptr<HeadStore>> HeadStore::Open(const std::string& di
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot create state dir '", dir, "': ", ec.message(),
-                                                    "; choose a writable --state-dir"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create state dir '", dir, "': ", ec.message(), "; choose a writable --state-dir"));
   }
   ::chmod(dir.c_str(), 0700);
   const std::string path = absl::StrCat(dir, "/head.db");
   sqlite3* db = nullptr;
-  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
-                      nullptr) != SQLITE_OK) {
-    absl::Status s = absl::UnavailableError(
-        absl::StrCat("cannot open '", path, "': ", db ? sqlite3_errmsg(db) : "out of memory"));
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr) !=
+      SQLITE_OK) {
+    absl::Status s =
+        absl::UnavailableError(absl::StrCat("cannot open '", path, "': ", db ? sqlite3_errmsg(db) : "out of memory"));
     sqlite3_close(db);
     return s;
   }
@@ -62,8 +62,8 @@ absl::StatusOr<std::unique_ptr<HeadStore>> HeadStore::Open(const std::string& di
            "CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq)",
        }) {
     if (absl::Status s = store->Exec(sql); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(path, ": ", s.message(),
-                                                 "; the file may be corrupt or from another program"));
+      return absl::Status(s.code(),
+                          absl::StrCat(path, ": ", s.message(), "; the file may be corrupt or from another program"));
     }
   }
   return store;
@@ -119,8 +119,7 @@ absl::Status HeadStore::PutWorker(const WorkerInfo& worker) {
 }
 
 absl::Status HeadStore::PutJob(const JobInfo& job) {
-  return PutBlob("INSERT OR REPLACE INTO jobs (id, record) VALUES (?, ?)", job.job_id(),
-                 job.SerializeAsString());
+  return PutBlob("INSERT OR REPLACE INTO jobs (id, record) VALUES (?, ?)", job.job_id(), job.SerializeAsString());
 }
 
 namespace {
@@ -166,8 +165,7 @@ absl::Status HeadStore::AppendEvent(const JobEvent& event) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<JobEvent>> HeadStore::LoadEvents(const std::string& job_id,
-                                                           int64_t after_seq) {
+absl::StatusOr<std::vector<JobEvent>> HeadStore::LoadEvents(const std::string& job_id, int64_t after_seq) {
   absl::MutexLock lock(&mu_);
   Statement st(db_, "SELECT seq, record FROM events WHERE job_id = ? AND seq > ? ORDER BY seq");
   if (!st.ok()) return SqlError(db_, "prepare");
@@ -177,8 +175,8 @@ absl::StatusOr<std::vector<JobEvent>> HeadStore::LoadEvents(const std::string& j
   while (sqlite3_step(st.get()) == SQLITE_ROW) {
     JobEvent e;
     if (!e.ParseFromArray(sqlite3_column_blob(st.get(), 1), sqlite3_column_bytes(st.get(), 1))) {
-      return absl::DataLossError(absl::StrCat("head state store: event ", sqlite3_column_int64(st.get(), 0),
-                                              " of job ", job_id, " does not parse"));
+      return absl::DataLossError(absl::StrCat("head state store: event ", sqlite3_column_int64(st.get(), 0), " of job ",
+                                              job_id, " does not parse"));
     }
     out.push_back(std::move(e));
   }
@@ -192,4 +190,4 @@ absl::StatusOr<int64_t> HeadStore::MaxEventSeq() {
   return sqlite3_column_int64(st.get(), 0);
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::head

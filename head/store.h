@@ -17,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "control.pb.h"
 
-namespace geotrain {
+namespace geotrain::head {
 
 class HeadStore {
  public:
@@ -49,4 +49,4 @@ class HeadStore {
   sqlite3* db_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::head

@@ -25,8 +25,7 @@ class CpuBackend final : public Backend {
     if (bytes == 0) return nullptr;
     void* ptr = ::operator new(bytes, std::nothrow);
     if (ptr == nullptr) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
     }
     std::memset(ptr, 0, bytes);
     return ptr;
@@ -48,67 +47,57 @@ class CpuBackend final : public Backend {
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B,
-                       int T, int C) override {
+  void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                       int C) override {
     model::encoder_forward(out, inp, wte, wpe, B, T, C);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B,
-                        int T, int C) override {
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C) override {
     model::encoder_backward(dwte, dwpe, dout, inp, B, T, C);
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                         const float* weight, const float* bias, int64_t N, int C) override {
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                         int64_t N, int C) override {
     model::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
   }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                          const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int64_t N, int C) override {
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int64_t N, int C) override {
     model::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int C, int OC) override {
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
+                      int OC) override {
     model::matmul_forward(out, inp, weight, bias, N, C, OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, int64_t N, int C, int OC,
-                       bool accumulate_dinp) override {
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t N, int C, int OC, bool accumulate_dinp) override {
     model::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, accumulate_dinp);
   }
-  void add_bias(float* out, const float* bias, int64_t N, int OC) override {
-    model::add_bias(out, bias, N, OC);
-  }
+  void add_bias(float* out, const float* bias, int64_t N, int OC) override { model::add_bias(out, bias, N, OC); }
   void bias_backward(float* dbias, const float* dout, int64_t N, int OC) override {
     model::bias_backward(dbias, dout, N, OC);
   }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C,
-                         int NH) override {
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
     model::attention_forward(out, lse, qkv, B, T, C, NH);
   }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                          const float* lse, int B, int T, int C, int NH) override {
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                          int T, int C, int NH) override {
     model::attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
   }
-  void gelu_forward(float* out, const float* inp, int64_t N) override {
-    model::gelu_forward(out, inp, N);
-  }
+  void gelu_forward(float* out, const float* inp, int64_t N) override { model::gelu_forward(out, inp, N); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t N) override {
     model::gelu_backward(dinp, inp, dout, N);
   }
   void residual_forward(float* out, const float* a, const float* b, int64_t N) override {
     model::residual_forward(out, a, b, N);
   }
-  void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
-                            int64_t N, int V, int Vp) override {
+  void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N, int V,
+                            int Vp) override {
     model::crossentropy_forward(losses, lse, logits, targets, N, V, Vp);
   }
-  void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets,
-                                     float dloss, int64_t N, int V, int Vp) override {
+  void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss, int64_t N,
+                                     int V, int Vp) override {
     model::crossentropy_backward_inplace(logits, lse, targets, dloss, N, V, Vp);
   }
 
-  void accumulate(float* out, const float* in, int64_t n) override {
-    model::accumulate(out, in, n);
-  }
+  void accumulate(float* out, const float* in, int64_t n) override { model::accumulate(out, in, n); }
   void scale(float* x, int64_t n, float factor) override { model::scale(x, n, factor); }
   absl::StatusOr<double> Sum(const float* x, int64_t n) override {
     double sum = 0.0;
@@ -121,11 +110,9 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
     return sum;
   }
-  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay,
-                    float beta1, float beta2, float eps, float grad_scale, float step_size,
-                    float bc2_sqrt) override {
-    model::adamw_update(params, grads, m, v, n, decay, beta1, beta2, eps, grad_scale, step_size,
-                        bc2_sqrt);
+  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay, float beta1,
+                    float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) override {
+    model::adamw_update(params, grads, m, v, n, decay, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt);
   }
 };
 
@@ -140,8 +127,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device_vie
   const std::string device(device_view);  // this Abseil's string_view is not std::string_view
   if (device == "cpu") return std::unique_ptr<Backend>(new CpuBackend());
   int index = 0;
-  if (device != "cuda" &&
-      (!device.starts_with("cuda:") || !absl::SimpleAtoi(device.substr(5), &index) || index < 0)) {
+  if (device != "cuda" && (!device.starts_with("cuda:") || !absl::SimpleAtoi(device.substr(5), &index) || index < 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("device '", device, "' is not 'cpu', 'cuda' or 'cuda:N' (N the device index)"));
   }
@@ -150,10 +136,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device_vie
 
 #ifndef GEOTRAIN_HAVE_CUDA
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, Precision) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "device cuda:", device,
-      " requested but this geotrain was built without the CUDA backend; install the CUDA "
-      "toolkit (nvcc, cuBLAS) and NCCL and rebuild with -DGEOTRAIN_CUDA=ON, or use device 'cpu'"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("device cuda:", device,
+                   " requested but this geotrain was built without the CUDA backend; install the CUDA "
+                   "toolkit (nvcc, cuBLAS) and NCCL and rebuild with -DGEOTRAIN_CUDA=ON, or use device 'cpu'"));
 }
 
 cuda::CudaContext* CudaContextOf(Backend&) { return nullptr; }

@@ -53,35 +53,30 @@ class Backend {
   virtual absl::Status Synchronize() = 0;
 
   // ---- The ops of model/ops.h (read the contracts there). ----
-  virtual void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe,
-                               int B, int T, int C) = 0;
-  virtual void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp,
-                                int B, int T, int C) = 0;
-  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                                 const float* weight, const float* bias, int64_t N, int C) = 0;
-  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                                  const float* inp, const float* weight, const float* mean,
-                                  const float* rstd, int64_t N, int C) = 0;
-  virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                              int64_t N, int C, int OC) = 0;
-  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                               const float* inp, const float* weight, int64_t N, int C, int OC,
-                               bool accumulate_dinp) = 0;
+  virtual void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                               int C) = 0;
+  virtual void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T,
+                                int C) = 0;
+  virtual void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                 const float* bias, int64_t N, int C) = 0;
+  virtual void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                  const float* weight, const float* mean, const float* rstd, int64_t N, int C) = 0;
+  virtual void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
+                              int OC) = 0;
+  virtual void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* weight, int64_t N, int C, int OC, bool accumulate_dinp) = 0;
   virtual void add_bias(float* out, const float* bias, int64_t N, int OC) = 0;
   virtual void bias_backward(float* dbias, const float* dout, int64_t N, int OC) = 0;
-  virtual void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C,
-                                 int NH) = 0;
-  virtual void attention_backward(float* dqkv, const float* dout, const float* qkv,
-                                  const float* out, const float* lse, int B, int T, int C,
-                                  int NH) = 0;
+  virtual void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) = 0;
+  virtual void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                                  int B, int T, int C, int NH) = 0;
   virtual void gelu_forward(float* out, const float* inp, int64_t N) = 0;
   virtual void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t N) = 0;
   virtual void residual_forward(float* out, const float* a, const float* b, int64_t N) = 0;
-  virtual void crossentropy_forward(float* losses, float* lse, const float* logits,
-                                    const int32_t* targets, int64_t N, int V, int Vp) = 0;
-  virtual void crossentropy_backward_inplace(float* logits, const float* lse,
-                                             const int32_t* targets, float dloss, int64_t N, int V,
-                                             int Vp) = 0;
+  virtual void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
+                                    int V, int Vp) = 0;
+  virtual void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss,
+                                             int64_t N, int V, int Vp) = 0;
 
   // ---- Training arithmetic. ----
   // out(n) += in(n).
@@ -95,16 +90,14 @@ class Backend {
   virtual absl::StatusOr<double> SumSquares(const float* x, int64_t n) = 0;
   // One AdamW update of n parameters (see model/ops.h adamw_update for the arithmetic and
   // arguments).
-  virtual void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n,
-                            float decay, float beta1, float beta2, float eps, float grad_scale,
-                            float step_size, float bc2_sqrt) = 0;
+  virtual void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay, float beta1,
+                            float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) = 0;
 };
 
 // The backend for a device name: "cpu", or "cuda:N" ("cuda" is "cuda:0"). FAILED_PRECONDITION
 // naming the fix when this build has no CUDA or there is no such device; INVALID_ARGUMENT for any
 // other name.
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device,
-                                                     Precision precision = Precision::kFp32);
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device, Precision precision = Precision::kFp32);
 
 // The process-wide CPU backend (what a null Backend* means everywhere). Never destroyed.
 Backend* CpuBackendInstance();
@@ -129,8 +122,7 @@ class DeviceBuffer {
   size_t bytes() const { return bytes_; }
 
  private:
-  DeviceBuffer(Backend* backend, void* ptr, size_t bytes)
-      : backend_(backend), ptr_(ptr), bytes_(bytes) {}
+  DeviceBuffer(Backend* backend, void* ptr, size_t bytes) : backend_(backend), ptr_(ptr), bytes_(bytes) {}
   void Release();
 
   Backend* backend_ = nullptr;

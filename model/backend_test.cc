@@ -71,12 +71,11 @@ class PretendDeviceBackend final : public Backend {
                        int C) override {
     cpu_.encoder_forward(out, inp, wte, wpe, B, T, C);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T,
-                        int C) override {
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C) override {
     cpu_.encoder_backward(dwte, dwpe, dout, inp, B, T, C);
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                         const float* bias, int64_t N, int C) override {
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                         int64_t N, int C) override {
     cpu_.layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
   }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -98,8 +97,8 @@ class PretendDeviceBackend final : public Backend {
   void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
     cpu_.attention_forward(out, lse, qkv, B, T, C, NH);
   }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                          int B, int T, int C, int NH) override {
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                          int T, int C, int NH) override {
     cpu_.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
   }
   void gelu_forward(float* out, const float* inp, int64_t N) override { cpu_.gelu_forward(out, inp, N); }
@@ -109,12 +108,12 @@ class PretendDeviceBackend final : public Backend {
   void residual_forward(float* out, const float* a, const float* b, int64_t N) override {
     cpu_.residual_forward(out, a, b, N);
   }
-  void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                            int V, int Vp) override {
+  void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N, int V,
+                            int Vp) override {
     cpu_.crossentropy_forward(losses, lse, logits, targets, N, V, Vp);
   }
-  void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss,
-                                     int64_t N, int V, int Vp) override {
+  void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss, int64_t N,
+                                     int V, int Vp) override {
     cpu_.crossentropy_backward_inplace(logits, lse, targets, dloss, N, V, Vp);
   }
   void accumulate(float* out, const float* in, int64_t n) override { cpu_.accumulate(out, in, n); }
@@ -157,11 +156,11 @@ std::vector<float> Train(Backend* first_backend, Backend* last_backend) {
     EXPECT_TRUE(stage.ok()) << stage.status();
     (*stage)->InitializeWeights(5);
     if (backends[k] == nullptr) {
-      adams.push_back(std::make_unique<AdamW>((*stage)->num_params(), (*stage)->segments(),
-                                              AdamWOptions{.weight_decay = 0.1f}));
+      adams.push_back(
+          std::make_unique<AdamW>((*stage)->num_params(), (*stage)->segments(), AdamWOptions{.weight_decay = 0.1f}));
     } else {
-      adams.push_back(*AdamW::Create((*stage)->num_params(), (*stage)->segments(),
-                                     {.weight_decay = 0.1f}, *backends[k]));
+      adams.push_back(
+          *AdamW::Create((*stage)->num_params(), (*stage)->segments(), {.weight_decay = 0.1f}, *backends[k]));
     }
     stages.push_back(std::move(*stage));
   }

@@ -33,8 +33,7 @@ absl::StatusOr<google::protobuf::Struct> ParseJson(const std::string& text, cons
 
 }  // namespace
 
-absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads,
-                                                            const std::string& prefix) {
+absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
   std::vector<NamedTensor> out;
   for (const std::string& name : stage.TensorNames()) {
     NamedTensor t;
@@ -123,18 +122,17 @@ absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& sta
     return s;
   }
   const GPT2Config& c = stage.config();
-  std::string manifest = absl::StrCat("{\n  \"format\": \"geotrain-checkpoint-1\",\n  \"step\": ", step,
-                                      ",\n  \"model\": {\"n_layer\": ", c.n_layer, ", \"n_head\": ", c.n_head,
-                                      ", \"n_embd\": ", c.n_embd, ", \"block_size\": ", c.block_size,
-                                      ", \"vocab_size\": ", c.vocab_size, "},\n  \"data_position\": {\"shard\": ",
-                                      data_position.shard, ", \"offset\": ", data_position.offset,
-                                      ", \"epoch\": ", data_position.epoch, "},\n  \"files\": {");
+  std::string manifest = absl::StrCat(
+      "{\n  \"format\": \"geotrain-checkpoint-1\",\n  \"step\": ", step, ",\n  \"model\": {\"n_layer\": ", c.n_layer,
+      ", \"n_head\": ", c.n_head, ", \"n_embd\": ", c.n_embd, ", \"block_size\": ", c.block_size,
+      ", \"vocab_size\": ", c.vocab_size, "},\n  \"data_position\": {\"shard\": ", data_position.shard,
+      ", \"offset\": ", data_position.offset, ", \"epoch\": ", data_position.epoch, "},\n  \"files\": {");
   bool first = true;
   for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
     absl::StatusOr<std::string> bytes = ReadFileToString(absl::StrCat(step_dir, "/", file));
     if (!bytes.ok()) return bytes.status();
-    absl::StrAppend(&manifest, first ? "" : ",", "\n    \"", file, "\": {\"bytes\": ", bytes->size(),
-                    ", \"crc32\": \"", absl::StrFormat("%08x", Crc32(bytes->data(), bytes->size())), "\"}");
+    absl::StrAppend(&manifest, first ? "" : ",", "\n    \"", file, "\": {\"bytes\": ", bytes->size(), ", \"crc32\": \"",
+                    absl::StrFormat("%08x", Crc32(bytes->data(), bytes->size())), "\"}");
     first = false;
   }
   manifest += "\n  }\n}\n";
@@ -209,8 +207,10 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, GPT2Stage&
     float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
     for (const std::string& name : stage.TensorNames()) {
       const NamedTensor* t = opt.Find(which + name);
-      if (t == nullptr) return absl::DataLossError(absl::StrCat(step_dir, "/optimizer.safetensors: missing ", which, name));
-      if (absl::Status s = stage.ImportTensorToBuffer(name, t->data.data(), static_cast<int64_t>(t->data.size()), buffer);
+      if (t == nullptr)
+        return absl::DataLossError(absl::StrCat(step_dir, "/optimizer.safetensors: missing ", which, name));
+      if (absl::Status s =
+              stage.ImportTensorToBuffer(name, t->data.data(), static_cast<int64_t>(t->data.size()), buffer);
           !s.ok()) {
         return s;
       }

@@ -22,9 +22,8 @@ GPT2Config Tiny() {
 class CheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() /
-            ("geotrain_ckpt_test_" + std::to_string(::getpid()) + "_" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+    dir_ = (std::filesystem::temp_directory_path() / ("geotrain_ckpt_test_" + std::to_string(::getpid()) + "_" +
+                                                      ::testing::UnitTest::GetInstance()->current_test_info()->name()))
                .string();
     std::filesystem::create_directories(dir_);
   }

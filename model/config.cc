@@ -40,8 +40,8 @@ absl::StatusOr<GPT2Config> GPT2Config::FromPreset(const std::string& name) {
       return c;
     }
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown model preset '", name, "'; known presets: ",
-                                                 absl::StrJoin(PresetNames(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown model preset '", name, "'; known presets: ", absl::StrJoin(PresetNames(), ", ")));
 }
 
 std::vector<std::string> GPT2Config::PresetNames() {
@@ -69,17 +69,16 @@ absl::StatusOr<GPT2Config> GPT2Config::FromSpec(const ModelSpec& spec) {
 absl::Status GPT2Config::Validate() {
   if (n_layer <= 0 || n_head <= 0 || n_embd <= 0 || block_size <= 0 || vocab_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "model: n_layer, n_head, n_embd, block_size and vocab_size must all be positive (got ", n_layer,
-        ", ", n_head, ", ", n_embd, ", ", block_size, ", ", vocab_size,
-        "); give a preset or all five sizes"));
+        "model: n_layer, n_head, n_embd, block_size and vocab_size must all be positive (got ", n_layer, ", ", n_head,
+        ", ", n_embd, ", ", block_size, ", ", vocab_size, "); give a preset or all five sizes"));
   }
   if (n_embd % n_head != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("model: n_embd (", n_embd,
-                                                   ") must be a multiple of n_head (", n_head, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: n_embd (", n_embd, ") must be a multiple of n_head (", n_head, ")"));
   }
   if (vocab_size > 65536) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model: vocab_size ", vocab_size, " exceeds 65536, the limit of uint16 token shards"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: vocab_size ", vocab_size, " exceeds 65536, the limit of uint16 token shards"));
   }
   padded_vocab_size = (vocab_size + 127) / 128 * 128;
   return absl::OkStatus();
@@ -100,8 +99,7 @@ int64_t GPT2Config::NumParameters() const {
 }
 
 double GPT2Config::TrainingFlopsPerToken(int seq_len) const {
-  return 6.0 * static_cast<double>(NumParameters()) +
-         6.0 * n_layer * static_cast<double>(n_embd) * seq_len;
+  return 6.0 * static_cast<double>(NumParameters()) + 6.0 * n_layer * static_cast<double>(n_embd) * seq_len;
 }
 
 double GPT2Config::BlockForwardFlops(int seq_len) const {

@@ -19,11 +19,11 @@ namespace geotrain {
 class ModelSpec;  // proto/spec.proto
 
 struct GPT2Config {
-  int n_layer = 0;     // L
-  int n_head = 0;      // NH
-  int n_embd = 0;      // C
-  int block_size = 0;  // maximum T
-  int vocab_size = 0;  // V
+  int n_layer = 0;            // L
+  int n_head = 0;             // NH
+  int n_embd = 0;             // C
+  int block_size = 0;         // maximum T
+  int vocab_size = 0;         // V
   int padded_vocab_size = 0;  // Vp, a multiple of 128 (>= V)
 
   // A preset by name: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-small-test, gpt2-tiny-test, gpt2-demo.

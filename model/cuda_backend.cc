@@ -37,9 +37,7 @@ class CudaBackend final : public Backend {
     if (absl::Status s = Keep(ctx_->CopyToHost(host_dst, src, bytes)); !s.ok()) return s;
     return Synchronize();
   }
-  void CopyOnDevice(void* dst, const void* src, size_t bytes) override {
-    ctx_->CopyOnDevice(dst, src, bytes);
-  }
+  void CopyOnDevice(void* dst, const void* src, size_t bytes) override { ctx_->CopyOnDevice(dst, src, bytes); }
   void Zero(void* ptr, size_t bytes) override { ctx_->Zero(ptr, bytes); }
   absl::Status Synchronize() override {
     absl::Status status = ctx_->Synchronize();
@@ -50,80 +48,63 @@ class CudaBackend final : public Backend {
     return status;
   }
 
-  void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B,
-                       int T, int C) override {
+  void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                       int C) override {
     cuda::encoder_forward(*ctx_, out, inp, wte, wpe, B, T, C);
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B,
-                        int T, int C) override {
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C) override {
     cuda::encoder_backward(*ctx_, dwte, dwpe, dout, inp, B, T, C);
   }
-  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
-                         const float* weight, const float* bias, int64_t N, int C) override {
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                         int64_t N, int C) override {
     cuda::layernorm_forward(*ctx_, out, mean, rstd, inp, weight, bias, N, C);
   }
-  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                          const float* inp, const float* weight, const float* mean,
-                          const float* rstd, int64_t N, int C) override {
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int64_t N, int C) override {
     cuda::layernorm_backward(*ctx_, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
   }
-  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
-                      int64_t N, int C, int OC) override {
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
+                      int OC) override {
     cuda::matmul_forward(*ctx_, out, inp, weight, bias, N, C, OC);
   }
-  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                       const float* inp, const float* weight, int64_t N, int C, int OC,
-                       bool accumulate_dinp) override {
-    cuda::matmul_backward(*ctx_, dinp, dweight, dbias, dout, inp, weight, N, C, OC,
-                          accumulate_dinp);
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int64_t N, int C, int OC, bool accumulate_dinp) override {
+    cuda::matmul_backward(*ctx_, dinp, dweight, dbias, dout, inp, weight, N, C, OC, accumulate_dinp);
   }
-  void add_bias(float* out, const float* bias, int64_t N, int OC) override {
-    cuda::add_bias(*ctx_, out, bias, N, OC);
-  }
+  void add_bias(float* out, const float* bias, int64_t N, int OC) override { cuda::add_bias(*ctx_, out, bias, N, OC); }
   void bias_backward(float* dbias, const float* dout, int64_t N, int OC) override {
     cuda::bias_backward(*ctx_, dbias, dout, N, OC);
   }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C,
-                         int NH) override {
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) override {
     cuda::attention_forward(*ctx_, out, lse, qkv, B, T, C, NH);
   }
-  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                          const float* lse, int B, int T, int C, int NH) override {
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                          int T, int C, int NH) override {
     cuda::attention_backward(*ctx_, dqkv, dout, qkv, out, lse, B, T, C, NH);
   }
-  void gelu_forward(float* out, const float* inp, int64_t N) override {
-    cuda::gelu_forward(*ctx_, out, inp, N);
-  }
+  void gelu_forward(float* out, const float* inp, int64_t N) override { cuda::gelu_forward(*ctx_, out, inp, N); }
   void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t N) override {
     cuda::gelu_backward(*ctx_, dinp, inp, dout, N);
   }
   void residual_forward(float* out, const float* a, const float* b, int64_t N) override {
     cuda::residual_forward(*ctx_, out, a, b, N);
   }
-  void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets,
-                            int64_t N, int V, int Vp) override {
+  void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N, int V,
+                            int Vp) override {
     cuda::crossentropy_forward(*ctx_, losses, lse, logits, targets, N, V, Vp);
   }
-  void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets,
-                                     float dloss, int64_t N, int V, int Vp) override {
+  void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss, int64_t N,
+                                     int V, int Vp) override {
     cuda::crossentropy_backward_inplace(*ctx_, logits, lse, targets, dloss, N, V, Vp);
   }
 
-  void accumulate(float* out, const float* in, int64_t n) override {
-    cuda::accumulate(*ctx_, out, in, n);
-  }
+  void accumulate(float* out, const float* in, int64_t n) override { cuda::accumulate(*ctx_, out, in, n); }
   void scale(float* x, int64_t n, float factor) override { cuda::scale(*ctx_, x, n, factor); }
-  absl::StatusOr<double> Sum(const float* x, int64_t n) override {
-    return Keep(cuda::Sum(*ctx_, x, n));
-  }
-  absl::StatusOr<double> SumSquares(const float* x, int64_t n) override {
-    return Keep(cuda::SumSquares(*ctx_, x, n));
-  }
-  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay,
-                    float beta1, float beta2, float eps, float grad_scale, float step_size,
-                    float bc2_sqrt) override {
-    cuda::adamw_update(*ctx_, params, grads, m, v, n, decay, beta1, beta2, eps, grad_scale,
-                       step_size, bc2_sqrt);
+  absl::StatusOr<double> Sum(const float* x, int64_t n) override { return Keep(cuda::Sum(*ctx_, x, n)); }
+  absl::StatusOr<double> SumSquares(const float* x, int64_t n) override { return Keep(cuda::SumSquares(*ctx_, x, n)); }
+  void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float decay, float beta1,
+                    float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) override {
+    cuda::adamw_update(*ctx_, params, grads, m, v, n, decay, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt);
   }
 
  private:
@@ -153,20 +134,18 @@ cuda::CudaContext* CudaContextOf(Backend& backend) {
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, Precision precision) {
   const int count = cuda::DeviceCount();
   if (device >= count) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "no CUDA device ", device, ": this machine has ", count,
-        count == 0
-            ? " (no driver or no GPU visible; check nvidia-smi and CUDA_VISIBLE_DEVICES, or use "
-              "device 'cpu')"
-            : "; use cuda:0 .. cuda:" + std::to_string(count - 1)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("no CUDA device ", device, ": this machine has ", count,
+                     count == 0 ? " (no driver or no GPU visible; check nvidia-smi and CUDA_VISIBLE_DEVICES, or use "
+                                  "device 'cpu')"
+                                : "; use cuda:0 .. cuda:" + std::to_string(count - 1)));
   }
   absl::StatusOr<std::unique_ptr<cuda::CudaContext>> ctx =
       cuda::CudaContext::Create(device, ToGemmPrecision(precision));
   if (!ctx.ok()) return ctx.status();
   absl::StatusOr<std::string> description = cuda::DeviceDescription(device);
-  std::string name =
-      absl::StrCat("cuda:", device, " (", description.ok() ? *description : "unknown device", ", ",
-                   precision == Precision::kBf16 ? "bf16" : "fp32", " GEMMs)");
+  std::string name = absl::StrCat("cuda:", device, " (", description.ok() ? *description : "unknown device", ", ",
+                                  precision == Precision::kBf16 ? "bf16" : "fp32", " GEMMs)");
   return std::unique_ptr<Backend>(new CudaBackend(std::move(*ctx), std::move(name)));
 }
 

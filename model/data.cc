@@ -64,8 +64,8 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
                                             "); not an llm.c token shard; write shards with `geotrain data prepare`"));
   }
   if (header[1] != kShardVersion) {
-    return absl::DataLossError(absl::StrCat(path, ": shard version ", header[1], " is not supported (expected ",
-                                            kShardVersion, ")"));
+    return absl::DataLossError(
+        absl::StrCat(path, ": shard version ", header[1], " is not supported (expected ", kShardVersion, ")"));
   }
   const int64_t count = header[2];
   if (count < 0 || header_bytes + static_cast<size_t>(count) * 2 != size) {
@@ -91,8 +91,8 @@ TokenShard::~TokenShard() {
 absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const std::string& pattern, int B, int T, int replica,
                                                                int num_replicas, int vocab_size) {
   if (B <= 0 || T <= 0 || num_replicas <= 0 || replica < 0 || replica >= num_replicas) {
-    return absl::InvalidArgumentError(absl::StrCat("data loader: bad B ", B, ", T ", T, ", replica ", replica,
-                                                   " of ", num_replicas));
+    return absl::InvalidArgumentError(
+        absl::StrCat("data loader: bad B ", B, ", T ", T, ", replica ", replica, " of ", num_replicas));
   }
   std::unique_ptr<DataLoader> loader(new DataLoader());
   glob_t g;
@@ -115,9 +115,9 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const std::string
     loader->shards_.push_back(std::move(*shard));
   }
   if (!any) {
-    return absl::InvalidArgumentError(absl::StrCat("no shard matching '", pattern, "' holds one step of ",
-                                                   step_tokens, " tokens (", num_replicas, " replicas x B ", B,
-                                                   " x T ", T, " + 1); use more data or a smaller batch"));
+    return absl::InvalidArgumentError(absl::StrCat("no shard matching '", pattern, "' holds one step of ", step_tokens,
+                                                   " tokens (", num_replicas, " replicas x B ", B, " x T ", T,
+                                                   " + 1); use more data or a smaller batch"));
   }
   loader->B_ = B;
   loader->T_ = T;
@@ -242,9 +242,8 @@ absl::StatusOr<PrepareStats> PrepareTextData(const std::vector<std::string>& inp
   // Fisher-Yates with a fixed seed: the split is the same on every run.
   uint64_t state = 20240520;
   for (size_t i = documents.size(); i > 1; --i) std::swap(documents[i - 1], documents[Mix(state) % i]);
-  const size_t num_val = val_fraction > 0.0
-                             ? std::max<size_t>(1, static_cast<size_t>(std::ceil(val_fraction * documents.size())))
-                             : 0;
+  const size_t num_val =
+      val_fraction > 0.0 ? std::max<size_t>(1, static_cast<size_t>(std::ceil(val_fraction * documents.size()))) : 0;
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));

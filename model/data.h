@@ -69,7 +69,10 @@ class DataLoader {
   void Next(int32_t* inputs, int32_t* targets);
   DataPosition position() const { return position_; }
   absl::Status Restore(const DataPosition& position);
-  void Reset() { position_ = DataPosition{}; SkipShortShards(); }
+  void Reset() {
+    position_ = DataPosition{};
+    SkipShortShards();
+  }
   int64_t total_tokens() const;
   const std::vector<std::string>& paths() const { return paths_; }
 

@@ -16,8 +16,22 @@ namespace geotrain::model {
 namespace {
 
 enum Kind {
-  kWte, kWpe, kLn1w, kLn1b, kQkvw, kQkvb, kAttprojw, kAttprojb,
-  kLn2w, kLn2b, kFcw, kFcb, kFcprojw, kFcprojb, kLnfw, kLnfb,
+  kWte,
+  kWpe,
+  kLn1w,
+  kLn1b,
+  kQkvw,
+  kQkvb,
+  kAttprojw,
+  kAttprojb,
+  kLn2w,
+  kLn2b,
+  kFcw,
+  kFcb,
+  kFcprojw,
+  kFcprojb,
+  kLnfw,
+  kLnfb,
 };
 
 // HF suffixes of the per-block tensors, by kind.
@@ -26,15 +40,22 @@ struct BlockName {
   const char* suffix;
 };
 constexpr BlockName kBlockNames[] = {
-    {kLn1w, "ln_1.weight"},          {kLn1b, "ln_1.bias"},          {kQkvw, "attn.c_attn.weight"},
-    {kQkvb, "attn.c_attn.bias"},     {kAttprojw, "attn.c_proj.weight"}, {kAttprojb, "attn.c_proj.bias"},
-    {kLn2w, "ln_2.weight"},          {kLn2b, "ln_2.bias"},          {kFcw, "mlp.c_fc.weight"},
-    {kFcb, "mlp.c_fc.bias"},         {kFcprojw, "mlp.c_proj.weight"}, {kFcprojb, "mlp.c_proj.bias"},
+    {kLn1w, "ln_1.weight"},
+    {kLn1b, "ln_1.bias"},
+    {kQkvw, "attn.c_attn.weight"},
+    {kQkvb, "attn.c_attn.bias"},
+    {kAttprojw, "attn.c_proj.weight"},
+    {kAttprojb, "attn.c_proj.bias"},
+    {kLn2w, "ln_2.weight"},
+    {kLn2b, "ln_2.bias"},
+    {kFcw, "mlp.c_fc.weight"},
+    {kFcb, "mlp.c_fc.bias"},
+    {kFcprojw, "mlp.c_proj.weight"},
+    {kFcprojb, "mlp.c_proj.bias"},
 };
 
 bool IsSharded(int kind) {
-  return kind == kQkvw || kind == kQkvb || kind == kAttprojw || kind == kFcw || kind == kFcb ||
-         kind == kFcprojw;
+  return kind == kQkvw || kind == kQkvb || kind == kAttprojw || kind == kFcw || kind == kFcb || kind == kFcprojw;
 }
 bool HasDecay(int kind) {
   return kind == kWte || kind == kWpe || kind == kQkvw || kind == kAttprojw || kind == kFcw || kind == kFcprojw;
@@ -92,8 +113,7 @@ StageOptions StageOptions::Split(const GPT2Config& config, int stage, int num_st
   return o;
 }
 
-absl::StatusOr<std::unique_ptr<GPT2Stage>> GPT2Stage::Create(const GPT2Config& config,
-                                                             const StageOptions& options) {
+absl::StatusOr<std::unique_ptr<GPT2Stage>> GPT2Stage::Create(const GPT2Config& config, const StageOptions& options) {
   GPT2Config c = config;
   if (absl::Status s = c.Validate(); !s.ok()) return s;
   const int last = options.last_layer < 0 ? c.n_layer : options.last_layer;
@@ -107,9 +127,8 @@ absl::StatusOr<std::unique_ptr<GPT2Stage>> GPT2Stage::Create(const GPT2Config& c
   }
   const int max_T = options.max_seq_len == 0 ? c.block_size : options.max_seq_len;
   if (options.max_batch <= 0 || max_T <= 0 || max_T > c.block_size) {
-    return absl::InvalidArgumentError(absl::StrCat("stage max_batch ", options.max_batch, " and max_seq_len ",
-                                                   max_T, " must be positive, max_seq_len <= block_size ",
-                                                   c.block_size));
+    return absl::InvalidArgumentError(absl::StrCat("stage max_batch ", options.max_batch, " and max_seq_len ", max_T,
+                                                   " must be positive, max_seq_len <= block_size ", c.block_size));
   }
   StageOptions o = options;
   o.last_layer = last;
@@ -190,22 +209,30 @@ absl::Status GPT2Stage::BuildLayout() {
   const int64_t NHr = config_.n_head / tp_size_;
   const int64_t att_size = static_cast<int64_t>(max_batch_) * NHr * max_seq_len_;  // attention row lse
   const int64_t act_sizes[] = {
-      BT * C,                          // input
-      Ls * BT * C, Ls * BT, Ls * BT,   // ln1, mean, rstd
-      Ls * BT * 3 * Cr,                // qkv
-      Ls * BT * Cr,                    // atty
-      Ls * att_size,                   // att_lse
-      Ls * BT * C,                     // residual2
-      Ls * BT * C, Ls * BT, Ls * BT,   // ln2, mean, rstd
-      Ls * BT * Hr, Ls * BT * Hr,      // fch, fch_gelu
-      Ls * BT * C,                     // residual3
-      has_head_ ? BT * C : 0, has_head_ ? BT : 0, has_head_ ? BT : 0,  // lnf, mean, rstd
-      has_head_ ? BT * Vp : 0, has_head_ ? BT : 0, has_head_ ? BT : 0,  // logits, losses, lse
+      BT * C,  // input
+      Ls * BT * C,
+      Ls * BT,
+      Ls * BT,           // ln1, mean, rstd
+      Ls * BT * 3 * Cr,  // qkv
+      Ls * BT * Cr,      // atty
+      Ls * att_size,     // att_lse
+      Ls * BT * C,       // residual2
+      Ls * BT * C,
+      Ls * BT,
+      Ls * BT,  // ln2, mean, rstd
+      Ls * BT * Hr,
+      Ls * BT * Hr,  // fch, fch_gelu
+      Ls * BT * C,   // residual3
+      has_head_ ? BT * C : 0,
+      has_head_ ? BT : 0,
+      has_head_ ? BT : 0,  // lnf, mean, rstd
+      has_head_ ? BT * Vp : 0,
+      has_head_ ? BT : 0,
+      has_head_ ? BT : 0,  // logits, losses, lse
   };
-  float** act_slots[] = {&input_,     &ln1_,      &ln1_mean_, &ln1_rstd_, &qkv_,     &atty_,
-                         &att_lse_,       &residual2_, &ln2_,     &ln2_mean_, &ln2_rstd_, &fch_,
-                         &fch_gelu_,  &residual3_, &lnf_,     &lnf_mean_, &lnf_rstd_, &logits_,
-                         &losses_,    &lse_};
+  float** act_slots[] = {&input_,     &ln1_,      &ln1_mean_, &ln1_rstd_, &qkv_,    &atty_,     &att_lse_,
+                         &residual2_, &ln2_,      &ln2_mean_, &ln2_rstd_, &fch_,    &fch_gelu_, &residual3_,
+                         &lnf_,       &lnf_mean_, &lnf_rstd_, &logits_,   &losses_, &lse_};
   int64_t act_total = 0;
   for (int64_t s : act_sizes) act_total += s;
   if (absl::Status s = allocate(acts_memory_, sizeof(float) * act_total); !s.ok()) return s;
@@ -444,8 +471,8 @@ std::vector<std::string> GPT2Stage::TensorNames() const {
 
 absl::StatusOr<std::pair<int, int>> GPT2Stage::ParseName(const std::string& name) const {
   auto missing = [&]() {
-    return absl::NotFoundError(absl::StrCat("tensor '", name, "' is not held by this stage (layers [",
-                                            first_layer_, ", ", last_layer_, "))"));
+    return absl::NotFoundError(
+        absl::StrCat("tensor '", name, "' is not held by this stage (layers [", first_layer_, ", ", last_layer_, "))"));
   };
   auto whole = [&](int kind) -> absl::StatusOr<std::pair<int, int>> {
     if (sizes_[kind] == 0) return missing();
@@ -473,15 +500,24 @@ absl::StatusOr<std::vector<int64_t>> GPT2Stage::TensorShape(const std::string& n
   if (!parsed.ok()) return parsed.status();
   const int64_t C = config_.n_embd;
   switch (parsed->first) {
-    case kWte: return std::vector<int64_t>{config_.vocab_size, C};
-    case kWpe: return std::vector<int64_t>{config_.block_size, C};
-    case kQkvw: return std::vector<int64_t>{C, 3 * C};
-    case kQkvb: return std::vector<int64_t>{3 * C};
-    case kAttprojw: return std::vector<int64_t>{C, C};
-    case kFcw: return std::vector<int64_t>{C, 4 * C};
-    case kFcb: return std::vector<int64_t>{4 * C};
-    case kFcprojw: return std::vector<int64_t>{4 * C, C};
-    default: return std::vector<int64_t>{C};
+    case kWte:
+      return std::vector<int64_t>{config_.vocab_size, C};
+    case kWpe:
+      return std::vector<int64_t>{config_.block_size, C};
+    case kQkvw:
+      return std::vector<int64_t>{C, 3 * C};
+    case kQkvb:
+      return std::vector<int64_t>{3 * C};
+    case kAttprojw:
+      return std::vector<int64_t>{C, C};
+    case kFcw:
+      return std::vector<int64_t>{C, 4 * C};
+    case kFcb:
+      return std::vector<int64_t>{4 * C};
+    case kFcprojw:
+      return std::vector<int64_t>{4 * C, C};
+    default:
+      return std::vector<int64_t>{C};
   }
 }
 
@@ -542,8 +578,7 @@ absl::Status GPT2Stage::CopyPiece(const Piece& piece, float* local, const float*
     ForEachElement(piece.kind, C, Cr, Hr, tp_rank_, count, [&](int64_t li, int64_t fi) { local[li] = full[fi]; });
   } else {
     if (IsSharded(piece.kind)) std::fill(full_out, full_out + count, 0.0f);
-    ForEachElement(piece.kind, C, Cr, Hr, tp_rank_, count,
-                   [&](int64_t li, int64_t fi) { full_out[fi] = local[li]; });
+    ForEachElement(piece.kind, C, Cr, Hr, tp_rank_, count, [&](int64_t li, int64_t fi) { full_out[fi] = local[li]; });
     if (IsSharded(piece.kind)) return AllReduceHost(full_out, count);
   }
   return absl::OkStatus();
@@ -574,8 +609,7 @@ absl::Status GPT2Stage::ExportTensorFromBuffer(const std::string& name, const fl
   return CopyPiece(*piece, const_cast<float*>(buffer) + piece->offset, nullptr, out);
 }
 
-absl::Status GPT2Stage::ImportTensorToBuffer(const std::string& name, const float* data, int64_t count,
-                                             float* buffer) {
+absl::Status GPT2Stage::ImportTensorToBuffer(const std::string& name, const float* data, int64_t count, float* buffer) {
   if (absl::Status s = CheckTensorCount(name, count); !s.ok()) return s;
   absl::StatusOr<Piece> piece = Locate(name);
   if (!piece.ok()) return piece.status();

@@ -69,9 +69,9 @@ inline constexpr int kNumParameterTensors = 16;
 
 struct StageOptions {
   int first_layer = 0;
-  int last_layer = -1;  // exclusive; -1 means n_layer
-  bool has_embedding = true;  // normally first_layer == 0
-  bool has_head = true;       // normally last_layer == n_layer
+  int last_layer = -1;                    // exclusive; -1 means n_layer
+  bool has_embedding = true;              // normally first_layer == 0
+  bool has_head = true;                   // normally last_layer == n_layer
   TensorParallelComm* tp_comm = nullptr;  // null: tp = 1
   Backend* backend = nullptr;             // null: the CPU; not owned, must outlive the stage
   int max_batch = 4;
@@ -133,9 +133,7 @@ class GPT2Stage {
   // (or queue work) and must not call back into this stage. On a CUDA backend Backward waits for the
   // device before each call, so the gradients are in device memory when fn runs. On an error Backward
   // returns early and the remaining calls are not made. Pass an empty function to remove the hook.
-  void set_layer_gradients_ready(std::function<void(int local_layer)> fn) {
-    layer_gradients_ready_ = std::move(fn);
-  }
+  void set_layer_gradients_ready(std::function<void(int local_layer)> fn) { layer_gradients_ready_ = std::move(fn); }
   int num_layers() const { return num_layers_; }
   // The 12 gradient pieces of local block l (0 <= l < num_layers()), in buffer order: ln1w, ln1b, qkvw,
   // qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb (this rank's shards on a TP rank).
@@ -144,10 +142,10 @@ class GPT2Stage {
   // LayerGradientSpans(0 .. num_layers()-1) they cover grads() exactly once.
   std::vector<absl::Span<float>> NonLayerGradientSpans();
 
-  const float* output() const;   // (B,T,C) after Forward, not on the last stage
-  const float* dinput() const;   // (B,T,C) after Backward, not on the first stage
-  float loss() const { return loss_; }   // mean over B*T, last stage with targets
-  const float* logits() const;   // (B,T,Vp) after Forward on the last stage
+  const float* output() const;          // (B,T,C) after Forward, not on the last stage
+  const float* dinput() const;          // (B,T,C) after Backward, not on the first stage
+  float loss() const { return loss_; }  // mean over B*T, last stage with targets
+  const float* logits() const;          // (B,T,Vp) after Forward on the last stage
   int batch() const { return B_; }
   int seq_len() const { return T_; }
 
@@ -231,26 +229,26 @@ class GPT2Stage {
   int32_t* targets_ = nullptr;
   // Host copy of activations for the TP all-reduce on a device (max_batch x max_seq_len x C), else empty.
   std::vector<float> tp_staging_;
-  float* input_ = nullptr;     // (B,T,C): encoded tokens or the copied stage input
-  float* ln1_ = nullptr;       // (Ls,B,T,C)
-  float* ln1_mean_ = nullptr;  // (Ls,B,T)
-  float* ln1_rstd_ = nullptr;  // (Ls,B,T)
-  float* qkv_ = nullptr;       // (Ls,B,T,3Cr)
-  float* atty_ = nullptr;      // (Ls,B,T,Cr)
-  float* att_lse_ = nullptr;   // (Ls,B,NHr,T): attention rows' log-sum-exp (fused attention)
-  float* residual2_ = nullptr; // (Ls,B,T,C)
-  float* ln2_ = nullptr;       // (Ls,B,T,C)
-  float* ln2_mean_ = nullptr;  // (Ls,B,T)
-  float* ln2_rstd_ = nullptr;  // (Ls,B,T)
-  float* fch_ = nullptr;       // (Ls,B,T,Hr)
-  float* fch_gelu_ = nullptr;  // (Ls,B,T,Hr)
-  float* residual3_ = nullptr; // (Ls,B,T,C)
-  float* lnf_ = nullptr;       // (B,T,C)
-  float* lnf_mean_ = nullptr;  // (B,T)
-  float* lnf_rstd_ = nullptr;  // (B,T)
-  float* logits_ = nullptr;    // (B,T,Vp)
-  float* losses_ = nullptr;    // (B,T)
-  float* lse_ = nullptr;       // (B,T)
+  float* input_ = nullptr;      // (B,T,C): encoded tokens or the copied stage input
+  float* ln1_ = nullptr;        // (Ls,B,T,C)
+  float* ln1_mean_ = nullptr;   // (Ls,B,T)
+  float* ln1_rstd_ = nullptr;   // (Ls,B,T)
+  float* qkv_ = nullptr;        // (Ls,B,T,3Cr)
+  float* atty_ = nullptr;       // (Ls,B,T,Cr)
+  float* att_lse_ = nullptr;    // (Ls,B,NHr,T): attention rows' log-sum-exp (fused attention)
+  float* residual2_ = nullptr;  // (Ls,B,T,C)
+  float* ln2_ = nullptr;        // (Ls,B,T,C)
+  float* ln2_mean_ = nullptr;   // (Ls,B,T)
+  float* ln2_rstd_ = nullptr;   // (Ls,B,T)
+  float* fch_ = nullptr;        // (Ls,B,T,Hr)
+  float* fch_gelu_ = nullptr;   // (Ls,B,T,Hr)
+  float* residual3_ = nullptr;  // (Ls,B,T,C)
+  float* lnf_ = nullptr;        // (B,T,C)
+  float* lnf_mean_ = nullptr;   // (B,T)
+  float* lnf_rstd_ = nullptr;   // (B,T)
+  float* logits_ = nullptr;     // (B,T,Vp)
+  float* losses_ = nullptr;     // (B,T)
+  float* lse_ = nullptr;        // (B,T)
   // Scratch: dresidual (B,T,C), dln (B,T,C), proj (B,T,C), dqkv (B,T,3Cr), datty (B,T,Cr), dfch (B,T,Hr).
   float* dresidual_ = nullptr;
   float* dln_ = nullptr;

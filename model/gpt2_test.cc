@@ -115,8 +115,7 @@ TEST(GPT2Test, LossGradientMatchesFiniteDifferences) {
 }
 
 // Runs the pipeline of `num_stages` on a batch; returns the stages after forward and backward.
-std::vector<std::unique_ptr<GPT2Stage>> RunPipeline(const GPT2Config& c, int num_stages, const Batch& b,
-                                                    float* loss) {
+std::vector<std::unique_ptr<GPT2Stage>> RunPipeline(const GPT2Config& c, int num_stages, const Batch& b, float* loss) {
   std::vector<std::unique_ptr<GPT2Stage>> stages;
   for (int s = 0; s < num_stages; ++s) stages.push_back(Make(c, StageOptions::Split(c, s, num_stages)));
   for (int s = 0; s < num_stages; ++s) {
@@ -200,7 +199,8 @@ TEST(GPT2Test, GradientAccumulationEqualsTheLargerBatch) {
   ASSERT_TRUE(whole->Backward(nullptr, 1.0f).ok());
   auto accumulated = Make(c);
   for (int micro = 0; micro < 2; ++micro) {
-    ASSERT_TRUE(accumulated->Forward(1, 7, big.tokens.data() + micro * 7, nullptr, big.targets.data() + micro * 7).ok());
+    ASSERT_TRUE(
+        accumulated->Forward(1, 7, big.tokens.data() + micro * 7, nullptr, big.targets.data() + micro * 7).ok());
     ASSERT_TRUE(accumulated->Backward(nullptr, 0.5f).ok());
   }
   for (int64_t i = 0; i < whole->num_params(); ++i) {

@@ -91,8 +91,8 @@ void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t
   }
 }
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int C) {
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int C) {
   const float eps = 1e-5f;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
@@ -207,8 +207,7 @@ inline void ThreadRange(int64_t n, int64_t align, int64_t* begin, int64_t* end) 
 
 }  // namespace
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
-                    int OC) {
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C, int OC) {
   (void)kBlasSingleThreaded;
   // Rows of out split among threads; each runs one single-threaded GEMM and adds the bias while the
   // block is still in cache.
@@ -237,8 +236,8 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
       int64_t n0, n1;
       ThreadRange(N, 8, &n0, &n1);
       if (n1 > n0) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n1 - n0), C, OC, 1.0f,
-                    dout + n0 * OC, OC, weight, C, accumulate_dinp ? 1.0f : 0.0f, dinp + n0 * C, C);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n1 - n0), C, OC, 1.0f, dout + n0 * OC,
+                    OC, weight, C, accumulate_dinp ? 1.0f : 0.0f, dinp + n0 * C, C);
       }
     }
     // dweight rows (output channels) split among threads; each also owns those entries of dbias.
@@ -303,8 +302,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int B, int T, i
   }
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int B, int T, int C, int NH) {
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                        int T, int C, int NH) {
   const int C3 = 3 * C;
   const int hs = C / NH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -383,8 +382,8 @@ void residual_forward(float* out, const float* a, const float* b, int64_t N) {
   for (int64_t i = 0; i < N; ++i) out[i] = a[i] + b[i];
 }
 
-void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                          int V, int Vp) {
+void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N, int V,
+                          int Vp) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits + n * Vp;
@@ -400,8 +399,8 @@ void crossentropy_forward(float* losses, float* lse, const float* logits, const 
   }
 }
 
-void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss,
-                                   int64_t N, int V, int Vp) {
+void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss, int64_t N,
+                                   int V, int Vp) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float* l = logits + n * Vp;

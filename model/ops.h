@@ -20,15 +20,14 @@ void encoder_forward(float* out, const int32_t* inp, const float* wte, const flo
 void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C);
 
 // Row-wise LayerNorm with eps 1e-5; mean and rstd (N) are kept for backward.
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int C);
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int C);
 // dinp(N,C) += ..., dweight(C) += ..., dbias(C) += ...
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int64_t N, int C);
 
 // out(N,OC) = inp(N,C) @ weight(OC,C)^T (+ bias(OC) when bias is non-null). Overwrites out.
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
-                    int OC);
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C, int OC);
 // dinp(N,C) = or += dout @ weight (accumulate_dinp chooses; dinp may be null to skip it);
 // dweight(OC,C) += dout^T @ inp; dbias(OC) += column sums of dout (dbias may be null).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -45,8 +44,8 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int OC);
 void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int C, int NH);
 // Recomputes the probabilities from qkv and lse; out is attention_forward's output.
 // dqkv(B,T,3C) is OVERWRITTEN (not accumulated).
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int B, int T, int C, int NH);
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                        int T, int C, int NH);
 
 // GELU, tanh approximation (GPT-2's). out may not alias inp.
 void gelu_forward(float* out, const float* inp, int64_t N);
@@ -58,11 +57,11 @@ void residual_forward(float* out, const float* a, const float* b, int64_t N);
 
 // Softmax cross-entropy over the first V columns of logits (N rows of stride Vp); the padded columns
 // never take part. losses(N) = -log p[target]; lse(N) keeps log-sum-exp for backward.
-void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N,
-                          int V, int Vp);
+void crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int64_t N, int V,
+                          int Vp);
 // Turns logits IN PLACE into dlogits = dloss * (softmax - onehot(target)), padded columns set to 0.
-void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss,
-                                   int64_t N, int V, int Vp);
+void crossentropy_backward_inplace(float* logits, const float* lse, const int32_t* targets, float dloss, int64_t N,
+                                   int V, int Vp);
 
 // ---- Training arithmetic (the CPU twins of model/cuda/ops_cuda.h's). ----
 // out(n) += in(n).

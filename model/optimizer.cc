@@ -9,8 +9,7 @@
 
 namespace geotrain::model {
 
-AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options,
-             Backend* backend)
+AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options, Backend* backend)
     : options_(options), segments_(std::move(segments)), num_params_(num_params), backend_(backend) {}
 
 AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options)

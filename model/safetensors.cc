@@ -139,8 +139,8 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
     int64_t count = 1;
     for (int64_t d : t.shape) count *= d;
     if (count != static_cast<int64_t>(t.data.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.data.size(),
-                                                     " floats but its shape holds ", count));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", t.name, " has ", t.data.size(), " floats but its shape holds ", count));
     }
     if (header.size() > 1) header += ",";
     absl::StrAppend(&header, "\"", JsonEscape(t.name), "\":{\"dtype\":\"F32\",\"shape\":[");
@@ -172,8 +172,8 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
   uint64_t header_size = 0;
   for (int i = 0; i < 8; ++i) header_size |= static_cast<uint64_t>(static_cast<unsigned char>(b[i])) << (8 * i);
   if (header_size > b.size() - 8 || header_size > (100u << 20)) {
-    return absl::DataLossError(absl::StrCat(path, ": header length ", header_size, " exceeds the file (",
-                                            b.size(), " bytes); the file is truncated or not safetensors"));
+    return absl::DataLossError(absl::StrCat(path, ": header length ", header_size, " exceeds the file (", b.size(),
+                                            " bytes); the file is truncated or not safetensors"));
   }
   google::protobuf::Struct header;
   google::protobuf::util::JsonParseOptions options;
@@ -202,9 +202,12 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
     }
     const std::string dtype = dtype_it->second.string_value();
     size_t elem = 0;
-    if (dtype == "F32") elem = 4;
-    else if (dtype == "F16" || dtype == "BF16") elem = 2;
-    else return bad(absl::StrCat("dtype ", dtype, " is not supported (F32, F16, BF16)"));
+    if (dtype == "F32")
+      elem = 4;
+    else if (dtype == "F16" || dtype == "BF16")
+      elem = 2;
+    else
+      return bad(absl::StrCat("dtype ", dtype, " is not supported (F32, F16, BF16)"));
     NamedTensor t;
     t.name = name;
     uint64_t count = 1;

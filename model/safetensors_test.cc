@@ -9,8 +9,7 @@ namespace geotrain::model {
 namespace {
 
 std::string TempPath(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("geotrain_st_" + std::to_string(::getpid()) + "_" + name))
-      .string();
+  return (std::filesystem::temp_directory_path() / ("geotrain_st_" + std::to_string(::getpid()) + "_" + name)).string();
 }
 
 TEST(SafetensorsTest, RoundTrip) {

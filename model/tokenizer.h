@@ -42,9 +42,9 @@ class Tokenizer {
   void Bpe(const std::string& piece, std::vector<int32_t>* out);
 
   std::unordered_map<std::string, int32_t> encoder_;
-  std::vector<std::string> decoder_;                    // id -> byte-encoded token
-  std::unordered_map<std::string, int32_t> ranks_;     // "first second" -> merge rank
-  std::string byte_encoder_[256];                       // byte -> UTF-8 of its printable code point
+  std::vector<std::string> decoder_;                // id -> byte-encoded token
+  std::unordered_map<std::string, int32_t> ranks_;  // "first second" -> merge rank
+  std::string byte_encoder_[256];                   // byte -> UTF-8 of its printable code point
   std::unordered_map<std::string, uint8_t> byte_decoder_;
   std::unordered_map<std::string, std::vector<int32_t>> cache_;
   int32_t eot_ = -1;

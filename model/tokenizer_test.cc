@@ -2,10 +2,10 @@
 // plus known ids and round trips. Skips the node comparison when node is not installed.
 #include "model/tokenizer.h"
 
-#include <cstdio>
-#include <cstdlib>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include "gtest/gtest.h"
@@ -135,8 +135,9 @@ TEST(TokenizerTest, LoadsHuggingFaceFileNames) {
   auto tok = LoadOrSkip();
   ASSERT_NE(tok, nullptr);
   const std::string dir = "/tmp/geotrain_tokenizer_hf_" + std::to_string(::getpid());
-  ASSERT_EQ(std::system(("mkdir -p " + dir + " && cp " + TokenizerDir() + "/encoder.json " + dir + "/vocab.json && cp " +
-                         TokenizerDir() + "/vocab.bpe " + dir + "/merges.txt").c_str()),
+  ASSERT_EQ(std::system(("mkdir -p " + dir + " && cp " + TokenizerDir() + "/encoder.json " + dir +
+                         "/vocab.json && cp " + TokenizerDir() + "/vocab.bpe " + dir + "/merges.txt")
+                            .c_str()),
             0);
   auto hf = Tokenizer::Load(dir);
   ASSERT_TRUE(hf.ok()) << hf.status();

@@ -31,12 +31,12 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   const int global_batch = t.global_batch(), T = t.seq_len();
   const int micro = spec.parallel().microbatches() > 0 ? spec.parallel().microbatches() : 1;
   if (global_batch % micro != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("train.global_batch ", global_batch,
-                                                   " must be a multiple of parallel.microbatches ", micro));
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.global_batch ", global_batch, " must be a multiple of parallel.microbatches ", micro));
   }
   if (T > config->block_size) {
-    return absl::InvalidArgumentError(absl::StrCat("train.seq_len ", T, " exceeds the model's block_size ",
-                                                   config->block_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.seq_len ", T, " exceeds the model's block_size ", config->block_size));
   }
   if (spec.data().train().empty()) {
     return absl::InvalidArgumentError("data.train is empty; give a glob of .bin shards from `geotrain data prepare`");
@@ -54,8 +54,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   adam_options.beta2 = static_cast<float>(t.beta2());
   adam_options.weight_decay = static_cast<float>(t.weight_decay());
   AdamW adam(model.num_params(), model.segments(), adam_options);
-  LearningRateSchedule schedule{.max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(),
-                                .total_steps = t.steps()};
+  LearningRateSchedule schedule{
+      .max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(), .total_steps = t.steps()};
 
   auto train = DataLoader::Create(spec.data().train(), global_batch, T, 0, 1, config->vocab_size);
   if (!train.ok()) return train.status();
@@ -80,7 +80,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
       std::fprintf(options.out, "no checkpoint in %s; starting from step 0\n", ckpt_dir.c_str());
     }
   }
-  std::fprintf(options.out, "model: %d layers, %d heads, %d channels, vocab %d (%lld parameters); batch %d x %d "
+  std::fprintf(options.out,
+               "model: %d layers, %d heads, %d channels, vocab %d (%lld parameters); batch %d x %d "
                "in %d microbatches; %d steps\n",
                config->n_layer, config->n_head, config->n_embd, config->vocab_size,
                static_cast<long long>(config->NumParameters()), global_batch, T, micro, t.steps());
@@ -134,8 +135,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
       std::fprintf(options.out, "%s\n", line.c_str());
     }
     std::fflush(options.out);
-    if (!ckpt_dir.empty() && ((spec.checkpoint().every_steps() > 0 && (step + 1) % spec.checkpoint().every_steps() == 0) ||
-                              last)) {
+    if (!ckpt_dir.empty() &&
+        ((spec.checkpoint().every_steps() > 0 && (step + 1) % spec.checkpoint().every_steps() == 0) || last)) {
       if (absl::Status s = SaveCheckpoint(ckpt_dir, step + 1, model, adam, (*train)->position()); !s.ok()) return s;
     }
     if (options.stop_after_step > 0 && step + 1 >= options.stop_after_step) break;

@@ -21,7 +21,8 @@ class TrainerTest : public ::testing::Test {
     std::vector<uint16_t> tokens;
     for (int i = 0; i < 20000; ++i) tokens.push_back(rng() % 10 == 0 ? rng() % 64 : (i * 7) % 64);
     ASSERT_TRUE(WriteTokenShard(dir_ + "/train_000000.bin", tokens).ok());
-    ASSERT_TRUE(WriteTokenShard(dir_ + "/val_000000.bin", std::vector<uint16_t>(tokens.begin(), tokens.begin() + 2000)).ok());
+    ASSERT_TRUE(
+        WriteTokenShard(dir_ + "/val_000000.bin", std::vector<uint16_t>(tokens.begin(), tokens.begin() + 2000)).ok());
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 

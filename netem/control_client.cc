@@ -40,15 +40,13 @@ class Fd {
 bool Complete(const std::string& reply) {
   if (reply.empty() || reply.back() != '\n') return false;
   const size_t start = reply.rfind('\n', reply.size() - 2);
-  const absl::string_view last =
-      absl::string_view(reply).substr(start == std::string::npos ? 0 : start + 1);
+  const absl::string_view last = absl::string_view(reply).substr(start == std::string::npos ? 0 : start + 1);
   return last == "ok\n" || absl::StartsWith(last, "error: ");
 }
 
 }  // namespace
 
-absl::StatusOr<std::string> SendControlCommand(int port, std::string_view command,
-                                               std::chrono::milliseconds timeout,
+absl::StatusOr<std::string> SendControlCommand(int port, std::string_view command, std::chrono::milliseconds timeout,
                                                const std::string& host) {
   if (command.find('\n') != std::string_view::npos) {
     return absl::InvalidArgumentError("a control command is one line");
@@ -66,34 +64,31 @@ absl::StatusOr<std::string> SendControlCommand(int port, std::string_view comman
   const int err = errno;
   freeaddrinfo(found);
   if (rc != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot reach the emulator's control port ", where, ": ", std::strerror(err),
-                     "; is geotrain-netem running with --control-port ", port, "?"));
+    return absl::UnavailableError(absl::StrCat("cannot reach the emulator's control port ", where, ": ",
+                                               std::strerror(err), "; is geotrain-netem running with --control-port ",
+                                               port, "?"));
   }
   const std::string line = absl::StrCat(ToAbsl(command), "\n");
   size_t sent = 0;
   while (sent < line.size()) {
     const ssize_t n = send(fd.get(), line.data() + sent, line.size() - sent, MSG_NOSIGNAL);
-    if (n <= 0)
-      return absl::UnavailableError(absl::StrCat("control port ", where, ": send failed"));
+    if (n <= 0) return absl::UnavailableError(absl::StrCat("control port ", where, ": send failed"));
     sent += static_cast<size_t>(n);
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string reply;
   char buffer[4096];
   while (!Complete(reply)) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     pollfd p{fd.get(), POLLIN, 0};
     if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) {
-      return absl::DeadlineExceededError(absl::StrCat("control port ", where,
-                                                      ": no complete reply to '", ToAbsl(command),
-                                                      "' within ", timeout.count(), " ms"));
+      return absl::DeadlineExceededError(absl::StrCat("control port ", where, ": no complete reply to '",
+                                                      ToAbsl(command), "' within ", timeout.count(), " ms"));
     }
     const ssize_t n = recv(fd.get(), buffer, sizeof(buffer), 0);
     if (n <= 0) {
-      return absl::UnavailableError(
-          absl::StrCat("control port ", where, ": connection closed before the reply ended"));
+      return absl::UnavailableError(absl::StrCat("control port ", where, ": connection closed before the reply ended"));
     }
     reply.append(buffer, static_cast<size_t>(n));
     if (reply.size() > kMaxReplyBytes) {
@@ -103,8 +98,7 @@ absl::StatusOr<std::string> SendControlCommand(int port, std::string_view comman
   const size_t start = reply.rfind('\n', reply.size() - 2);
   const size_t last = start == std::string::npos ? 0 : start + 1;
   if (absl::StartsWith(absl::string_view(reply).substr(last), "error: ")) {
-    return absl::InvalidArgumentError(
-        reply.substr(last + 7, reply.size() - last - 8));  // without "error: " and '\n'
+    return absl::InvalidArgumentError(reply.substr(last + 7, reply.size() - last - 8));  // without "error: " and '\n'
   }
   return reply.substr(0, last);
 }
@@ -113,9 +107,7 @@ absl::StatusOr<std::vector<LinkDirectionStats>> ParseStatsText(std::string_view 
   std::vector<LinkDirectionStats> stats;
   for (absl::string_view line : absl::StrSplit(ToAbsl(text), '\n', absl::SkipEmpty())) {
     std::vector<absl::string_view> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    auto bad = [&] {
-      return absl::DataLossError(absl::StrCat("malformed stats line '", line, "'"));
-    };
+    auto bad = [&] { return absl::DataLossError(absl::StrCat("malformed stats line '", line, "'")); };
     if (words.size() < 3 || words[0] != "link") return bad();
     std::pair<absl::string_view, absl::string_view> ends = absl::StrSplit(words[1], '>');
     if (ends.first.empty() || ends.second.empty()) return bad();
@@ -133,8 +125,7 @@ absl::StatusOr<std::vector<LinkDirectionStats>> ParseStatsText(std::string_view 
         {"queued_bytes", &s.queued_bytes}, {"connections", &s.connections_total},
         {"active", &s.connections_active}, {"reset", &s.connections_reset}};
     for (size_t i = 3; i < words.size(); ++i) {
-      std::pair<absl::string_view, absl::string_view> kv =
-          absl::StrSplit(words[i], absl::MaxSplits('=', 1));
+      std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(words[i], absl::MaxSplits('=', 1));
       bool parsed = true;
       for (const auto& [key, field] : doubles) {
         if (kv.first == key) parsed = absl::SimpleAtod(kv.second, field);
@@ -150,8 +141,7 @@ absl::StatusOr<std::vector<LinkDirectionStats>> ParseStatsText(std::string_view 
   return stats;
 }
 
-absl::StatusOr<std::vector<LinkDirectionStats>> QueryStats(int port,
-                                                           std::chrono::milliseconds timeout) {
+absl::StatusOr<std::vector<LinkDirectionStats>> QueryStats(int port, std::chrono::milliseconds timeout) {
   absl::StatusOr<std::string> text = SendControlCommand(port, "stats", timeout);
   if (!text.ok()) return text.status();
   return ParseStatsText(*text);

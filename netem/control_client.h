@@ -20,10 +20,9 @@ namespace geotrain::netem {
 
 // Connects to host:port, sends `command`, returns the output without the final "ok" line. An
 // "error: ..." reply becomes an error status carrying the message. Gives up after `timeout`.
-absl::StatusOr<std::string> SendControlCommand(
-    int port, std::string_view command,
-    std::chrono::milliseconds timeout = std::chrono::milliseconds(5000),
-    const std::string& host = "127.0.0.1");
+absl::StatusOr<std::string> SendControlCommand(int port, std::string_view command,
+                                               std::chrono::milliseconds timeout = std::chrono::milliseconds(5000),
+                                               const std::string& host = "127.0.0.1");
 
 // Parses the text of `stats` (FormatStatsText) back into structs; rejects malformed lines.
 absl::StatusOr<std::vector<LinkDirectionStats>> ParseStatsText(std::string_view text);

@@ -48,13 +48,12 @@ TEST(StatsTextTest, RoundTrip) {
   EXPECT_DOUBLE_EQ(p.stalled_ms_left, 120);
   EXPECT_DOUBLE_EQ(p.measured_mbps, 812.5);
   EXPECT_DOUBLE_EQ(p.measured_delay_ms, 52.25);
-  EXPECT_NE(FormatStatsJson({s}).find("\"src\":\"utah\",\"dst\":\"amsterdam\",\"up\":false"),
-            std::string::npos);
+  EXPECT_NE(FormatStatsJson({s}).find("\"src\":\"utah\",\"dst\":\"amsterdam\",\"up\":false"), std::string::npos);
 }
 
 TEST(StatsTextTest, RejectsMalformedLines) {
-  for (const char* bad : {"nonsense", "link a>b sideways", "link ab up", "link a>b up bytes_in=x",
-                          "link >b up", "link a>b up active=1.5"}) {
+  for (const char* bad : {"nonsense", "link a>b sideways", "link ab up", "link a>b up bytes_in=x", "link >b up",
+                          "link a>b up active=1.5"}) {
     EXPECT_FALSE(ParseStatsText(bad).ok()) << bad;
   }
   // Unknown keys are skipped (a newer emulator may add some).

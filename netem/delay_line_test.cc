@@ -67,8 +67,7 @@ TEST(DelayLineTest, SameSeedSameDelays) {
   const TimePoint t0 = TimePoint{} + milliseconds(100);
   for (int i = 0; i < 100; ++i) {
     const TimePoint sent = t0 + milliseconds(10) * i;
-    EXPECT_EQ(a.Release(sent, milliseconds(5), milliseconds(2)),
-              b.Release(sent, milliseconds(5), milliseconds(2)));
+    EXPECT_EQ(a.Release(sent, milliseconds(5), milliseconds(2)), b.Release(sent, milliseconds(5), milliseconds(2)));
   }
 }
 

@@ -45,9 +45,7 @@ constexpr size_t kMaxChunksPerWrite = 16;
 constexpr size_t kSpareBuffers = 4;  // per connection direction
 constexpr size_t kMaxControlLine = 4096;
 
-std::string LinkKey(std::string_view src, std::string_view dst) {
-  return absl::StrCat(ToAbsl(src), ">", ToAbsl(dst));
-}
+std::string LinkKey(std::string_view src, std::string_view dst) { return absl::StrCat(ToAbsl(src), ">", ToAbsl(dst)); }
 
 // Resets a socket: the peer sees ECONNRESET rather than an orderly end of stream.
 void ResetSocket(tcp::socket& socket) {
@@ -67,23 +65,21 @@ struct LinkDirection {
     latency = MillisToDuration(p.latency_ms);
     jitter = MillisToDuration(p.jitter_ms);
     const double rate = p.bandwidth_mbps * 1e6 / 8;  // bytes per second; 0 is uncapped
-    chunk_bytes = rate > 0 ? std::clamp<int64_t>(static_cast<int64_t>(rate * 0.002), kMinChunkBytes,
-                                                 kMaxChunkBytes)
+    chunk_bytes = rate > 0 ? std::clamp<int64_t>(static_cast<int64_t>(rate * 0.002), kMinChunkBytes, kMaxChunkBytes)
                            : kMaxChunkBytes;
     // 10 ms of burst: when the loop thread is descheduled for a few ms on a busy machine, the
     // tokens it could not use are spent when it runs again, so the cap holds over longer windows
     // (2 ms of burst lost 3-8% of 100-1000 Mbit/s caps with the two cores busy).
-    const int64_t burst = options.burst_bytes > 0
-                              ? options.burst_bytes
-                              : std::max<int64_t>(16 * 1024, static_cast<int64_t>(rate * 0.010));
+    const int64_t burst = options.burst_bytes > 0 ? options.burst_bytes
+                                                  : std::max<int64_t>(16 * 1024, static_cast<int64_t>(rate * 0.010));
     bucket.SetRate(rate, burst, now);
     if (options.max_buffer_bytes > 0) {
       max_buffer_bytes = std::max(options.max_buffer_bytes, chunk_bytes);
     } else if (rate > 0) {
       const double delay_s = (p.latency_ms + p.jitter_ms) / 1000;
-      max_buffer_bytes = std::clamp<int64_t>(
-          static_cast<int64_t>(1.25 * rate * delay_s) + bucket.burst_bytes() + 2 * chunk_bytes,
-          kMinBufferBytes, kMaxBufferBytes);
+      max_buffer_bytes =
+          std::clamp<int64_t>(static_cast<int64_t>(1.25 * rate * delay_s) + bucket.burst_bytes() + 2 * chunk_bytes,
+                              kMinBufferBytes, kMaxBufferBytes);
     } else {
       max_buffer_bytes = kUncappedBufferBytes;
     }
@@ -118,8 +114,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
  public:
   using RemoveFn = std::function<void(uint64_t)>;
 
-  Connection(asio::io_context& io, uint64_t id, tcp::socket client, LinkDirection* forward,
-             LinkDirection* backward, uint64_t seed, RemoveFn remove)
+  Connection(asio::io_context& io, uint64_t id, tcp::socket client, LinkDirection* forward, LinkDirection* backward,
+             uint64_t seed, RemoveFn remove)
       : id_(id),
         client_(std::move(client)),
         server_(io),
@@ -128,9 +124,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
         remove_(std::move(remove)) {}
 
   uint64_t id() const { return id_; }
-  bool Uses(const LinkDirection* link) const {
-    return forward_.link == link || backward_.link == link;
-  }
+  bool Uses(const LinkDirection* link) const { return forward_.link == link || backward_.link == link; }
   LinkDirection* forward_link() const { return forward_.link; }
 
   void Start(const tcp::endpoint& target) {
@@ -138,8 +132,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     server_.async_connect(target, [self = shared_from_this()](const ErrorCode& ec) {
       if (self->closed_) return;
       if (ec) {
-        GT_LOG(WARNING) << "netem: connection " << self->id_ << " on " << self->forward_.link->src
-                        << ">" << self->forward_.link->dst << ": target refused (" << ec.message()
+        GT_LOG(WARNING) << "netem: connection " << self->id_ << " on " << self->forward_.link->src << ">"
+                        << self->forward_.link->dst << ": target refused (" << ec.message()
                         << "); resetting the client";
         self->Close(/*reset=*/true);
         return;
@@ -224,9 +218,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     if (p.reading_into.capacity != capacity) {
       p.reading_into = TakeBuffer(p, capacity);
     }
-    p.from->async_read_some(
-        asio::buffer(p.reading_into.data.get(), capacity),
-        [self = shared_from_this(), &p](const ErrorCode& ec, size_t n) { self->OnRead(p, ec, n); });
+    p.from->async_read_some(asio::buffer(p.reading_into.data.get(), capacity),
+                            [self = shared_from_this(), &p](const ErrorCode& ec, size_t n) { self->OnRead(p, ec, n); });
   }
 
   static Buffer TakeBuffer(Pipe& p, size_t capacity) {
@@ -290,17 +283,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
     std::vector<asio::const_buffer> buffers;
     int64_t bytes = 0;
     for (const Chunk& chunk : p.queue) {
-      if (buffers.size() >= kMaxChunksPerWrite || std::max(chunk.release, stalled_until) > now)
-        break;
+      if (buffers.size() >= kMaxChunksPerWrite || std::max(chunk.release, stalled_until) > now) break;
       buffers.push_back(asio::buffer(chunk.buffer.data.get(), chunk.size));
       bytes += static_cast<int64_t>(chunk.size);
     }
     const size_t count = buffers.size();
     p.writing = true;
-    asio::async_write(*p.to, buffers,
-                      [self = shared_from_this(), &p, count, bytes](const ErrorCode& ec, size_t) {
-                        self->OnWritten(p, count, bytes, ec);
-                      });
+    asio::async_write(*p.to, buffers, [self = shared_from_this(), &p, count, bytes](const ErrorCode& ec, size_t) {
+      self->OnWritten(p, count, bytes, ec);
+    });
   }
 
   void OnWritten(Pipe& p, size_t count, int64_t bytes, const ErrorCode& ec) {
@@ -314,8 +305,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     LinkDirection& link = *p.link;
     for (size_t i = 0; i < count; ++i) {
       const double delay_ms = DurationToMillis(now - p.queue.front().read_at);
-      link.measured_delay_ms =
-          link.have_delay ? 0.95 * link.measured_delay_ms + 0.05 * delay_ms : delay_ms;
+      link.measured_delay_ms = link.have_delay ? 0.95 * link.measured_delay_ms + 0.05 * delay_ms : delay_ms;
       link.have_delay = true;
       if (p.spare.size() < kSpareBuffers) p.spare.push_back(std::move(p.queue.front().buffer));
       p.queue.pop_front();
@@ -380,19 +370,17 @@ class Emulator::Impl {
     listen_address = asio::ip::make_address(options_.listen_host, ec);
     if (ec) {
       return absl::InvalidArgumentError(
-          absl::StrCat("listen host '", options_.listen_host,
-                       "' is not an IP address; give one such as 127.0.0.1"));
+          absl::StrCat("listen host '", options_.listen_host, "' is not an IP address; give one such as 127.0.0.1"));
     }
     tcp::resolver resolver(io_);
     for (auto& l : listeners_) {
       const std::string route = FormatRoute(l->spec);
-      auto resolved =
-          resolver.resolve(l->spec.target_host, std::to_string(l->spec.target_port), ec);
+      auto resolved = resolver.resolve(l->spec.target_host, std::to_string(l->spec.target_port), ec);
       if (ec || resolved.empty()) {
         CloseListeners();
-        return absl::InvalidArgumentError(absl::StrCat(
-            "route ", route, ": cannot resolve target host '", l->spec.target_host, "' (",
-            ec.message(), "); give an IP address or a name this machine resolves"));
+        return absl::InvalidArgumentError(absl::StrCat("route ", route, ": cannot resolve target host '",
+                                                       l->spec.target_host, "' (", ec.message(),
+                                                       "); give an IP address or a name this machine resolves"));
       }
       l->target = resolved.begin()->endpoint();
       const tcp::endpoint endpoint(listen_address, static_cast<uint16_t>(l->spec.listen_port));
@@ -404,13 +392,12 @@ class Emulator::Impl {
         CloseListeners();
         const std::string where = absl::StrCat(options_.listen_host, ":", l->spec.listen_port);
         if (ec == asio::error::address_in_use) {
-          return absl::AlreadyExistsError(
-              absl::StrCat("route ", route, ": port ", where,
-                           " is already in use; stop the process that holds it "
-                           "(ss -ltnp 'sport = :",
-                           l->spec.listen_port,
-                           "') or give the route another listen "
-                           "port (0 picks a free one)"));
+          return absl::AlreadyExistsError(absl::StrCat("route ", route, ": port ", where,
+                                                       " is already in use; stop the process that holds it "
+                                                       "(ss -ltnp 'sport = :",
+                                                       l->spec.listen_port,
+                                                       "') or give the route another listen "
+                                                       "port (0 picks a free one)"));
         }
         return absl::InvalidArgumentError(
             absl::StrCat("route ", route, ": cannot listen on ", where, ": ", ec.message()));
@@ -453,8 +440,7 @@ class Emulator::Impl {
   }
 
   absl::StatusOr<int> StartControlServer(int port) {
-    if (!running_)
-      return absl::FailedPreconditionError("start the emulator before its control port");
+    if (!running_) return absl::FailedPreconditionError("start the emulator before its control port");
     return RunOnLoop([this, port]() -> absl::StatusOr<int> {
       if (control_) return absl::AlreadyExistsError("the control port is already open");
       auto acceptor = std::make_unique<tcp::acceptor>(io_);
@@ -465,11 +451,11 @@ class Emulator::Impl {
       if (!ec) acceptor->bind(endpoint, ec);
       if (!ec) acceptor->listen(asio::socket_base::max_listen_connections, ec);
       if (ec) {
-        return absl::UnavailableError(absl::StrCat(
-            "control port 127.0.0.1:", port, ": ", ec.message(),
-            ec == asio::error::address_in_use
-                ? "; another process holds it: choose another --control-port (0 picks a free one)"
-                : ""));
+        return absl::UnavailableError(
+            absl::StrCat("control port 127.0.0.1:", port, ": ", ec.message(),
+                         ec == asio::error::address_in_use
+                             ? "; another process holds it: choose another --control-port (0 picks a free one)"
+                             : ""));
       }
       control_ = std::move(acceptor);
       AcceptControl();
@@ -543,8 +529,7 @@ class Emulator::Impl {
     });
   }
 
-  absl::Status SetLinkParams(std::string_view src, std::string_view dst, const LinkParams& params,
-                             bool both) {
+  absl::Status SetLinkParams(std::string_view src, std::string_view dst, const LinkParams& params, bool both) {
     if (params.latency_ms < 0 || params.bandwidth_mbps < 0 || params.jitter_ms < 0) {
       return absl::InvalidArgumentError(
           "latency_ms, bandwidth_mbps and jitter_ms must not be negative (bandwidth 0 = no cap)");
@@ -574,17 +559,15 @@ class Emulator::Impl {
   };
 
   // The two directions (src>dst, dst>src) of the link between two sites.
-  absl::StatusOr<std::pair<LinkDirection*, LinkDirection*>> FindLink(std::string_view src,
-                                                                     std::string_view dst) {
+  absl::StatusOr<std::pair<LinkDirection*, LinkDirection*>> FindLink(std::string_view src, std::string_view dst) {
     auto forward = links_.find(LinkKey(src, dst));
     auto backward = links_.find(LinkKey(dst, src));
     if (forward == links_.end() || backward == links_.end()) {
       std::vector<std::string> known;
-      for (const TopologyLink& l : topology_.links())
-        known.push_back(absl::StrCat(l.a(), " ", l.b()));
-      return absl::NotFoundError(absl::StrCat(
-          "no link between '", ToAbsl(src), "' and '", ToAbsl(dst),
-          "' in the topology; links: ", known.empty() ? "none" : absl::StrJoin(known, ", ")));
+      for (const TopologyLink& l : topology_.links()) known.push_back(absl::StrCat(l.a(), " ", l.b()));
+      return absl::NotFoundError(
+          absl::StrCat("no link between '", ToAbsl(src), "' and '", ToAbsl(dst),
+                       "' in the topology; links: ", known.empty() ? "none" : absl::StrJoin(known, ", ")));
     }
     return std::pair(forward->second.get(), backward->second.get());
   }
@@ -637,9 +620,9 @@ class Emulator::Impl {
       return;
     }
     const uint64_t id = next_connection_id_++;
-    auto connection = std::make_shared<Connection>(
-        io_, id, std::move(socket), l->forward, l->backward, options_.seed * 1000003 + id,
-        [this](uint64_t gone) { connections_.erase(gone); });
+    auto connection =
+        std::make_shared<Connection>(io_, id, std::move(socket), l->forward, l->backward, options_.seed * 1000003 + id,
+                                     [this](uint64_t gone) { connections_.erase(gone); });
     connections_[id] = connection;
     connection->Start(l->target);
   }
@@ -657,47 +640,44 @@ class Emulator::Impl {
     });
   }
 
-  void ReadControl(uint64_t id, std::shared_ptr<tcp::socket> socket,
-                   std::shared_ptr<asio::streambuf> buffer) {
-    asio::async_read_until(
-        *socket, *buffer, '\n', [this, id, socket, buffer](const ErrorCode& ec, size_t n) {
-          if (ec) {  // end of session, or a line longer than kMaxControlLine
-            ErrorCode ignored;
-            socket->close(ignored);
-            sessions_.erase(id);
-            return;
-          }
-          std::string line(asio::buffers_begin(buffer->data()),
-                           asio::buffers_begin(buffer->data()) + static_cast<std::ptrdiff_t>(n));
-          buffer->consume(n);
-          const absl::string_view command = absl::StripAsciiWhitespace(line);
-          if (command == "quit" || command == "exit") {
-            ErrorCode ignored;
-            socket->close(ignored);
-            sessions_.erase(id);
-            return;
-          }
-          std::string reply;
-          if (!command.empty()) {
-            absl::StatusOr<std::string> out = ExecuteCommand(ToStd(command));
-            if (out.ok()) {
-              reply = *out;
-              if (!reply.empty() && reply.back() != '\n') reply += '\n';
-              reply += "ok\n";
-            } else {
-              reply = absl::StrCat("error: ", out.status().message(), "\n");
-            }
-          }
-          auto text = std::make_shared<std::string>(std::move(reply));
-          asio::async_write(*socket, asio::buffer(*text),
-                            [this, id, socket, buffer, text](const ErrorCode& e, size_t) {
-                              if (e) {
-                                sessions_.erase(id);
-                                return;
-                              }
-                              ReadControl(id, socket, buffer);
-                            });
-        });
+  void ReadControl(uint64_t id, std::shared_ptr<tcp::socket> socket, std::shared_ptr<asio::streambuf> buffer) {
+    asio::async_read_until(*socket, *buffer, '\n', [this, id, socket, buffer](const ErrorCode& ec, size_t n) {
+      if (ec) {  // end of session, or a line longer than kMaxControlLine
+        ErrorCode ignored;
+        socket->close(ignored);
+        sessions_.erase(id);
+        return;
+      }
+      std::string line(asio::buffers_begin(buffer->data()),
+                       asio::buffers_begin(buffer->data()) + static_cast<std::ptrdiff_t>(n));
+      buffer->consume(n);
+      const absl::string_view command = absl::StripAsciiWhitespace(line);
+      if (command == "quit" || command == "exit") {
+        ErrorCode ignored;
+        socket->close(ignored);
+        sessions_.erase(id);
+        return;
+      }
+      std::string reply;
+      if (!command.empty()) {
+        absl::StatusOr<std::string> out = ExecuteCommand(ToStd(command));
+        if (out.ok()) {
+          reply = *out;
+          if (!reply.empty() && reply.back() != '\n') reply += '\n';
+          reply += "ok\n";
+        } else {
+          reply = absl::StrCat("error: ", out.status().message(), "\n");
+        }
+      }
+      auto text = std::make_shared<std::string>(std::move(reply));
+      asio::async_write(*socket, asio::buffer(*text), [this, id, socket, buffer, text](const ErrorCode& e, size_t) {
+        if (e) {
+          sessions_.erase(id);
+          return;
+        }
+        ReadControl(id, socket, buffer);
+      });
+    });
   }
 
   asio::io_context io_;
@@ -764,8 +744,7 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
   }
   if (verb == "set") {
     if (words.size() < 4) {
-      return absl::InvalidArgumentError(
-          "usage: set A B [latency_ms=X] [bandwidth_mbps=Y] [jitter_ms=Z]");
+      return absl::InvalidArgumentError("usage: set A B [latency_ms=X] [bandwidth_mbps=Y] [jitter_ms=Z]");
     }
     auto pair = RunOnLoop([&] { return FindLink(words[1], words[2]); });
     if (!pair.ok()) return pair.status();
@@ -785,8 +764,7 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
         params.jitter_ms = value;
       } else {
         return absl::InvalidArgumentError(
-            absl::StrCat("set: unknown key '", kv.first,
-                         "'; known keys: latency_ms, bandwidth_mbps, jitter_ms"));
+            absl::StrCat("set: unknown key '", kv.first, "'; known keys: latency_ms, bandwidth_mbps, jitter_ms"));
       }
     }
     absl::Status s = SetLinkParams(words[1], words[2], params, /*both=*/true);
@@ -801,31 +779,27 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
   if (verb == "routes") {
     std::string out;
     for (const RouteStatus& r : Routes()) {
-      absl::StrAppend(&out, FormatRoute(r.spec), " listening ", options_.listen_host, ":",
-                      r.bound_port, "\n");
+      absl::StrAppend(&out, FormatRoute(r.spec), " listening ", options_.listen_host, ":", r.bound_port, "\n");
     }
     return out;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown command '", verb, "'; send 'help' for the list"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown command '", verb, "'; send 'help' for the list"));
 }
 
-absl::StatusOr<std::unique_ptr<Emulator>> Emulator::Create(const Topology& topology,
-                                                           std::vector<RouteSpec> routes,
+absl::StatusOr<std::unique_ptr<Emulator>> Emulator::Create(const Topology& topology, std::vector<RouteSpec> routes,
                                                            EmulatorOptions options) {
   std::set<std::string> sites;
   for (const TopologySite& site : topology.sites()) sites.insert(site.name());
   std::set<std::pair<std::string, std::string>> links;
   for (const TopologyLink& link : topology.links()) {
     if (!sites.count(link.a()) || !sites.count(link.b()) || link.a() == link.b()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topology link ", link.a(), "-", link.b(),
-                       " is not between two known sites; load the "
-                       "topology with LoadTopologyFile, which validates it"));
+      return absl::InvalidArgumentError(absl::StrCat("topology link ", link.a(), "-", link.b(),
+                                                     " is not between two known sites; load the "
+                                                     "topology with LoadTopologyFile, which validates it"));
     }
     if (link.latency_ms() < 0 || link.bandwidth_mbps() < 0 || link.jitter_ms() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("topology link ", link.a(), "-", link.b(),
-                                                     ": figures must not be negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("topology link ", link.a(), "-", link.b(), ": figures must not be negative"));
     }
     links.insert(std::minmax(link.a(), link.b()));
   }
@@ -839,30 +813,27 @@ absl::StatusOr<std::unique_ptr<Emulator>> Emulator::Create(const Topology& topol
     const std::string text = FormatRoute(route);
     for (const std::string& site : {route.src_site, route.dst_site}) {
       if (!sites.count(site)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("route ", text, ": unknown site '", site,
-                         "'; sites in the topology: ", absl::StrJoin(sites, ", ")));
+        return absl::InvalidArgumentError(absl::StrCat("route ", text, ": unknown site '", site,
+                                                       "'; sites in the topology: ", absl::StrJoin(sites, ", ")));
       }
     }
     if (route.src_site == route.dst_site) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "route ", text, ": both ends are in site '", route.src_site,
-          "'; traffic inside a site does not cross the emulator, connect to the target directly"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("route ", text, ": both ends are in site '", route.src_site,
+                       "'; traffic inside a site does not cross the emulator, connect to the target directly"));
     }
     if (!links.count(std::minmax(route.src_site, route.dst_site))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "route ", text, ": no link between '", route.src_site, "' and '", route.dst_site,
-          "' in the topology; add {a: ", route.src_site, ", b: ", route.dst_site,
-          ", latency_ms: ..., bandwidth_mbps: ...} under 'links'"));
+      return absl::InvalidArgumentError(absl::StrCat("route ", text, ": no link between '", route.src_site, "' and '",
+                                                     route.dst_site, "' in the topology; add {a: ", route.src_site,
+                                                     ", b: ", route.dst_site,
+                                                     ", latency_ms: ..., bandwidth_mbps: ...} under 'links'"));
     }
-    if (route.listen_port < 0 || route.listen_port > 65535 || route.target_port <= 0 ||
-        route.target_port > 65535) {
+    if (route.listen_port < 0 || route.listen_port > 65535 || route.target_port <= 0 || route.target_port > 65535) {
       return absl::InvalidArgumentError(absl::StrCat("route ", text, ": port out of range"));
     }
     if (route.listen_port != 0 && !ports.insert(route.listen_port).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("route ", text, ": listen port ", route.listen_port,
-                       " is used by another route; give each route its own listen port"));
+      return absl::InvalidArgumentError(absl::StrCat("route ", text, ": listen port ", route.listen_port,
+                                                     " is used by another route; give each route its own listen port"));
     }
   }
   return std::unique_ptr<Emulator>(
@@ -872,38 +843,31 @@ absl::StatusOr<std::unique_ptr<Emulator>> Emulator::Create(const Topology& topol
 Emulator::Emulator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Emulator::~Emulator() { Stop(); }
 absl::Status Emulator::Start() { return impl_->Start(); }
-absl::StatusOr<int> Emulator::StartControlServer(int port) {
-  return impl_->StartControlServer(port);
-}
+absl::StatusOr<int> Emulator::StartControlServer(int port) { return impl_->StartControlServer(port); }
 void Emulator::Stop() { impl_->Stop(); }
 std::vector<RouteStatus> Emulator::Routes() const { return impl_->Routes(); }
 std::vector<LinkDirectionStats> Emulator::Stats() { return impl_->Stats(); }
-absl::Status Emulator::SetLinkUp(std::string_view a, std::string_view b, bool up) {
-  return impl_->SetLinkUp(a, b, up);
-}
+absl::Status Emulator::SetLinkUp(std::string_view a, std::string_view b, bool up) { return impl_->SetLinkUp(a, b, up); }
 absl::Status Emulator::Stall(std::string_view a, std::string_view b, Duration duration) {
   return impl_->Stall(a, b, duration);
 }
-absl::Status Emulator::SetLinkParams(std::string_view src, std::string_view dst,
-                                     const LinkParams& params, bool both_directions) {
+absl::Status Emulator::SetLinkParams(std::string_view src, std::string_view dst, const LinkParams& params,
+                                     bool both_directions) {
   return impl_->SetLinkParams(src, dst, params, both_directions);
 }
-absl::StatusOr<std::string> Emulator::ExecuteCommand(std::string_view line) {
-  return impl_->ExecuteCommand(line);
-}
+absl::StatusOr<std::string> Emulator::ExecuteCommand(std::string_view line) { return impl_->ExecuteCommand(line); }
 
 std::string FormatStatsText(const std::vector<LinkDirectionStats>& stats) {
   std::string out;
   for (const LinkDirectionStats& s : stats) {
-    absl::StrAppendFormat(
-        &out,
-        "link %s>%s %s latency_ms=%g bandwidth_mbps=%g jitter_ms=%g bytes_in=%d bytes_out=%d "
-        "queued_bytes=%d connections=%d active=%d reset=%d stalled_ms=%.0f measured_mbps=%.3f "
-        "measured_delay_ms=%.3f\n",
-        s.src, s.dst, s.up ? "up" : "down", s.params.latency_ms, s.params.bandwidth_mbps,
-        s.params.jitter_ms, s.bytes_in, s.bytes_out, s.queued_bytes, s.connections_total,
-        s.connections_active, s.connections_reset, s.stalled_ms_left, s.measured_mbps,
-        s.measured_delay_ms);
+    absl::StrAppendFormat(&out,
+                          "link %s>%s %s latency_ms=%g bandwidth_mbps=%g jitter_ms=%g bytes_in=%d bytes_out=%d "
+                          "queued_bytes=%d connections=%d active=%d reset=%d stalled_ms=%.0f measured_mbps=%.3f "
+                          "measured_delay_ms=%.3f\n",
+                          s.src, s.dst, s.up ? "up" : "down", s.params.latency_ms, s.params.bandwidth_mbps,
+                          s.params.jitter_ms, s.bytes_in, s.bytes_out, s.queued_bytes, s.connections_total,
+                          s.connections_active, s.connections_reset, s.stalled_ms_left, s.measured_mbps,
+                          s.measured_delay_ms);
   }
   return out;
 }
@@ -930,10 +894,9 @@ std::string FormatStatsJson(const std::vector<LinkDirectionStats>& stats) {
         "{\"src\":%s,\"dst\":%s,\"up\":%s,\"latency_ms\":%g,\"bandwidth_mbps\":%g,\"jitter_ms\":%g,"
         "\"bytes_in\":%d,\"bytes_out\":%d,\"queued_bytes\":%d,\"connections\":%d,\"active\":%d,"
         "\"reset\":%d,\"stalled_ms\":%.0f,\"measured_mbps\":%.3f,\"measured_delay_ms\":%.3f}",
-        quote(s.src), quote(s.dst), s.up ? "true" : "false", s.params.latency_ms,
-        s.params.bandwidth_mbps, s.params.jitter_ms, s.bytes_in, s.bytes_out, s.queued_bytes,
-        s.connections_total, s.connections_active, s.connections_reset, s.stalled_ms_left,
-        s.measured_mbps, s.measured_delay_ms));
+        quote(s.src), quote(s.dst), s.up ? "true" : "false", s.params.latency_ms, s.params.bandwidth_mbps,
+        s.params.jitter_ms, s.bytes_in, s.bytes_out, s.queued_bytes, s.connections_total, s.connections_active,
+        s.connections_reset, s.stalled_ms_left, s.measured_mbps, s.measured_delay_ms));
   }
   return absl::StrCat("{\"links\":[", absl::StrJoin(items, ","), "]}");
 }

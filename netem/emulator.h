@@ -92,8 +92,7 @@ class Emulator {
  public:
   // Checks the routes against the topology (known sites, a link between them, distinct ports).
   // Errors name the route and the fix. Nothing is opened until Start().
-  static absl::StatusOr<std::unique_ptr<Emulator>> Create(const Topology& topology,
-                                                          std::vector<RouteSpec> routes,
+  static absl::StatusOr<std::unique_ptr<Emulator>> Create(const Topology& topology, std::vector<RouteSpec> routes,
                                                           EmulatorOptions options = {});
   ~Emulator();
   Emulator(const Emulator&) = delete;

@@ -44,8 +44,8 @@ absl::Status WriteReadyFile(const std::string& path, const std::string& text) {
     std::ofstream out(tmp, std::ios::trunc);
     out << text;
     if (!out) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot write the ready file '", tmp, "'; check that its folder exists and is writable"));
+      return absl::UnavailableError(
+          absl::StrCat("cannot write the ready file '", tmp, "'; check that its folder exists and is writable"));
     }
   }
   std::error_code ec;
@@ -78,8 +78,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-buffer-kib", max_buffer_kib,
                  "bytes one connection direction may queue, in KiB (0 = 1.25 x bandwidth-delay)");
   app.add_option("--seed", seed, "seed of the jitter samples");
-  app.add_option("--send", send,
-                 "send one control command to a running emulator and print the reply");
+  app.add_option("--send", send, "send one control command to a running emulator and print the reply");
   app.add_flag("--print-tc", print_tc, "print the tc netem commands for the topology and exit");
   app.add_option("--dev", devices, "with --print-tc: SRC_SITE>DST_SITE=[NETNS:]IFACE (repeatable)");
   app.add_flag("--clear", clear, "with --print-tc: print the commands that remove the shaping");
@@ -87,8 +86,7 @@ int main(int argc, char** argv) {
   geotrain::SetLogProcessName("netem");
 
   if (!send.empty()) {
-    if (control_port <= 0)
-      return Fail(absl::InvalidArgumentError("--send needs --control-port PORT"));
+    if (control_port <= 0) return Fail(absl::InvalidArgumentError("--send needs --control-port PORT"));
     absl::StatusOr<std::string> reply = geotrain::netem::SendControlCommand(control_port, send);
     if (!reply.ok()) return Fail(reply.status());
     std::cout << *reply;
@@ -96,8 +94,7 @@ int main(int argc, char** argv) {
   }
 
   if (topology_path.empty()) {
-    return Fail(absl::InvalidArgumentError(
-        "no topology: give --topology FILE (examples in deploy/topologies/)"));
+    return Fail(absl::InvalidArgumentError("no topology: give --topology FILE (examples in deploy/topologies/)"));
   }
   absl::StatusOr<geotrain::Topology> topology = geotrain::LoadTopologyFile(topology_path);
   if (!topology.ok()) return Fail(topology.status());
@@ -109,8 +106,7 @@ int main(int argc, char** argv) {
       if (!device.ok()) return Fail(device.status());
       parsed.push_back(*device);
     }
-    absl::StatusOr<std::vector<std::string>> commands =
-        geotrain::netem::TcCommands(*topology, parsed, clear);
+    absl::StatusOr<std::vector<std::string>> commands = geotrain::netem::TcCommands(*topology, parsed, clear);
     if (!commands.ok()) return Fail(commands.status());
     for (const std::string& c : *commands) std::cout << c << "\n";
     return 0;
@@ -151,24 +147,21 @@ int main(int argc, char** argv) {
   std::unique_ptr<geotrain::netem::EmulatorMetrics> metrics;
   if (metrics_port >= 0) {
     metrics_server = std::make_unique<geotrain::MetricsServer>();
-    if (absl::Status s = metrics_server->Start(absl::StrCat(listen_host, ":", metrics_port));
-        !s.ok()) {
-      return Fail(absl::UnavailableError(
-          absl::StrCat("metrics port ", listen_host, ":", metrics_port, ": ", s.message(),
-                       "; choose another --metrics-port (0 picks a free one)")));
+    if (absl::Status s = metrics_server->Start(absl::StrCat(listen_host, ":", metrics_port)); !s.ok()) {
+      return Fail(
+          absl::UnavailableError(absl::StrCat("metrics port ", listen_host, ":", metrics_port, ": ", s.message(),
+                                              "; choose another --metrics-port (0 picks a free one)")));
     }
     metrics = std::make_unique<geotrain::netem::EmulatorMetrics>(metrics_server->registry());
     metrics->Update((*emulator)->Stats());
-    std::cout << "geotrain-netem: metrics http://" << listen_host << ":" << metrics_server->port()
-              << "/metrics\n";
+    std::cout << "geotrain-netem: metrics http://" << listen_host << ":" << metrics_server->port() << "/metrics\n";
     absl::StrAppend(&ready, "metrics_port ", metrics_server->port(), "\n");
   }
   std::cout << "geotrain-netem: control 127.0.0.1:" << *bound_control << "\n";
   for (const geotrain::netem::RouteStatus& r : (*emulator)->Routes()) {
-    std::cout << "geotrain-netem: route " << geotrain::netem::FormatRoute(r.spec) << " listening "
-              << listen_host << ":" << r.bound_port << "\n";
-    absl::StrAppend(&ready, "route ", geotrain::netem::FormatRoute(r.spec), " ", listen_host, ":",
-                    r.bound_port, "\n");
+    std::cout << "geotrain-netem: route " << geotrain::netem::FormatRoute(r.spec) << " listening " << listen_host << ":"
+              << r.bound_port << "\n";
+    absl::StrAppend(&ready, "route ", geotrain::netem::FormatRoute(r.spec), " ", listen_host, ":", r.bound_port, "\n");
   }
   std::cout << "geotrain-netem: ready" << std::endl;
   if (!ready_file.empty()) {

@@ -4,8 +4,7 @@
 namespace geotrain::netem {
 namespace {
 
-prometheus::Family<prometheus::Gauge>& Gauge(prometheus::Registry& registry, const char* name,
-                                             const char* help) {
+prometheus::Family<prometheus::Gauge>& Gauge(prometheus::Registry& registry, const char* name, const char* help) {
   return prometheus::BuildGauge().Name(name).Help(help).Register(registry);
 }
 
@@ -20,12 +19,10 @@ EmulatorMetrics::EmulatorMetrics(prometheus::Registry& registry)
       connections_(Gauge(registry, "geotrain_netem_connections", "Open relayed connections")),
       up_(Gauge(registry, "geotrain_netem_link_up", "1 when the link is up, 0 when down")),
       latency_(Gauge(registry, "geotrain_netem_latency_seconds", "Configured one-way latency")),
-      bandwidth_(Gauge(registry, "geotrain_netem_bandwidth_bits_per_second",
-                       "Configured bandwidth cap (0: none)")),
-      measured_delay_(Gauge(registry, "geotrain_netem_measured_delay_seconds",
-                            "Read-to-write time of recent chunks")),
-      measured_rate_(Gauge(registry, "geotrain_netem_measured_bits_per_second",
-                           "Rate written over the last full second")) {}
+      bandwidth_(Gauge(registry, "geotrain_netem_bandwidth_bits_per_second", "Configured bandwidth cap (0: none)")),
+      measured_delay_(Gauge(registry, "geotrain_netem_measured_delay_seconds", "Read-to-write time of recent chunks")),
+      measured_rate_(
+          Gauge(registry, "geotrain_netem_measured_bits_per_second", "Rate written over the last full second")) {}
 
 void EmulatorMetrics::Update(const std::vector<LinkDirectionStats>& stats) {
   for (const LinkDirectionStats& s : stats) {

@@ -52,7 +52,6 @@ absl::StatusOr<ReadyInfo> ParseReadyFile(std::string_view text);
 
 // Polls for `path` until it exists and parses, up to `timeout`. With a `pid` (> 0), fails early
 // when that child has exited (without reaping it, so the caller can still wait for it).
-absl::StatusOr<ReadyInfo> WaitForReadyFile(const std::string& path,
-                                           std::chrono::milliseconds timeout, pid_t pid = 0);
+absl::StatusOr<ReadyInfo> WaitForReadyFile(const std::string& path, std::chrono::milliseconds timeout, pid_t pid = 0);
 
 }  // namespace geotrain::netem

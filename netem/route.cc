@@ -49,13 +49,11 @@ absl::StatusOr<RouteSpec> ParseRoute(std::string_view original) {
   if (gt == absl::string_view::npos) return RouteError(text, "no '>' between the two sites");
   route.src_site = std::string(absl::StripAsciiWhitespace(sites.substr(0, gt)));
   route.dst_site = std::string(absl::StripAsciiWhitespace(sites.substr(gt + 1)));
-  if (route.src_site.empty() || route.dst_site.empty())
-    return RouteError(text, "a site name is empty");
+  if (route.src_site.empty() || route.dst_site.empty()) return RouteError(text, "a site name is empty");
   const size_t colon = target.rfind(':');
   if (colon == absl::string_view::npos) return RouteError(text, "the target has no ':PORT'");
   route.target_host = std::string(target.substr(0, colon));
-  if (route.target_host.size() >= 2 && route.target_host.front() == '[' &&
-      route.target_host.back() == ']') {
+  if (route.target_host.size() >= 2 && route.target_host.front() == '[' && route.target_host.back() == ']') {
     route.target_host = route.target_host.substr(1, route.target_host.size() - 2);
   }
   if (route.target_host.empty()) return RouteError(text, "the target host is empty");
@@ -67,15 +65,15 @@ absl::StatusOr<RouteSpec> ParseRoute(std::string_view original) {
 
 std::string FormatRoute(const RouteSpec& route) {
   const bool v6 = route.target_host.find(':') != std::string::npos;
-  return absl::StrCat(route.listen_port, "=", route.src_site, ">", route.dst_site, "@",
-                      v6 ? "[" : "", route.target_host, v6 ? "]" : "", ":", route.target_port);
+  return absl::StrCat(route.listen_port, "=", route.src_site, ">", route.dst_site, "@", v6 ? "[" : "",
+                      route.target_host, v6 ? "]" : "", ":", route.target_port);
 }
 
 absl::StatusOr<std::vector<RouteSpec>> LoadRoutesFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
-    return absl::NotFoundError(absl::StrCat(
-        "routes file '", path, "' cannot be read; check the path and its permissions"));
+    return absl::NotFoundError(
+        absl::StrCat("routes file '", path, "' cannot be read; check the path and its permissions"));
   }
   std::vector<RouteSpec> routes;
   std::string line;
@@ -89,8 +87,7 @@ absl::StatusOr<std::vector<RouteSpec>> LoadRoutesFile(const std::string& path) {
     if (l.empty() || l.front() == '#') continue;
     absl::StatusOr<RouteSpec> route = ParseRoute(ToStd(l));
     if (!route.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", number, ": ", route.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", route.status().message()));
     }
     routes.push_back(*std::move(route));
   }

@@ -29,12 +29,11 @@ TEST(RouteTest, ParsesAndFormats) {
 }
 
 TEST(RouteTest, RejectsMalformedRoutesWithTheExpectedForm) {
-  for (const char* bad : {"", "7001", "7001=a>b", "7001=ab@h:1", "x=a>b@h:1", "70000=a>b@h:1",
-                          "1=a>b@h:0", "1=a>b@h", "1=>b@h:2", "1=a>@h:2", "1=a>b@:2"}) {
+  for (const char* bad : {"", "7001", "7001=a>b", "7001=ab@h:1", "x=a>b@h:1", "70000=a>b@h:1", "1=a>b@h:0", "1=a>b@h",
+                          "1=>b@h:2", "1=a>@h:2", "1=a>b@:2"}) {
     absl::StatusOr<RouteSpec> r = ParseRoute(bad);
     EXPECT_FALSE(r.ok()) << bad;
-    EXPECT_THAT(std::string(r.status().message()), HasSubstr("LISTEN_PORT=SRC_SITE>DST_SITE"))
-        << bad;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("LISTEN_PORT=SRC_SITE>DST_SITE")) << bad;
   }
 }
 

@@ -8,9 +8,7 @@
 
 namespace geotrain::netem {
 
-inline absl::string_view ToAbsl(std::string_view s) {
-  return absl::string_view(s.data(), s.size());
-}
+inline absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 inline std::string_view ToStd(absl::string_view s) { return std::string_view(s.data(), s.size()); }
 
 }  // namespace geotrain::netem

@@ -16,8 +16,8 @@ constexpr char kForm[] = "expected SRC_SITE>DST_SITE=IFACE or SRC_SITE>DST_SITE=
 bool SafeWord(std::string_view w) {
   if (w.empty() || w.size() > 64 || w.front() == '-') return false;
   return std::all_of(w.begin(), w.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-           c == '_' || c == '-' || c == '@' || c == ':';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+           c == '-' || c == '@' || c == ':';
   });
 }
 
@@ -53,10 +53,9 @@ absl::StatusOr<TcDevice> ParseTcDevice(std::string_view text) {
   // Interface names are at most 15 bytes (IFNAMSIZ); every word ends up on a command line.
   if (d.dev.size() > 15 || !SafeWord(d.dev) || d.dev.find(':') != std::string::npos ||
       (!d.netns.empty() && !SafeWord(d.netns))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device '", ToAbsl(text),
-                     "': interface and namespace names may hold only letters, digits and "
-                     "._@- (interfaces at most 15 characters)"));
+    return absl::InvalidArgumentError(absl::StrCat("device '", ToAbsl(text),
+                                                   "': interface and namespace names may hold only letters, digits and "
+                                                   "._@- (interfaces at most 15 characters)"));
   }
   return d;
 }
@@ -68,8 +67,7 @@ int64_t NetemLimitPackets(double bandwidth_mbps, double latency_ms, double jitte
   return std::max<int64_t>(1000, static_cast<int64_t>(std::ceil(2 * bdp_packets)));
 }
 
-absl::StatusOr<std::vector<std::string>> TcCommands(const Topology& topology,
-                                                    const std::vector<TcDevice>& devices,
+absl::StatusOr<std::vector<std::string>> TcCommands(const Topology& topology, const std::vector<TcDevice>& devices,
                                                     bool clear) {
   if (devices.empty()) {
     return absl::InvalidArgumentError(
@@ -84,28 +82,25 @@ absl::StatusOr<std::vector<std::string>> TcCommands(const Topology& topology,
       }
     }
     if (found == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("device ", d.src, ">", d.dst, "=", d.dev, ": no link between '", d.src,
-                       "' and '", d.dst, "' in the topology; fix the site names or add the link"));
+      return absl::InvalidArgumentError(absl::StrCat("device ", d.src, ">", d.dst, "=", d.dev, ": no link between '",
+                                                     d.src, "' and '", d.dst,
+                                                     "' in the topology; fix the site names or add the link"));
     }
     if (!SafeWord(d.src) || !SafeWord(d.dst)) {
-      return absl::InvalidArgumentError(absl::StrCat("site names '", d.src, "', '", d.dst,
-                                                     "' may hold only letters, digits and ._@-"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("site names '", d.src, "', '", d.dst, "' may hold only letters, digits and ._@-"));
     }
     std::string command = d.netns.empty() ? "" : absl::StrCat("ip netns exec ", d.netns, " ");
     if (clear) {
       absl::StrAppend(&command, "tc qdisc del dev ", d.dev, " root");
     } else {
-      absl::StrAppend(&command, "tc qdisc replace dev ", d.dev, " root netem delay ",
-                      Millis(found->latency_ms()));
+      absl::StrAppend(&command, "tc qdisc replace dev ", d.dev, " root netem delay ", Millis(found->latency_ms()));
       if (found->jitter_ms() > 0) absl::StrAppend(&command, " ", Millis(found->jitter_ms()));
       if (found->bandwidth_mbps() > 0) {
-        absl::StrAppend(&command, " rate ",
-                        absl::StrFormat("%.0fkbit", std::round(found->bandwidth_mbps() * 1000)));
+        absl::StrAppend(&command, " rate ", absl::StrFormat("%.0fkbit", std::round(found->bandwidth_mbps() * 1000)));
       }
-      absl::StrAppend(
-          &command, " limit ",
-          NetemLimitPackets(found->bandwidth_mbps(), found->latency_ms(), found->jitter_ms()));
+      absl::StrAppend(&command, " limit ",
+                      NetemLimitPackets(found->bandwidth_mbps(), found->latency_ms(), found->jitter_ms()));
     }
     commands.push_back(std::move(command));
   }

@@ -38,8 +38,7 @@ int64_t NetemLimitPackets(double bandwidth_mbps, double latency_ms, double jitte
 // The commands, one per device, each a plain word list joined by spaces (no shell quoting needed:
 // every word is checked to hold only [A-Za-z0-9._:@-]). With `clear`, commands that remove the
 // root qdisc instead. Errors name the device and the link that is missing.
-absl::StatusOr<std::vector<std::string>> TcCommands(const Topology& topology,
-                                                    const std::vector<TcDevice>& devices,
+absl::StatusOr<std::vector<std::string>> TcCommands(const Topology& topology, const std::vector<TcDevice>& devices,
                                                     bool clear);
 
 }  // namespace geotrain::netem

@@ -38,10 +38,8 @@ TEST(TcTest, OneReplaceCommandPerDevice) {
   EXPECT_EQ((*commands)[0],
             "ip netns exec nsA tc qdisc replace dev veth-ab root netem delay 51.5ms 1ms rate "
             "1000000kbit limit 8750");
-  EXPECT_EQ((*commands)[1],
-            "tc qdisc replace dev veth-ba root netem delay 51.5ms 1ms rate 1000000kbit limit 8750");
-  EXPECT_EQ((*commands)[2],
-            "tc qdisc replace dev eth1 root netem delay 265ms rate 328000kbit limit 14487");
+  EXPECT_EQ((*commands)[1], "tc qdisc replace dev veth-ba root netem delay 51.5ms 1ms rate 1000000kbit limit 8750");
+  EXPECT_EQ((*commands)[2], "tc qdisc replace dev eth1 root netem delay 265ms rate 328000kbit limit 14487");
   absl::StatusOr<std::vector<std::string>> clear = TcCommands(TwoSites(), devices, true);
   ASSERT_TRUE(clear.ok());
   EXPECT_EQ((*clear)[0], "ip netns exec nsA tc qdisc del dev veth-ab root");
@@ -53,13 +51,12 @@ TEST(TcTest, LimitIsAtLeastNetemsDefault) {
 }
 
 TEST(TcTest, RejectsUnknownLinksAndUnsafeNames) {
-  absl::StatusOr<std::vector<std::string>> r =
-      TcCommands(TwoSites(), {*ParseTcDevice("a>c=eth0")}, false);
+  absl::StatusOr<std::vector<std::string>> r = TcCommands(TwoSites(), {*ParseTcDevice("a>c=eth0")}, false);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("no link between 'a' and 'c'"));
   EXPECT_FALSE(TcCommands(TwoSites(), {}, false).ok());
-  for (const char* bad : {"a>b=eth0;reboot", "a>b=$(x)", "a>b=", "ab=eth0",
-                          "a>b=ns:", "a>b=averyveryverylongname0", "a>b=-eth0", "a>b=ns x:eth0"}) {
+  for (const char* bad : {"a>b=eth0;reboot", "a>b=$(x)", "a>b=", "ab=eth0", "a>b=ns:", "a>b=averyveryverylongname0",
+                          "a>b=-eth0", "a>b=ns x:eth0"}) {
     EXPECT_FALSE(ParseTcDevice(bad).ok()) << bad;
   }
 }

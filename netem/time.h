@@ -15,8 +15,6 @@ using Duration = SteadyClock::duration;  // nanoseconds
 inline Duration MillisToDuration(double ms) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double, std::milli>(ms));
 }
-inline double DurationToMillis(Duration d) {
-  return std::chrono::duration<double, std::milli>(d).count();
-}
+inline double DurationToMillis(Duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 }  // namespace geotrain::netem

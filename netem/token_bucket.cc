@@ -17,8 +17,7 @@ void TokenBucket::SetRate(double bytes_per_second, int64_t burst_bytes, TimePoin
   bytes_per_second_ = bytes_per_second;
   burst_bytes_ = std::max<int64_t>(burst_bytes, 1);
   // An uncapped link had no debt: a cap starts with a full bucket; otherwise debt is kept.
-  tokens_ = was_unlimited ? static_cast<double>(burst_bytes_)
-                          : std::min(tokens_, static_cast<double>(burst_bytes_));
+  tokens_ = was_unlimited ? static_cast<double>(burst_bytes_) : std::min(tokens_, static_cast<double>(burst_bytes_));
 }
 
 void TokenBucket::Refill(TimePoint now) {
@@ -41,8 +40,7 @@ TimePoint TokenBucket::Reserve(TimePoint now, int64_t bytes) {
   Refill(now);
   tokens_ -= static_cast<double>(bytes);
   if (tokens_ >= 0) return now;
-  return now + std::chrono::duration_cast<Duration>(
-                   std::chrono::duration<double>(-tokens_ / bytes_per_second_));
+  return now + std::chrono::duration_cast<Duration>(std::chrono::duration<double>(-tokens_ / bytes_per_second_));
 }
 
 double TokenBucket::TokensAt(TimePoint now) const {

@@ -61,8 +61,7 @@ struct ClusterOptions {
 // Builds the planner's cluster from a validated topology (ValidateTopology fills tflops and
 // mem_gb). Every pair of sites must have a link with a positive bandwidth; errors name the pair and
 // the fix.
-absl::StatusOr<Cluster> ClusterFromTopology(const Topology& topology,
-                                            const ClusterOptions& options = {});
+absl::StatusOr<Cluster> ClusterFromTopology(const Topology& topology, const ClusterOptions& options = {});
 
 }  // namespace scheduler
 }  // namespace geotrain

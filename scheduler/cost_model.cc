@@ -39,8 +39,7 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
     block.name = absl::StrCat("h.", l);
     block.forward_flops = config.BlockForwardFlops(seq_len);
     block.parameters = static_cast<double>(config.BlockParameters());
-    block.activation_bytes =
-        static_cast<double>(config.BlockActivationFloatsPerToken(seq_len)) * T * e;
+    block.activation_bytes = static_cast<double>(config.BlockActivationFloatsPerToken(seq_len)) * T * e;
     block.output_bytes = T * C * e;
     block.tensor_parallel_comm = true;
     m.layers.push_back(block);
@@ -48,7 +47,7 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
   LayerCost head;
   head.name = "head";
   head.forward_flops = 2.0 * T * C * Vp;
-  head.parameters = 2 * C;  // ln_f; the tied wte copy is counted by Simulate when pp > 1
+  head.parameters = 2 * C;                           // ln_f; the tied wte copy is counted by Simulate when pp > 1
   head.activation_bytes = (C + 2 + 2 * Vp) * T * e;  // ln_f output and stats, logits, probabilities
   head.output_bytes = 0;
   m.layers.push_back(head);
@@ -63,8 +62,7 @@ double ModelCosts::TotalForwardFlops() const {
 }
 
 double Codec::SecondsPerByte(const LinkSpec& link) const {
-  return ratio / link.bandwidth_bytes_per_s +
-         (throughput_bytes_per_s > 0 ? 2.0 / throughput_bytes_per_s : 0);
+  return ratio / link.bandwidth_bytes_per_s + (throughput_bytes_per_s > 0 ? 2.0 / throughput_bytes_per_s : 0);
 }
 
 absl::StatusOr<Codec> ParseCodec(const std::string& name) {
@@ -72,24 +70,20 @@ absl::StatusOr<Codec> ParseCodec(const std::string& name) {
   // runs.
   if (name == "none") return Codec{"none", 1.0, 0, true};
   if (name == "fp16" || name == "bf16") return Codec{name, 0.5, 4e9, true};
-  if (name == "int8")
-    return Codec{"int8", 0.25 + 1.0 / 1024, 2e9, false};  // a scale per 256 values
+  if (name == "int8") return Codec{"int8", 0.25 + 1.0 / 1024, 2e9, false};  // a scale per 256 values
   if (name.rfind("topk:", 0) == 0) {
     double fraction = 0;
     if (!absl::SimpleAtod(name.substr(5), &fraction) || !(fraction > 0 && fraction < 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "codec '", name, "': top-k needs a fraction between 0 and 1, e.g. topk:0.01"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("codec '", name, "': top-k needs a fraction between 0 and 1, e.g. topk:0.01"));
     }
-    return Codec{name, 2 * fraction, 0.5e9,
-                 false};  // value + index per kept element; selection is slow
+    return Codec{name, 2 * fraction, 0.5e9, false};  // value + index per kept element; selection is slow
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown codec '", name, "'; use none, fp16, bf16, int8 or topk:F (e.g. topk:0.01)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown codec '", name, "'; use none, fp16, bf16, int8 or topk:F (e.g. topk:0.01)"));
 }
 
-const char* ScheduleName(Schedule schedule) {
-  return schedule == Schedule::k1F1B ? "1f1b" : "gpipe";
-}
+const char* ScheduleName(Schedule schedule) { return schedule == Schedule::k1F1B ? "1f1b" : "gpipe"; }
 
 double JobOptions::EfficiencyOf(const std::string& device) const {
   auto it = efficiency_by_device.find(device);
@@ -101,16 +95,12 @@ double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link) {
   return 2.0 * (n - 1) / n * bytes / link.bandwidth_bytes_per_s + 2.0 * (n - 1) * link.latency_s;
 }
 
-PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
-                                  const std::vector<double>& backward_s,
-                                  const std::vector<double>& transfer_s,
-                                  const std::vector<double>& latency_s, int microbatches,
-                                  Schedule schedule, const std::vector<double>& round_trips) {
+PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
+                                  const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
+                                  int microbatches, Schedule schedule, const std::vector<double>& round_trips) {
   // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier.
   auto busy_latencies = [&](int s) { return round_trips.empty() ? 0.0 : 2 * round_trips[s]; };
-  auto arrival_latencies = [&](int s) {
-    return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1;
-  };
+  auto arrival_latencies = [&](int s) { return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1; };
   const int p = static_cast<int>(forward_s.size());
   const int m = microbatches;
   PipelineTimeline out;
@@ -136,8 +126,8 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
       for (int i = m - warmup; i < m; ++i) list.push_back(-(i + 1));
     }
   }
-  std::vector<double> forward_arrival(static_cast<size_t>(p) * m, -1),
-      backward_arrival(forward_arrival), forward_done(forward_arrival);
+  std::vector<double> forward_arrival(static_cast<size_t>(p) * m, -1), backward_arrival(forward_arrival),
+      forward_done(forward_arrival);
   std::vector<double> stage_free(p, 0), link_forward_free(p, 0), link_backward_free(p, 0);
   std::vector<size_t> next(p, 0);
   size_t remaining = static_cast<size_t>(2) * p * m;
@@ -174,10 +164,8 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
         } else {
           if (s > 0) {
             const double send = std::max(end, link_backward_free[s - 1]);
-            link_backward_free[s - 1] =
-                send + transfer_s[s - 1] + busy_latencies(s - 1) * latency_s[s - 1];
-            backward_arrival[at - m] =
-                send + transfer_s[s - 1] + arrival_latencies(s - 1) * latency_s[s - 1];
+            link_backward_free[s - 1] = send + transfer_s[s - 1] + busy_latencies(s - 1) * latency_s[s - 1];
+            backward_arrival[at - m] = send + transfer_s[s - 1] + arrival_latencies(s - 1) * latency_s[s - 1];
           }
           if (next[s] + 1 == ops[s].size()) {
             out.last_backward_start[s] = start;
@@ -215,9 +203,8 @@ double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, in
   return 2 * e + job.optimizer_bytes_per_parameter + (dp > 1 ? e : 0);
 }
 
-double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end,
-                        int stage, int pp, int tp, int dp, int microbatch_size, int microbatches,
-                        Schedule schedule) {
+double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int stage, int pp, int tp,
+                        int dp, int microbatch_size, int microbatches, Schedule schedule) {
   double parameters = 0, activations = 0;
   for (int l = begin; l < end; ++l) {
     parameters += model.layers[l].parameters;
@@ -258,8 +245,7 @@ double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
 // direction).
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
                              const std::vector<int>& member_sites, double bytes_per_rank,
-                             std::vector<std::vector<double>>* traffic,
-                             std::vector<std::vector<int>>* used_codec) {
+                             std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec) {
   const int n = static_cast<int>(member_sites.size());
   if (n <= 1 || bytes_per_rank <= 0) return 0;
   std::vector<int> count(cluster.num_sites(), 0);
@@ -283,8 +269,7 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
     const int a = sites[i], b = sites[(i + 1) % S];
     const LinkSpec& link = cluster.Link(a, b);
     const int c = codec_of(a, b);
-    const double spb =
-        c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+    const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
     worst_seconds_per_byte = std::max(worst_seconds_per_byte, spb);
     worst_wan_latency = std::max(worst_wan_latency, link.latency_s);
   }
@@ -300,12 +285,10 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
     const int k = count[s];
     if (k <= 1) continue;
     const LinkSpec& l = cluster.Link(s, s);
-    intra = std::max(
-        intra, (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
+    intra = std::max(intra, (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
   }
-  const double hierarchical = 2 * intra +
-                              2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte +
-                              2.0 * (S - 1) * worst_wan_latency;
+  const double hierarchical =
+      2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + 2.0 * (S - 1) * worst_wan_latency;
   const bool use_flat = flat < hierarchical;
   const double per_hop = use_flat ? 2.0 * (n - 1) / n : 2.0 * (S - 1) / S;
   for (int i = 0; i < S; ++i) {
@@ -321,24 +304,23 @@ std::string CodecName(const JobOptions& job, int c) { return c < 0 ? "none" : jo
 
 }  // namespace
 
-absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model,
-                                    const JobOptions& job, const Plan& plan) {
+absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                    const Plan& plan) {
   const int L = model.num_layers();
   if (plan.dp < 1 || plan.pp < 1 || plan.tp < 1 || plan.microbatch_size < 1) {
     return absl::InvalidArgumentError("plan: dp, pp, tp and microbatch_size must be at least 1");
   }
   if (static_cast<int>(plan.stage_begin.size()) != plan.pp + 1 || plan.stage_begin.front() != 0 ||
       plan.stage_begin.back() != L) {
-    return absl::InvalidArgumentError(absl::StrCat("plan: stage_begin needs pp + 1 = ", plan.pp + 1,
-                                                   " boundaries from 0 to ", L));
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan: stage_begin needs pp + 1 = ", plan.pp + 1, " boundaries from 0 to ", L));
   }
   for (int s = 0; s < plan.pp; ++s) {
     if (plan.stage_begin[s] >= plan.stage_begin[s + 1]) {
       return absl::InvalidArgumentError(absl::StrCat("plan: stage ", s, " holds no layer"));
     }
   }
-  if (static_cast<int>(plan.devices.size()) != plan.dp ||
-      static_cast<int>(plan.microbatches.size()) != plan.dp) {
+  if (static_cast<int>(plan.devices.size()) != plan.dp || static_cast<int>(plan.microbatches.size()) != plan.dp) {
     return absl::InvalidArgumentError("plan: devices and microbatches need one entry per replica");
   }
   std::vector<char> used(cluster.devices.size(), 0);
@@ -352,8 +334,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
       for (int d : stage) {
         if (d < 0 || d >= static_cast<int>(cluster.devices.size())) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("plan: device index ", d, " outside the cluster"));
+          return absl::InvalidArgumentError(absl::StrCat("plan: device index ", d, " outside the cluster"));
         }
         if (used[d]++) {
           return absl::InvalidArgumentError(absl::StrCat("plan: device ", d, " holds two actors"));
@@ -363,16 +344,14 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   }
   int total_sequences = 0;
   for (int m : plan.microbatches) {
-    if (m < 1)
-      return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");
+    if (m < 1) return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");
     total_sequences += m * plan.microbatch_size;
   }
 
   const int pp = plan.pp, tp = plan.tp, b = plan.microbatch_size;
   // Round trips of one message of `wire` bytes with sequential sync (the runtime's messages).
   auto round_trips = [&](double wire) {
-    return job.message_round_trips +
-           (job.message_window_bytes > 0 ? wire / job.message_window_bytes : 0);
+    return job.message_round_trips + (job.message_window_bytes > 0 ? wire / job.message_window_bytes : 0);
   };
   const auto scale = job.shared_host_scale.find(plan.dp * plan.pp * plan.tp);
   const double host_scale = scale == job.shared_host_scale.end() ? 1.0 : scale->second;
@@ -409,36 +388,33 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       double slowest_flops = kInf;
       for (int k = 0; k < tp; ++k) {
         const Device& d = cluster.devices[plan.devices[r][s][k]];
-        slowest_flops =
-            std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name) * host_scale);
-        const double mem = StageMemoryBytes(model, job, begin, end, s, pp, tp, plan.dp, b,
-                                            plan.microbatches[r], plan.schedule);
+        slowest_flops = std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name) * host_scale);
+        const double mem =
+            StageMemoryBytes(model, job, begin, end, s, pp, tp, plan.dp, b, plan.microbatches[r], plan.schedule);
         out.device_memory_bytes[plan.devices[r][s][k]] = mem;
         const double usable = d.mem_bytes * (1 - job.memory_headroom);
         const double fraction = mem / usable;
         if (fraction > worst_memory_fraction) {
           worst_memory_fraction = fraction;
           if (fraction > 1) {
-            const double state = StageParameters(model, begin, end, pp) / tp *
-                                 StateBytesPerParameter(model, job, plan.dp);
+            const double state =
+                StageParameters(model, begin, end, pp) / tp * StateBytesPerParameter(model, job, plan.dp);
             reject = absl::StrFormat(
                 "stage %d (layers %s..%s) on %s at site %s needs %.2f GB of %.2f GB usable "
                 "(parameters+gradients+optimizer %.2f GB, activations and buffers %.2f GB, fixed "
                 "%.2f GB)",
-                s, model.layers[begin].name, model.layers[end - 1].name, d.name,
-                cluster.site_names[d.site], GB(mem), GB(usable), GB(state),
-                GB(mem - state - job.fixed_memory_bytes), GB(job.fixed_memory_bytes));
+                s, model.layers[begin].name, model.layers[end - 1].name, d.name, cluster.site_names[d.site], GB(mem),
+                GB(usable), GB(state), GB(mem - state - job.fixed_memory_bytes), GB(job.fixed_memory_bytes));
           }
         }
       }
       const double flops = StageFlops(model, begin, end) * b;
       const int site = cluster.devices[plan.devices[r][s][0]].site;
-      const double tp_comm = tp > 1
-                                 ? StageBlocks(model, begin, end) * 2 *
-                                       RingAllReduceSeconds(tokens_per_microbatch * model.n_embd *
-                                                                model.bytes_per_element,
-                                                            tp, cluster.Link(site, site))
-                                 : 0;
+      const double tp_comm =
+          tp > 1 ? StageBlocks(model, begin, end) * 2 *
+                       RingAllReduceSeconds(tokens_per_microbatch * model.n_embd * model.bytes_per_element, tp,
+                                            cluster.Link(site, site))
+                 : 0;
       const double overhead = (end - begin) * job.layer_overhead_s;
       forward[s] = flops / (tp * slowest_flops) + tp_comm + overhead;
       backward[s] = 2 * flops / (tp * slowest_flops) + tp_comm + 2 * overhead;
@@ -448,8 +424,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         const double bytes = model.layers[end - 1].output_bytes * b;
         int c = -1;
         if (site != next_site) c = activation_codec_of(site, next_site);
-        transfer[s] =
-            bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
+        transfer[s] = bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
         latency[s] = link.latency_s;
         if (job.sequential_sync) {
           message_round_trips.push_back(round_trips(bytes * (c < 0 ? 1.0 : job.codecs[c].ratio)));
@@ -475,9 +450,8 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     if (known == simulated.end()) {
       known =
           simulated
-              .emplace(std::move(signature),
-                       SimulatePipeline(forward, backward, transfer, latency, plan.microbatches[r],
-                                        plan.schedule, message_round_trips))
+              .emplace(std::move(signature), SimulatePipeline(forward, backward, transfer, latency,
+                                                              plan.microbatches[r], plan.schedule, message_round_trips))
               .first;
     }
     timelines[r] = &known->second;
@@ -492,8 +466,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       const int last = cluster.devices[plan.devices[r][pp - 1][0]].site;
       ++tied_pairs[{first, last}];
       double& ready = tied_ready[{first, last}];
-      ready = std::max(ready, std::max(timelines[r]->last_backward_end[0],
-                                       timelines[r]->last_backward_end[pp - 1]));
+      ready = std::max(ready, std::max(timelines[r]->last_backward_end[0], timelines[r]->last_backward_end[pp - 1]));
     }
   }
   out.pipeline_time_s = slowest_makespan;
@@ -516,12 +489,11 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       const int c = first == last                 ? -1
                     : plan.gradient_codec.empty() ? ChooseCodec(job, link, false)
                                                   : plan.gradient_codec[first][last];
-      const double spb =
-          c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+      const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
       const double bytes = model.tied_parameters * model.bytes_per_element * replicas;
       const double wire = bytes / 2 * (c < 0 ? 1.0 : job.codecs[c].ratio);  // per ring step
-      epilogue_start = std::max(
-          epilogue_start, tied_ready[pair] + bytes * spb + 4 * round_trips(wire) * link.latency_s);
+      epilogue_start =
+          std::max(epilogue_start, tied_ready[pair] + bytes * spb + 4 * round_trips(wire) * link.latency_s);
     }
   }
   // Gradient all-reduce per stage, overlapped with the last microbatch's backward (one bucket per
@@ -536,27 +508,24 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       end_last = std::max(end_last, timelines[r]->last_backward_end[s]);
     }
     std::vector<int> member_sites;
-    for (int r = 0; r < plan.dp; ++r)
-      member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
+    for (int r = 0; r < plan.dp; ++r) member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
     const double bytes = StageParameters(model, begin, end, pp) / tp * model.bytes_per_element;
-    const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes,
-                                                 &traffic_gradient, &gradient_codec_used);
+    const double seconds =
+        DataParallelAllReduce(cluster, job, plan, member_sites, bytes, &traffic_gradient, &gradient_codec_used);
     out.stage_allreduce_s[s] = seconds;
     if (seconds <= 0) continue;
     if (job.sequential_sync) {
       // Each of the ring's 2 (n - 1) steps waits 2 r latencies instead of one.
       double worst_latency = 0;
       for (size_t i = 0; i < member_sites.size(); ++i) {
-        worst_latency = std::max(
-            worst_latency,
-            cluster.Link(member_sites[i], member_sites[(i + 1) % member_sites.size()]).latency_s);
+        worst_latency = std::max(worst_latency,
+                                 cluster.Link(member_sites[i], member_sites[(i + 1) % member_sites.size()]).latency_s);
       }
       double ratio = 1;  // the codec of the group's first cross-site pair
       for (int m : member_sites) {
         if (m == member_sites[0]) continue;
-        const int c = plan.gradient_codec.empty()
-                          ? ChooseCodec(job, cluster.Link(member_sites[0], m), false)
-                          : plan.gradient_codec[member_sites[0]][m];
+        const int c = plan.gradient_codec.empty() ? ChooseCodec(job, cluster.Link(member_sites[0], m), false)
+                                                  : plan.gradient_codec[member_sites[0]][m];
         ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
         break;
       }
@@ -577,9 +546,8 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     for (int a = 0; a < n_sites; ++a) {
       for (int c = 0; c < n_sites; ++c) {
         if (a == c || traffic_gradient[a][c] <= 0) continue;
-        finish =
-            std::max(finish, earliest_start + cluster.Link(a, c).latency_s +
-                                 traffic_gradient[a][c] / cluster.Link(a, c).bandwidth_bytes_per_s);
+        finish = std::max(finish, earliest_start + cluster.Link(a, c).latency_s +
+                                      traffic_gradient[a][c] / cluster.Link(a, c).bandwidth_bytes_per_s);
       }
     }
   }
@@ -598,8 +566,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     std::vector<int> last_sites;
     for (int r = 0; r < plan.dp; ++r) {
       std::vector<int> stage_sites;
-      for (int s = 0; s < pp; ++s)
-        stage_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
+      for (int s = 0; s < pp; ++s) stage_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
       norm = std::max(norm, ring_latency(stage_sites));
       last_sites.push_back(stage_sites.back());
     }
@@ -617,23 +584,19 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     const double bytes = model.tied_parameters * model.bytes_per_element;  // all tp ranks together
     int c = -1;
     if (first != last) {
-      c = plan.gradient_codec.empty() ? ChooseCodec(job, link, false)
-                                      : plan.gradient_codec[first][last];
+      c = plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[first][last];
       traffic_gradient[first][last] += bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio);
       traffic_gradient[last][first] += bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio);
       gradient_codec_used[std::min(first, last)][std::max(first, last)] = c;
     }
-    const double spb =
-        c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+    const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
     tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + link.latency_s);
   }
   if (!job.sequential_sync) {
     out.tied_sync_s = std::max(0.0, tied_sync - finish);
     out.step_time_s = std::max(finish, tied_sync) + job.step_overhead_s;
   }
-  out.tokens_per_s = out.step_time_s > 0
-                         ? total_sequences * static_cast<double>(model.seq_len) / out.step_time_s
-                         : 0;
+  out.tokens_per_s = out.step_time_s > 0 ? total_sequences * static_cast<double>(model.seq_len) / out.step_time_s : 0;
 
   double used_flops = 0;
   for (int d = 0; d < static_cast<int>(used.size()); ++d) {
@@ -655,35 +618,31 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       t.gradient_bytes = g;
       t.activation_bytes = x;
       t.bytes = g + x;
-      t.gradient_codec =
-          gradient_codec_used[a][c] == -2 ? "" : CodecName(job, gradient_codec_used[a][c]);
-      t.activation_codec =
-          activation_codec_used[a][c] == -2 ? "" : CodecName(job, activation_codec_used[a][c]);
+      t.gradient_codec = gradient_codec_used[a][c] == -2 ? "" : CodecName(job, gradient_codec_used[a][c]);
+      t.activation_codec = activation_codec_used[a][c] == -2 ? "" : CodecName(job, activation_codec_used[a][c]);
       out.cross_site.push_back(t);
     }
   }
   return out;
 }
 
-absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model,
-                                           const JobOptions& job, const Plan& plan,
-                                           const std::vector<double>& measured_stage_compute_s) {
+absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                           const Plan& plan, const std::vector<double>& measured_stage_compute_s) {
   if (static_cast<int>(measured_stage_compute_s.size()) != plan.pp || plan.devices.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "calibration: need ", plan.pp, " measured stage times (one per stage of replica 0)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration: need ", plan.pp, " measured stage times (one per stage of replica 0)"));
   }
   double cc = 0, cm = 0;
   for (int s = 0; s < plan.pp; ++s) {
     double slowest = kInf;
     for (int d : plan.devices[0][s]) slowest = std::min(slowest, cluster.devices[d].tflops * 1e12);
-    const double c = 3 * StageFlops(model, plan.stage_begin[s], plan.stage_begin[s + 1]) *
-                     plan.microbatch_size / (plan.tp * slowest);  // seconds at 100% efficiency
+    const double c = 3 * StageFlops(model, plan.stage_begin[s], plan.stage_begin[s + 1]) * plan.microbatch_size /
+                     (plan.tp * slowest);  // seconds at 100% efficiency
     // The per-layer overhead is not compute: take it off the measurement before fitting.
-    const double m = measured_stage_compute_s[s] -
-                     3 * (plan.stage_begin[s + 1] - plan.stage_begin[s]) * job.layer_overhead_s;
+    const double m =
+        measured_stage_compute_s[s] - 3 * (plan.stage_begin[s + 1] - plan.stage_begin[s]) * job.layer_overhead_s;
     if (!(m > 0) || !std::isfinite(m)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("calibration: stage ", s, " time must be positive"));
+      return absl::InvalidArgumentError(absl::StrCat("calibration: stage ", s, " time must be positive"));
     }
     cc += c * c;
     cm += c * m;

@@ -28,10 +28,10 @@ namespace geotrain::scheduler {
 // One slice unit of the model for stage slicing: the embedding, each transformer block, the head.
 struct LayerCost {
   std::string name;
-  double forward_flops = 0;     // per sequence of seq_len tokens; backward costs 2x
-  double parameters = 0;        // parameters held (the head's tied wte copy is added by Simulate)
-  double activation_bytes = 0;  // per sequence, kept from forward for backward
-  double output_bytes = 0;      // per sequence, sent to the next stage if a boundary follows
+  double forward_flops = 0;           // per sequence of seq_len tokens; backward costs 2x
+  double parameters = 0;              // parameters held (the head's tied wte copy is added by Simulate)
+  double activation_bytes = 0;        // per sequence, kept from forward for backward
+  double output_bytes = 0;            // per sequence, sent to the next stage if a boundary follows
   bool tensor_parallel_comm = false;  // a block: 2 all-reduces forward and 2 backward under TP
 };
 
@@ -71,7 +71,7 @@ struct JobOptions {
   std::vector<Codec> codecs;          // allowed on cross-site links; empty: none only
   double memory_headroom = 0.10;      // fraction of each device's memory kept free
   double fixed_memory_bytes = 1.0e9;  // runtime context, workspace, allocator slack per device
-  double efficiency = 0.40;  // achieved / peak FLOP/s (MFU) for devices not in efficiency_by_device
+  double efficiency = 0.40;           // achieved / peak FLOP/s (MFU) for devices not in efficiency_by_device
   std::map<std::string, double> efficiency_by_device;  // device name -> MFU, calibrated from runs
   double optimizer_bytes_per_parameter = 8;            // Adam: two fp32 moments
   // Fixed cost per layer and microbatch (kernel launches, framework): forward pays it once,
@@ -140,13 +140,12 @@ struct Prediction {
   double dp_exposed_s = 0;     // gradient all-reduce not hidden under backward
   double tied_sync_s = 0;      // wte gradient exchange (pp > 1) not hidden under the all-reduce
   double scalar_sync_s = 0;    // gradient-norm and loss all-reduces (sequential_sync only)
-  double bubble_fraction =
-      0;  // idle share of the pipeline time, averaged over stages of the slowest replica
+  double bubble_fraction = 0;  // idle share of the pipeline time, averaged over stages of the slowest replica
   double compute_bound_s = 0;  // step time if nothing but compute mattered (all devices busy)
   std::vector<double> stage_forward_s, stage_backward_s;  // per microbatch, slowest replica
   std::vector<double> stage_allreduce_s;                  // gradient all-reduce per stage
   std::vector<double> device_memory_bytes;                // per Cluster::devices index; 0: unused
-  double max_memory_fraction = 0;  // max over used devices of memory / usable memory
+  double max_memory_fraction = 0;                         // max over used devices of memory / usable memory
   std::vector<LinkTraffic> cross_site;
 };
 
@@ -165,11 +164,9 @@ struct PipelineTimeline {
 // With round_trips (one per boundary, JobOptions::message_round_trips), a send over boundary s
 // keeps its link (the sender) busy 2 r_s latencies after its serialisation and arrives (2 r_s - 1)
 // latencies after it; empty: a plain link (busy for the serialisation, arriving one latency later).
-PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s,
-                                  const std::vector<double>& backward_s,
-                                  const std::vector<double>& transfer_s,
-                                  const std::vector<double>& latency_s, int microbatches,
-                                  Schedule schedule, const std::vector<double>& round_trips = {});
+PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
+                                  const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
+                                  int microbatches, Schedule schedule, const std::vector<double>& round_trips = {});
 
 // The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
 // activations only consider codecs with for_activations.
@@ -183,21 +180,19 @@ double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, in
 // of dp replicas, microbatch size b and `microbatches` microbatches: the state
 // (StateBytesPerParameter / tp per parameter), activations of the microbatches the schedule holds
 // (GPipe: all; 1F1B: min(pp - stage, microbatches)), the boundary buffers, and fixed_memory_bytes.
-double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end,
-                        int stage, int pp, int tp, int dp, int microbatch_size, int microbatches,
-                        Schedule schedule);
+double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int stage, int pp, int tp,
+                        int dp, int microbatch_size, int microbatches, Schedule schedule);
 
 // Simulates `plan`. Checks shapes (an error names what is inconsistent); a plan that does not fit
 // in memory comes back with fits = false and the reason, and its times still filled in.
-absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model,
-                                    const JobOptions& job, const Plan& plan);
+absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                    const Plan& plan);
 
 // Calibration hook for measured runs: given the plan that ran and the measured forward+backward
 // compute seconds per microbatch of each stage (replica 0, no communication), returns the
 // efficiency (MFU) that makes the model's compute times fit them in the least-squares sense. Feed
 // it into JobOptions::efficiency_by_device for the devices of that plan.
-absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model,
-                                           const JobOptions& job, const Plan& plan,
-                                           const std::vector<double>& measured_stage_compute_s);
+absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                           const Plan& plan, const std::vector<double>& measured_stage_compute_s);
 
 }  // namespace geotrain::scheduler

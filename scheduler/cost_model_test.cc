@@ -73,8 +73,7 @@ TEST(ClusterTest, MissingLinkIsAnErrorThatNamesThePair) {
   ASSERT_TRUE(ValidateTopology(&t).ok());
   absl::StatusOr<Cluster> c = ClusterFromTopology(t);
   ASSERT_FALSE(c.ok());
-  EXPECT_THAT(std::string(c.status().message()),
-              testing::HasSubstr("no link between sites 'a' and 'b'"));
+  EXPECT_THAT(std::string(c.status().message()), testing::HasSubstr("no link between sites 'a' and 'b'"));
 }
 
 TEST(CostModelTest, RingAllReduceFormula) {
@@ -90,8 +89,7 @@ TEST(CostModelTest, PipelineBubbleMatchesTheFormulaForEqualStages) {
       for (int m : {1, 4, 16, 64}) {
         std::vector<double> f(p, 1.0), b(p, 2.0), x(p - 1 > 0 ? p - 1 : 0, 0.0);
         PipelineTimeline t = SimulatePipeline(f, b, x, x, m, schedule);
-        EXPECT_NEAR(t.makespan, (m + p - 1) * 3.0, 1e-9)
-            << ScheduleName(schedule) << " p=" << p << " m=" << m;
+        EXPECT_NEAR(t.makespan, (m + p - 1) * 3.0, 1e-9) << ScheduleName(schedule) << " p=" << p << " m=" << m;
         const double bubble = 1 - t.busy[0] / t.makespan;
         EXPECT_NEAR(bubble, (p - 1.0) / (m + p - 1.0), 1e-9);
       }
@@ -106,10 +104,9 @@ TEST(CostModelTest, PipelineIsPacedByItsSlowestStageAndLatencyAddsPerBoundary) {
   EXPECT_LT(t.makespan, 32 * 9.0 + 2 * 9.0 + 1e-9);
   // One microbatch: every boundary is crossed twice (forward and backward), each adds its latency
   // and its serialisation.
-  PipelineTimeline base =
-      SimulatePipeline({1, 1, 1, 1}, {2, 2, 2, 2}, {0, 0, 0}, {0, 0, 0}, 1, Schedule::k1F1B);
-  PipelineTimeline slow = SimulatePipeline({1, 1, 1, 1}, {2, 2, 2, 2}, {0.5, 0.5, 0.5},
-                                           {0.1, 0.1, 0.1}, 1, Schedule::k1F1B);
+  PipelineTimeline base = SimulatePipeline({1, 1, 1, 1}, {2, 2, 2, 2}, {0, 0, 0}, {0, 0, 0}, 1, Schedule::k1F1B);
+  PipelineTimeline slow =
+      SimulatePipeline({1, 1, 1, 1}, {2, 2, 2, 2}, {0.5, 0.5, 0.5}, {0.1, 0.1, 0.1}, 1, Schedule::k1F1B);
   EXPECT_NEAR(slow.makespan - base.makespan, 2 * 3 * 0.6, 1e-9);
 }
 
@@ -296,10 +293,8 @@ TEST(CostModelTest, SequentialSyncAddsTheRuntimesRingsAfterTheSchedule) {
 TEST(CostModelTest, MessageRoundTripsDelayPipelineArrivals) {
   const std::vector<double> fwd = {1, 1}, bwd = {2, 2}, transfer = {0.1}, latency = {0.5};
   const PipelineTimeline plain = SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe);
-  const PipelineTimeline one =
-      SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe, {1.0});
-  const PipelineTimeline two =
-      SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe, {2.0});
+  const PipelineTimeline one = SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe, {1.0});
+  const PipelineTimeline two = SimulatePipeline(fwd, bwd, transfer, latency, 1, Schedule::kGPipe, {2.0});
   EXPECT_DOUBLE_EQ(plain.makespan, 1 + 0.6 + 1 + 2 + 0.6 + 2);
   EXPECT_DOUBLE_EQ(one.makespan, plain.makespan);
   EXPECT_DOUBLE_EQ(two.makespan, plain.makespan + 2 * 2 * 0.5);

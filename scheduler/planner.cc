@@ -69,16 +69,14 @@ std::vector<int> ShareMicrobatches(int M, const std::vector<double>& bottleneck,
     assigned += whole;
     remainder.push_back({share - whole, r});
   }
-  std::stable_sort(remainder.begin(), remainder.end(),
-                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::stable_sort(remainder.begin(), remainder.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
   for (int i = 0; assigned < M; ++i, ++assigned) ++m[remainder[i % dp].second];
   return m;
 }
 
 class Search {
  public:
-  Search(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-         const PlannerOptions& options)
+  Search(const Cluster& cluster, const ModelCosts& model, const JobOptions& job, const PlannerOptions& options)
       : cluster_(cluster), model_(model), job_(job), options_(options) {
     const int L = model.num_layers();
     flops_.assign(L + 1, 0);
@@ -117,16 +115,13 @@ class Search {
 
  private:
   std::vector<int> SiteChain(const std::vector<int>& devices) const;
-  std::vector<Unit> MakeUnits(const std::vector<int>& devices, const std::vector<int>& chain,
-                              int tp) const;
+  std::vector<Unit> MakeUnits(const std::vector<int>& devices, const std::vector<int>& chain, int tp) const;
   // Alpa-style inter-operator pass: slices layers into pp stages minimising the largest
   // per-microbatch stage time (compute + boundary transfer), memory-feasible for every stage. Empty
   // if none fits.
-  std::vector<int> SliceStages(const std::vector<double>& stage_flops,
-                               const std::vector<double>& stage_mem,
-                               const std::vector<double>& stage_tp_comm,
-                               const std::vector<double>& boundary_spb, int tp, int dp, int b,
-                               int held_microbatches, Schedule schedule) const;
+  std::vector<int> SliceStages(const std::vector<double>& stage_flops, const std::vector<double>& stage_mem,
+                               const std::vector<double>& stage_tp_comm, const std::vector<double>& boundary_spb,
+                               int tp, int dp, int b, int held_microbatches, Schedule schedule) const;
   void Consider(PlanCandidate candidate, const Key& key);
   // Seconds per raw byte from site a to site b with the codec the simulator would choose there.
   double SecondsPerByte(int a, int b, bool activations) const {
@@ -142,11 +137,9 @@ class Search {
   // Whether a prediction would enter best_by_key_ or rejected_by_key_ (saves copying plans that
   // would not).
   bool Worth(const Key& key, const Plan& plan, const Prediction& p) const {
-    if (!p.fits)
-      return !best_by_key_.count(key);  // the last (smallest microbatch) rejection is kept
+    if (!p.fits) return !best_by_key_.count(key);  // the last (smallest microbatch) rejection is kept
     auto it = best_by_key_.find(key);
-    return it == best_by_key_.end() ||
-           Better(plan, p.step_time_s, it->second.plan, it->second.prediction.step_time_s);
+    return it == best_by_key_.end() || Better(plan, p.step_time_s, it->second.plan, it->second.prediction.step_time_s);
   }
 
   const Cluster& cluster_;
@@ -167,8 +160,7 @@ std::vector<int> Search::SiteChain(const std::vector<int>& devices) const {
   for (int d : devices) site_flops[cluster_.devices[d].site] += EffectiveFlops(d);
   std::vector<int> chain;
   std::vector<bool> taken(cluster_.num_sites(), false);
-  int current =
-      static_cast<int>(std::max_element(site_flops.begin(), site_flops.end()) - site_flops.begin());
+  int current = static_cast<int>(std::max_element(site_flops.begin(), site_flops.end()) - site_flops.begin());
   while (current >= 0) {
     chain.push_back(current);
     taken[current] = true;
@@ -190,8 +182,7 @@ std::vector<int> Search::SiteChain(const std::vector<int>& devices) const {
   return chain;
 }
 
-std::vector<Unit> Search::MakeUnits(const std::vector<int>& devices, const std::vector<int>& chain,
-                                    int tp) const {
+std::vector<Unit> Search::MakeUnits(const std::vector<int>& devices, const std::vector<int>& chain, int tp) const {
   std::vector<Unit> units;
   for (int site : chain) {
     std::vector<int> here;
@@ -220,11 +211,9 @@ std::vector<Unit> Search::MakeUnits(const std::vector<int>& devices, const std::
   return units;
 }
 
-std::vector<int> Search::SliceStages(const std::vector<double>& stage_flops,
-                                     const std::vector<double>& stage_mem,
-                                     const std::vector<double>& stage_tp_comm,
-                                     const std::vector<double>& boundary_spb, int tp, int dp, int b,
-                                     int held_microbatches, Schedule schedule) const {
+std::vector<int> Search::SliceStages(const std::vector<double>& stage_flops, const std::vector<double>& stage_mem,
+                                     const std::vector<double>& stage_tp_comm, const std::vector<double>& boundary_spb,
+                                     int tp, int dp, int b, int held_microbatches, Schedule schedule) const {
   const int L = model_.num_layers();
   const int pp = static_cast<int>(stage_flops.size());
   if (pp > L) return {};
@@ -236,11 +225,9 @@ std::vector<int> Search::SliceStages(const std::vector<double>& stage_flops,
   std::vector<std::vector<int>> from(pp + 1, std::vector<int>(L + 1, -1));
   f[0][0] = 0;
   for (int s = 0; s < pp; ++s) {
-    const int held =
-        schedule == Schedule::kGPipe ? held_microbatches : std::min(pp - s, held_microbatches);
+    const int held = schedule == Schedule::kGPipe ? held_microbatches : std::min(pp - s, held_microbatches);
     const double boundaries = (s > 0 ? 1 : 0) + (s + 1 < pp ? 1 : 0);
-    const double usable =
-        stage_mem[s] * (1 - job_.memory_headroom) - job_.fixed_memory_bytes - boundaries * buffer;
+    const double usable = stage_mem[s] * (1 - job_.memory_headroom) - job_.fixed_memory_bytes - boundaries * buffer;
     // Stage s covers [i, j): it leaves room for the remaining pp - s - 1 stages.
     const int j_min = s + 1, j_max = L - (pp - s - 1);
     for (int j = j_min; j <= j_max; ++j) {
@@ -252,8 +239,7 @@ std::vector<int> Search::SliceStages(const std::vector<double>& stage_flops,
         const double memory = params * state_per_param + (acts_[j] - acts_[i]) * b / tp * held;
         if (memory > usable) break;  // growing the stage further only adds memory
         double t = 3.0 * b * (flops_[j] - flops_[i]) / (tp * stage_flops[s]) +
-                   2.0 * (blocks_[j] - blocks_[i]) * stage_tp_comm[s] +
-                   3.0 * (j - i) * job_.layer_overhead_s;
+                   2.0 * (blocks_[j] - blocks_[i]) * stage_tp_comm[s] + 3.0 * (j - i) * job_.layer_overhead_s;
         if (s + 1 < pp) t += b * model_.layers[j - 1].output_bytes * boundary_spb[s];
         const double v = std::max(f[s][i], t);
         if (v < f[s + 1][j]) {
@@ -291,8 +277,7 @@ double Search::CommunicationFloor(const std::vector<std::vector<const Unit*>>& u
     const int S = static_cast<int>(sites.size());
     if (S < 2) continue;
     double worst = 0;
-    for (int i = 0; i < S; ++i)
-      worst = std::max(worst, SecondsPerByte(sites[i], sites[(i + 1) % S], false));
+    for (int i = 0; i < S; ++i) worst = std::max(worst, SecondsPerByte(sites[i], sites[(i + 1) % S], false));
     double params = params_[begin[s + 1]] - params_[begin[s]];
     if (pp > 1 && begin[s + 1] == L && begin[s] > 0) params += model_.tied_parameters;
     floor = std::max(floor, 2.0 * (S - 1) / S * params * e * worst);
@@ -323,8 +308,8 @@ void Search::Consider(PlanCandidate candidate, const Key& key) {
   }
   best_time_ = std::min(best_time_, candidate.prediction.step_time_s);
   auto it = best_by_key_.find(key);
-  if (it == best_by_key_.end() || Better(candidate.plan, candidate.prediction.step_time_s, it->second.plan,
-                                         it->second.prediction.step_time_s)) {
+  if (it == best_by_key_.end() ||
+      Better(candidate.plan, candidate.prediction.step_time_s, it->second.plan, it->second.prediction.step_time_s)) {
     best_by_key_[key] = std::move(candidate);
   }
 }
@@ -335,8 +320,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
   const int G = job_.global_batch;
   const int L = model_.num_layers();
   for (int tp : options_.tp_degrees) {
-    if (tp < 1 || (tp > 1 && (model_.n_head <= 0 || model_.n_head % tp != 0)))
-      continue;  // heads split evenly
+    if (tp < 1 || (tp > 1 && (model_.n_head <= 0 || model_.n_head % tp != 0))) continue;  // heads split evenly
     std::vector<Unit> all_units = MakeUnits(devices, chain, tp);
     const int U = static_cast<int>(all_units.size());
     for (int pp = 1; pp <= std::min(U, L); ++pp) {
@@ -357,9 +341,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
       double shape_flops = 0;
       for (const Unit* u : units) shape_flops += u->flops * tp;
       const bool reference_shape = tp == 1 && (pp == 1 || dp == 1);
-      if (!reference_shape &&
-          3 * model_.TotalForwardFlops() * G / shape_flops > kPruneFactor * best_time_)
-        continue;
+      if (!reference_shape && 3 * model_.TotalForwardFlops() * G / shape_flops > kPruneFactor * best_time_) continue;
       for (const char* layout : {"pipeline-major", "stage-major"}) {
         const bool stage_major = std::string(layout) == "stage-major";
         if (stage_major && (dp == 1 || pp == 1)) continue;
@@ -378,8 +360,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
         }
         // Worst unit per stage and worst boundary per stage, over replicas (all replicas share the
         // slicing).
-        std::vector<double> stage_flops(pp, kInf), stage_mem(pp, kInf), stage_tp_comm(pp, 0),
-            boundary_spb(pp, 0);
+        std::vector<double> stage_flops(pp, kInf), stage_mem(pp, kInf), stage_tp_comm(pp, 0), boundary_spb(pp, 0);
         for (int s = 0; s < pp; ++s) {
           for (int r = 0; r < dp; ++r) {
             const Unit& u = *unit_of[r][s];
@@ -417,19 +398,18 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
             stage_tp_comm[s] = 0;
             if (tp > 1) {
               const int site = unit_of[0][s]->site;
-              stage_tp_comm[s] = RingAllReduceSeconds(static_cast<double>(b) * model_.seq_len *
-                                                          model_.n_embd * model_.bytes_per_element,
-                                                      tp, cluster_.Link(site, site));
+              stage_tp_comm[s] = RingAllReduceSeconds(
+                  static_cast<double>(b) * model_.seq_len * model_.n_embd * model_.bytes_per_element, tp,
+                  cluster_.Link(site, site));
             }
           }
           const int held_estimate = (M + dp - 1) / dp;
           for (Schedule schedule : options_.schedules) {
-            if (pp == 1 && schedule != options_.schedules.front())
-              continue;  // one stage: schedules agree
-            std::vector<int> begin =
-                options_.runtime_plans ? RuntimeStageBegin(model_, pp)
-                                       : SliceStages(stage_flops, stage_mem, stage_tp_comm,
-                                                     boundary_spb, tp, dp, b, held_estimate, schedule);
+            if (pp == 1 && schedule != options_.schedules.front()) continue;  // one stage: schedules agree
+            std::vector<int> begin = options_.runtime_plans
+                                         ? RuntimeStageBegin(model_, pp)
+                                         : SliceStages(stage_flops, stage_mem, stage_tp_comm, boundary_spb, tp, dp, b,
+                                                       held_estimate, schedule);
             Plan& plan = base_plan;
             plan.microbatch_size = b;
             plan.schedule = schedule;
@@ -439,8 +419,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
               // reason.
               if (best_by_key_.count(key) || sliced_keys_.count(key)) continue;
               plan.stage_begin.resize(pp + 1);
-              for (int s = 0; s <= pp; ++s)
-                plan.stage_begin[s] = static_cast<int>(static_cast<int64_t>(s) * L / pp);
+              for (int s = 0; s <= pp; ++s) plan.stage_begin[s] = static_cast<int>(static_cast<int64_t>(s) * L / pp);
               plan.microbatches.assign(dp, 0);
               for (int r = 0; r < dp; ++r) plan.microbatches[r] = M / dp + (r < M % dp ? 1 : 0);
               unsliced_[key] = PlanCandidate{plan, {}, layout, subset_name, {}};
@@ -456,23 +435,20 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
             double speed_sum = 0;
             for (int r = 0; r < dp; ++r) {
               for (int s = 0; s < pp; ++s) {
-                stage_time[r][s] = 3.0 * b * (flops_[begin[s + 1]] - flops_[begin[s]]) /
-                                       (tp * unit_of[r][s]->flops) +
+                stage_time[r][s] = 3.0 * b * (flops_[begin[s + 1]] - flops_[begin[s]]) / (tp * unit_of[r][s]->flops) +
                                    3.0 * (begin[s + 1] - begin[s]) * job_.layer_overhead_s;
                 bottleneck[r] = std::max(bottleneck[r], stage_time[r][s]);
                 compute_time[r][s] = stage_time[r][s];
                 // The boundary link is a serial resource too (for the bound, not for the shares).
                 if (s + 1 < pp) {
                   stage_time[r][s] =
-                      std::max(stage_time[r][s],
-                               b * model_.layers[begin[s + 1] - 1].output_bytes * hop_spb[r][s]);
+                      std::max(stage_time[r][s], b * model_.layers[begin[s + 1] - 1].output_bytes * hop_spb[r][s]);
                 }
               }
               speed_sum += 1 / bottleneck[r];
             }
-            plan.microbatches = options_.runtime_plans
-                                    ? std::vector<int>(dp, M / dp)
-                                    : ShareMicrobatches(M, bottleneck, speed_sum);
+            plan.microbatches =
+                options_.runtime_plans ? std::vector<int>(dp, M / dp) : ShareMicrobatches(M, bottleneck, speed_sum);
             // Lower bound: stage j cannot start before microbatch 0 went forward through stages <
             // j, runs all its microbatches, and the last backward still has to go back through
             // stages < j.
@@ -480,8 +456,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
             for (int r = 0; r < dp; ++r) {
               double before = 0;
               for (int s = 0; s < pp; ++s) {
-                lower_bound =
-                    std::max(lower_bound, plan.microbatches[r] * stage_time[r][s] + before);
+                lower_bound = std::max(lower_bound, plan.microbatches[r] * stage_time[r][s] + before);
                 before += stage_time[r][s];
               }
               // 1F1B keeps at most pp - j microbatches in flight at stage j, and each occupies its
@@ -492,18 +467,15 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
                 for (int j = pp - 2; j >= 0; --j) {
                   const int a = unit_of[r][j]->site, c = unit_of[r][j + 1]->site;
                   const double hop =
-                      cluster_.Link(a, c).latency_s +
-                      b * model_.layers[begin[j + 1] - 1].output_bytes * hop_spb[r][j];
+                      cluster_.Link(a, c).latency_s + b * model_.layers[begin[j + 1] - 1].output_bytes * hop_spb[r][j];
                   round_trip += 2 * hop + compute_time[r][j + 1];
                   lower_bound =
-                      std::max(lower_bound,
-                               plan.microbatches[r] * (compute_time[r][j] + round_trip) / (pp - j));
+                      std::max(lower_bound, plan.microbatches[r] * (compute_time[r][j] + round_trip) / (pp - j));
                 }
               }
             }
             if ((!reference_shape || best_by_key_.count(key)) &&
-                std::max(lower_bound, CommunicationFloor(unit_of, tp, begin)) >
-                    kPruneFactor * best_time_) {
+                std::max(lower_bound, CommunicationFloor(unit_of, tp, begin)) > kPruneFactor * best_time_) {
               continue;
             }
             absl::StatusOr<Prediction> p = Simulate(cluster_, model_, job_, plan);
@@ -513,8 +485,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
               subset_best = std::min(subset_best, p->step_time_s);
               fitted = true;
             }
-            if (Worth(key, plan, *p))
-              Consider(PlanCandidate{plan, *std::move(p), layout, subset_name, {}}, key);
+            if (Worth(key, plan, *p)) Consider(PlanCandidate{plan, *std::move(p), layout, subset_name, {}}, key);
           }
         }
       }
@@ -541,29 +512,25 @@ std::string DeviceTypeName(const Cluster& cluster, const std::vector<int>& devic
 
 std::string Gb(double bytes) { return absl::StrFormat("%.2f GB", bytes / 1e9); }
 
-std::string ShapeName(const Plan& p) {
-  return absl::StrFormat("dp=%d pp=%d tp=%d", p.dp, p.pp, p.tp);
-}
+std::string ShapeName(const Plan& p) { return absl::StrFormat("dp=%d pp=%d tp=%d", p.dp, p.pp, p.tp); }
 
 // Explains the winner in a few lines: degrees vs the alternatives, pipeline boundaries vs site
 // boundaries, DP groups, devices left out, codecs.
-std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model,
-                                 const JobOptions& job,
+std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                  const std::map<Key, PlanCandidate>& best_by_key,
-                                 const std::map<std::string, double>& subset_best,
-                                 const PlanCandidate& w) {
+                                 const std::map<std::string, double>& subset_best, const PlanCandidate& w) {
   std::vector<std::string> lines;
   const Plan& p = w.plan;
   const Prediction& pr = w.prediction;
-  lines.push_back(absl::StrFormat(
-      "winner: %s, microbatch %d x %d per replica, %s, %s: %.3f s per step, %.0f tokens/s; "
-      "pipeline %.3f s "
-      "(bubble %.0f%%), exposed gradient all-reduce %.3f s, tied-embedding sync %.3f s; compute "
-      "alone would "
-      "take %.3f s",
-      ShapeName(p), p.microbatch_size, p.microbatches.front(), ScheduleName(p.schedule), w.layout,
-      pr.step_time_s, pr.tokens_per_s, pr.pipeline_time_s, 100 * pr.bubble_fraction,
-      pr.dp_exposed_s, pr.tied_sync_s, pr.compute_bound_s));
+  lines.push_back(
+      absl::StrFormat("winner: %s, microbatch %d x %d per replica, %s, %s: %.3f s per step, %.0f tokens/s; "
+                      "pipeline %.3f s "
+                      "(bubble %.0f%%), exposed gradient all-reduce %.3f s, tied-embedding sync %.3f s; compute "
+                      "alone would "
+                      "take %.3f s",
+                      ShapeName(p), p.microbatch_size, p.microbatches.front(), ScheduleName(p.schedule), w.layout,
+                      pr.step_time_s, pr.tokens_per_s, pr.pipeline_time_s, 100 * pr.bubble_fraction, pr.dp_exposed_s,
+                      pr.tied_sync_s, pr.compute_bound_s));
   // Alternatives: best pure DP, best pure pipeline, best with tensor parallelism, on any subset.
   auto best_where = [&](auto predicate) -> const PlanCandidate* {
     const PlanCandidate* best = nullptr;
@@ -578,35 +545,32 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
     if (c == nullptr) {
       versus.push_back(absl::StrCat(what, ": no plan fits"));
     } else if (c->plan.dp != p.dp || c->plan.pp != p.pp || c->plan.tp != p.tp) {
-      versus.push_back(absl::StrFormat(
-          "%s (%s) %.3f s = %.2fx (exposed all-reduce %.3f s, bubble %.0f%%)", what,
-          ShapeName(c->plan), c->prediction.step_time_s, c->prediction.step_time_s / pr.step_time_s,
-          c->prediction.dp_exposed_s, 100 * c->prediction.bubble_fraction));
+      versus.push_back(absl::StrFormat("%s (%s) %.3f s = %.2fx (exposed all-reduce %.3f s, bubble %.0f%%)", what,
+                                       ShapeName(c->plan), c->prediction.step_time_s,
+                                       c->prediction.step_time_s / pr.step_time_s, c->prediction.dp_exposed_s,
+                                       100 * c->prediction.bubble_fraction));
     }
   };
-  compare("pure data parallelism",
-          best_where([](const Plan& x) { return x.pp == 1 && x.tp == 1; }));
+  compare("pure data parallelism", best_where([](const Plan& x) { return x.pp == 1 && x.tp == 1; }));
   compare("pure pipeline", best_where([](const Plan& x) { return x.dp == 1 && x.tp == 1; }));
   compare("best with tp>1", best_where([](const Plan& x) { return x.tp > 1; }));
-  compare("best with dp>1 and pp>1",
-          best_where([](const Plan& x) { return x.dp > 1 && x.pp > 1; }));
+  compare("best with dp>1 and pp>1", best_where([](const Plan& x) { return x.dp > 1 && x.pp > 1; }));
   if (!versus.empty()) lines.push_back(absl::StrCat("alternatives: ", absl::StrJoin(versus, "; ")));
   // Pipeline boundaries of replica 0 and where the sites change.
   if (p.pp > 1) {
     std::vector<std::string> at;
     int crossing = 0;
     for (int s = 0; s + 1 < p.pp; ++s) {
-      const int a = cluster.devices[p.devices[0][s][0]].site,
-                b = cluster.devices[p.devices[0][s + 1][0]].site;
+      const int a = cluster.devices[p.devices[0][s][0]].site, b = cluster.devices[p.devices[0][s + 1][0]].site;
       const std::string after = model.layers[p.stage_begin[s + 1] - 1].name;
       if (a == b) {
         at.push_back(absl::StrCat("after ", after, " inside ", cluster.site_names[a]));
       } else {
         ++crossing;
         const LinkSpec& l = cluster.Link(a, b);
-        at.push_back(absl::StrFormat("after %s on the %s-%s site boundary (%.1f ms, %.0f Mbit/s)",
-                                     after, cluster.site_names[a], cluster.site_names[b],
-                                     l.latency_s * 1e3, l.bandwidth_bytes_per_s * 8 / 1e6));
+        at.push_back(absl::StrFormat("after %s on the %s-%s site boundary (%.1f ms, %.0f Mbit/s)", after,
+                                     cluster.site_names[a], cluster.site_names[b], l.latency_s * 1e3,
+                                     l.bandwidth_bytes_per_s * 8 / 1e6));
       }
     }
     std::vector<int> layers;
@@ -623,14 +587,13 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
       for (int r = 0; r < p.dp; ++r) sites.insert(cluster.devices[p.devices[r][s][0]].site);
       if (sites.size() > 1) ++spanning;
     }
-    const bool equal = std::all_of(p.microbatches.begin(), p.microbatches.end(),
-                                   [&](int m) { return m == p.microbatches.front(); });
+    const bool equal =
+        std::all_of(p.microbatches.begin(), p.microbatches.end(), [&](int m) { return m == p.microbatches.front(); });
     lines.push_back(absl::StrFormat(
         "data parallelism: %d of %d stage groups all-reduce across sites%s; replicas run %s "
         "microbatches%s",
         spanning, p.pp, spanning == 0 ? " (every DP group stays inside a site)" : "",
-        absl::StrJoin(p.microbatches, "/"),
-        equal ? " (equal shares)" : " (shares in proportion to replica speed)"));
+        absl::StrJoin(p.microbatches, "/"), equal ? " (equal shares)" : " (shares in proportion to replica speed)"));
   }
   // Devices left out.
   if (!w.left_out.empty()) {
@@ -638,16 +601,15 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
     for (int d : w.left_out) by_site[cluster.devices[d].site].push_back(d);
     std::vector<std::string> parts;
     for (const auto& [site, ds] : by_site) {
-      parts.push_back(absl::StrFormat("%d x %s at %s", ds.size(), DeviceTypeName(cluster, ds),
-                                      cluster.site_names[site]));
+      parts.push_back(
+          absl::StrFormat("%d x %s at %s", ds.size(), DeviceTypeName(cluster, ds), cluster.site_names[site]));
     }
     std::string why;
     auto all = subset_best.find("all devices");
     if (w.subset != "all devices" && all != subset_best.end()) {
-      why = all->second < kInf
-                ? absl::StrFormat("the best plan on all devices takes %.3f s (%.2fx); %s is faster",
-                                  all->second, all->second / pr.step_time_s, w.subset)
-                : absl::StrFormat("no plan on all devices fits; %s does", w.subset);
+      why = all->second < kInf ? absl::StrFormat("the best plan on all devices takes %.3f s (%.2fx); %s is faster",
+                                                 all->second, all->second / pr.step_time_s, w.subset)
+                               : absl::StrFormat("no plan on all devices fits; %s does", w.subset);
     } else {
       // Inside the searched set: the best plan that uses more devices, if any, was slower.
       const PlanCandidate* more = nullptr;
@@ -658,13 +620,10 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
         }
       }
       why = more != nullptr
-                ? absl::StrFormat(
-                      "the best plan using more devices (%s, %d devices, %s) takes %.3f s (%.2fx)",
-                      ShapeName(more->plan), cluster.devices.size() - more->left_out.size(),
-                      more->subset, more->prediction.step_time_s,
-                      more->prediction.step_time_s / pr.step_time_s)
-                : absl::StrFormat("no plan that uses them fits in memory or fills the shape %s",
-                                  ShapeName(p));
+                ? absl::StrFormat("the best plan using more devices (%s, %d devices, %s) takes %.3f s (%.2fx)",
+                                  ShapeName(more->plan), cluster.devices.size() - more->left_out.size(), more->subset,
+                                  more->prediction.step_time_s, more->prediction.step_time_s / pr.step_time_s)
+                : absl::StrFormat("no plan that uses them fits in memory or fills the shape %s", ShapeName(p));
     }
     lines.push_back(absl::StrCat("left out: ", absl::StrJoin(parts, ", "), "; ", why));
   } else {
@@ -672,14 +631,14 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
   }
   for (const LinkTraffic& t : pr.cross_site) {
     const LinkSpec& l = cluster.Link(t.site_a, t.site_b);
-    lines.push_back(absl::StrFormat(
-        "link %s-%s (%.1f ms, %.0f Mbit/s): %s per step (gradients %s%s, activations %s%s); a "
-        "codec is chosen "
-        "per link as the one with the least ratio/bandwidth + 2/codec throughput",
-        cluster.site_names[t.site_a], cluster.site_names[t.site_b], l.latency_s * 1e3,
-        l.bandwidth_bytes_per_s * 8 / 1e6, Gb(t.bytes), Gb(t.gradient_bytes),
-        t.gradient_codec.empty() ? "" : absl::StrCat(" ", t.gradient_codec), Gb(t.activation_bytes),
-        t.activation_codec.empty() ? "" : absl::StrCat(" ", t.activation_codec)));
+    lines.push_back(
+        absl::StrFormat("link %s-%s (%.1f ms, %.0f Mbit/s): %s per step (gradients %s%s, activations %s%s); a "
+                        "codec is chosen "
+                        "per link as the one with the least ratio/bandwidth + 2/codec throughput",
+                        cluster.site_names[t.site_a], cluster.site_names[t.site_b], l.latency_s * 1e3,
+                        l.bandwidth_bytes_per_s * 8 / 1e6, Gb(t.bytes), Gb(t.gradient_bytes),
+                        t.gradient_codec.empty() ? "" : absl::StrCat(" ", t.gradient_codec), Gb(t.activation_bytes),
+                        t.activation_codec.empty() ? "" : absl::StrCat(" ", t.activation_codec)));
   }
   (void)job;
   return lines;
@@ -699,8 +658,8 @@ std::string best_subset_name(const std::map<std::string, double>& subset_best) {
 
 }  // namespace
 
-absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model,
-                                   const JobOptions& job, const PlannerOptions& options) {
+absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                   const PlannerOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   if (absl::Status s = cluster.Validate(); !s.ok()) return s;
   if (job.global_batch < 1 || job.seq_len < 1) {
@@ -709,10 +668,8 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   if (model.seq_len != job.seq_len || model.num_layers() < 2) {
     return absl::InvalidArgumentError("plan: model costs were built for another sequence length");
   }
-  if (!(job.efficiency > 0 && job.efficiency <= 1) || job.memory_headroom < 0 ||
-      job.memory_headroom >= 1) {
-    return absl::InvalidArgumentError(
-        "plan: efficiency must be in (0, 1] and memory headroom in [0, 1)");
+  if (!(job.efficiency > 0 && job.efficiency <= 1) || job.memory_headroom < 0 || job.memory_headroom >= 1) {
+    return absl::InvalidArgumentError("plan: efficiency must be in (0, 1] and memory headroom in [0, 1)");
   }
   Search search(cluster, model, job, options);
   std::map<std::string, double> subset_best;
@@ -724,9 +681,8 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
     const auto t0 = std::chrono::steady_clock::now();
     subset_best[name] = search.Run(devices, name);
     if (std::getenv("GEOTRAIN_PLAN_DEBUG") != nullptr) {
-      std::fprintf(stderr, "subset %s: %zu devices, best %.3f s, %lld simulated, %.3f s\n",
-                   name.c_str(), devices.size(), subset_best[name],
-                   static_cast<long long>(search.simulated() - before),
+      std::fprintf(stderr, "subset %s: %zu devices, best %.3f s, %lld simulated, %.3f s\n", name.c_str(),
+                   devices.size(), subset_best[name], static_cast<long long>(search.simulated() - before),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
   };
@@ -789,8 +745,7 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
             std::vector<std::string> names;
             for (int m : members) names.push_back(cluster.site_names[m]);
             std::sort(devices.begin(), devices.end());
-            if (worth(devices))
-              evaluate(devices, absl::StrCat("sites ", absl::StrJoin(names, "+")));
+            if (worth(devices)) evaluate(devices, absl::StrCat("sites ", absl::StrJoin(names, "+")));
           }
         }
       }
@@ -821,15 +776,13 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   if (options.search_subsets) {
     // Without the slowest device types (cumulatively), on all devices and on the best subset.
     std::vector<std::string> bases = {"all devices"};
-    if (const std::string best = best_subset_name(subset_best); best != "all devices")
-      bases.push_back(best);
+    if (const std::string best = best_subset_name(subset_best); best != "all devices") bases.push_back(best);
     for (const std::string& base_name : bases) {
       const std::vector<int> base = subset_devices[base_name];
       std::map<double, std::set<std::string>> by_speed;
       for (int d : base) by_speed[search.EffectiveFlops(d)].insert(cluster.devices[d].name);
       std::vector<std::string> dropped;
-      for (auto it = by_speed.begin(); it != by_speed.end() && std::next(it) != by_speed.end();
-           ++it) {
+      for (auto it = by_speed.begin(); it != by_speed.end() && std::next(it) != by_speed.end(); ++it) {
         dropped.insert(dropped.end(), it->second.begin(), it->second.end());
         std::vector<int> kept;
         for (int d : base) {
@@ -853,8 +806,7 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   // to fewer microbatches, as within a key).
   std::map<std::tuple<int, int, int, std::vector<int>>, size_t> seen;
   for (PlanCandidate& c : ranked) {
-    auto [it, added] = seen.emplace(std::make_tuple(c.plan.dp, c.plan.pp, c.plan.tp, c.left_out),
-                                    result.ranked.size());
+    auto [it, added] = seen.emplace(std::make_tuple(c.plan.dp, c.plan.pp, c.plan.tp, c.left_out), result.ranked.size());
     if (added) {
       result.ranked.push_back(std::move(c));
     } else {
@@ -866,30 +818,23 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
     return a.prediction.step_time_s < b.prediction.step_time_s;
   });
   for (auto& [key, c] : search.rejected_by_key()) {
-    if (!search.best_by_key().count(key) && !search.sliced_keys().count(key))
-      result.rejected.push_back(c);
+    if (!search.best_by_key().count(key) && !search.sliced_keys().count(key)) result.rejected.push_back(c);
   }
-  std::sort(result.rejected.begin(), result.rejected.end(),
-            [](const PlanCandidate& a, const PlanCandidate& b) {
-              return a.prediction.max_memory_fraction < b.prediction.max_memory_fraction;
-            });
+  std::sort(result.rejected.begin(), result.rejected.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    return a.prediction.max_memory_fraction < b.prediction.max_memory_fraction;
+  });
   result.plans_simulated = search.simulated();
   if (result.ranked.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("plan: no plan fits in memory; closest: ",
-                     result.rejected.empty() ? std::string("none")
-                                             : result.rejected.front().prediction.reject_reason,
+                     result.rejected.empty() ? std::string("none") : result.rejected.front().prediction.reject_reason,
                      "; use a smaller global batch or sequence length, a smaller model, or devices "
                      "with more memory"));
   }
-  result.explanation =
-      Explain(cluster, model, job, search.best_by_key(), subset_best, result.ranked.front());
-  if (static_cast<int>(result.ranked.size()) > options.max_ranked)
-    result.ranked.resize(options.max_ranked);
-  if (static_cast<int>(result.rejected.size()) > options.max_rejected)
-    result.rejected.resize(options.max_rejected);
-  result.planning_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  result.explanation = Explain(cluster, model, job, search.best_by_key(), subset_best, result.ranked.front());
+  if (static_cast<int>(result.ranked.size()) > options.max_ranked) result.ranked.resize(options.max_ranked);
+  if (static_cast<int>(result.rejected.size()) > options.max_rejected) result.rejected.resize(options.max_rejected);
+  result.planning_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return result;
 }
 
@@ -904,8 +849,7 @@ std::vector<int> RuntimeStageBegin(const ModelCosts& model, int pp) {
   return begin;
 }
 
-ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                        const Plan& plan) {
+ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const JobOptions& job, const Plan& plan) {
   ManualPlan m;
   m.dp = plan.dp;
   m.pp = plan.pp;
@@ -920,8 +864,8 @@ ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const J
       for (int k = 0; k < plan.tp; ++k) {
         const int d = plan.devices[r][s][k];
         const Device& dev = cluster.devices[d];
-        m.placement.push_back(ManualPlacement{r, s, k, d, dev.site, dev.worker, dev.slot,
-                                              cluster.site_names[dev.site]});
+        m.placement.push_back(
+            ManualPlacement{r, s, k, d, dev.site, dev.worker, dev.slot, cluster.site_names[dev.site]});
       }
     }
   }
@@ -942,10 +886,8 @@ ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const J
   auto name = [&](int c) { return c < 0 ? std::string("none") : job.codecs[c].name; };
   for (const auto& [a, b] : pairs) {
     const LinkSpec& link = cluster.Link(a, b);
-    const int g =
-        plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[a][b];
-    const int x =
-        plan.activation_codec.empty() ? ChooseCodec(job, link, true) : plan.activation_codec[a][b];
+    const int g = plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[a][b];
+    const int x = plan.activation_codec.empty() ? ChooseCodec(job, link, true) : plan.activation_codec[a][b];
     m.link_codecs.push_back({cluster.site_names[a], cluster.site_names[b], name(g), name(x)});
   }
   return m;
@@ -996,66 +938,56 @@ std::string JsonNumber(double x) { return std::isfinite(x) ? absl::StrFormat("%.
 
 }  // namespace
 
-std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model,
-                                const PlanCandidate& c) {
+std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
   const Plan& p = c.plan;
   const Prediction& pr = c.prediction;
   std::vector<std::string> stages;
   for (int s = 0; s < p.pp; ++s) {
-    stages.push_back(
-        absl::StrCat("{\"first_layer\":", JsonString(model.layers[p.stage_begin[s]].name),
-                     ",\"last_layer\":", JsonString(model.layers[p.stage_begin[s + 1] - 1].name),
-                     ",\"forward_s\":", JsonNumber(pr.stage_forward_s[s]),
-                     ",\"backward_s\":", JsonNumber(pr.stage_backward_s[s]),
-                     ",\"allreduce_s\":", JsonNumber(pr.stage_allreduce_s[s]), "}"));
+    stages.push_back(absl::StrCat("{\"first_layer\":", JsonString(model.layers[p.stage_begin[s]].name),
+                                  ",\"last_layer\":", JsonString(model.layers[p.stage_begin[s + 1] - 1].name),
+                                  ",\"forward_s\":", JsonNumber(pr.stage_forward_s[s]),
+                                  ",\"backward_s\":", JsonNumber(pr.stage_backward_s[s]),
+                                  ",\"allreduce_s\":", JsonNumber(pr.stage_allreduce_s[s]), "}"));
   }
   std::vector<std::string> links;
   for (const LinkTraffic& t : pr.cross_site) {
-    links.push_back(absl::StrCat("{\"a\":", JsonString(cluster.site_names[t.site_a]),
-                                 ",\"b\":", JsonString(cluster.site_names[t.site_b]),
-                                 ",\"bytes_per_step\":", JsonNumber(t.bytes),
-                                 ",\"gradient_bytes\":", JsonNumber(t.gradient_bytes),
-                                 ",\"activation_bytes\":", JsonNumber(t.activation_bytes),
-                                 ",\"gradient_codec\":", JsonString(t.gradient_codec),
-                                 ",\"activation_codec\":", JsonString(t.activation_codec), "}"));
+    links.push_back(absl::StrCat(
+        "{\"a\":", JsonString(cluster.site_names[t.site_a]), ",\"b\":", JsonString(cluster.site_names[t.site_b]),
+        ",\"bytes_per_step\":", JsonNumber(t.bytes), ",\"gradient_bytes\":", JsonNumber(t.gradient_bytes),
+        ",\"activation_bytes\":", JsonNumber(t.activation_bytes), ",\"gradient_codec\":", JsonString(t.gradient_codec),
+        ",\"activation_codec\":", JsonString(t.activation_codec), "}"));
   }
   std::vector<std::string> memory, placement;
   for (int d = 0; d < static_cast<int>(pr.device_memory_bytes.size()); ++d) {
     if (pr.device_memory_bytes[d] <= 0) continue;
     memory.push_back(absl::StrCat(
         "{\"device\":", d, ",\"site\":", JsonString(cluster.site_names[cluster.devices[d].site]),
-        ",\"name\":", JsonString(cluster.devices[d].name),
-        ",\"bytes\":", JsonNumber(pr.device_memory_bytes[d]), "}"));
+        ",\"name\":", JsonString(cluster.devices[d].name), ",\"bytes\":", JsonNumber(pr.device_memory_bytes[d]), "}"));
   }
   for (int r = 0; r < p.dp; ++r) {
     for (int s = 0; s < p.pp; ++s) {
       for (int k = 0; k < p.tp; ++k) {
         const Device& d = cluster.devices[p.devices[r][s][k]];
-        placement.push_back(absl::StrCat("{\"replica\":", r, ",\"stage\":", s, ",\"tp_rank\":", k,
-                                         ",\"device\":", p.devices[r][s][k],
-                                         ",\"site\":", JsonString(cluster.site_names[d.site]),
-                                         ",\"worker\":", d.worker, ",\"slot\":", d.slot, "}"));
+        placement.push_back(absl::StrCat(
+            "{\"replica\":", r, ",\"stage\":", s, ",\"tp_rank\":", k, ",\"device\":", p.devices[r][s][k],
+            ",\"site\":", JsonString(cluster.site_names[d.site]), ",\"worker\":", d.worker, ",\"slot\":", d.slot, "}"));
       }
     }
   }
   return absl::StrCat(
-      "{\"dp\":", p.dp, ",\"pp\":", p.pp, ",\"tp\":", p.tp,
-      ",\"microbatch_size\":", p.microbatch_size, ",\"microbatches\":[",
-      absl::StrJoin(p.microbatches, ","), "],\"schedule\":", JsonString(ScheduleName(p.schedule)),
-      ",\"layout\":", JsonString(c.layout), ",\"subset\":", JsonString(c.subset),
-      ",\"fits\":", pr.fits ? "true" : "false", ",\"reject_reason\":", JsonString(pr.reject_reason),
-      ",\"step_time_s\":", JsonNumber(pr.step_time_s),
-      ",\"tokens_per_s\":", JsonNumber(pr.tokens_per_s),
-      ",\"pipeline_time_s\":", JsonNumber(pr.pipeline_time_s),
-      ",\"dp_exposed_s\":", JsonNumber(pr.dp_exposed_s),
-      ",\"tied_sync_s\":", JsonNumber(pr.tied_sync_s),
-      ",\"scalar_sync_s\":", JsonNumber(pr.scalar_sync_s),
-      ",\"bubble_fraction\":", JsonNumber(pr.bubble_fraction),
+      "{\"dp\":", p.dp, ",\"pp\":", p.pp, ",\"tp\":", p.tp, ",\"microbatch_size\":", p.microbatch_size,
+      ",\"microbatches\":[", absl::StrJoin(p.microbatches, ","),
+      "],\"schedule\":", JsonString(ScheduleName(p.schedule)), ",\"layout\":", JsonString(c.layout),
+      ",\"subset\":", JsonString(c.subset), ",\"fits\":", pr.fits ? "true" : "false",
+      ",\"reject_reason\":", JsonString(pr.reject_reason), ",\"step_time_s\":", JsonNumber(pr.step_time_s),
+      ",\"tokens_per_s\":", JsonNumber(pr.tokens_per_s), ",\"pipeline_time_s\":", JsonNumber(pr.pipeline_time_s),
+      ",\"dp_exposed_s\":", JsonNumber(pr.dp_exposed_s), ",\"tied_sync_s\":", JsonNumber(pr.tied_sync_s),
+      ",\"scalar_sync_s\":", JsonNumber(pr.scalar_sync_s), ",\"bubble_fraction\":", JsonNumber(pr.bubble_fraction),
       ",\"compute_bound_s\":", JsonNumber(pr.compute_bound_s),
       ",\"max_memory_fraction\":", JsonNumber(pr.max_memory_fraction), ",\"left_out_devices\":[",
-      absl::StrJoin(c.left_out, ","), "],\"stages\":[", absl::StrJoin(stages, ","),
-      "],\"cross_site_links\":[", absl::StrJoin(links, ","), "],\"device_memory\":[",
-      absl::StrJoin(memory, ","), "],\"placement\":[", absl::StrJoin(placement, ","), "]}");
+      absl::StrJoin(c.left_out, ","), "],\"stages\":[", absl::StrJoin(stages, ","), "],\"cross_site_links\":[",
+      absl::StrJoin(links, ","), "],\"device_memory\":[", absl::StrJoin(memory, ","), "],\"placement\":[",
+      absl::StrJoin(placement, ","), "]}");
 }
 
 std::string PlanResultToJson(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
@@ -1064,27 +996,24 @@ std::string PlanResultToJson(const Cluster& cluster, const ModelCosts& model, co
   for (int i = 0; i < std::min<int>(top, result.ranked.size()); ++i) {
     ranked.push_back(PlanCandidateToJson(cluster, model, result.ranked[i]));
   }
-  for (const PlanCandidate& c : result.rejected)
-    rejected.push_back(PlanCandidateToJson(cluster, model, c));
+  for (const PlanCandidate& c : result.rejected) rejected.push_back(PlanCandidateToJson(cluster, model, c));
   for (const std::string& line : result.explanation) explanation.push_back(JsonString(line));
-  return absl::StrCat("{\"global_batch\":", job.global_batch, ",\"seq_len\":", job.seq_len,
-                      ",\"devices\":", cluster.devices.size(), ",\"sites\":", cluster.num_sites(),
-                      ",\"plans_simulated\":", result.plans_simulated,
-                      ",\"planning_seconds\":", JsonNumber(result.planning_seconds),
-                      ",\"ranked\":[", absl::StrJoin(ranked, ","), "],\"rejected\":[",
-                      absl::StrJoin(rejected, ","), "],\"explanation\":[",
-                      absl::StrJoin(explanation, ","), "]}\n");
+  return absl::StrCat(
+      "{\"global_batch\":", job.global_batch, ",\"seq_len\":", job.seq_len, ",\"devices\":", cluster.devices.size(),
+      ",\"sites\":", cluster.num_sites(), ",\"plans_simulated\":", result.plans_simulated,
+      ",\"planning_seconds\":", JsonNumber(result.planning_seconds), ",\"ranked\":[", absl::StrJoin(ranked, ","),
+      "],\"rejected\":[", absl::StrJoin(rejected, ","), "],\"explanation\":[", absl::StrJoin(explanation, ","), "]}\n");
 }
 
 std::string FormatPlanResult(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                              const PlanResult& result, int top) {
-  std::string out = absl::StrFormat(
-      "%d devices in %d site%s, global batch %d x %d tokens; %d plans simulated in %.3f s\n\n",
-      cluster.devices.size(), cluster.num_sites(), cluster.num_sites() == 1 ? "" : "s",
-      job.global_batch, job.seq_len, result.plans_simulated, result.planning_seconds);
-  absl::StrAppendFormat(&out, "%-4s %9s %10s %3s %3s %3s %4s %-11s %-6s %6s %8s %10s  %-14s %s\n",
-                        "rank", "step_s", "tokens/s", "dp", "pp", "tp", "mb", "m/replica", "sched",
-                        "bubble", "mem_GB", "wan_GB", "layout", "devices");
+  std::string out =
+      absl::StrFormat("%d devices in %d site%s, global batch %d x %d tokens; %d plans simulated in %.3f s\n\n",
+                      cluster.devices.size(), cluster.num_sites(), cluster.num_sites() == 1 ? "" : "s",
+                      job.global_batch, job.seq_len, result.plans_simulated, result.planning_seconds);
+  absl::StrAppendFormat(&out, "%-4s %9s %10s %3s %3s %3s %4s %-11s %-6s %6s %8s %10s  %-14s %s\n", "rank", "step_s",
+                        "tokens/s", "dp", "pp", "tp", "mb", "m/replica", "sched", "bubble", "mem_GB", "wan_GB",
+                        "layout", "devices");
   for (int i = 0; i < std::min<int>(top, result.ranked.size()); ++i) {
     const PlanCandidate& c = result.ranked[i];
     const Prediction& pr = c.prediction;
@@ -1092,21 +1021,19 @@ std::string FormatPlanResult(const Cluster& cluster, const ModelCosts& model, co
     for (const LinkTraffic& t : pr.cross_site) wan += t.bytes;
     for (double m : pr.device_memory_bytes) mem = std::max(mem, m);
     std::string m = absl::StrJoin(c.plan.microbatches, "/");
-    if (m.size() > 11)
-      m = absl::StrCat(c.plan.microbatches.front(), "..", c.plan.microbatches.back());
-    absl::StrAppendFormat(
-        &out, "%-4d %9.4f %10.0f %3d %3d %3d %4d %-11s %-6s %5.0f%% %8.2f %10.3f  %-14s %s\n",
-        i + 1, pr.step_time_s, pr.tokens_per_s, c.plan.dp, c.plan.pp, c.plan.tp,
-        c.plan.microbatch_size, m, ScheduleName(c.plan.schedule), 100 * pr.bubble_fraction,
-        mem / 1e9, wan / 1e9, c.layout, c.subset);
+    if (m.size() > 11) m = absl::StrCat(c.plan.microbatches.front(), "..", c.plan.microbatches.back());
+    absl::StrAppendFormat(&out, "%-4d %9.4f %10.0f %3d %3d %3d %4d %-11s %-6s %5.0f%% %8.2f %10.3f  %-14s %s\n", i + 1,
+                          pr.step_time_s, pr.tokens_per_s, c.plan.dp, c.plan.pp, c.plan.tp, c.plan.microbatch_size, m,
+                          ScheduleName(c.plan.schedule), 100 * pr.bubble_fraction, mem / 1e9, wan / 1e9, c.layout,
+                          c.subset);
   }
   out += "\nwhy this plan:\n";
   for (const std::string& line : result.explanation) absl::StrAppend(&out, "  - ", line, "\n");
   if (!result.rejected.empty()) {
     out += "\nrejected (do not fit in memory):\n";
     for (const PlanCandidate& c : result.rejected) {
-      absl::StrAppend(&out, "  - ", ShapeName(c.plan), " ", c.layout, " (", c.subset,
-                      "): ", c.prediction.reject_reason, "\n");
+      absl::StrAppend(&out, "  - ", ShapeName(c.plan), " ", c.layout, " (", c.subset, "): ", c.prediction.reject_reason,
+                      "\n");
     }
   }
   (void)model;

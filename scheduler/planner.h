@@ -53,8 +53,7 @@ struct PlanCandidate {
 };
 
 struct PlanResult {
-  std::vector<PlanCandidate>
-      ranked;  // fitting plans, fastest first, one per (subset, dp, pp, tp, layout)
+  std::vector<PlanCandidate> ranked;     // fitting plans, fastest first, one per (subset, dp, pp, tp, layout)
   std::vector<PlanCandidate> rejected;   // shapes with no memory-feasible slicing, with the reason
   std::vector<std::string> explanation;  // a few lines on the winner
   int64_t plans_simulated = 0;
@@ -65,8 +64,8 @@ struct PlanResult {
 // fits in memory at all (the error gives the closest candidate's reason). Deterministic; not
 // thread-safe per call (no shared state between calls). With GEOTRAIN_PLAN_DEBUG set, prints each
 // device subset's search time, plans simulated and best step time to stderr.
-absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model,
-                                   const JobOptions& job, const PlannerOptions& options = {});
+absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                   const PlannerOptions& options = {});
 
 // The runtime's stage slicing (model::StageOptions::Split, the head's placement): blocks split as
 // evenly as possible with the earlier stages taking the extra ones, the embedding on the first
@@ -86,8 +85,7 @@ struct ManualPlan {
   int microbatch_size = 1;
   std::vector<int> microbatches;  // per replica
   Schedule schedule = Schedule::k1F1B;
-  std::vector<int>
-      stage_begin;  // layer index (0 embedding, 1..L blocks, L+1 head) where each stage starts
+  std::vector<int> stage_begin;  // layer index (0 embedding, 1..L blocks, L+1 head) where each stage starts
   std::vector<std::string> stage_first_layer;
   std::vector<ManualPlacement> placement;  // one per (replica, stage, tp_rank), in that order
   // Codec per pair of sites that the plan's traffic crosses (the simulator's choice, see
@@ -98,8 +96,7 @@ struct ManualPlan {
   };
   std::vector<LinkCodec> link_codecs;
 };
-ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                        const Plan& plan);
+ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const JobOptions& job, const Plan& plan);
 // The same without link_codecs (left empty: the job's codecs are not known here).
 ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const Plan& plan);
 // Fills a job spec's parallel section (plan: manual; microbatches: replica 0's count; placement by
@@ -107,8 +104,7 @@ ManualPlan ToManualPlan(const Cluster& cluster, const ModelCosts& model, const P
 void FillParallelSpec(const ManualPlan& manual, ParallelSpec* spec);
 
 // One candidate (plan and prediction) as a JSON object, as in PlanResultToJson's "ranked" list.
-std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model,
-                                const PlanCandidate& candidate);
+std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& candidate);
 
 // The result as JSON (one object: ranked, rejected, explanation, timings) and as text for a
 // terminal.

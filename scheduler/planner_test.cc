@@ -57,8 +57,7 @@ JobOptions Job(int global_batch, int seq_len) {
   return job;
 }
 
-const PlanCandidate* BestWhere(const PlanResult& r,
-                               const std::function<bool(const Plan&)>& predicate) {
+const PlanCandidate* BestWhere(const PlanResult& r, const std::function<bool(const Plan&)>& predicate) {
   for (const PlanCandidate& c : r.ranked) {
     if (predicate(c.plan)) return &c;
   }
@@ -106,9 +105,8 @@ TEST(PlannerTest, PipelineOrHybridWinsAcrossSitesAt30To100Ms) {
 }
 
 TEST(PlannerTest, PipelineOrHybridWinsAcrossUtahAndAmsterdam) {
-  Cluster c = MakeCluster(
-      {{"utah", {{"RTX6000", 3}, {"RTX6000", 3}}}, {"amsterdam", {{"RTX6000", 3}, {"RTX6000", 3}}}},
-      103, 1000);
+  Cluster c = MakeCluster({{"utah", {{"RTX6000", 3}, {"RTX6000", 3}}}, {"amsterdam", {{"RTX6000", 3}, {"RTX6000", 3}}}},
+                          103, 1000);
   const ModelCosts model = Costs("gpt2-medium", 1024);
   const JobOptions job = Job(48, 1024);
   PlannerOptions options;
@@ -125,8 +123,7 @@ TEST(PlannerTest, PipelineOrHybridWinsAcrossUtahAndAmsterdam) {
   // The pipeline crosses the WAN once: its other boundaries stay inside a site.
   EXPECT_EQ(SitesCrossedByPipeline(c, best.plan), 1) << text;
   // Latency hurts DP more than the winner: at 0 ms the gap closes.
-  Cluster near =
-      MakeCluster({{"utah", {{"RTX6000", 6}}}, {"amsterdam", {{"RTX6000", 6}}}}, 0.05, 100000);
+  Cluster near = MakeCluster({{"utah", {{"RTX6000", 6}}}, {"amsterdam", {{"RTX6000", 6}}}}, 0.05, 100000);
   absl::StatusOr<PlanResult> r0 = PlanJob(near, model, job, options);
   ASSERT_TRUE(r0.ok());
   const PlanCandidate* dp0 = BestWhere(*r0, [](const Plan& p) { return p.pp == 1 && p.tp == 1; });
@@ -142,8 +139,7 @@ TEST(PlannerTest, BestStepTimeNeverImprovesWithMoreLatency) {
   double previous = 0;
   for (double latency_ms : {0.0, 5.0, 30.0, 100.0, 250.0}) {
     Cluster c =
-        MakeCluster({{"a", {{"A30", 2}, {"T4", 2}}}, {"b", {{"A30", 2}}}, {"c", {{"RTX6000", 3}}}},
-                    latency_ms, 2000);
+        MakeCluster({{"a", {{"A30", 2}, {"T4", 2}}}, {"b", {{"A30", 2}}}, {"c", {{"RTX6000", 3}}}}, latency_ms, 2000);
     absl::StatusOr<PlanResult> r = PlanJob(c, model, job);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_GE(r->ranked.front().prediction.step_time_s, previous - 1e-12) << latency_ms << " ms";
@@ -275,11 +271,8 @@ TEST(PlannerTest, ManualFormPlacesEveryActorOnce) {
   EXPECT_EQ(spec.placement_size(), p.dp * p.pp * p.tp);
   // The JSON form parses and carries the ranked plans.
   google::protobuf::Struct parsed;
-  ASSERT_TRUE(
-      google::protobuf::util::JsonStringToMessage(PlanResultToJson(c, model, job, *r, 3), &parsed)
-          .ok());
-  EXPECT_EQ(parsed.fields().at("ranked").list_value().values_size(),
-            std::min<int>(3, r->ranked.size()));
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(PlanResultToJson(c, model, job, *r, 3), &parsed).ok());
+  EXPECT_EQ(parsed.fields().at("ranked").list_value().values_size(), std::min<int>(3, r->ranked.size()));
 }
 
 // The runtime's slicing: blocks split evenly, the earlier stages take the extra ones, the embedding

@@ -8,18 +8,17 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 
-absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& peers, int dp, int pp, int tp,
-                                               int replica, int stage, int tp_rank, bool nccl_built) {
+absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& peers, int dp, int pp, int tp, int replica,
+                                               int stage, int tp_rank, bool nccl_built) {
   std::map<std::tuple<int, int, int>, const ActorPeer*> by_coordinates;
   for (const ActorPeer& p : peers) by_coordinates[{p.replica(), p.stage(), p.tp_rank()}] = &p;
   auto find = [&](int r, int s, int t) -> absl::StatusOr<const ActorPeer*> {
     auto it = by_coordinates.find({r, s, t});
     if (it == by_coordinates.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("the job's actor list has no actor for replica ", r,
-                                                     ", stage ", s, ", tp rank ", t, " of a ", dp, " x ", pp,
-                                                     " x ", tp, " plan"));
+      return absl::InvalidArgumentError(absl::StrCat("the job's actor list has no actor for replica ", r, ", stage ", s,
+                                                     ", tp rank ", t, " of a ", dp, " x ", pp, " x ", tp, " plan"));
     }
     return it->second;
   };
@@ -47,8 +46,8 @@ absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& pee
     if (!found.ok()) return found.status();
     const std::vector<const ActorPeer*>& group = *found;
     const bool all_cuda = all_on_cuda(group);
-    const bool one_site = std::all_of(group.begin(), group.end(),
-                                      [&](const ActorPeer* p) { return p->site() == group.front()->site(); });
+    const bool one_site =
+        std::all_of(group.begin(), group.end(), [&](const ActorPeer* p) { return p->site() == group.front()->site(); });
     plan.tp_nccl = nccl_built && all_cuda && one_site;
     if (!plan.tp_nccl && on_cuda(*group[tp_rank])) {
       plan.notes.push_back(!nccl_built ? "tensor-parallel group on gRPC: this build has no NCCL"
@@ -85,4 +84,4 @@ absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& pee
   return plan;
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

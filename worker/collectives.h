@@ -16,15 +16,15 @@
 #include "absl/status/statusor.h"
 #include "control.pb.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 
 struct DataParallelNccl {
   bool use = false;
-  std::string site;                 // this actor's site
-  std::vector<int> site_replicas;   // the replicas of this stage in this site, ascending (NCCL ranks)
-  int site_rank = 0;                // this actor's index in site_replicas
-  std::vector<int> leader_replicas; // each site's lowest replica, ascending (the leaders' gRPC ring)
-  int leader_index = -1;            // this actor's index in leader_replicas; -1 when not a leader
+  std::string site;                  // this actor's site
+  std::vector<int> site_replicas;    // the replicas of this stage in this site, ascending (NCCL ranks)
+  int site_rank = 0;                 // this actor's index in site_replicas
+  std::vector<int> leader_replicas;  // each site's lowest replica, ascending (the leaders' gRPC ring)
+  int leader_index = -1;             // this actor's index in leader_replicas; -1 when not a leader
 };
 
 struct CollectivePlan {
@@ -36,7 +36,7 @@ struct CollectivePlan {
 // `peers` is the job's actor list (this actor included); (replica, stage, tp_rank) are this actor's
 // coordinates in a dp x pp x tp plan; `nccl_built` says whether this build has NCCL. INVALID_ARGUMENT when
 // the list lacks an actor of a group.
-absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& peers, int dp, int pp, int tp,
-                                               int replica, int stage, int tp_rank, bool nccl_built);
+absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& peers, int dp, int pp, int tp, int replica,
+                                               int stage, int tp_rank, bool nccl_built);
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -1,14 +1,14 @@
 // Tests of PlanCollectives: which collective groups go on NCCL, consistently for every member.
 #include "worker/collectives.h"
 
-#include <functional>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "absl/strings/str_cat.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 namespace {
 
 using testing::ElementsAre;
@@ -35,7 +35,8 @@ std::vector<ActorPeer> Actors(int dp, int pp, int tp, const std::function<std::s
 DeviceKind AllCuda(int, int, int) { return DEVICE_KIND_CUDA; }
 
 TEST(Collectives, AllCudaInOneSiteUsesNcclForTensorAndDataParallelism) {
-  auto peers = Actors(2, 1, 2, [](int, int, int) { return "a"; }, AllCuda);
+  auto peers = Actors(
+      2, 1, 2, [](int, int, int) { return "a"; }, AllCuda);
   absl::StatusOr<CollectivePlan> plan = PlanCollectives(peers, 2, 1, 2, 1, 0, 1, /*nccl_built=*/true);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_TRUE(plan->tp_nccl);
@@ -49,7 +50,8 @@ TEST(Collectives, AllCudaInOneSiteUsesNcclForTensorAndDataParallelism) {
 
 TEST(Collectives, DataParallelAcrossSitesHasOneLeaderPerSite) {
   // Replicas 0 and 2 in site b, 1 and 3 in site a.
-  auto peers = Actors(4, 2, 1, [](int r, int, int) { return r % 2 ? "a" : "b"; }, AllCuda);
+  auto peers = Actors(
+      4, 2, 1, [](int r, int, int) { return r % 2 ? "a" : "b"; }, AllCuda);
   for (int r = 0; r < 4; ++r) {
     absl::StatusOr<CollectivePlan> plan = PlanCollectives(peers, 4, 2, 1, r, 1, 0, true);
     ASSERT_TRUE(plan.ok()) << plan.status();
@@ -65,10 +67,9 @@ TEST(Collectives, DataParallelAcrossSitesHasOneLeaderPerSite) {
 TEST(Collectives, AMixedGroupStaysOnGrpcForEveryMember) {
   // Replica 1's stage 0 runs on a CPU: stage 0's DP group goes on gRPC for both replicas, stage 1's on
   // NCCL; the TP group of replica 1, stage 0 mixes CUDA and CPU and goes on gRPC for both ranks.
-  auto peers = Actors(2, 2, 2, [](int, int, int) { return "a"; },
-                      [](int r, int s, int t) {
-                        return r == 1 && s == 0 && t == 0 ? DEVICE_KIND_CPU : DEVICE_KIND_CUDA;
-                      });
+  auto peers = Actors(
+      2, 2, 2, [](int, int, int) { return "a"; },
+      [](int r, int s, int t) { return r == 1 && s == 0 && t == 0 ? DEVICE_KIND_CPU : DEVICE_KIND_CUDA; });
   for (int r = 0; r < 2; ++r) {
     for (int t = 0; t < 2; ++t) {
       absl::StatusOr<CollectivePlan> stage0 = PlanCollectives(peers, 2, 2, 2, r, 0, t, true);
@@ -92,12 +93,14 @@ TEST(Collectives, AMixedGroupStaysOnGrpcForEveryMember) {
 }
 
 TEST(Collectives, TensorParallelAcrossSitesOrWithoutNcclStaysOnGrpc) {
-  auto split = Actors(1, 1, 2, [](int, int, int t) { return t ? "b" : "a"; }, AllCuda);
+  auto split = Actors(
+      1, 1, 2, [](int, int, int t) { return t ? "b" : "a"; }, AllCuda);
   absl::StatusOr<CollectivePlan> plan = PlanCollectives(split, 1, 1, 2, 0, 0, 0, true);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->tp_nccl);
   EXPECT_THAT(plan->notes, ElementsAre(testing::HasSubstr("several sites")));
-  auto together = Actors(2, 1, 2, [](int, int, int) { return "a"; }, AllCuda);
+  auto together = Actors(
+      2, 1, 2, [](int, int, int) { return "a"; }, AllCuda);
   plan = PlanCollectives(together, 2, 1, 2, 0, 0, 0, /*nccl_built=*/false);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->tp_nccl);
@@ -106,22 +109,24 @@ TEST(Collectives, TensorParallelAcrossSitesOrWithoutNcclStaysOnGrpc) {
 }
 
 TEST(Collectives, CpuJobsAndUnknownDevicesUseGrpcSilently) {
-  auto cpu = Actors(2, 1, 2, [](int, int, int) { return "a"; }, [](int, int, int) { return DEVICE_KIND_CPU; });
+  auto cpu = Actors(
+      2, 1, 2, [](int, int, int) { return "a"; }, [](int, int, int) { return DEVICE_KIND_CPU; });
   absl::StatusOr<CollectivePlan> plan = PlanCollectives(cpu, 2, 1, 2, 0, 0, 0, true);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->tp_nccl);
   EXPECT_FALSE(plan->dp.use);
   EXPECT_TRUE(plan->notes.empty());
   // A head that does not send device kinds (UNSPECIFIED): never NCCL.
-  auto unknown = Actors(2, 1, 1, [](int, int, int) { return "a"; },
-                        [](int, int, int) { return DEVICE_KIND_UNSPECIFIED; });
+  auto unknown = Actors(
+      2, 1, 1, [](int, int, int) { return "a"; }, [](int, int, int) { return DEVICE_KIND_UNSPECIFIED; });
   plan = PlanCollectives(unknown, 2, 1, 1, 0, 0, 0, true);
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->dp.use);
 }
 
 TEST(Collectives, AMissingActorIsAnError) {
-  auto peers = Actors(2, 1, 1, [](int, int, int) { return "a"; }, AllCuda);
+  auto peers = Actors(
+      2, 1, 1, [](int, int, int) { return "a"; }, AllCuda);
   peers.pop_back();
   absl::StatusOr<CollectivePlan> plan = PlanCollectives(peers, 2, 1, 1, 0, 0, 0, true);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
@@ -129,4 +134,4 @@ TEST(Collectives, AMissingActorIsAnError) {
 }
 
 }  // namespace
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -18,15 +18,15 @@
 #include <cuda_runtime_api.h>
 #endif
 
-namespace geotrain {
+namespace geotrain::worker {
 
 absl::StatusOr<Device> ParseEmulatedDevice(const std::string& text) {
   std::vector<std::string> parts = absl::StrSplit(text, ':');
   Device d;
   d.set_kind(DEVICE_KIND_EMULATED);
   const auto bad = [&text](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("--emulate-device '", text, "': ", why,
-                                                   "; expected NAME:TFLOPS:MEM_GB, e.g. T4:65:16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--emulate-device '", text, "': ", why, "; expected NAME:TFLOPS:MEM_GB, e.g. T4:65:16"));
   };
   if (parts.empty() || parts[0].empty() || parts.size() > 3) return bad("wrong number of fields");
   d.set_name(parts[0]);
@@ -46,8 +46,7 @@ double MeasureCpuTflops() {
   double best_seconds = 1e9;
   for (int rep = 0; rep < 5; ++rep) {
     const auto start = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
-                0.0f, c.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best_seconds = std::min(best_seconds, s);
   }
@@ -63,8 +62,7 @@ std::vector<Device> DiscoverCudaDevices() {
 #ifdef GEOTRAIN_HAVE_CUDA
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    GT_LOG(INFO) << "no usable CUDA device (" << cudaGetErrorString(cudaGetLastError())
-                 << "); using the CPU";
+    GT_LOG(INFO) << "no usable CUDA device (" << cudaGetErrorString(cudaGetLastError()) << "); using the CPU";
     return out;
   }
   for (int i = 0; i < count; ++i) {
@@ -108,4 +106,4 @@ std::vector<Device> DiscoverDevices(const std::vector<Device>& emulated) {
   return out;
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

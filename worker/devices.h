@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "control.pb.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 
 // Parses NAME:TFLOPS:MEM_GB (e.g. "T4:65:16"); TFLOPS and MEM_GB may be omitted for known devices
 // ("A30"). Errors name the flag and the expected form.
@@ -28,4 +28,4 @@ uint64_t PhysicalMemoryBytes();
 // What a worker offers: emulated devices when given, else CUDA devices, else the CPU.
 std::vector<Device> DiscoverDevices(const std::vector<Device>& emulated);
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -4,7 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-namespace geotrain {
+namespace geotrain::worker {
 namespace {
 
 TEST(DevicesTest, ParsesEmulatedDevices) {
@@ -35,4 +35,4 @@ TEST(DevicesTest, CpuIsMeasuredWhenNothingElse) {
 }
 
 }  // namespace
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -16,7 +16,6 @@
 #include "model/data.h"
 #include "model/gpt2.h"
 #include "model/optimizer.h"
-
 #include "worker/collectives.h"
 
 #ifdef GEOTRAIN_HAVE_CUDA
@@ -25,7 +24,7 @@
 #include "model/cuda_backend.h"
 #endif
 
-namespace geotrain {
+namespace geotrain::worker {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -36,9 +35,7 @@ constexpr bool kNcclBuilt = true;
 constexpr bool kNcclBuilt = false;
 #endif
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // model::TensorParallelComm over a GrpcCommunicator of the stage's tensor-parallel group.
 class GrpcTensorParallelComm : public model::TensorParallelComm {
@@ -141,9 +138,8 @@ class AsyncSender {
       {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(
-            +[](AsyncSender* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-              return self->stop_ || !self->queue_.empty();
-            },
+            +[](AsyncSender* self)
+                 ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) { return self->stop_ || !self->queue_.empty(); },
             this));
         if (queue_.empty()) return;  // stopping
         item = std::move(queue_.front());
@@ -280,16 +276,16 @@ absl::Status StageActor::Run() {
   for (const ActorPeer& p : config_.peers) {
     const int w = world_rank(p.replica(), p.stage(), p.tp_rank());
     if (w < 0 || w >= world || seen[w]) {
-      return absl::InvalidArgumentError(absl::StrCat("actor list of job ", me.job_id(), " is inconsistent at ",
-                                                     p.actor_id()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("actor list of job ", me.job_id(), " is inconsistent at ", p.actor_id()));
     }
     seen[w] = true;
     auto via = p.address_for_site().find(config_.site);
     peers[w] = {p.actor_id(), via != p.address_for_site().end() ? via->second : p.address(), p.site()};
   }
   if (std::count(seen.begin(), seen.end(), false) > 0) {
-    return absl::InvalidArgumentError(absl::StrCat("job ", me.job_id(), " lists ", config_.peers.size(),
-                                                   " actors; its plan needs ", world));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job ", me.job_id(), " lists ", config_.peers.size(), " actors; its plan needs ", world));
   }
   const int my_rank = world_rank(r, s, t);
 
@@ -353,12 +349,11 @@ absl::Status StageActor::Run() {
   }
   const bool on_device = backend->is_cuda();
   // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
-  absl::StatusOr<CollectivePlan> collectives =
-      PlanCollectives(config_.peers, dp, pp, tp, r, s, t, kNcclBuilt);
+  absl::StatusOr<CollectivePlan> collectives = PlanCollectives(config_.peers, dp, pp, tp, r, s, t, kNcclBuilt);
   if (!collectives.ok()) return collectives.status();
   if (!on_device && (collectives->tp_nccl || collectives->dp.use)) {
-    return absl::InternalError(absl::StrCat("actor ", me.actor_id(), " runs on ", backend->name(),
-                                            " but the head lists it on a CUDA device"));
+    return absl::InternalError(
+        absl::StrCat("actor ", me.actor_id(), " runs on ", backend->name(), " but the head lists it on a CUDA device"));
   }
   for (const std::string& note : collectives->notes) GT_LOG(INFO) << "actor " << me.actor_id() << ": " << note;
   model::TensorParallelComm* stage_tp = tp > 1 ? &tp_adapter : nullptr;
@@ -381,10 +376,10 @@ absl::Status StageActor::Run() {
     // (each with the collective deadline) and while remote sites finish their backward: twice the deadline.
     const int64_t site_timeout_ms =
         d.leader_replicas.size() > 1 ? 2 * config_.collective_timeout_ms + 30000 : config_.collective_timeout_ms;
-    auto nccl = comm::CreateNcclCommunicatorWithRendezvous(
-        head_.get(), config_.token, me.job_id(), absl::StrCat("nccl/dp/stage", s, "/tp", t, "/site-", d.site),
-        d.site_rank, static_cast<int>(d.site_replicas.size()), config_.device_index,
-        absl::Milliseconds(site_timeout_ms));
+    auto nccl = comm::CreateNcclCommunicatorWithRendezvous(head_.get(), config_.token, me.job_id(),
+                                                           absl::StrCat("nccl/dp/stage", s, "/tp", t, "/site-", d.site),
+                                                           d.site_rank, static_cast<int>(d.site_replicas.size()),
+                                                           config_.device_index, absl::Milliseconds(site_timeout_ms));
     if (!nccl.ok()) return nccl.status();
     nccl_dp = std::move(*nccl);
     if (d.leader_replicas.size() == 1) {  // one site: NCCL all-reduces the whole group
@@ -520,9 +515,9 @@ absl::Status StageActor::Run() {
 
   AsyncSender sender(&p2p, &p2p_client, config_.site);
   SetState(ACTOR_ALIVE, "training");
-  GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp
-               << ", tp rank " << t << ") training " << stage.num_params() << " parameters, layers ["
-               << stage.first_layer() << ", " << stage.last_layer() << ") on " << backend->name()
+  GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << r << ", stage " << s << " of " << pp << ", tp rank " << t
+               << ") training " << stage.num_params() << " parameters, layers [" << stage.first_layer() << ", "
+               << stage.last_layer() << ") on " << backend->name()
                << (grad_buckets ? absl::StrCat("; gradient all-reduce in ", grad_buckets->num_buckets(), " buckets ",
                                                overlap_dp ? "overlapped with backward" : "after backward",
                                                dp_on_device ? ", on NCCL inside the site" : "")
@@ -595,8 +590,7 @@ absl::Status StageActor::Run() {
       const auto t0 = Clock::now();
       const float* dout = last ? nullptr : doutput.data();
       if (on_device && !last) {
-        if (absl::Status st = backend->CopyToDevice(device_doutput.as<float>(), dout, act * sizeof(float));
-            !st.ok()) {
+        if (absl::Status st = backend->CopyToDevice(device_doutput.as<float>(), dout, act * sizeof(float)); !st.ok()) {
           return st;
         }
         dout = device_doutput.as<float>();
@@ -677,8 +671,8 @@ absl::Status StageActor::Run() {
       // nothing through dp_client).
       const std::vector<int>& leaders = collectives->dp.leader_replicas;
       const int ring = dp_leaders ? static_cast<int>(leaders.size()) : dp;
-      const int successor = dp_leaders ? world_rank(leaders[(collectives->dp.leader_index + 1) % ring], s, t)
-                                       : dp_ranks[(r + 1) % dp];
+      const int successor =
+          dp_leaders ? world_rank(leaders[(collectives->dp.leader_index + 1) % ring], s, t) : dp_ranks[(r + 1) % dp];
       traffic.Add(my_site, peers[successor].site, dp_client.stats().bytes_sent - dp_bytes_before,
                   2.0 * (ring - 1) / ring * 4.0 * static_cast<double>(grad_buckets->elements()));
     }
@@ -737,4 +731,4 @@ absl::Status StageActor::Run() {
   return absl::OkStatus();
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -33,7 +33,7 @@
 #include "common/rpc.h"
 #include "control.grpc.pb.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 
 struct StageActorConfig {
   ActorRecord actor;
@@ -81,4 +81,4 @@ class StageActor {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -13,18 +13,18 @@
 #include "common/spec.h"
 #include "worker/devices.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 
 class WorkerServer::Service final : public Worker::Service {
  public:
   Service(WorkerServer* worker, const std::string& token, MetricsServer* metrics)
       : worker_(worker), auth_(token), metrics_(metrics) {}
 
-#define GT_WORKER_RPC_PROLOGUE(method)                                 \
-  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method);       \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {               \
-    timer.set_code(s.error_code());                                   \
-    return s;                                                         \
+#define GT_WORKER_RPC_PROLOGUE(method)                          \
+  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method); \
+  if (grpc::Status s = auth_.Check(context); !s.ok()) {         \
+    timer.set_code(s.error_code());                             \
+    return s;                                                   \
   }
 
   grpc::Status CreateActor(grpc::ServerContext* context, const CreateActorRequest* request,
@@ -52,8 +52,8 @@ class WorkerServer::Service final : public Worker::Service {
         static_cast<int64_t>(plan.dp()) * plan.pp() * plan.tp() != request->peers_size()) {
       return invalid(absl::StrCat("the plan needs dp x pp x tp actors, the request lists ", request->peers_size()));
     }
-    if (a.replica() < 0 || a.replica() >= plan.dp() || a.stage() < 0 || a.stage() >= plan.pp() ||
-        a.tp_rank() < 0 || a.tp_rank() >= plan.tp()) {
+    if (a.replica() < 0 || a.replica() >= plan.dp() || a.stage() < 0 || a.stage() >= plan.pp() || a.tp_rank() < 0 ||
+        a.tp_rank() >= plan.tp()) {
       return invalid(absl::StrCat("actor (replica ", a.replica(), ", stage ", a.stage(), ", tp rank ", a.tp_rank(),
                                   ") is outside the plan"));
     }
@@ -90,8 +90,8 @@ class WorkerServer::Service final : public Worker::Service {
     actor->Start();
     *reply->mutable_actor() = actor->Record();
     worker_->actors_[a.actor_id()] = std::move(actor);
-    GT_LOG(INFO) << "actor " << a.actor_id() << " of job " << a.job_id() << " (replica " << a.replica()
-                 << ", stage " << a.stage() << ", tp rank " << a.tp_rank() << ") created";
+    GT_LOG(INFO) << "actor " << a.actor_id() << " of job " << a.job_id() << " (replica " << a.replica() << ", stage "
+                 << a.stage() << ", tp rank " << a.tp_rank() << ") created";
     return grpc::Status::OK;
   }
 
@@ -110,8 +110,7 @@ class WorkerServer::Service final : public Worker::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ListActors(grpc::ServerContext* context, const ListActorsRequest*,
-                          ListActorsReply* reply) override {
+  grpc::Status ListActors(grpc::ServerContext* context, const ListActorsRequest*, ListActorsReply* reply) override {
     GT_WORKER_RPC_PROLOGUE("ListActors");
     for (const ActorRecord& a : worker_->Actors()) *reply->add_actors() = a;
     return grpc::Status::OK;
@@ -174,8 +173,7 @@ absl::Status WorkerServer::Start() {
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<MetricsServer>();
-    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port));
-        !s.ok()) {
+    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port)); !s.ok()) {
       return s;
     }
     auto& devices = metrics_->Gauges("geotrain_devices", "Devices of this worker, by kind and name");
@@ -200,8 +198,8 @@ absl::Status WorkerServer::Start() {
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
     server_.reset();
-    return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", options_.bind_host, ":",
-                                               options_.port, " (port in use?); choose another with --port"));
+    return absl::UnavailableError(absl::StrCat("worker: cannot listen on ", options_.bind_host, ":", options_.port,
+                                               " (port in use?); choose another with --port"));
   }
   advertise_address_ = options_.advertise_address;
   if (advertise_address_.empty()) {
@@ -215,9 +213,9 @@ absl::Status WorkerServer::Start() {
   head_ = Head::NewStub(head_channel_);
   join_thread_ = std::thread([this] { JoinLoop(); });
   if (options_.probe_interval_ms > 0) probe_thread_ = std::thread([this] { ProbeLoop(); });
-  GT_LOG(INFO) << "worker serving on " << options_.bind_host << ":" << port_ << " (advertised as "
-               << advertise_address_ << "), site " << options_.site << ", " << devices_.size()
-               << " device(s): " << devices_[0].name() << " " << devices_[0].tflops() << " TFLOP/s";
+  GT_LOG(INFO) << "worker serving on " << options_.bind_host << ":" << port_ << " (advertised as " << advertise_address_
+               << "), site " << options_.site << ", " << devices_.size() << " device(s): " << devices_[0].name() << " "
+               << devices_[0].tflops() << " TFLOP/s";
   return absl::OkStatus();
 }
 
@@ -272,8 +270,8 @@ void WorkerServer::JoinLoop() {
         ++failures;
         // Log the first failure, then every tenth, so a long outage does not flood the log.
         if (failures == 1 || failures % 10 == 0) {
-          GT_LOG(WARNING) << "cannot join the head at " << options_.head_address << " (attempt "
-                          << failures << "): " << s << "; retrying in " << backoff_ms << " ms";
+          GT_LOG(WARNING) << "cannot join the head at " << options_.head_address << " (attempt " << failures
+                          << "): " << s << "; retrying in " << backoff_ms << " ms";
         }
         if (!SleepMillis(backoff_ms)) return;
         backoff_ms = std::min<int64_t>(backoff_ms * 2, 5000);
@@ -316,8 +314,7 @@ void WorkerServer::JoinLoop() {
     grpc::Status s = head_->Heartbeat(&context, beat, &reply);
     absl::MutexLock lock(&mu_);
     if (!s.ok()) {
-      GT_LOG(WARNING) << "lost the head at " << options_.head_address << ": " << s.error_message()
-                      << "; reconnecting";
+      GT_LOG(WARNING) << "lost the head at " << options_.head_address << ": " << s.error_message() << "; reconnecting";
       registered_ = false;
     } else if (!reply.reregister() && reply.head_id() == head_id_) {
       peers_.assign(reply.peers().begin(), reply.peers().end());
@@ -330,8 +327,8 @@ void WorkerServer::JoinLoop() {
   }
 }
 
-absl::StatusOr<LinkMeasurement> WorkerServer::ProbePeer(const std::string& address,
-                                                        const std::string& token, const TlsFiles& tls) {
+absl::StatusOr<LinkMeasurement> WorkerServer::ProbePeer(const std::string& address, const std::string& token,
+                                                        const TlsFiles& tls) {
   auto channel = MakeChannel(address, tls);
   if (!channel.ok()) return channel.status();
   auto stub = Worker::NewStub(*channel);
@@ -346,8 +343,8 @@ absl::StatusOr<LinkMeasurement> WorkerServer::ProbePeer(const std::string& addre
     const auto start = std::chrono::steady_clock::now();
     grpc::Status s = stub->Ping(&ctx, small, &reply);
     if (!s.ok()) return FromGrpc(s);
-    best_rtt_ms = std::min(
-        best_rtt_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    best_rtt_ms = std::min(best_rtt_ms,
+                           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   PingRequest big;
   big.set_payload(std::string(1 << 20, 'g'));
@@ -358,8 +355,7 @@ absl::StatusOr<LinkMeasurement> WorkerServer::ProbePeer(const std::string& addre
   const auto start = std::chrono::steady_clock::now();
   grpc::Status s = stub->Ping(&ctx, big, &reply);
   if (!s.ok()) return FromGrpc(s);
-  const double total_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double total_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   LinkMeasurement m;
   m.set_rtt_ms(best_rtt_ms);
   // The transfer time is what the big ping took beyond a small one's round trip.
@@ -423,4 +419,4 @@ void WorkerServer::Shutdown() {
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -16,8 +16,8 @@
 #pragma once
 
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,17 +25,17 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "comm/tensor_stream.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
-#include "comm/tensor_stream.h"
 #include "control.grpc.pb.h"
 #include "worker/stage_actor.h"
 
-namespace geotrain {
+namespace geotrain::worker {
 
 struct WorkerOptions {
-  std::string head_address;       // host:port of the head
-  std::string site;               // required
+  std::string head_address;  // host:port of the head
+  std::string site;          // required
   std::string bind_host = "0.0.0.0";
   int port = 0;                   // 0 picks a free port
   std::string advertise_address;  // host[:port] others dial; default 127.0.0.1:<port>
@@ -101,9 +101,9 @@ class WorkerServer {
   int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
   // Running (and finished) stage actors by id; their records come from StageActor::Record().
   std::map<std::string, std::unique_ptr<StageActor>> actors_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> discarded_jobs_ ABSL_GUARDED_BY(mu_);   // jobs whose tensors were dropped
-  std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);              // from the latest heartbeat reply
+  std::set<std::string> discarded_jobs_ ABSL_GUARDED_BY(mu_);        // jobs whose tensors were dropped
+  std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);                 // from the latest heartbeat reply
   std::vector<LinkMeasurement> pending_links_ ABSL_GUARDED_BY(mu_);  // probes not yet reported
 };
 
-}  // namespace geotrain
+}  // namespace geotrain::worker

@@ -13,9 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/communicator.h"
-
 #include "bench/bench_util.h"
+#include "comm/communicator.h"
 
 namespace {
 

@@ -10,9 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "comm/codec.h"
-
 #include "bench/bench_util.h"
+#include "comm/codec.h"
 
 namespace {
 
@@ -61,7 +60,7 @@ int main(int argc, char** argv) {
     double encode_gbs, decode_gbs, ratio;
   };
   std::vector<Row> rows;
-  const std::vector<std::string> codecs = {"none",      "fp16",      "bf16",      "int8",     "topk:0.01",
+  const std::vector<std::string> codecs = {"none",      "fp16",      "bf16",      "int8",      "topk:0.01",
                                            "fp16+zstd", "bf16+zstd", "int8+zstd", "none+zstd", "topk:0.01+zstd"};
   for (bool scalar : {false, true}) {
     ForceScalarCodecs(scalar);

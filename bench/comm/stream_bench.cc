@@ -8,12 +8,11 @@
 //   build/bench/comm/comm_stream_bench [--sizes-mib 1,16,64,256] [--chunk-kib 1024] [--reps 7]
 //     [--window-kib 8192] [--frame-kib 0] [--read-kib 0]   (transport tuning; 0 = gRPC's default)
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,9 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/tensor_stream.h"
-
 #include "bench/bench_util.h"
+#include "comm/tensor_stream.h"
 
 namespace {
 
@@ -124,9 +122,10 @@ int main(int argc, char** argv) {
   TensorStreamClient client(token, options);
   TcpPair tcp;
 
-  std::printf("tensor stream vs raw TCP on loopback, chunk %zu KiB, codec none, http2 window %d B, frame %d B, "
-              "tcp read chunk %d B (0 = gRPC default)\n",
-              chunk_kib, options.http2_window_bytes, options.http2_max_frame_bytes, options.tcp_read_chunk_bytes);
+  std::printf(
+      "tensor stream vs raw TCP on loopback, chunk %zu KiB, codec none, http2 window %d B, frame %d B, "
+      "tcp read chunk %d B (0 = gRPC default)\n",
+      chunk_kib, options.http2_window_bytes, options.http2_max_frame_bytes, options.tcp_read_chunk_bytes);
   struct Row {
     size_t mib;
     double stream_gbs, transport_gbs, tcp_gbs, memcpy_gbs;
@@ -209,10 +208,11 @@ int main(int argc, char** argv) {
     const double bytes = static_cast<double>(st.bytes);
     Row row{st.mib, bytes / Median(st.stream_times) / 1e9, bytes / Median(st.transport_times) / 1e9,
             bytes / Median(st.tcp_times) / 1e9, bytes / Median(st.memcpy_times) / 1e9};
-    std::printf("%4zu MiB: stream end-to-end %.2f GB/s, stream transport %.2f GB/s, raw TCP %.2f GB/s, memcpy %.2f "
-                "GB/s (ratios %.2f, %.2f; %d reps)\n",
-                st.mib, row.stream_gbs, row.transport_gbs, row.tcp_gbs, row.memcpy_gbs, row.stream_gbs / row.tcp_gbs,
-                row.transport_gbs / row.tcp_gbs, reps);
+    std::printf(
+        "%4zu MiB: stream end-to-end %.2f GB/s, stream transport %.2f GB/s, raw TCP %.2f GB/s, memcpy %.2f "
+        "GB/s (ratios %.2f, %.2f; %d reps)\n",
+        st.mib, row.stream_gbs, row.transport_gbs, row.tcp_gbs, row.memcpy_gbs, row.stream_gbs / row.tcp_gbs,
+        row.transport_gbs / row.tcp_gbs, reps);
     rows.push_back(row);
   }
   // Per-tensor latency of small tensors, Send + Recv, median of 100 (the fixed cost of a transfer).
@@ -230,8 +230,9 @@ int main(int argc, char** argv) {
     }
     std::printf("%zu KiB tensor Send+Recv latency: median %.0f us\n", kib, Median(times) * 1e6);
   }
-  std::printf("\n| tensor | stream end-to-end GB/s | stream transport GB/s | raw TCP GB/s | memcpy GB/s | e2e / TCP | "
-              "transport / TCP |\n");
+  std::printf(
+      "\n| tensor | stream end-to-end GB/s | stream transport GB/s | raw TCP GB/s | memcpy GB/s | e2e / TCP | "
+      "transport / TCP |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     std::printf("| %zu MiB | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", r.mib, r.stream_gbs, r.transport_gbs,

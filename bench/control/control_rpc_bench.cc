@@ -15,6 +15,9 @@
 namespace geotrain {
 namespace {
 
+using head::HeadOptions;
+using head::HeadServer;
+
 struct Fixture {
   Fixture() {
     dir = (std::filesystem::temp_directory_path() / ("geotrain_bench_" + GenerateToken())).string();

@@ -231,10 +231,10 @@ int Run(int argc, char** argv) {
                  "\"params\": %lld, \"batch\": %d, \"seq_len\": %d, \"steps\": %d, \"median_step_s\": %.6f, "
                  "\"tokens_per_s\": %.1f, \"flops_per_token\": %.6g, \"achieved_tflops\": %.3f, "
                  "\"peak_tflops\": %.1f, \"mfu\": %s, \"last_loss\": %.4f, \"load_average\": \"%s\"}\n",
-                 device_name.c_str(), precision_name.c_str(), preset.c_str(),
-                 static_cast<long long>(c.NumParameters()), B, T, steps, median_s, tokens_per_s, flops_per_token,
-                 achieved_tflops, peak_tflops, peak_tflops > 0.0 ? absl::StrFormat("%.4f", mfu).c_str() : "null",
-                 last_loss, bench::LoadAverage().c_str());
+                 device_name.c_str(), precision_name.c_str(), preset.c_str(), static_cast<long long>(c.NumParameters()),
+                 B, T, steps, median_s, tokens_per_s, flops_per_token, achieved_tflops, peak_tflops,
+                 peak_tflops > 0.0 ? absl::StrFormat("%.4f", mfu).c_str() : "null", last_loss,
+                 bench::LoadAverage().c_str());
     std::fclose(f);
   }
   return 0;

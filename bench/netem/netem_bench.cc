@@ -46,8 +46,7 @@ class Path {
   Path(bool emulated, double latency_ms, double bandwidth_mbps) {
     listen_fd_ = ListenLoopback(0, &port_);
     if (emulated) {
-      auto e = Emulator::Create(TwoSites(latency_ms, bandwidth_mbps),
-                                {RouteSpec{0, "a", "b", "127.0.0.1", port_}});
+      auto e = Emulator::Create(TwoSites(latency_ms, bandwidth_mbps), {RouteSpec{0, "a", "b", "127.0.0.1", port_}});
       if (!e.ok() || !(*e)->Start().ok()) {
         std::fprintf(stderr, "netem_bench: cannot start the emulator\n");
         std::exit(1);
@@ -154,8 +153,7 @@ int Run(bool quick) {
         "added_ms=%.3f error_ms=%.3f\n",
         latency, forward.size(), median, p90, Percentile(forward, 0), added, added - latency);
     summary.push_back({absl::StrFormat("one-way latency %g ms", latency),
-                       absl::StrFormat("median %.3f ms, p90 %.3f ms, error %+.3f ms", median, p90,
-                                       added - latency)});
+                       absl::StrFormat("median %.3f ms, p90 %.3f ms, error %+.3f ms", median, p90, added - latency)});
     CloseFd(c);
     CloseFd(s);
   }
@@ -174,12 +172,10 @@ int Run(bool quick) {
       CloseFd(s);
     }
     const double rate = Median(rates);
-    std::printf(
-        "throughput cap_mbps=%g latency_ms=%g runs=%zu median_mbps=%.2f ratio_to_cap=%.4f\n", mbps,
-        latency, rates.size(), rate * 8 / 1e6, rate / cap);
-    summary.push_back(
-        {absl::StrFormat("throughput cap %g Mbit/s, %g ms", mbps, latency),
-         absl::StrFormat("%.2f Mbit/s (%.2f%% of cap)", rate * 8 / 1e6, 100 * rate / cap)});
+    std::printf("throughput cap_mbps=%g latency_ms=%g runs=%zu median_mbps=%.2f ratio_to_cap=%.4f\n", mbps, latency,
+                rates.size(), rate * 8 / 1e6, rate / cap);
+    summary.push_back({absl::StrFormat("throughput cap %g Mbit/s, %g ms", mbps, latency),
+                       absl::StrFormat("%.2f Mbit/s (%.2f%% of cap)", rate * 8 / 1e6, 100 * rate / cap)});
   }
   // Overhead at 0 ms, no cap: direct vs emulated, alternating.
   std::vector<double> pp_direct, pp_emulated, bulk_direct, bulk_emulated;
@@ -205,16 +201,14 @@ int Run(bool quick) {
   }
   const double ppd = Median(pp_direct), ppe = Median(pp_emulated);
   const double bd = Median(bulk_direct), be = Median(bulk_emulated);
-  std::printf("overhead pingpong_rtt_us direct=%.1f emulator=%.1f added_us=%.1f ratio=%.2f\n", ppd,
-              ppe, ppe - ppd, ppe / ppd);
-  std::printf("overhead bulk_mbps direct=%.0f emulator=%.0f ratio=%.3f\n", bd * 8 / 1e6,
-              be * 8 / 1e6, be / bd);
-  summary.push_back({"ping-pong RTT, 64 B, 0 ms no cap",
-                     absl::StrFormat("direct %.1f us, emulator %.1f us (+%.1f us, %.2fx)", ppd, ppe,
-                                     ppe - ppd, ppe / ppd)});
+  std::printf("overhead pingpong_rtt_us direct=%.1f emulator=%.1f added_us=%.1f ratio=%.2f\n", ppd, ppe, ppe - ppd,
+              ppe / ppd);
+  std::printf("overhead bulk_mbps direct=%.0f emulator=%.0f ratio=%.3f\n", bd * 8 / 1e6, be * 8 / 1e6, be / bd);
   summary.push_back(
-      {"bulk copy, 0 ms no cap", absl::StrFormat("direct %.0f Mbit/s, emulator %.0f Mbit/s (%.3fx)",
-                                                 bd * 8 / 1e6, be * 8 / 1e6, be / bd)});
+      {"ping-pong RTT, 64 B, 0 ms no cap",
+       absl::StrFormat("direct %.1f us, emulator %.1f us (+%.1f us, %.2fx)", ppd, ppe, ppe - ppd, ppe / ppd)});
+  summary.push_back({"bulk copy, 0 ms no cap", absl::StrFormat("direct %.0f Mbit/s, emulator %.0f Mbit/s (%.3fx)",
+                                                               bd * 8 / 1e6, be * 8 / 1e6, be / bd)});
   std::printf("\n%-36s | %s\n", "figure", "measured");
   std::printf("%s\n", std::string(100, '-').c_str());
   for (const Row& row : summary) std::printf("%-36s | %s\n", row.what.c_str(), row.figure.c_str());

@@ -25,14 +25,12 @@ struct Kind {
   double tflops;
   double mem_gb;
 };
-constexpr Kind kKinds[] = {
-    {"A100", 312, 80}, {"A30", 165, 24}, {"RTX6000", 130.5, 24}, {"T4", 65, 16}};
+constexpr Kind kKinds[] = {{"A100", 312, 80}, {"A30", 165, 24}, {"RTX6000", 130.5, 24}, {"T4", 65, 16}};
 
 // `sites` sites of `per_site` devices (workers of 8; device kinds rotate by site so the cluster is
 // mixed); site-to-site latency and bandwidth drawn uniformly from the given ranges by a fixed
 // pseudo-random sequence.
-Cluster Generate(int sites, int per_site, double min_ms, double max_ms, double min_gbps,
-                 double max_gbps) {
+Cluster Generate(int sites, int per_site, double min_ms, double max_ms, double min_gbps, double max_gbps) {
   Cluster c;
   uint64_t x = 88172645463325252ull;
   auto next = [&x]() {
@@ -85,19 +83,17 @@ int Main(int argc, char** argv) {
     double min_ms, max_ms, min_gbps, max_gbps;
     double goal_s;
   };
-  const Case cases[] = {
-      {"64 devices / 4 sites, WAN 5-100 ms 1-10 Gbit/s", 4, 16, 512, 5, 100, 1, 10, 1.0},
-      {"64 devices / 4 sites, metro 1-5 ms 25-100 Gbit/s", 4, 16, 512, 1, 5, 25, 100, 1.0},
-      {"1024 devices / 16 sites, WAN 5-100 ms 1-10 Gbit/s", 16, 64, 2048, 5, 100, 1, 10, 10.0},
-      {"1024 devices / 16 sites, metro 1-5 ms 25-100 Gbit/s", 16, 64, 2048, 1, 5, 25, 100, 10.0}};
+  const Case cases[] = {{"64 devices / 4 sites, WAN 5-100 ms 1-10 Gbit/s", 4, 16, 512, 5, 100, 1, 10, 1.0},
+                        {"64 devices / 4 sites, metro 1-5 ms 25-100 Gbit/s", 4, 16, 512, 1, 5, 25, 100, 1.0},
+                        {"1024 devices / 16 sites, WAN 5-100 ms 1-10 Gbit/s", 16, 64, 2048, 5, 100, 1, 10, 10.0},
+                        {"1024 devices / 16 sites, metro 1-5 ms 25-100 Gbit/s", 16, 64, 2048, 1, 5, 25, 100, 10.0}};
   const int seq_len = 1024;
   const ModelCosts model = ModelCosts::FromConfig(*config, seq_len);
   std::printf("model %s, seq_len %d, %d runs per case\n", preset.c_str(), seq_len, runs);
   std::vector<std::string> summary;
   for (const Case& k : cases) {
     if (k.sites * k.per_site > max_devices) continue;
-    const Cluster cluster =
-        Generate(k.sites, k.per_site, k.min_ms, k.max_ms, k.min_gbps, k.max_gbps);
+    const Cluster cluster = Generate(k.sites, k.per_site, k.min_ms, k.max_ms, k.min_gbps, k.max_gbps);
     JobOptions job;
     job.global_batch = k.global_batch;
     job.seq_len = seq_len;
@@ -119,28 +115,26 @@ int Main(int argc, char** argv) {
       seconds.push_back(s);
       simulated = r->plans_simulated;
       const PlanCandidate& best = r->ranked.front();
-      winner = absl::StrFormat("dp=%d pp=%d tp=%d mb=%d %s, %zu devices left out (%s), %.3f s/step",
-                               best.plan.dp, best.plan.pp, best.plan.tp, best.plan.microbatch_size,
-                               ScheduleName(best.plan.schedule), best.left_out.size(), best.subset,
-                               best.prediction.step_time_s);
+      winner = absl::StrFormat("dp=%d pp=%d tp=%d mb=%d %s, %zu devices left out (%s), %.3f s/step", best.plan.dp,
+                               best.plan.pp, best.plan.tp, best.plan.microbatch_size, ScheduleName(best.plan.schedule),
+                               best.left_out.size(), best.subset, best.prediction.step_time_s);
       // Reference in the same run (A B A B): the same search on all devices only, no subsets.
       const auto r0 = std::chrono::steady_clock::now();
       absl::StatusOr<PlanResult> reference = PlanJob(cluster, model, job, no_subsets);
-      reference_seconds.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count());
+      reference_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count());
       if (reference.ok()) reference_step = reference->ranked.front().prediction.step_time_s;
-      std::printf("%s run %d: planning %.3f s, %lld plans simulated; winner %s\n", k.name, run + 1,
-                  s, static_cast<long long>(simulated), winner.c_str());
+      std::printf("%s run %d: planning %.3f s, %lld plans simulated; winner %s\n", k.name, run + 1, s,
+                  static_cast<long long>(simulated), winner.c_str());
     }
     const double median = Median(seconds);
-    summary.push_back(absl::StrFormat(
-        "| %s | %d | %.3f | %.3f | %.3f | %lld | %.3f (%.2fx) | %.3f s/step | %s | %s |", k.name,
-        k.global_batch, median, *std::min_element(seconds.begin(), seconds.end()),
-        *std::max_element(seconds.begin(), seconds.end()), static_cast<long long>(simulated),
-        Median(reference_seconds), median / Median(reference_seconds), reference_step,
-        median <= k.goal_s ? absl::StrFormat("met (<= %.0f s)", k.goal_s)
-                           : absl::StrFormat("MISSED (<= %.0f s)", k.goal_s),
-        winner));
+    summary.push_back(absl::StrFormat("| %s | %d | %.3f | %.3f | %.3f | %lld | %.3f (%.2fx) | %.3f s/step | %s | %s |",
+                                      k.name, k.global_batch, median, *std::min_element(seconds.begin(), seconds.end()),
+                                      *std::max_element(seconds.begin(), seconds.end()),
+                                      static_cast<long long>(simulated), Median(reference_seconds),
+                                      median / Median(reference_seconds), reference_step,
+                                      median <= k.goal_s ? absl::StrFormat("met (<= %.0f s)", k.goal_s)
+                                                         : absl::StrFormat("MISSED (<= %.0f s)", k.goal_s),
+                                      winner));
   }
   std::printf(
       "\n| case | global batch | median s | min s | max s | plans simulated | reference: all "

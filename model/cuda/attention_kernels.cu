@@ -36,10 +36,10 @@ namespace {
 
 using namespace internal;  // NOLINT: this file is the internal namespace's user
 
-constexpr int kGroup = 4;                     // threads per row
-constexpr int kRows = 32;                     // rows a block owns
-constexpr int kTile = 32;                     // rows of the other side per shared-memory tile
-constexpr int kThreads = kRows * kGroup;      // 128
+constexpr int kGroup = 4;                 // threads per row
+constexpr int kRows = 32;                 // rows a block owns
+constexpr int kTile = 32;                 // rows of the other side per shared-memory tile
+constexpr int kThreads = kRows * kGroup;  // 128
 constexpr int kMaxHeadSize = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -61,9 +61,9 @@ __device__ __forceinline__ float GroupSum(float v) {
 // Where a head's slice of row t starts in a (T, row_stride) tensor of one batch element; in qkv, part
 // 0 = q, 1 = k, 2 = v (part_stride C); dout and out have one part.
 struct HeadRows {
-  const float* base;     // the tensor at (b, t = 0), channel h*hs
-  int64_t row_stride;    // 3C for qkv, C for dout
-  int64_t part_stride;   // C for qkv
+  const float* base;    // the tensor at (b, t = 0), channel h*hs
+  int64_t row_stride;   // 3C for qkv, C for dout
+  int64_t part_stride;  // C for qkv
   __device__ const float* Row(int t, int part) const { return base + t * row_stride + part * part_stride; }
 };
 
@@ -73,8 +73,7 @@ __device__ __forceinline__ HeadRows QkvRows(const float* qkv, int b, int h, int 
 
 // Loads this thread's channels (g, g+4, ...) of a row into registers, zero past hs.
 template <int HS>
-__device__ __forceinline__ void LoadChannels(float (&dst)[HS / kGroup], const float* row, int hs, int g,
-                                             float factor) {
+__device__ __forceinline__ void LoadChannels(float (&dst)[HS / kGroup], const float* row, int hs, int g, float factor) {
 #pragma unroll
   for (int i = 0; i < HS / kGroup; ++i) {
     const int d = Channel(g, i);
@@ -84,8 +83,7 @@ __device__ __forceinline__ void LoadChannels(float (&dst)[HS / kGroup], const fl
 
 // Fills tile[j][d] with part `part` of rows first + j (zero past T or hs). Every thread of the block calls it.
 template <int HS>
-__device__ __forceinline__ void LoadTile(float (*tile)[HS], const HeadRows& rows, int part, int first, int T,
-                                         int hs) {
+__device__ __forceinline__ void LoadTile(float (*tile)[HS], const HeadRows& rows, int part, int first, int T, int hs) {
   for (int idx = threadIdx.x; idx < kTile * HS; idx += kThreads) {
     const int j = idx / HS, d = idx % HS;
     const int t = first + j;
@@ -122,8 +120,8 @@ __device__ __forceinline__ void TileAxpy(float (&acc)[HS / kGroup], float a, con
 }
 
 template <int HS>
-__global__ void __launch_bounds__(kThreads) AttentionForwardKernel(float* out, float* lse, const float* qkv, int B,
-                                                                   int T, int C, int NH) {
+__global__ void __launch_bounds__(kThreads)
+    AttentionForwardKernel(float* out, float* lse, const float* qkv, int B, int T, int C, int NH) {
   constexpr int D = HS / kGroup;
   __shared__ __align__(16) float tile_k[kTile][HS];
   __shared__ __align__(16) float tile_v[kTile][HS];
@@ -361,16 +359,18 @@ void attention_backward(CudaContext& ctx, float* dqkv, const float* dout, const 
   const dim3 grid = AttentionGrid(B, T, NH);
   switch (PaddedHeadSize(C / NH)) {
     case 32:
-      AttentionBackwardQueryKernel<32><<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, out, lse, B, T, C, NH);
+      AttentionBackwardQueryKernel<32>
+          <<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, out, lse, B, T, C, NH);
       AttentionBackwardKeyKernel<32><<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, lse, B, T, C, NH);
       break;
     case 64:
-      AttentionBackwardQueryKernel<64><<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, out, lse, B, T, C, NH);
+      AttentionBackwardQueryKernel<64>
+          <<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, out, lse, B, T, C, NH);
       AttentionBackwardKeyKernel<64><<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, lse, B, T, C, NH);
       break;
     default:
-      AttentionBackwardQueryKernel<128><<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, out, lse, B, T, C,
-                                                                              NH);
+      AttentionBackwardQueryKernel<128>
+          <<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, out, lse, B, T, C, NH);
       AttentionBackwardKeyKernel<128><<<grid, kThreads, 0, ctx.stream()>>>(dqkv, delta, dout, qkv, lse, B, T, C, NH);
       break;
   }

@@ -63,7 +63,8 @@ __global__ void PackBf16Kernel(uint16_t* out, const float* in, int64_t n) {
 }
 
 __global__ void UnpackBf16Kernel(float* out, const uint16_t* in, int64_t n) {
-  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads())
+    out[i] = __uint_as_float(static_cast<uint32_t>(in[i]) << 16);
 }
 
 __global__ void PackFp16Kernel(uint16_t* out, const float* in, int64_t n) {

@@ -91,8 +91,8 @@ absl::StatusOr<void*> CudaContext::Workspace(size_t bytes) {
   // Queued work may still read the old workspace: wait for it before freeing.
   cudaError_t error = cudaStreamSynchronize(stream_);
   if (error != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("CUDA error in queued work before growing the workspace: ",
-                                            CudaErrorText(error)));
+    return absl::InternalError(
+        absl::StrCat("CUDA error in queued work before growing the workspace: ", CudaErrorText(error)));
   }
   if (workspace_ != nullptr) cudaFree(workspace_);
   workspace_ = nullptr;
@@ -104,8 +104,8 @@ absl::StatusOr<void*> CudaContext::Workspace(size_t bytes) {
   if (error != cudaSuccess) {
     cudaGetLastError();
     workspace_ = nullptr;
-    return absl::ResourceExhaustedError(absl::StrCat("CUDA workspace of ", rounded, " bytes on device ", device_,
-                                                     ": ", CudaErrorText(error)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("CUDA workspace of ", rounded, " bytes on device ", device_, ": ", CudaErrorText(error)));
   }
   workspace_bytes_ = rounded;
   return workspace_;
@@ -115,9 +115,9 @@ absl::Status CudaContext::Synchronize() {
   internal::UseDevice(*this);
   const cudaError_t error = cudaStreamSynchronize(stream_);
   if (error != cudaSuccess) {
-    RecordError(absl::InternalError(absl::StrCat("CUDA error in queued work on device ", device_, ": ",
-                                                 CudaErrorText(error),
-                                                 "; run with GEOTRAIN_CUDA_SYNC=1 to name the op")));
+    RecordError(
+        absl::InternalError(absl::StrCat("CUDA error in queued work on device ", device_, ": ", CudaErrorText(error),
+                                         "; run with GEOTRAIN_CUDA_SYNC=1 to name the op")));
   }
   absl::Status result = std::move(first_error_);
   first_error_ = absl::OkStatus();
@@ -153,8 +153,8 @@ absl::Status CopyWithHost(CudaContext& ctx, void* dst, const void* src, size_t b
   const cudaError_t error = cudaMemcpyAsync(dst, src, bytes, kind, ctx.stream());
   if (error != cudaSuccess) {
     cudaGetLastError();
-    return absl::InternalError(absl::StrCat("copy of ", bytes, " bytes ", direction, " device ", ctx.device(), ": ",
-                                            CudaErrorText(error)));
+    return absl::InternalError(
+        absl::StrCat("copy of ", bytes, " bytes ", direction, " device ", ctx.device(), ": ", CudaErrorText(error)));
   }
   return absl::OkStatus();
 }

@@ -85,15 +85,15 @@ void matmul_forward(CudaContext& ctx, float* out, const float* inp, const float*
   const int weight_piece = layout.Add(bf16 ? static_cast<size_t>(OC) * C * sizeof(__nv_bfloat16) : 0);
   if (bf16 && !layout.Acquire(ctx, "matmul_forward")) return;
   const Operand a = Prepare(ctx, inp, N * C, bf16 ? layout.Get<__nv_bfloat16>(inp_piece) : nullptr);
-  const Operand w = Prepare(ctx, weight, static_cast<int64_t>(OC) * C,
-                            bf16 ? layout.Get<__nv_bfloat16>(weight_piece) : nullptr);
+  const Operand w =
+      Prepare(ctx, weight, static_cast<int64_t>(OC) * C, bf16 ? layout.Get<__nv_bfloat16>(weight_piece) : nullptr);
   CheckLaunch(ctx, "matmul_forward (bf16 conversion)");
   for (int64_t n0 = 0; n0 < N; n0 += kMaxGemmRows) {
     const int64_t rows = std::min(kMaxGemmRows, N - n0);
-    CheckCublas(ctx,
-                Gemm(ctx, CUBLAS_OP_T, CUBLAS_OP_N, OC, rows, C, w, w.data, C, a, a.At(n0 * C), C, 0.0f,
-                     out + n0 * OC, OC),
-                "matmul_forward");
+    CheckCublas(
+        ctx,
+        Gemm(ctx, CUBLAS_OP_T, CUBLAS_OP_N, OC, rows, C, w, w.data, C, a, a.At(n0 * C), C, 0.0f, out + n0 * OC, OC),
+        "matmul_forward");
   }
   if (bias != nullptr) add_bias(ctx, out, bias, N, OC);
 }
@@ -114,14 +114,15 @@ void matmul_backward(CudaContext& ctx, float* dinp, float* dweight, float* dbias
   WorkspaceLayout layout;
   const int dout_piece = layout.Add(bf16 ? N * OC * sizeof(__nv_bfloat16) : 0);
   const int inp_piece = layout.Add(bf16 ? N * C * sizeof(__nv_bfloat16) : 0);
-  const int weight_piece = layout.Add(bf16 && dinp != nullptr ? static_cast<size_t>(OC) * C * sizeof(__nv_bfloat16) : 0);
+  const int weight_piece =
+      layout.Add(bf16 && dinp != nullptr ? static_cast<size_t>(OC) * C * sizeof(__nv_bfloat16) : 0);
   if (bf16 && !layout.Acquire(ctx, "matmul_backward")) return;
   const Operand d = Prepare(ctx, dout, N * OC, bf16 ? layout.Get<__nv_bfloat16>(dout_piece) : nullptr);
   const Operand a = Prepare(ctx, inp, N * C, bf16 ? layout.Get<__nv_bfloat16>(inp_piece) : nullptr);
   CheckLaunch(ctx, "matmul_backward (bf16 conversion)");
   if (dinp != nullptr) {
-    const Operand w = Prepare(ctx, weight, static_cast<int64_t>(OC) * C,
-                              bf16 ? layout.Get<__nv_bfloat16>(weight_piece) : nullptr);
+    const Operand w =
+        Prepare(ctx, weight, static_cast<int64_t>(OC) * C, bf16 ? layout.Get<__nv_bfloat16>(weight_piece) : nullptr);
     CheckLaunch(ctx, "matmul_backward (bf16 conversion)");
     for (int64_t n0 = 0; n0 < N; n0 += kMaxGemmRows) {
       const int64_t rows = std::min(kMaxGemmRows, N - n0);
@@ -134,10 +135,10 @@ void matmul_backward(CudaContext& ctx, float* dinp, float* dweight, float* dbias
   // dweight always accumulates: beta = 1 for every slice of the reduction over N.
   for (int64_t n0 = 0; n0 < N; n0 += kMaxGemmRows) {
     const int64_t rows = std::min(kMaxGemmRows, N - n0);
-    CheckCublas(ctx,
-                Gemm(ctx, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, rows, a, a.At(n0 * C), C, d, d.At(n0 * OC), OC, 1.0f,
-                     dweight, C),
-                "matmul_backward (dweight)");
+    CheckCublas(
+        ctx,
+        Gemm(ctx, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, rows, a, a.At(n0 * C), C, d, d.At(n0 * OC), OC, 1.0f, dweight, C),
+        "matmul_backward (dweight)");
   }
 }
 

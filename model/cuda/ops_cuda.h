@@ -91,8 +91,8 @@ class CudaContext {
 // INVALID_ARGUMENT at the next Synchronize()); encoder_backward's dwte, layernorm_backward's dweight and dbias
 // and bias_backward's (so matmul_backward's) dbias are summed with float atomics: their last bits vary from run
 // to run.
-void encoder_forward(CudaContext& ctx, float* out, const int32_t* inp, const float* wte, const float* wpe, int B,
-                     int T, int C);
+void encoder_forward(CudaContext& ctx, float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                     int C);
 void encoder_backward(CudaContext& ctx, float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T,
                       int C);
 void layernorm_forward(CudaContext& ctx, float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -133,9 +133,9 @@ void adamw_update(CudaContext& ctx, float* params, const float* grads, float* m,
                   float beta1, float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt);
 
 // ---- Codec pack and unpack (comm/codec.h's raw payloads, bit for bit the CPU encoder's output). ----
-void pack_bf16(CudaContext& ctx, uint16_t* out, const float* in, int64_t n);    // round to nearest even
+void pack_bf16(CudaContext& ctx, uint16_t* out, const float* in, int64_t n);  // round to nearest even
 void unpack_bf16(CudaContext& ctx, float* out, const uint16_t* in, int64_t n);
-void pack_fp16(CudaContext& ctx, uint16_t* out, const float* in, int64_t n);    // round to nearest even
+void pack_fp16(CudaContext& ctx, uint16_t* out, const float* in, int64_t n);  // round to nearest even
 void unpack_fp16(CudaContext& ctx, float* out, const uint16_t* in, int64_t n);
 // int8 with one fp32 scale per block of comm::kInt8BlockSize (256) elements: scales(ceil(n/256)), q(n).
 void pack_int8(CudaContext& ctx, float* scales, int8_t* q, const float* in, int64_t n);

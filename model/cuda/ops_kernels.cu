@@ -86,9 +86,8 @@ __global__ void LayerNormForwardKernel(float* out, float* mean, float* rstd, con
 
 // One warp per row for dinp; dweight and dbias are summed per block in shared memory (2*C floats) and added
 // to global memory once per block, so global atomics are (blocks x 2C), not (N x 2C).
-__global__ void LayerNormBackwardKernel(float* dinp, float* dweight, float* dbias, const float* dout,
-                                        const float* inp, const float* weight, const float* mean, const float* rstd,
-                                        int64_t N, int C) {
+__global__ void LayerNormBackwardKernel(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                        const float* weight, const float* mean, const float* rstd, int64_t N, int C) {
   extern __shared__ float shared[];
   float* block_dweight = shared;
   float* block_dbias = shared + C;
@@ -271,8 +270,8 @@ __global__ void CrossEntropyBackwardKernel(float* logits, const float* lse, cons
 
 }  // namespace
 
-void encoder_forward(CudaContext& ctx, float* out, const int32_t* inp, const float* wte, const float* wpe, int B,
-                     int T, int C) {
+void encoder_forward(CudaContext& ctx, float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T,
+                     int C) {
   const int64_t N = static_cast<int64_t>(B) * T;
   if (C == 0) return;
   Launch(ctx, "encoder_forward", EncoderForwardKernel, N, 1, out, inp, wte, wpe, N, T, C);
@@ -290,8 +289,7 @@ void encoder_backward(CudaContext& ctx, float* dwte, float* dwpe, const float* d
 void layernorm_forward(CudaContext& ctx, float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int64_t N, int C) {
   if (C == 0) return;
-  Launch(ctx, "layernorm_forward", LayerNormForwardKernel, N, kWarpsPerBlock, out, mean, rstd, inp, weight, bias, N,
-         C);
+  Launch(ctx, "layernorm_forward", LayerNormForwardKernel, N, kWarpsPerBlock, out, mean, rstd, inp, weight, bias, N, C);
 }
 
 void layernorm_backward(CudaContext& ctx, float* dinp, float* dweight, float* dbias, const float* dout,
@@ -351,8 +349,7 @@ void crossentropy_forward(CudaContext& ctx, float* losses, float* lse, const flo
 void crossentropy_backward_inplace(CudaContext& ctx, float* logits, const float* lse, const int32_t* targets,
                                    float dloss, int64_t N, int V, int Vp) {
   if (Vp == 0) return;
-  Launch(ctx, "crossentropy_backward_inplace", CrossEntropyBackwardKernel, N, 1, logits, lse, targets, dloss, N, V,
-         Vp);
+  Launch(ctx, "crossentropy_backward_inplace", CrossEntropyBackwardKernel, N, 1, logits, lse, targets, dloss, N, V, Vp);
 }
 
 }  // namespace geotrain::model::cuda

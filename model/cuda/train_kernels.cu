@@ -97,9 +97,7 @@ void scale(CudaContext& ctx, float* x, int64_t n, float factor) {
   Launch(ctx, "scale", ScaleKernel, n, kBlock, x, n, factor);
 }
 
-absl::StatusOr<double> Sum(CudaContext& ctx, const float* x, int64_t n) {
-  return Reduce<false>(ctx, x, n, "Sum");
-}
+absl::StatusOr<double> Sum(CudaContext& ctx, const float* x, int64_t n) { return Reduce<false>(ctx, x, n, "Sum"); }
 
 absl::StatusOr<double> SumSquares(CudaContext& ctx, const float* x, int64_t n) {
   return Reduce<true>(ctx, x, n, "SumSquares");

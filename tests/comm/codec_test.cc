@@ -27,7 +27,8 @@ Codec MustParse(std::string_view text) {
   return codec.value_or(Codec{});
 }
 
-std::vector<float> RoundTrip(const Codec& codec, const std::vector<float>& input, std::vector<float>* residual = nullptr) {
+std::vector<float> RoundTrip(const Codec& codec, const std::vector<float>& input,
+                             std::vector<float>* residual = nullptr) {
   Bytes wire;
   absl::Status s = EncodeTensor(codec, input, &wire, residual);
   EXPECT_TRUE(s.ok()) << s;
@@ -45,8 +46,8 @@ class CodecTest : public ::testing::TestWithParam<bool> {
 };
 
 TEST(CodecParse, AcceptsEveryFormAndPrintsItBack) {
-  for (const char* text : {"none", "fp16", "bf16", "int8", "topk:0.01", "bf16+zstd", "int8+zstd:3", "none+zstd",
-                           "topk:0.5+zstd"}) {
+  for (const char* text :
+       {"none", "fp16", "bf16", "int8", "topk:0.01", "bf16+zstd", "int8+zstd:3", "none+zstd", "topk:0.5+zstd"}) {
     auto codec = ParseCodec(text);
     ASSERT_TRUE(codec.ok()) << text << ": " << codec.status();
     EXPECT_EQ(codec->ToString(), text);
@@ -376,7 +377,8 @@ TEST(Crc32c, MatchesTheStandardCheckValue) {
   for (uint8_t& b : big) b = static_cast<uint8_t>(rng());
   for (size_t length : {size_t{12287}, size_t{12288}, size_t{12289}, size_t{50000}, big.size()}) {
     uint32_t chained = 0;
-    for (size_t at = 0; at < length; at += 1000) chained = Crc32c(big.data() + at, std::min<size_t>(1000, length - at), chained);
+    for (size_t at = 0; at < length; at += 1000)
+      chained = Crc32c(big.data() + at, std::min<size_t>(1000, length - at), chained);
     EXPECT_EQ(Crc32c(big.data(), length), chained) << length;
   }
 }

@@ -14,9 +14,9 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "absl/synchronization/mutex.h"
 
 namespace geotrain::comm {
 namespace {
@@ -46,8 +46,8 @@ class Cluster {
     }
     options.job_id = "job-c";
     for (int r = 0; r < n; ++r) {
-      ranks_[r].comm = std::make_unique<GrpcCommunicator>(r, peers, ranks_[r].streams.get(), ranks_[r].client.get(),
-                                                           options);
+      ranks_[r].comm =
+          std::make_unique<GrpcCommunicator>(r, peers, ranks_[r].streams.get(), ranks_[r].client.get(), options);
     }
   }
   ~Cluster() {
@@ -186,20 +186,18 @@ TEST(Collectives, ReduceScatterAllGatherBroadcastSendRecv) {
   const size_t m = 1001;
   auto data = RankData(4, 4 * m, false);
   std::vector<std::vector<float>> scattered(4, std::vector<float>(m));
-  ExpectAllOk(cluster.Run([&](int r) {
-    return cluster.comm(r).ReduceScatter(data[r], absl::MakeSpan(scattered[r]), "rs");
-  }));
+  ExpectAllOk(
+      cluster.Run([&](int r) { return cluster.comm(r).ReduceScatter(data[r], absl::MakeSpan(scattered[r]), "rs"); }));
   for (int r = 0; r < 4; ++r) {
     for (size_t i = 0; i < m; ++i) {
-      const double exact = static_cast<double>(data[0][r * m + i]) + data[1][r * m + i] + data[2][r * m + i] +
-                           data[3][r * m + i];
+      const double exact =
+          static_cast<double>(data[0][r * m + i]) + data[1][r * m + i] + data[2][r * m + i] + data[3][r * m + i];
       ASSERT_NEAR(scattered[r][i], exact, 1e-5) << r << " " << i;
     }
   }
   std::vector<std::vector<float>> gathered(4, std::vector<float>(4 * m));
-  ExpectAllOk(cluster.Run([&](int r) {
-    return cluster.comm(r).AllGather(scattered[r], absl::MakeSpan(gathered[r]), "ag");
-  }));
+  ExpectAllOk(
+      cluster.Run([&](int r) { return cluster.comm(r).AllGather(scattered[r], absl::MakeSpan(gathered[r]), "ag"); }));
   for (int r = 0; r < 4; ++r) {
     for (int q = 0; q < 4; ++q) {
       ASSERT_TRUE(std::equal(scattered[q].begin(), scattered[q].end(), gathered[r].begin() + q * m));
@@ -313,7 +311,7 @@ TEST(Collectives, GradientBucketsPackGroupsInCompletionOrderAndWriteSumsBack) {
   Cluster cluster(4, kTwoSites, Options("none", "none", AllReduceAlgorithm::kRing));
   // Per rank: 5 "layers" of three pieces each (uneven sizes) and one "embedding" group.
   const std::vector<std::vector<size_t>> sizes = {{300, 7, 1000}, {300, 7, 1000}, {50, 1, 2},
-                                                  {300, 7, 1000}, {4000}, {123, 5}};
+                                                  {300, 7, 1000}, {4000},         {123, 5}};
   std::vector<std::vector<std::vector<float>>> pieces(4);
   for (int r = 0; r < 4; ++r) {
     for (const auto& group : sizes) {

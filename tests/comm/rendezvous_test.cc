@@ -16,6 +16,11 @@
 namespace geotrain {
 namespace {
 
+using head::HeadOptions;
+using head::HeadServer;
+using head::InProcessHeadOptions;
+using head::RendezvousTable;
+
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "rendezvous-token";

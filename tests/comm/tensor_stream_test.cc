@@ -145,8 +145,8 @@ TEST(TensorStream, WrongOrMissingTokenIsUnauthenticated) {
   EXPECT_EQ(prefix.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon()).code(),
             absl::StatusCode::kUnauthenticated);
   // No metadata at all, through the generated stub.
-  auto stub = geotrain::TensorStream::NewStub(
-      grpc::CreateChannel(endpoint.address(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      geotrain::TensorStream::NewStub(grpc::CreateChannel(endpoint.address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   auto stream = stub->Stream(&context);
   stream->WritesDone();
@@ -261,8 +261,7 @@ TEST(TensorStream, MalformedChunksAreRejectedBeforeUse) {
       {"wrong checksum", [](auto& c) { c[0].mutable_header()->set_checksum(c[0].header().checksum() + 1); },
        grpc::StatusCode::DATA_LOSS},
       {"ends inside the tensor", [](auto& c) { c.pop_back(); }, grpc::StatusCode::DATA_LOSS},
-      {"codec header corrupted", [](auto& c) { (*c[0].mutable_payload())[10] ^= 1; },
-       grpc::StatusCode::DATA_LOSS},
+      {"codec header corrupted", [](auto& c) { (*c[0].mutable_payload())[10] ^= 1; }, grpc::StatusCode::DATA_LOSS},
   };
   for (const Case& test_case : cases) {
     std::vector<geotrain::TensorChunk> chunks = ValidChunks("bad");

@@ -17,6 +17,11 @@
 namespace geotrain {
 namespace {
 
+using head::HeadServer;
+using head::InProcessHeadOptions;
+using worker::WorkerOptions;
+using worker::WorkerServer;
+
 grpc::StatusCode CallWithToken(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
                                const std::string* token) {
   grpc::GenericStub stub(channel);
@@ -123,7 +128,8 @@ namespace {
 // Inputs from the network are checked before the actor indexes with them: a plan with dp 0 or an
 // actor outside its plan is refused, and the worker keeps serving.
 TEST_F(AuthTest, CreateActorRefusesMalformedPlans) {
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(worker_->port()), grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(worker_->port()), grpc::InsecureChannelCredentials());
   auto stub = Worker::NewStub(channel);
   auto call = [&](const CreateActorRequest& request) {
     grpc::ClientContext ctx;

@@ -84,8 +84,8 @@ void ExpectSameBytes(const std::string& what, const T* got, const uint8_t* want,
       T got_value, want_value;
       std::memcpy(&got_value, g + i / sizeof(T) * sizeof(T), sizeof(T));
       std::memcpy(&want_value, want + i / sizeof(T) * sizeof(T), sizeof(T));
-      ADD_FAILURE() << what << ": element " << i / sizeof(T) << " of " << count << " differs: gpu "
-                    << +got_value << ", cpu " << +want_value;
+      ADD_FAILURE() << what << ": element " << i / sizeof(T) << " of " << count << " differs: gpu " << +got_value
+                    << ", cpu " << +want_value;
       return;
     }
   }
@@ -239,8 +239,8 @@ struct GemmShape {
 const GemmShape kGemmShapes[] = {{1, 5, 3}, {67, 96, 130}, {256, 768, 2304}, {33, 768, 50}};
 
 std::string GemmName(const char* op, const GemmShape& s, cuda::GemmPrecision precision) {
-  return std::string(op) + " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" +
-         std::to_string(s.OC) + (precision == cuda::GemmPrecision::kBf16 ? " bf16" : " fp32");
+  return std::string(op) + " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" + std::to_string(s.OC) +
+         (precision == cuda::GemmPrecision::kBf16 ? " bf16" : " fp32");
 }
 
 TEST_F(GpuOpsTest, MatmulForward) {
@@ -271,9 +271,9 @@ TEST_F(GpuOpsTest, MatmulBackward) {
       // (accumulate dinp, compute dinp, compute dbias)
       for (const auto [accumulate, with_dinp, with_dbias] :
            {std::tuple{false, true, true}, std::tuple{true, true, false}, std::tuple{false, false, true}}) {
-        const std::string name =
-            GemmName("matmul_backward", s, precision) + (accumulate ? " accumulate" : " overwrite") +
-            (with_dinp ? "" : " no-dinp") + (with_dbias ? "" : " no-dbias");
+        const std::string name = GemmName("matmul_backward", s, precision) +
+                                 (accumulate ? " accumulate" : " overwrite") + (with_dinp ? "" : " no-dinp") +
+                                 (with_dbias ? "" : " no-dbias");
         const auto dout = Random(s.N * s.OC), inp = Random(s.N * s.C);
         const auto weight = Random(static_cast<size_t>(s.OC) * s.C, 0.05f);
         auto dinp = accumulate ? Random(s.N * s.C) : std::vector<float>(s.N * s.C, 0.0f);
@@ -504,10 +504,27 @@ float FromBits(uint32_t bits) {
 std::vector<float> CodecInputs(std::mt19937& rng, size_t n, bool finite_only) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<uint32_t> bits(0, 0xFFFFu);
-  std::vector<float> special = {0.0f,     -0.0f,    1e-40f,   -1e-40f,  6e-8f,    3e-8f,   1e-6f,  -3.0e-5f,
-                                6.1e-5f,  65504.0f, 65519.0f, 65520.0f, -70000.0f, 1e30f,  1.0f,   -2.5f,
-                                FromBits(0x3F808000u), FromBits(0x3F818000u), FromBits(0xBF808000u),  // bf16 ties
-                                FromBits(0x3F801000u), FromBits(0x3F803000u)};                        // fp16 ties
+  std::vector<float> special = {0.0f,
+                                -0.0f,
+                                1e-40f,
+                                -1e-40f,
+                                6e-8f,
+                                3e-8f,
+                                1e-6f,
+                                -3.0e-5f,
+                                6.1e-5f,
+                                65504.0f,
+                                65519.0f,
+                                65520.0f,
+                                -70000.0f,
+                                1e30f,
+                                1.0f,
+                                -2.5f,
+                                FromBits(0x3F808000u),
+                                FromBits(0x3F818000u),
+                                FromBits(0xBF808000u),  // bf16 ties
+                                FromBits(0x3F801000u),
+                                FromBits(0x3F803000u)};  // fp16 ties
   if (!finite_only) {
     for (const uint32_t b : {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0x7FC00001u}) {
       special.push_back(FromBits(b));
@@ -554,8 +571,8 @@ std::vector<float> CpuDecode(comm::CodecKind kind, const std::vector<float>& inp
 void ExpectSameDecoded(const std::string& what, const std::vector<float>& got, const std::vector<float>& want) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
-    const bool same = std::isnan(want[i]) ? std::isnan(got[i])
-                                          : std::bit_cast<uint32_t>(got[i]) == std::bit_cast<uint32_t>(want[i]);
+    const bool same =
+        std::isnan(want[i]) ? std::isnan(got[i]) : std::bit_cast<uint32_t>(got[i]) == std::bit_cast<uint32_t>(want[i]);
     if (!same) {
       ADD_FAILURE() << what << ": element " << i << " decodes to " << got[i] << " on the GPU, " << want[i]
                     << " on the CPU";

@@ -41,8 +41,7 @@ Topology TwoSites(double latency_ms, double bandwidth_mbps, double jitter_ms) {
 // A target server on loopback plus an emulator with one route a>b to it.
 class Fixture {
  public:
-  Fixture(double latency_ms, double bandwidth_mbps, double jitter_ms,
-          EmulatorOptions options = {}) {
+  Fixture(double latency_ms, double bandwidth_mbps, double jitter_ms, EmulatorOptions options = {}) {
     listen_fd_ = ListenLoopback(0, &target_port_);
     EXPECT_GE(listen_fd_, 0);
     RouteSpec route{0, "a", "b", "127.0.0.1", target_port_};
@@ -106,8 +105,7 @@ TEST(EmulatorTest, AddedOneWayLatencyMatchesConfigured) {
     auto [client, server] = f.Connect();
     // 20 ms forward (client -> server), 50 ms on the way back: both directions are shaped.
     const bool forward = latency == 20.0;
-    std::vector<double> d =
-        forward ? OneWayDelays(client, server, 20, 7) : OneWayDelays(server, client, 20, 7);
+    std::vector<double> d = forward ? OneWayDelays(client, server, 20, 7) : OneWayDelays(server, client, 20, 7);
     ASSERT_EQ(d.size(), 20u);
     const double tolerance = std::max(1.0, 0.05 * latency);
     EXPECT_GE(*std::min_element(d.begin(), d.end()), latency) << "data left before t + latency";
@@ -175,8 +173,8 @@ TEST(EmulatorTest, TwoConnectionsShareTheLinksCap) {
   // Shared: together they get the cap (the start-up costs a little), each about half of it.
   EXPECT_LE(total, cap * 1.05);
   EXPECT_GE(total, cap * 0.90);
-  std::cout << "shared " << mbps << " Mbit/s: total " << total * 8 / 1e6
-            << " Mbit/s, per connection " << r1 * 8 / 1e6 << " and " << r2 * 8 / 1e6 << "\n";
+  std::cout << "shared " << mbps << " Mbit/s: total " << total * 8 / 1e6 << " Mbit/s, per connection " << r1 * 8 / 1e6
+            << " and " << r2 * 8 / 1e6 << "\n";
   EXPECT_LT(r1, cap * 0.65);
   EXPECT_LT(r2, cap * 0.65);
   for (int fd : {c1, s1, c2, s2}) CloseFd(fd);
@@ -395,8 +393,8 @@ TEST(EmulatorTest, ControlPortCommandsAndStats) {
   ASSERT_TRUE(routes.ok());
   EXPECT_THAT(*routes, HasSubstr(absl::StrCat("listening 127.0.0.1:", f.port())));
 
-  for (const char* bad : {"frobnicate", "link sideways a b", "stall a b -1", "set a b speed=1",
-                          "link down a zz", "stats yaml"}) {
+  for (const char* bad :
+       {"frobnicate", "link sideways a b", "stall a b -1", "set a b speed=1", "link down a zz", "stats yaml"}) {
     absl::StatusOr<std::string> r = SendControlCommand(*control, bad);
     EXPECT_FALSE(r.ok()) << bad;
   }
@@ -414,8 +412,7 @@ TEST(EmulatorTest, BadConfigurationsNameTheProblemAndTheFix) {
     auto e = Emulator::Create(t, std::move(routes));
     return e.ok() ? std::string() : std::string(e.status().message());
   };
-  EXPECT_THAT(error({{0, "a", "x", "127.0.0.1", 9}}),
-              HasSubstr("unknown site 'x'; sites in the topology: a, b"));
+  EXPECT_THAT(error({{0, "a", "x", "127.0.0.1", 9}}), HasSubstr("unknown site 'x'; sites in the topology: a, b"));
   EXPECT_THAT(error({{0, "a", "a", "127.0.0.1", 9}}), HasSubstr("both ends are in site 'a'"));
   EXPECT_THAT(error({}), HasSubstr("no routes"));
   EXPECT_THAT(error({{7001, "a", "b", "127.0.0.1", 9}, {7001, "b", "a", "127.0.0.1", 9}}),
@@ -435,8 +432,7 @@ TEST(EmulatorTest, BadConfigurationsNameTheProblemAndTheFix) {
   ASSERT_TRUE(e.ok());
   absl::Status s = (*e)->Start();
   ASSERT_FALSE(s.ok());
-  EXPECT_THAT(std::string(s.message()),
-              HasSubstr(absl::StrCat("port 127.0.0.1:", busy_port, " is already in use")));
+  EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat("port 127.0.0.1:", busy_port, " is already in use")));
   EXPECT_THAT(std::string(s.message()), HasSubstr("0 picks a free one"));
   EmulatorOptions options;
   options.listen_host = "not-an-ip";

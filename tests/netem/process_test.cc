@@ -34,16 +34,16 @@ pid_t Spawn(const std::vector<std::string>& argv) {
 }
 
 TEST(ProcessTest, ParseReadyFile) {
-  absl::StatusOr<ReadyInfo> info = ParseReadyFile(
-      "control_port 4000\nmetrics_port 4002\nroute 0=a>b@127.0.0.1:9000 127.0.0.1:4001\n");
+  absl::StatusOr<ReadyInfo> info =
+      ParseReadyFile("control_port 4000\nmetrics_port 4002\nroute 0=a>b@127.0.0.1:9000 127.0.0.1:4001\n");
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->control_port, 4000);
   EXPECT_EQ(info->metrics_port, 4002);
   ASSERT_EQ(info->routes.size(), 1u);
   EXPECT_EQ(info->routes[0].bound_port, 4001);
   EXPECT_EQ(info->routes[0].spec.dst_site, "b");
-  for (const char* bad : {"", "route 0=a>b@h:1 h:2\n", "control_port x\n",
-                          "control_port 1\nroute nonsense h:2\n", "control_port 1\nextra\n"}) {
+  for (const char* bad : {"", "route 0=a>b@h:1 h:2\n", "control_port x\n", "control_port 1\nroute nonsense h:2\n",
+                          "control_port 1\nextra\n"}) {
     EXPECT_FALSE(ParseReadyFile(bad).ok()) << bad;
   }
 }
@@ -92,11 +92,8 @@ TEST(ProcessTest, ChildEmulatorRelaysAndStopsOnSigterm) {
     page.append(buffer, static_cast<size_t>(n));
   }
   CloseFd(metrics);
-  EXPECT_THAT(
-      page,
-      HasSubstr("geotrain_netem_latency_seconds{dst_site=\"site-b\",src_site=\"site-a\"} 0.03"));
-  EXPECT_THAT(page,
-              HasSubstr("geotrain_netem_bytes_total{dst_site=\"site-a\",src_site=\"site-b\"}"));
+  EXPECT_THAT(page, HasSubstr("geotrain_netem_latency_seconds{dst_site=\"site-b\",src_site=\"site-a\"} 0.03"));
+  EXPECT_THAT(page, HasSubstr("geotrain_netem_bytes_total{dst_site=\"site-a\",src_site=\"site-b\"}"));
 
   absl::StatusOr<std::vector<LinkDirectionStats>> stats = QueryStats(info->control_port);
   ASSERT_TRUE(stats.ok()) << stats.status();
@@ -110,8 +107,7 @@ TEST(ProcessTest, ChildEmulatorRelaysAndStopsOnSigterm) {
   clash.routes[0].listen_port = info->routes[0].bound_port;
   clash.ready_file = dir + "/clash.ready";
   const pid_t clash_pid = Spawn(EmulatorCommandLine(clash));
-  absl::StatusOr<ReadyInfo> clash_info =
-      WaitForReadyFile(clash.ready_file, std::chrono::seconds(10), clash_pid);
+  absl::StatusOr<ReadyInfo> clash_info = WaitForReadyFile(clash.ready_file, std::chrono::seconds(10), clash_pid);
   ASSERT_FALSE(clash_info.ok());
   EXPECT_THAT(std::string(clash_info.status().message()), HasSubstr("exited with status 1"));
   int status = 0;

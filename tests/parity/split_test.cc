@@ -148,8 +148,10 @@ Result RunTensorParallel(const Shape& shape, int tp, int steps) {
 void ExpectClose(const Result& a, const Result& ref, const std::string& what, bool exact) {
   ASSERT_EQ(a.losses.size(), ref.losses.size());
   for (size_t i = 0; i < a.losses.size(); ++i) {
-    if (exact) EXPECT_EQ(a.losses[i], ref.losses[i]) << what << " step " << i;
-    else EXPECT_NEAR(a.losses[i], ref.losses[i], 1e-4 * std::max(1.0f, std::abs(ref.losses[i]))) << what;
+    if (exact)
+      EXPECT_EQ(a.losses[i], ref.losses[i]) << what << " step " << i;
+    else
+      EXPECT_NEAR(a.losses[i], ref.losses[i], 1e-4 * std::max(1.0f, std::abs(ref.losses[i]))) << what;
   }
   for (auto maps : {&Result::grads_step0, &Result::params}) {
     const auto& mine = a.*maps;
@@ -162,8 +164,10 @@ void ExpectClose(const Result& a, const Result& ref, const std::string& what, bo
         max_ref = std::max(max_ref, std::abs(values[i]));
         max_diff = std::max(max_diff, std::abs(values[i] - got[i]));
       }
-      if (exact) EXPECT_EQ(max_diff, 0.0f) << what << " " << name;
-      else EXPECT_LE(max_diff, 1e-4f * max_ref) << what << " " << name;
+      if (exact)
+        EXPECT_EQ(max_diff, 0.0f) << what << " " << name;
+      else
+        EXPECT_LE(max_diff, 1e-4f * max_ref) << what << " " << name;
     }
   }
 }
@@ -172,8 +176,11 @@ TEST(SplitParityTest, StagesAndTensorParallelMatchTheUnsplitModel) {
   for (const Shape& shape : kShapes) {
     const Result full = RunPipeline(shape, 1, 3);
     // One microbatch per step: stages give exactly the full model's numbers.
-    for (int stages : {2, 3}) ExpectClose(RunPipeline(shape, stages, 3), full, std::string(shape.name) + " stages " + std::to_string(stages), true);
-    for (int tp : shape.tp_degrees) ExpectClose(RunTensorParallel(shape, tp, 3), full, std::string(shape.name) + " tp " + std::to_string(tp), false);
+    for (int stages : {2, 3})
+      ExpectClose(RunPipeline(shape, stages, 3), full, std::string(shape.name) + " stages " + std::to_string(stages),
+                  true);
+    for (int tp : shape.tp_degrees)
+      ExpectClose(RunTensorParallel(shape, tp, 3), full, std::string(shape.name) + " tp " + std::to_string(tp), false);
   }
 }
 
