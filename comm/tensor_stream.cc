@@ -574,6 +574,10 @@ void TensorStreamServer::Release(uint64_t bytes) {
 absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
+  if (cancelled_jobs_.contains(tensor.key.job_id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", tensor.key.job_id, " was stopped on the receiver; its tensors are no longer taken"));
+  }
   const uint64_t bytes = tensor.encoded.size();
   auto [it, inserted] = mailbox_.try_emplace(tensor.key, std::move(tensor));
   if (!inserted) {
@@ -592,9 +596,12 @@ void TensorStreamServer::CountRejected() {
 
 absl::StatusOr<ReceivedTensor> TensorStreamServer::Recv(const TensorKey& key, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  auto ready = [&]() { return shutdown_ || mailbox_.contains(key); };
+  auto ready = [&]() { return shutdown_ || mailbox_.contains(key) || cancelled_jobs_.contains(key.job_id); };
   if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("no tensor ", key.ToString(), " arrived before the deadline"));
+  }
+  if (cancelled_jobs_.contains(key.job_id)) {
+    return absl::CancelledError(absl::StrCat("receives of job ", key.job_id, " were cancelled (the job is stopping)"));
   }
   auto node = mailbox_.extract(key);
   if (node.empty()) return absl::CancelledError("tensor stream endpoint shut down");
@@ -602,11 +609,18 @@ absl::StatusOr<ReceivedTensor> TensorStreamServer::Recv(const TensorKey& key, ab
   return std::move(node.mapped());
 }
 
+void TensorStreamServer::CancelJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  cancelled_jobs_.insert(job_id);
+}
+
 size_t TensorStreamServer::DiscardJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   size_t dropped = 0;
   for (auto it = mailbox_.begin(); it != mailbox_.end();) {
-    if (it->first.job_id == job_id) {
+    const std::string& key_job = it->first.job_id;
+    if (key_job == job_id || (key_job.size() > job_id.size() && key_job.compare(0, job_id.size(), job_id) == 0 &&
+                              key_job[job_id.size()] == '/')) {
       reserved_bytes_ -= std::min<uint64_t>(it->second.encoded.size(), reserved_bytes_);
       mailbox_.erase(it++);
       ++dropped;

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -131,8 +132,15 @@ class TensorStreamServer {
   absl::StatusOr<ReceivedTensor> Recv(const TensorKey& key, absl::Time deadline);
 
   // Drops every tensor of `job_id` waiting in the mailbox (when a job ends, fails or is cancelled, or after a
-  // collective failed part-way); returns how many were dropped.
+  // collective failed part-way), and those of its later runs ("<job_id>/attempt<N>"); returns how many were
+  // dropped.
   size_t DiscardJob(const std::string& job_id);
+
+  // Stops the receives of `job_id` (a key's job id exactly, e.g. one run of a job): every Recv waiting for
+  // one of its tensors returns CANCELLED at once, later ones too, and its tensors are refused
+  // (FAILED_PRECONDITION to the sender). For a job that is stopping: its actors learn it without waiting for
+  // their receive deadlines. The mailbox shares it between every actor of the job on this endpoint.
+  void CancelJob(const std::string& job_id);
 
   // Wakes every Recv with CANCELLED and refuses new tensors (UNAVAILABLE). Call before shutting the
   // grpc::Server down when other threads may be waiting.
@@ -170,6 +178,7 @@ class TensorStreamServer {
   absl::flat_hash_map<TensorKey, ReceivedTensor> mailbox_ ABSL_GUARDED_BY(mu_);
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<std::string> cancelled_jobs_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,23 +1,23 @@
-// A stage actor: one (replica, stage, tensor rank) of a job's plan, hosted by a worker. It holds its
-// layers (model::GPT2Stage), their gradients and AdamW state, and its replica's slice of the data, and
-// trains in lock-step with the job's other actors:
+// A stage actor: one (replica, stage, tensor rank) of a job's plan, hosted by a worker. It trains its
+// stage in lock-step with the job's other actors and reports every step to the head.
 //
-//   - activations flow forward and their gradients backward between the stages of a replica over
-//     tensor streams (comm::GrpcCommunicator Send/Recv), through the WAN codec when they cross sites;
-//   - the schedule is GPipe (all forwards, then all backwards) or 1F1B (pp - stage - 1 warm-up
-//     forwards, then one forward / one backward). A stage keeps the activations of one microbatch, so a
-//     backward whose microbatch is not the latest forward first recomputes that forward from the input
-//     it kept (activation recomputation: exact, at the cost of one extra forward);
-//   - tensor-parallel ranks of a stage all-reduce inside their group (model::TensorParallelComm over a
-//     GrpcCommunicator); the first and last stage sum their tied-embedding gradients; gradients are
-//     all-reduced across replicas (ring, or hierarchical across sites); the global gradient norm is
-//     summed over the replica's stages and ranks; every replica takes the same AdamW step.
-//   - after each step it reports to the head (StepReport); the head's reply can stop it.
+//   StageActor actor(config, {.mailbox = &tensor_streams});  // the head client and collectives made from config
+//   actor.Start();                                         // trains on its own thread
+//   ...
+//   actor.Stop("job cancelled");                           // ends at the next schedule operation
 //
-// Threads: Start() runs the whole job on one thread that owns the stage, the optimizer, the loaders and
-// the communicators. Stop() and the accessors may be called from any thread (state_ and message_ are
-// guarded by mu_; the stop flag is atomic and checked between schedule operations; blocked receives
-// end at their deadline).
+// The parts (each in its own file):
+//   worker/actor_ranks.h          where the actor sits in the plan: ranks, peers, groups;
+//   worker/stage_collectives.h    the set-up of its collectives (tensor streams, NCCL): injectable;
+//   worker/stage_trainer.h        the stage, optimizer and data, and one step: forward, backward, the
+//                                 schedule as data (worker/pipeline_schedule.h), gradient sync, AdamW;
+//   worker/head_client.h          step reports to the head: injectable.
+// This file is the actor's life: its thread, its state, the step loop, checkpoints and reports.
+//
+// Threads: Start() runs the whole job on one thread that owns the trainer. Stop() and the accessors may be
+// called from any thread (state_ and message_ are guarded by mu_; the stop flag is atomic and checked
+// between schedule operations; a receive blocked on a peer ends at its deadline, or at once when the
+// worker cancels the job's receives).
 #pragma once
 
 #include <atomic>
@@ -32,6 +32,8 @@
 #include "comm/tensor_stream.h"
 #include "common/rpc.h"
 #include "control.grpc.pb.h"
+#include "worker/head_client.h"
+#include "worker/stage_collectives.h"
 
 namespace geotrain::worker {
 
@@ -47,12 +49,20 @@ struct StageActorConfig {
   // Where the stage runs: "cpu", or "cuda:N" on a worker whose device N is a CUDA GPU.
   std::string device = "cpu";
   int device_index = 0;
+  int64_t attempt = 0;  // which run of the job this actor belongs to (0 first; raised by each restart)
+};
+
+// What an actor uses from its host. Null members are made from the config: a GrpcHeadClient to
+// config.head_address, and a GrpcCollectivesFactory over `mailbox`.
+struct ActorServices {
+  comm::TensorStreamServer* mailbox = nullptr;  // the hosting worker's tensor-stream mailbox; outlives the actor
+  std::unique_ptr<HeadClient> head;
+  std::unique_ptr<CollectivesFactory> collectives;
 };
 
 class StageActor {
  public:
-  // `server` is the hosting worker's tensor-stream mailbox; it must outlive the actor.
-  StageActor(StageActorConfig config, comm::TensorStreamServer* server);
+  StageActor(StageActorConfig config, ActorServices services);
   ~StageActor();  // stops and joins
   StageActor(const StageActor&) = delete;
   StageActor& operator=(const StageActor&) = delete;
@@ -70,8 +80,7 @@ class StageActor {
   void Report(const StepReport& report);
 
   const StageActorConfig config_;
-  comm::TensorStreamServer* const server_;
-  std::unique_ptr<Head::Stub> head_;
+  ActorServices services_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 

@@ -86,7 +86,7 @@ class WorkerServer::Service final : public Worker::Service {
       config.device_index = device.index();
     }
     if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
-    auto actor = std::make_unique<StageActor>(config, worker_->tensor_streams_.get());
+    auto actor = std::make_unique<StageActor>(config, ActorServices{.mailbox = worker_->tensor_streams_.get()});
     actor->Start();
     *reply->mutable_actor() = actor->Record();
     worker_->actors_[a.actor_id()] = std::move(actor);

@@ -1,0 +1,31 @@
+// Pipeline schedules (see pipeline_schedule.h).
+#include "worker/pipeline_schedule.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace geotrain::worker {
+
+std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches) {
+  const int M = std::max(0, microbatches);
+  const int warmup = kind == PipelineKind::k1F1B ? std::clamp(pp - stage - 1, 0, M) : M;
+  std::vector<PipelineOp> out;
+  out.reserve(2 * static_cast<size_t>(M));
+  int next_forward = 0, next_backward = 0;
+  for (; next_forward < warmup; ++next_forward) out.push_back({true, next_forward});
+  while (next_backward < M) {
+    if (next_forward < M) out.push_back({true, next_forward++});
+    out.push_back({false, next_backward++});
+  }
+  return out;
+}
+
+std::string ScheduleToString(const std::vector<PipelineOp>& schedule) {
+  std::string out;
+  for (const PipelineOp& op : schedule)
+    absl::StrAppend(&out, out.empty() ? "" : " ", op.forward ? "F" : "B", op.microbatch);
+  return out;
+}
+
+}  // namespace geotrain::worker

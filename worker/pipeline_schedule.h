@@ -1,0 +1,32 @@
+// The pipeline schedule as data: the order in which one stage runs the forwards and backwards of a step's
+// microbatches.
+//
+//   for (const PipelineOp& op : MakePipelineSchedule(PipelineKind::k1F1B, /*pp=*/4, /*stage=*/1, /*M=*/8)) {
+//     op.forward ? Forward(op.microbatch) : Backward(op.microbatch);
+//   }
+//
+// GPipe: every forward, then every backward, in microbatch order. 1F1B: min(pp - stage - 1, M) warm-up
+// forwards, then one forward and one backward in turn while forwards remain, then the remaining backwards.
+// Every microbatch appears once as a forward and once as a backward, each backward after its forward, and
+// backwards in microbatch order (so the last stage's backwards can start as soon as their forward is done).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace geotrain::worker {
+
+enum class PipelineKind { kGPipe, k1F1B };
+
+struct PipelineOp {
+  bool forward = true;  // false: backward
+  int microbatch = 0;
+  bool operator==(const PipelineOp&) const = default;
+};
+
+std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches);
+
+// "F0 F1 B0 F2 B1 B2", for logs and test messages.
+std::string ScheduleToString(const std::vector<PipelineOp>& schedule);
+
+}  // namespace geotrain::worker

@@ -1,0 +1,375 @@
+// Stage actors of one job in one process: real tensor streams (one gRPC server and mailbox per actor on
+// loopback), an in-memory head that records the step reports, and injected collectives. The job's losses
+// must equal the single-process LocalTrainer's; a stop ends every actor; a peer that fails makes the job
+// end with its error, by the collective deadline at the latest.
+#include "worker/stage_actor.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/spec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/data.h"
+#include "model/trainer.h"
+#include "worker/pipeline_schedule.h"
+
+namespace geotrain::worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "stage-actor-test-token";
+
+// The head as the actors see it: records every report; asks an actor to stop from a given step on.
+class RecordingHead : public HeadClient {
+ public:
+  absl::StatusOr<ReportStepReply> ReportStep(const StepReport& report, absl::Duration) override {
+    absl::MutexLock lock(&mu_);
+    reports_.push_back(report);
+    ReportStepReply reply;
+    reply.set_stop(stop_from_step_ > 0 && report.step() >= stop_from_step_);
+    return reply;
+  }
+  Head::StubInterface* stub() override { return nullptr; }
+
+  void StopFromStep(int64_t step) {
+    absl::MutexLock lock(&mu_);
+    stop_from_step_ = step;
+  }
+  std::vector<StepReport> reports() const {
+    absl::MutexLock lock(&mu_);
+    return reports_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::vector<StepReport> reports_ ABSL_GUARDED_BY(mu_);
+  int64_t stop_from_step_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A head client for one actor, forwarding to the shared RecordingHead.
+class HeadView : public HeadClient {
+ public:
+  explicit HeadView(RecordingHead* head) : head_(head) {}
+  absl::StatusOr<ReportStepReply> ReportStep(const StepReport& report, absl::Duration timeout) override {
+    return head_->ReportStep(report, timeout);
+  }
+  Head::StubInterface* stub() override { return nullptr; }
+
+ private:
+  RecordingHead* head_;
+};
+
+// A communicator whose sends fail from the n-th on: a peer whose link or process failed.
+class FailingCommunicator : public comm::Communicator {
+ public:
+  FailingCommunicator(comm::Communicator* inner, int fail_from_send) : inner_(inner), fail_from_(fail_from_send) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  absl::Status AllReduceSum(absl::Span<float> d, std::string_view tag) override { return inner_->AllReduceSum(d, tag); }
+  absl::Status ReduceScatter(absl::Span<const float> in, absl::Span<float> out, std::string_view tag) override {
+    return inner_->ReduceScatter(in, out, tag);
+  }
+  absl::Status AllGather(absl::Span<const float> in, absl::Span<float> out, std::string_view tag) override {
+    return inner_->AllGather(in, out, tag);
+  }
+  absl::Status Broadcast(absl::Span<float> d, int root, std::string_view tag) override {
+    return inner_->Broadcast(d, root, tag);
+  }
+  absl::Status Send(int peer, absl::Span<const float> d, std::string_view tag) override {
+    if (++sends_ >= fail_from_) return absl::UnavailableError("injected: the link to the next stage is down");
+    return inner_->Send(peer, d, tag);
+  }
+  absl::Status Recv(int peer, absl::Span<float> d, std::string_view tag) override { return inner_->Recv(peer, d, tag); }
+
+ private:
+  comm::Communicator* inner_;
+  const int fail_from_;
+  std::atomic<int> sends_{0};
+};
+
+// The gRPC collectives, with the pipeline's sends failing from the n-th on.
+class FailingFactory : public CollectivesFactory {
+ public:
+  FailingFactory(std::unique_ptr<CollectivesFactory> inner, int fail_from_send)
+      : inner_(std::move(inner)), fail_from_(fail_from_send) {}
+  absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
+                                                           const std::vector<ActorPeer>& actors,
+                                                           model::Backend* backend, int device_index) override {
+    auto made = inner_->Create(ranks, spec, actors, backend, device_index);
+    if (!made.ok()) return made.status();
+    return std::unique_ptr<StageCollectives>(new Wrapped(std::move(*made), fail_from_));
+  }
+
+ private:
+  class Wrapped : public StageCollectives {
+   public:
+    Wrapped(std::unique_ptr<StageCollectives> inner, int fail_from) : inner_(std::move(inner)) {
+      static_cast<StageCollectives&>(*this) = *inner_;  // copy the pointers and flags
+      failing_ = std::make_unique<FailingCommunicator>(inner_->pipeline, fail_from);
+      pipeline = failing_.get();
+    }
+    uint64_t BytesSent(TrafficClass traffic) const override { return inner_->BytesSent(traffic); }
+    void CancelReceives() override { inner_->CancelReceives(); }
+
+   private:
+    std::unique_ptr<StageCollectives> inner_;
+    std::unique_ptr<FailingCommunicator> failing_;
+  };
+  std::unique_ptr<CollectivesFactory> inner_;
+  const int fail_from_;
+};
+
+class StageActorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() / absl::StrCat("geotrain_stage_actor_test_", ::getpid())).string();
+    std::filesystem::create_directories(dir_);
+    std::mt19937 rng(5);
+    std::vector<uint16_t> tokens;
+    for (int i = 0; i < 20000; ++i) tokens.push_back(rng() % 10 == 0 ? rng() % 512 : (i * 7) % 97);
+    ASSERT_TRUE(model::WriteTokenShard(dir_ + "/train_000000.bin", tokens).ok());
+  }
+  void TearDown() override {
+    actors_.clear();
+    for (auto& s : servers_) s->Shutdown();
+    for (auto& m : mailboxes_) m->Shutdown();
+    std::filesystem::remove_all(dir_);
+  }
+
+  JobSpec Spec(int dp, int pp, int tp, int microbatches, const std::string& schedule, int steps) {
+    JobSpec spec;
+    spec.set_name("in-process");
+    spec.mutable_model()->set_preset("gpt2-tiny-test");
+    spec.mutable_data()->set_train(dir_ + "/train_*.bin");
+    TrainSpec* t = spec.mutable_train();
+    t->set_global_batch(8);
+    t->set_seq_len(16);
+    t->set_steps(steps);
+    t->set_lr(1e-3);
+    t->set_warmup_steps(2);
+    t->set_weight_decay(0.1);
+    t->set_grad_clip(1.0);
+    t->set_seed(11);
+    ParallelSpec* p = spec.mutable_parallel();
+    p->set_plan("manual");
+    p->set_dp(dp);
+    p->set_pp(pp);
+    p->set_tp(tp);
+    p->set_microbatches(microbatches);
+    p->set_schedule(schedule);
+    spec.mutable_comm()->set_wan_codec("none");
+    spec.mutable_comm()->set_grad_bucket_mb(0.002);  // a bucket per block: overlapped all-reduces
+    ApplyJobDefaults(&spec);
+    return spec;
+  }
+
+  // The reference: the same spec in one process, with dp x microbatches microbatches of the same size.
+  std::vector<float> LocalLosses(JobSpec spec) {
+    spec.mutable_parallel()->set_microbatches(spec.parallel().microbatches() * spec.parallel().dp());
+    spec.mutable_parallel()->set_dp(1);
+    spec.mutable_parallel()->set_pp(1);
+    spec.mutable_parallel()->set_tp(1);
+    model::LocalTrainer trainer;
+    model::LocalTrainOptions options;
+    options.out = std::fopen("/dev/null", "w");
+    absl::Status s = trainer.Run(spec, options);
+    std::fclose(options.out);
+    EXPECT_TRUE(s.ok()) << s;
+    std::vector<float> out;
+    for (const model::StepRecord& r : trainer.history()) out.push_back(r.loss);
+    return out;
+  }
+
+  // Starts every actor of `spec` in this process, two "sites" (replicas alternate between them);
+  // `factory_for` may inject collectives per world rank.
+  void StartJob(
+      const JobSpec& spec, int64_t collective_timeout_ms,
+      std::function<std::unique_ptr<CollectivesFactory>(int rank, comm::TensorStreamServer*)> factory_for = nullptr) {
+    const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
+    std::vector<ActorPeer> peers;
+    for (int r = 0; r < dp; ++r) {
+      for (int s = 0; s < pp; ++s) {
+        for (int t = 0; t < tp; ++t) {
+          auto mailbox = std::make_unique<comm::TensorStreamServer>(kToken);
+          grpc::ServerBuilder builder;
+          int port = 0;
+          builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+          mailbox->Register(&builder);
+          servers_.push_back(builder.BuildAndStart());
+          ASSERT_NE(port, 0);
+          mailboxes_.push_back(std::move(mailbox));
+          ActorPeer p;
+          p.set_actor_id(absl::StrCat("job-1-r", r, "s", s, "t", t));
+          p.set_replica(r);
+          p.set_stage(s);
+          p.set_tp_rank(t);
+          p.set_worker_id(p.actor_id());
+          p.set_site(r % 2 == 0 ? "site-a" : "site-b");
+          p.set_address(absl::StrCat("127.0.0.1:", port));
+          p.set_device_kind(DEVICE_KIND_CPU);
+          peers.push_back(p);
+        }
+      }
+    }
+    for (size_t i = 0; i < peers.size(); ++i) {
+      StageActorConfig config;
+      config.actor.set_actor_id(peers[i].actor_id());
+      config.actor.set_job_id("job-1");
+      config.actor.set_replica(peers[i].replica());
+      config.actor.set_stage(peers[i].stage());
+      config.actor.set_tp_rank(peers[i].tp_rank());
+      config.spec = spec;
+      config.peers = peers;
+      config.site = peers[i].site();
+      config.token = kToken;
+      config.collective_timeout_ms = collective_timeout_ms;
+      ActorServices services;
+      services.mailbox = mailboxes_[i].get();
+      services.head = std::make_unique<HeadView>(&head_);
+      if (factory_for) services.collectives = factory_for(static_cast<int>(i), mailboxes_[i].get());
+      actors_.push_back(std::make_unique<StageActor>(config, std::move(services)));
+    }
+    for (auto& a : actors_) a->Start();
+  }
+
+  // Waits until every actor's thread has finished; false at the timeout.
+  bool WaitFinished(double timeout_seconds) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds);
+    while (std::chrono::steady_clock::now() < deadline) {
+      bool all = true;
+      for (auto& a : actors_) all = all && a->finished();
+      if (all) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  // The job's loss per step, from the reports of the loss carrier.
+  std::vector<float> ReportedLosses() const {
+    std::map<int64_t, float> by_step;
+    for (const StepReport& r : head_.reports()) {
+      if (r.carries_loss() && r.error().empty()) by_step[r.step()] = static_cast<float>(r.loss());
+    }
+    std::vector<float> out;
+    for (const auto& [step, loss] : by_step) out.push_back(loss);
+    return out;
+  }
+
+  void ExpectEqualToLocal(const JobSpec& spec) {
+    StartJob(spec, 30000);
+    ASSERT_TRUE(WaitFinished(120));
+    for (const StepReport& r : head_.reports()) EXPECT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
+    for (auto& a : actors_) EXPECT_EQ(a->Record().message(), "finished");
+    const std::vector<float> reference = LocalLosses(spec);
+    const std::vector<float> losses = ReportedLosses();
+    ASSERT_EQ(losses.size(), reference.size());
+    for (size_t i = 0; i < losses.size(); ++i) {
+      EXPECT_NEAR(losses[i], reference[i], std::max(1e-5 * std::abs(reference[i]), 1e-6)) << "step " << i + 1;
+    }
+  }
+
+  std::string dir_;
+  RecordingHead head_;
+  std::vector<std::unique_ptr<comm::TensorStreamServer>> mailboxes_;
+  std::vector<std::unique_ptr<grpc::Server>> servers_;
+  std::vector<std::unique_ptr<StageActor>> actors_;
+};
+
+TEST(PipelineScheduleTest, GPipeAndOneFOneBOrders) {
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::kGPipe, 2, 0, 3)), "F0 F1 F2 B0 B1 B2");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 4, 0, 6)),
+            "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 4, 3, 3)), "F0 B0 F1 B1 F2 B2");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 8, 0, 2)), "F0 F1 B0 B1");
+}
+
+TEST(PipelineScheduleTest, EveryMicrobatchOnceForwardThenBackward) {
+  for (PipelineKind kind : {PipelineKind::kGPipe, PipelineKind::k1F1B}) {
+    for (int pp = 1; pp <= 5; ++pp) {
+      for (int stage = 0; stage < pp; ++stage) {
+        for (int M = 1; M <= 9; ++M) {
+          std::vector<int> forward_at(M, -1), backward_at(M, -1);
+          const std::vector<PipelineOp> ops = MakePipelineSchedule(kind, pp, stage, M);
+          ASSERT_EQ(ops.size(), 2u * M);
+          int in_flight = 0, max_in_flight = 0;
+          for (size_t i = 0; i < ops.size(); ++i) {
+            int& at = ops[i].forward ? forward_at[ops[i].microbatch] : backward_at[ops[i].microbatch];
+            ASSERT_EQ(at, -1) << ScheduleToString(ops);
+            at = static_cast<int>(i);
+            in_flight += ops[i].forward ? 1 : -1;
+            max_in_flight = std::max(max_in_flight, in_flight);
+          }
+          for (int m = 0; m < M; ++m) {
+            EXPECT_LT(forward_at[m], backward_at[m]);
+            if (m > 0) EXPECT_LT(backward_at[m - 1], backward_at[m]);
+          }
+          // 1F1B bounds the microbatches in flight by the stages after this one.
+          if (kind == PipelineKind::k1F1B) EXPECT_LE(max_in_flight, std::max(1, std::min(M, pp - stage)));
+        }
+      }
+    }
+  }
+}
+
+TEST_F(StageActorTest, PipelineGPipeEqualsLocal) { ExpectEqualToLocal(Spec(1, 2, 1, 4, "gpipe", 4)); }
+
+TEST_F(StageActorTest, PipelineOneFOneBEqualsLocal) { ExpectEqualToLocal(Spec(1, 2, 1, 4, "1f1b", 4)); }
+
+TEST_F(StageActorTest, DataParallelBucketsEqualLocal) { ExpectEqualToLocal(Spec(2, 1, 1, 2, "1f1b", 4)); }
+
+TEST_F(StageActorTest, DataAndPipelineAcrossTwoSitesEqualLocal) { ExpectEqualToLocal(Spec(2, 2, 1, 2, "1f1b", 3)); }
+
+TEST_F(StageActorTest, TensorParallelEqualsLocal) { ExpectEqualToLocal(Spec(1, 1, 2, 2, "1f1b", 3)); }
+
+TEST_F(StageActorTest, AStopInTheMiddleEndsEveryActorWithoutAnError) {
+  head_.StopFromStep(2);  // the head answers step 2's reports with stop
+  StartJob(Spec(1, 2, 1, 2, "1f1b", 50), 5000);
+  ASSERT_TRUE(WaitFinished(30));
+  int64_t last_step = 0;
+  for (const StepReport& r : head_.reports()) {
+    EXPECT_TRUE(r.error().empty()) << r.error();  // a stopped actor reports no error
+    last_step = std::max(last_step, r.step());
+  }
+  EXPECT_LT(last_step, 50);
+  for (auto& a : actors_) {
+    EXPECT_EQ(a->Record().state(), ACTOR_DEAD);
+    EXPECT_THAT(a->Record().message(), HasSubstr("stop"));
+  }
+}
+
+TEST_F(StageActorTest, APeerThatFailsEndsTheJobWithItsErrorByTheDeadline) {
+  const auto start = std::chrono::steady_clock::now();
+  // Stage 0 can send 3 tensors (1.5 steps of 2 microbatches), then its link fails.
+  StartJob(Spec(1, 2, 1, 2, "1f1b", 20), 2000, [](int rank, comm::TensorStreamServer* mailbox) {
+    std::unique_ptr<CollectivesFactory> grpc =
+        std::make_unique<GrpcCollectivesFactory>(mailbox, kToken, nullptr, absl::Milliseconds(2000));
+    if (rank != 0) return grpc;
+    return std::unique_ptr<CollectivesFactory>(new FailingFactory(std::move(grpc), 4));
+  });
+  ASSERT_TRUE(WaitFinished(30));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::map<std::string, std::string> errors;
+  for (const StepReport& r : head_.reports()) {
+    if (!r.error().empty()) errors[r.actor_id()] = r.error();
+  }
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_THAT(errors["job-1-r0s0t0"], HasSubstr("injected"));
+  EXPECT_THAT(errors["job-1-r0s1t0"], HasSubstr("job-1"));  // waited for stage 0's activations: a deadline
+  EXPECT_LT(seconds, 20.0);
+  for (auto& a : actors_) EXPECT_EQ(a->Record().state(), ACTOR_DEAD);
+}
+
+}  // namespace
+}  // namespace geotrain::worker

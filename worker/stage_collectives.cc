@@ -1,0 +1,229 @@
+// Setting up a stage actor's collectives over tensor streams and NCCL (see stage_collectives.h).
+#include "worker/stage_collectives.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "comm/codec.h"
+#include "common/status.h"
+#include "worker/collectives.h"
+
+#ifdef GEOTRAIN_HAVE_CUDA
+#include "comm/nccl_communicator.h"
+#include "model/cuda/ops_cuda.h"
+#include "model/cuda_backend.h"
+#endif
+
+namespace geotrain::worker {
+namespace {
+
+#ifdef GEOTRAIN_HAVE_CUDA
+constexpr bool kNcclBuilt = true;
+#else
+constexpr bool kNcclBuilt = false;
+#endif
+
+// model::TensorParallelComm over a communicator of the stage's tensor-parallel group (host memory).
+class CommunicatorTensorParallel : public model::TensorParallelComm {
+ public:
+  explicit CommunicatorTensorParallel(comm::Communicator* comm) : comm_(comm) {}
+  absl::Status AllReduceSum(float* data, int64_t n) override {
+    return comm_->AllReduceSum(absl::MakeSpan(data, static_cast<size_t>(n)), "tp");
+  }
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+
+ private:
+  comm::Communicator* comm_;
+};
+
+#ifdef GEOTRAIN_HAVE_CUDA
+// model::TensorParallelComm over NCCL, for a CUDA stage whose tensor-parallel group shares a site: the
+// stage hands it device pointers. NCCL runs on its own stream, so the stage's queued work is waited for
+// first; the sum is in place when the call returns.
+class NcclTensorParallel : public model::TensorParallelComm {
+ public:
+  NcclTensorParallel(std::unique_ptr<comm::NcclCommunicator> comm, model::Backend* backend)
+      : comm_(std::move(comm)), backend_(backend) {}
+  absl::Status AllReduceSum(float* data, int64_t n) override {
+    RETURN_IF_ERROR(backend_->Synchronize());
+    return comm_->AllReduceSum(absl::MakeSpan(data, static_cast<size_t>(n)), "tp");
+  }
+  int rank() const override { return comm_->rank(); }
+  int size() const override { return comm_->size(); }
+  bool accepts_device_memory() const override { return true; }
+
+ private:
+  std::unique_ptr<comm::NcclCommunicator> comm_;
+  model::Backend* backend_;
+};
+#endif
+
+// Owns the clients, communicators and NCCL objects behind the StageCollectives pointers. One client per
+// traffic class, so that each step's bytes can be attributed.
+class GrpcStageCollectives : public StageCollectives {
+ public:
+  GrpcStageCollectives(const std::string& token, comm::TensorStreamServer* mailbox, std::string comm_job_id)
+      : pipeline_client_(token),
+        dp_client_(token),
+        other_client_(token),
+        mailbox_(mailbox),
+        comm_job_id_(std::move(comm_job_id)) {}
+
+  void CancelReceives() override { mailbox_->CancelJob(comm_job_id_); }
+
+  uint64_t BytesSent(TrafficClass traffic) const override {
+    switch (traffic) {
+      case TrafficClass::kPipeline:
+        return pipeline_client_.stats().bytes_sent;
+      case TrafficClass::kDataParallel:
+        return dp_client_.stats().bytes_sent;
+      case TrafficClass::kOther:
+        return other_client_.stats().bytes_sent;
+    }
+    return 0;
+  }
+
+  comm::TensorStreamClient pipeline_client_, dp_client_, other_client_;
+  comm::TensorStreamServer* const mailbox_;
+  const std::string comm_job_id_;
+  std::unique_ptr<comm::GrpcCommunicator> pipeline_comm_, dp_comm_, dp_scalars_comm_, replica_comm_, tp_comm_,
+      tied_comm_, dp_leaders_;
+  std::unique_ptr<CommunicatorTensorParallel> tp_adapter_;
+  std::unique_ptr<comm::BucketMemory> bucket_memory_;
+#ifdef GEOTRAIN_HAVE_CUDA
+  std::unique_ptr<NcclTensorParallel> nccl_tp_;
+  std::unique_ptr<comm::NcclCommunicator> nccl_dp_;
+  std::unique_ptr<comm::NcclHierarchicalAllReduce> nccl_dp_hierarchical_;
+#endif
+};
+
+}  // namespace
+
+GrpcCollectivesFactory::GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
+                                               Head::StubInterface* head, absl::Duration timeout)
+    : mailbox_(mailbox), token_(std::move(token)), head_(head), timeout_(timeout) {}
+
+absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create(const ActorRanks& ranks,
+                                                                                 const JobSpec& spec,
+                                                                                 const std::vector<ActorPeer>& actors,
+                                                                                 model::Backend* backend,
+                                                                                 int device_index) {
+  ASSIGN_OR_RETURN(comm::Codec wan, comm::ParseCodec(spec.comm().wan_codec()));
+  ASSIGN_OR_RETURN(comm::Codec lan, comm::ParseCodec(spec.comm().lan_codec()));
+  comm::CommunicatorOptions options;
+  options.job_id = ranks.comm_job_id;
+  options.lan_codec = lan;
+  options.wan_codec = wan;
+  options.timeout = timeout_;
+  // Activations never go through top-k (it is for gradients): they use the codec's dense part.
+  comm::CommunicatorOptions pipeline_options = options;
+  if (pipeline_options.wan_codec.kind == comm::CodecKind::kTopK) pipeline_options.wan_codec = comm::Codec{};
+  if (pipeline_options.lan_codec.kind == comm::CodecKind::kTopK) pipeline_options.lan_codec = comm::Codec{};
+  // Scalars (gradient norm, loss) always travel exactly.
+  comm::CommunicatorOptions exact_options = options;
+  exact_options.lan_codec = comm::Codec{};
+  exact_options.wan_codec = comm::Codec{};
+
+  auto out = std::make_unique<GrpcStageCollectives>(token_, mailbox_, ranks.comm_job_id);
+  GrpcStageCollectives& c = *out;
+  auto group = [&](const std::vector<int>& members, comm::TensorStreamClient* client,
+                   const comm::CommunicatorOptions& group_options) {
+    std::vector<comm::PeerInfo> peers;
+    int index = 0;
+    for (size_t i = 0; i < members.size(); ++i) {
+      peers.push_back(ranks.peers[members[i]]);
+      if (members[i] == ranks.my_rank) index = static_cast<int>(i);
+    }
+    return std::make_unique<comm::GrpcCommunicator>(index, peers, mailbox_, client, group_options);
+  };
+  c.pipeline_comm_ = std::make_unique<comm::GrpcCommunicator>(ranks.my_rank, ranks.peers, mailbox_, &c.pipeline_client_,
+                                                              pipeline_options);
+  const std::vector<int> dp_group = ranks.DataParallelGroup();
+  c.dp_comm_ = group(dp_group, &c.dp_client_, options);
+  c.dp_scalars_comm_ = group(dp_group, &c.other_client_, exact_options);
+  c.replica_comm_ = group(ranks.ReplicaGroup(), &c.other_client_, exact_options);
+  c.tp_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, options);
+  if (const std::vector<int> tied = ranks.TiedEmbeddingGroup(); !tied.empty()) {
+    c.tied_comm_ = group(tied, &c.other_client_, options);
+  }
+  c.tp_adapter_ = std::make_unique<CommunicatorTensorParallel>(c.tp_comm_.get());
+  c.pipeline = c.pipeline_comm_.get();
+  c.dp_scalars = c.dp_scalars_comm_.get();
+  c.replica = c.replica_comm_.get();
+  c.tied = c.tied_comm_.get();
+  c.tp = ranks.tp > 1 ? c.tp_adapter_.get() : nullptr;
+  if (ranks.dp > 1) {
+    c.dp_all_reduce = [comm = c.dp_comm_.get()](absl::Span<float> data, std::string_view tag) {
+      return comm->AllReduceSum(data, tag);
+    };
+    c.dp_successor_rank = dp_group[(ranks.replica + 1) % ranks.dp];
+    c.dp_ring_size = ranks.dp;
+  }
+
+  // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
+  ASSIGN_OR_RETURN(CollectivePlan plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica,
+                                                        ranks.stage, ranks.tp_rank, kNcclBuilt));
+  c.notes = plan.notes;
+  if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
+    return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),
+                                            " but the head lists it on a CUDA device"));
+  }
+#ifdef GEOTRAIN_HAVE_CUDA
+  if ((plan.tp_nccl || plan.dp.use) && head_ == nullptr) {
+    return absl::UnavailableError("a CUDA actor's NCCL groups need the head for their rendezvous");
+  }
+  const int r = ranks.replica, s = ranks.stage, t = ranks.tp_rank;
+  if (plan.dp.use) {
+    const DataParallelNccl& d = plan.dp;
+    // With several sites, a non-leader's NCCL broadcast waits while its leader all-reduces over the WAN
+    // (each with the collective deadline) and while remote sites finish their backward: twice the deadline.
+    const absl::Duration site_timeout = d.leader_replicas.size() > 1 ? 2 * timeout_ + absl::Seconds(30) : timeout_;
+    ASSIGN_OR_RETURN(c.nccl_dp_,
+                     comm::CreateNcclCommunicatorWithRendezvous(
+                         head_, token_, ranks.job_id,
+                         absl::StrCat("attempt", ranks.attempt, "/nccl/dp/stage", s, "/tp", t, "/site-", d.site),
+                         d.site_rank, static_cast<int>(d.site_replicas.size()), device_index, site_timeout));
+    if (d.leader_replicas.size() == 1) {  // one site: NCCL all-reduces the whole group
+      c.dp_all_reduce = [nccl = c.nccl_dp_.get()](absl::Span<float> data, std::string_view tag) {
+        return nccl->AllReduceSum(data, tag);
+      };
+    } else {
+      if (d.leader_index >= 0) {
+        std::vector<int> leader_ranks;
+        for (int x : d.leader_replicas) leader_ranks.push_back(ranks.WorldRank(x, s, t));
+        c.dp_leaders_ = group(leader_ranks, &c.dp_client_, options);
+      }
+      ASSIGN_OR_RETURN(c.nccl_dp_hierarchical_,
+                       comm::NcclHierarchicalAllReduce::Create(c.nccl_dp_.get(), c.dp_leaders_.get()));
+      c.dp_all_reduce = [h = c.nccl_dp_hierarchical_.get()](absl::Span<float> data, std::string_view tag) {
+        return h->AllReduceSum(data, tag);
+      };
+      // The site leaders' ring carries the gRPC traffic; the others send nothing through dp_client.
+      c.dp_ring_size = static_cast<int>(d.leader_replicas.size());
+      c.dp_successor_rank =
+          ranks.WorldRank(d.leader_replicas[(std::max(d.leader_index, 0) + 1) % c.dp_ring_size], s, t);
+    }
+    model::cuda::CudaContext* context = model::CudaContextOf(*backend);
+    if (context == nullptr) return absl::InternalError("a CUDA stage without a CUDA context");
+    c.bucket_memory_ = std::make_unique<comm::DeviceBucketMemory>(device_index, context->stream());
+    c.dp_bucket_memory = c.bucket_memory_.get();
+    c.dp_on_device = true;
+  }
+  if (plan.tp_nccl) {
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<comm::NcclCommunicator> nccl,
+        comm::CreateNcclCommunicatorWithRendezvous(
+            head_, token_, ranks.job_id, absl::StrCat("attempt", ranks.attempt, "/nccl/tp/replica", r, "/stage", s), t,
+            ranks.tp, device_index, timeout_));
+    c.nccl_tp_ = std::make_unique<NcclTensorParallel>(std::move(nccl), backend);
+    c.tp = c.nccl_tp_.get();
+    c.tp_nccl = true;
+  }
+#else
+  (void)device_index;
+#endif
+  return out;
+}
+
+}  // namespace geotrain::worker

@@ -1,0 +1,95 @@
+// The collectives a stage actor trains with, set up once per actor from its ranks (worker/actor_ranks.h):
+//
+//   pipeline        point to point with the neighbouring stages: activations forward, their gradients back
+//                   (the WAN codec's dense part across sites: top-k is for gradients only);
+//   dp_all_reduce   a gradient bucket's sum across replicas (gRPC ring on host memory, or NCCL on device
+//                   memory inside a site with a gRPC ring among site leaders: worker/collectives.h decides);
+//   tied            the tied-embedding gradient sum of the replica's first and last stage;
+//   tp              the tensor-parallel all-reduces of the stage (gRPC, or NCCL on device memory);
+//   replica         the global gradient norm over the replica's stages and ranks (exact, never lossy);
+//   dp_scalars      the loss average across replicas (exact).
+//
+// A CollectivesFactory makes them; the worker uses GrpcCollectivesFactory (tensor streams through the
+// worker's mailbox, NCCL where the build has it), and tests inject their own factory (e.g. one that wraps
+// the gRPC one to make a peer fail) so a stage actor can run in one process.
+//
+// Thread-safety: a StageCollectives is used by its actor's threads under the communicators' own contract
+// (comm/communicator.h): one caller per tag at a time. BytesSent may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "comm/communicator.h"
+#include "comm/tensor_stream.h"
+#include "control.grpc.pb.h"
+#include "model/backend.h"
+#include "model/tp_comm.h"
+#include "worker/actor_ranks.h"
+
+namespace geotrain::worker {
+
+// Traffic classes, counted apart so that each step's bytes can be attributed to site pairs.
+enum class TrafficClass { kPipeline, kDataParallel, kOther };
+
+class StageCollectives {
+ public:
+  virtual ~StageCollectives() = default;
+
+  comm::Communicator* pipeline = nullptr;
+  comm::Communicator* dp_scalars = nullptr;
+  comm::Communicator* replica = nullptr;
+  comm::Communicator* tied = nullptr;              // null unless pp > 1 and first or last stage
+  model::TensorParallelComm* tp = nullptr;         // null when tp == 1
+  comm::AllReduceFn dp_all_reduce;                 // null when dp == 1
+  comm::BucketMemory* dp_bucket_memory = nullptr;  // where the buckets live; null: host memory
+  bool dp_on_device = false;  // buckets on the GPU, fed from device gradients (NCCL inside the site)
+  bool tp_nccl = false;       // tensor-parallel all-reduces on NCCL
+  // The world rank a data-parallel all-reduce sends its bytes to, and the size of that ring (the site
+  // leaders' ring with NCCL), for attributing its traffic to a site pair.
+  int dp_successor_rank = -1;
+  int dp_ring_size = 1;
+  std::vector<std::string> notes;  // why groups of CUDA stages stay on gRPC, for the actor's log
+
+  // Encoded bytes acknowledged by peers so far, per traffic class.
+  virtual uint64_t BytesSent(TrafficClass traffic) const = 0;
+  // Ends every receive of this run of the job at once (CANCELLED), now and later: after a send failed,
+  // so that the actor stops waiting for peers and reports the failure. Any thread.
+  virtual void CancelReceives() = 0;
+};
+
+class CollectivesFactory {
+ public:
+  virtual ~CollectivesFactory() = default;
+  // `backend` is the stage's device (NCCL groups run on it). Every tensor the collectives exchange is
+  // keyed by ranks.comm_job_id. Errors: a codec the spec names is unknown, NCCL set-up failed.
+  virtual absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
+                                                                   const std::vector<ActorPeer>& actors,
+                                                                   model::Backend* backend, int device_index) = 0;
+};
+
+// Collectives over the worker's tensor streams and, in CUDA builds, NCCL.
+class GrpcCollectivesFactory : public CollectivesFactory {
+ public:
+  // `mailbox` receives this worker's tensors; `head` (may be null: then NCCL groups cannot form) serves the
+  // NCCL rendezvous; `timeout` is the deadline of each receive and collective. Not owned; they must outlive
+  // the collectives made.
+  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token, Head::StubInterface* head,
+                         absl::Duration timeout);
+
+  absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
+                                                           const std::vector<ActorPeer>& actors,
+                                                           model::Backend* backend, int device_index) override;
+
+ private:
+  comm::TensorStreamServer* const mailbox_;
+  const std::string token_;
+  Head::StubInterface* const head_;
+  const absl::Duration timeout_;
+};
+
+}  // namespace geotrain::worker

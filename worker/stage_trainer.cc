@@ -1,0 +1,312 @@
+// One stage actor's training step: schedule, gradient synchronisation and optimizer (see stage_trainer.h).
+#include "worker/stage_trainer.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace geotrain::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+}  // namespace
+
+StageTrainer::StageTrainer(const JobSpec& spec, ActorRanks ranks) : spec_(spec), ranks_(std::move(ranks)) {}
+
+StageTrainer::~StageTrainer() {
+  // The sender and the buckets' threads use the collectives: they go first.
+  sender_.reset();
+  grad_buckets_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<StageTrainer>> StageTrainer::Create(const JobSpec& spec, const ActorRanks& ranks,
+                                                                   const std::vector<ActorPeer>& actors,
+                                                                   CollectivesFactory* factory,
+                                                                   const std::string& device, int device_index) {
+  std::unique_ptr<StageTrainer> trainer(new StageTrainer(spec, ranks));
+  RETURN_IF_ERROR(trainer->Initialize(actors, factory, device, device_index));
+  return trainer;
+}
+
+absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, CollectivesFactory* factory,
+                                      const std::string& device, int device_index) {
+  ASSIGN_OR_RETURN(config_, GPT2Config::FromSpec(spec_.model()));
+  const int M = ranks_.microbatches, T = ranks_.seq_len, Bm = ranks_.microbatch_size;
+  const bool first = ranks_.first_stage, last = ranks_.last_stage;
+
+  // The device: on a CUDA worker the stage's parameters, gradients, optimizer state and activations live
+  // on its GPU (bf16 GEMMs, fp32 master weights).
+  backend_ = model::CpuBackendInstance();
+  if (device != "cpu") {
+    ASSIGN_OR_RETURN(device_backend_, model::MakeBackend(device, model::Precision::kBf16));
+    backend_ = device_backend_.get();
+  }
+  on_device_ = backend_->is_cuda();
+  ASSIGN_OR_RETURN(collectives_, factory->Create(ranks_, spec_, actors, backend_, device_index));
+
+  model::StageOptions stage_options = model::StageOptions::Split(config_, ranks_.stage, ranks_.pp);
+  stage_options.tp_comm = collectives_->tp;
+  stage_options.backend = backend_;
+  stage_options.max_batch = Bm;
+  stage_options.max_seq_len = T;
+  ASSIGN_OR_RETURN(stage_, model::GPT2Stage::Create(config_, stage_options));
+  stage_->InitializeWeights(spec_.train().seed());
+  model::AdamWOptions adam_options;
+  adam_options.beta1 = static_cast<float>(spec_.train().beta1());
+  adam_options.beta2 = static_cast<float>(spec_.train().beta2());
+  adam_options.weight_decay = static_cast<float>(spec_.train().weight_decay());
+  ASSIGN_OR_RETURN(adam_, model::AdamW::Create(stage_->num_params(), stage_->segments(), adam_options, *backend_));
+  schedule_.max_lr = spec_.train().lr();
+  schedule_.min_lr = spec_.train().min_lr();
+  schedule_.warmup_steps = spec_.train().warmup_steps();
+  schedule_.total_steps = spec_.train().steps();
+
+  if (first || last) {
+    ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(spec_.data().train(), ranks_.replica_batch, T, ranks_.replica,
+                                                        ranks_.dp, config_.vocab_size));
+  }
+  inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
+  targets_.resize(inputs_.size());
+  activation_floats_ = static_cast<size_t>(Bm) * T * config_.n_embd;
+  stage_inputs_.assign(first ? 0 : M, std::vector<float>(activation_floats_));
+  doutput_.resize(last ? 0 : activation_floats_);
+  loss_scale_ = 1.0f / static_cast<float>(M * ranks_.dp);
+  pipeline_ =
+      MakePipelineSchedule(ranks_.one_f_one_b ? PipelineKind::k1F1B : PipelineKind::kGPipe, ranks_.pp, ranks_.stage, M);
+
+  const bool dp_on_device = collectives_->dp_on_device;
+  if (on_device_) {
+    const size_t act_bytes = activation_floats_ * sizeof(float);
+    if (!first) {
+      ASSIGN_OR_RETURN(device_input_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
+      host_dinput_.resize(activation_floats_);
+    }
+    if (!last) {
+      ASSIGN_OR_RETURN(device_doutput_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
+      host_output_.resize(activation_floats_);
+    }
+    if ((ranks_.dp > 1 && !dp_on_device) || collectives_->tied != nullptr) {
+      host_grads_.resize(static_cast<size_t>(stage_->num_params()));
+    }
+  }
+
+  // Data parallelism: the replicas' gradients are summed in buckets, each all-reduced as soon as the last
+  // microbatch's backward has finished its layers, overlapped with the backward of earlier layers (each
+  // replica scaled its loss by 1 / (M dp)). With NCCL the buckets live on the device and take the gradients
+  // where backward leaves them; otherwise they take them from the host mirror, which the device copies
+  // them to as each layer finishes.
+  num_layers_ = stage_->last_layer() - stage_->first_layer();
+  overlap_dp_ = !(dp_on_device && collectives_->tp_nccl);
+  if (ranks_.dp > 1) {
+    auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : HostView(g); };
+    std::vector<std::vector<absl::Span<float>>> groups;
+    for (int l = num_layers_ - 1; l >= 0; --l) {
+      groups.emplace_back();
+      for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(dp_view(g));
+    }
+    groups.emplace_back();
+    for (absl::Span<float> g : stage_->NonLayerGradientSpans()) groups.back().push_back(dp_view(g));
+    const double bucket_mb = spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0;
+    grad_buckets_ =
+        std::make_unique<comm::GradientBuckets>(collectives_->dp_all_reduce, collectives_->dp_bucket_memory,
+                                                std::move(groups), static_cast<int64_t>(bucket_mb * (1 << 20)));
+    RETURN_IF_ERROR(grad_buckets_->status());
+  }
+  // A failed send ends the receives this actor waits in, so that it reports the failure at once.
+  sender_ = std::make_unique<AsyncSender>(
+      collectives_->pipeline, [c = collectives_.get()] { return c->BytesSent(TrafficClass::kPipeline); }, ranks_.site,
+      [c = collectives_.get()](const absl::Status&) { c->CancelReceives(); });
+  return absl::OkStatus();
+}
+
+std::string StageTrainer::Describe() const {
+  return absl::StrCat("training ", stage_->num_params(), " parameters, layers [", stage_->first_layer(), ", ",
+                      stage_->last_layer(), ") on ", backend_->name(),
+                      grad_buckets_
+                          ? absl::StrCat("; gradient all-reduce in ", grad_buckets_->num_buckets(), " buckets ",
+                                         overlap_dp_ ? "overlapped with backward" : "after backward",
+                                         collectives_->dp_on_device ? ", on NCCL inside the site" : "")
+                          : std::string(),
+                      collectives_->tp_nccl ? "; tensor-parallel all-reduces on NCCL" : "");
+}
+
+absl::Span<float> StageTrainer::HostView(absl::Span<float> grads) {
+  if (!on_device_) return grads;
+  return absl::MakeSpan(host_grads_.data() + (grads.data() - stage_->grads()), grads.size());
+}
+
+absl::Status StageTrainer::CopyOut(const std::vector<absl::Span<float>>& spans) {
+  if (!on_device_) return absl::OkStatus();
+  for (const absl::Span<float>& g : spans) {
+    RETURN_IF_ERROR(backend_->CopyToHost(HostView(g).data(), g.data(), g.size() * sizeof(float)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::Forward(int m, bool recompute) {
+  const int T = ranks_.seq_len, Bm = ranks_.microbatch_size;
+  const bool first = ranks_.first_stage, last = ranks_.last_stage;
+  const int32_t* tokens = first ? inputs_.data() + static_cast<size_t>(m) * Bm * T : nullptr;
+  const int32_t* targets = last ? targets_.data() + static_cast<size_t>(m) * Bm * T : nullptr;
+  const float* in = nullptr;
+  if (!first) {
+    if (!recompute) {
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.prev_rank, absl::MakeSpan(stage_inputs_[m]), "act"));
+      const double waited = SecondsSince(t0);
+      stats_.wait_seconds += waited;
+      if (first_op_) stats_.bubble_seconds += waited;  // pipeline fill
+    }
+    in = stage_inputs_[m].data();
+    if (on_device_) {
+      RETURN_IF_ERROR(backend_->CopyToDevice(device_input_.as<float>(), in, activation_floats_ * sizeof(float)));
+      in = device_input_.as<float>();
+    }
+  }
+  first_op_ = false;
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(stage_->Forward(Bm, T, tokens, in, targets));
+  stats_.compute_seconds += SecondsSince(t0);
+  latest_forward_ = m;
+  if (recompute) return absl::OkStatus();
+  if (last) {
+    loss_sum_ += stage_->loss();
+    return absl::OkStatus();
+  }
+  const float* out = stage_->output();
+  if (on_device_) {
+    RETURN_IF_ERROR(backend_->CopyToHost(host_output_.data(), out, activation_floats_ * sizeof(float)));
+    out = host_output_.data();
+  }
+  sender_->Send(ranks_.next_rank, ranks_.peers[ranks_.next_rank].site, out, activation_floats_, "act");
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::Backward(int m) {
+  const bool first = ranks_.first_stage, last = ranks_.last_stage;
+  if (latest_forward_ != m) RETURN_IF_ERROR(Forward(m, /*recompute=*/true));
+  if (!last) {
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.next_rank, absl::MakeSpan(doutput_), "grad"));
+    stats_.wait_seconds += SecondsSince(t0);
+  }
+  const auto t0 = Clock::now();
+  const float* dout = last ? nullptr : doutput_.data();
+  if (on_device_ && !last) {
+    RETURN_IF_ERROR(backend_->CopyToDevice(device_doutput_.as<float>(), dout, activation_floats_ * sizeof(float)));
+    dout = device_doutput_.as<float>();
+  }
+  absl::Status hook_status;
+  if (grad_buckets_ && overlap_dp_ && m == ranks_.microbatches - 1) {
+    // The step's gradients become final layer by layer.
+    const bool dp_on_device = collectives_->dp_on_device;
+    stage_->set_layer_gradients_ready([&](int l) {
+      if (l < 0 || !hook_status.ok()) return;
+      if (!dp_on_device) hook_status = CopyOut(stage_->LayerGradientSpans(l));
+      if (hook_status.ok()) grad_buckets_->GroupReady(num_layers_ - 1 - l);
+    });
+  }
+  absl::Status backward_status = stage_->Backward(dout, loss_scale_);
+  stage_->set_layer_gradients_ready(nullptr);
+  RETURN_IF_ERROR(backward_status);
+  RETURN_IF_ERROR(hook_status);
+  stats_.compute_seconds += SecondsSince(t0);
+  latest_forward_ = -1;  // Backward consumed the activations
+  if (first) return absl::OkStatus();
+  const float* din = stage_->dinput();
+  if (on_device_) {
+    RETURN_IF_ERROR(backend_->CopyToHost(host_dinput_.data(), din, activation_floats_ * sizeof(float)));
+    din = host_dinput_.data();
+  }
+  sender_->Send(ranks_.prev_rank, ranks_.peers[ranks_.prev_rank].site, din, activation_floats_, "grad");
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t dp_bytes_before) {
+  if (grad_buckets_ && !overlap_dp_) {
+    for (int g = 0; g < num_layers_; ++g) grad_buckets_->GroupReady(g);
+  }
+  RETURN_IF_ERROR(sender_->Flush(traffic));
+  const std::string& my_site = ranks_.site;
+  // Tied embedding: the first and last stage hold copies of wte; each needs the sum of both grads.
+  if (collectives_->tied != nullptr) {
+    const model::ParameterTensors& g = stage_->grad_tensors();
+    const size_t n = static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd;
+    const uint64_t before = collectives_->BytesSent(TrafficClass::kOther);
+    const absl::Span<float> wte = absl::MakeSpan(g.wte, n);
+    RETURN_IF_ERROR(CopyOut({wte}));
+    RETURN_IF_ERROR(collectives_->tied->AllReduceSum(HostView(wte), "tied"));
+    if (on_device_) RETURN_IF_ERROR(backend_->CopyToDevice(g.wte, HostView(wte).data(), n * sizeof(float)));
+    const int partner = ranks_.first_stage ? ranks_.WorldRank(ranks_.replica, ranks_.pp - 1, ranks_.tp_rank)
+                                           : ranks_.WorldRank(ranks_.replica, 0, ranks_.tp_rank);
+    traffic->Add(my_site, ranks_.peers[partner].site, collectives_->BytesSent(TrafficClass::kOther) - before, 4.0 * n);
+  }
+  if (grad_buckets_) {
+    const bool dp_on_device = collectives_->dp_on_device;
+    if (!dp_on_device) RETURN_IF_ERROR(CopyOut(stage_->NonLayerGradientSpans()));
+    grad_buckets_->GroupReady(num_layers_);  // the embeddings and final LayerNorm
+    RETURN_IF_ERROR(grad_buckets_->Finish());
+    if (on_device_ && !dp_on_device) {  // the groups cover the gradients exactly once: the mirror is the sums
+      RETURN_IF_ERROR(backend_->CopyToDevice(stage_->grads(), host_grads_.data(), host_grads_.size() * sizeof(float)));
+    }
+    const int ring = collectives_->dp_ring_size;
+    traffic->Add(my_site, ranks_.peers[collectives_->dp_successor_rank].site,
+                 collectives_->BytesSent(TrafficClass::kDataParallel) - dp_bytes_before,
+                 2.0 * (ring - 1) / ring * 4.0 * static_cast<double>(grad_buckets_->elements()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<bool>& stop) {
+  stats_ = StepStats{};
+  loss_sum_ = 0;
+  latest_forward_ = -1;
+  first_op_ = true;
+  const uint64_t dp_bytes_before = collectives_->BytesSent(TrafficClass::kDataParallel);
+  if (loader_) loader_->Next(inputs_.data(), targets_.data());
+  stage_->ZeroGrad();
+
+  for (const PipelineOp& op : pipeline_) {
+    if (stop) return absl::CancelledError("stop requested");
+    absl::Status status = op.forward ? Forward(op.microbatch, /*recompute=*/false) : Backward(op.microbatch);
+    if (!status.ok()) {
+      // A receive cancelled because a send failed: the send's error is the cause.
+      if (absl::Status send_error = sender_->error(); !send_error.ok()) return send_error;
+      return status;
+    }
+  }
+
+  const auto sync_start = Clock::now();
+  RETURN_IF_ERROR(SynchronizeGradients(&stats_.traffic, dp_bytes_before));
+  // Global gradient norm: every stage and TP rank of the replica adds its share.
+  const bool carrier = ranks_.last_stage && ranks_.tp_rank == 0;
+  float norm_share[2] = {static_cast<float>(stage_->GradSquaredNormShare()),
+                         carrier ? static_cast<float>(loss_sum_ / ranks_.microbatches) : 0.0f};
+  if (collectives_->replica->size() > 1) {
+    RETURN_IF_ERROR(collectives_->replica->AllReduceSum(absl::MakeSpan(norm_share, 2), "norm"));
+  }
+  stats_.wait_seconds += SecondsSince(sync_start);
+  const double norm = std::sqrt(static_cast<double>(norm_share[0]));
+  const auto t0 = Clock::now();
+  adam_->Step(stage_->params(), stage_->grads(), static_cast<float>(schedule_.At(static_cast<int>(step) - 1)),
+              model::ClipScale(norm, spec_.train().grad_clip()));
+  stats_.compute_seconds += SecondsSince(t0);
+
+  // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages).
+  double loss = norm_share[1];
+  if (carrier && ranks_.dp > 1) {
+    float l = static_cast<float>(loss);
+    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"));
+    loss = l / ranks_.dp;
+  }
+  stats_.loss = loss;
+  stats_.carries_loss = carrier;
+  return stats_;
+}
+
+}  // namespace geotrain::worker
