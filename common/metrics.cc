@@ -163,6 +163,21 @@ std::string MetricsServer::Scrape() {
   return prometheus::TextSerializer().Serialize(families);
 }
 
+std::string MetricsHttpResponse(std::string_view request, const std::function<std::string()>& scrape) {
+  std::string status = "200 OK", body;
+  if (request.starts_with("GET /metrics") || request.starts_with("GET / ")) {
+    body = scrape();
+  } else if (request.starts_with("GET ")) {
+    status = "404 Not Found";
+    body = "geotrain serves metrics at /metrics\n";
+  } else {
+    status = "405 Method Not Allowed";
+    body = "only GET /metrics\n";
+  }
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n",
+                      "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+}
+
 void MetricsServer::ServeLoop() {
   while (true) {
     pollfd p{listen_fd_, POLLIN, 0};
@@ -187,19 +202,7 @@ void MetricsServer::ServeLoop() {
       if (n <= 0) break;
       request.append(buf, static_cast<size_t>(n));
     }
-    std::string status = "200 OK", body;
-    if (request.rfind("GET /metrics", 0) == 0 || request.rfind("GET / ", 0) == 0) {
-      body = Scrape();
-    } else if (request.rfind("GET ", 0) == 0) {
-      status = "404 Not Found";
-      body = "geotrain serves metrics at /metrics\n";
-    } else {
-      status = "405 Method Not Allowed";
-      body = "only GET /metrics\n";
-    }
-    const std::string response =
-        absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n",
-                     "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
+    const std::string response = MetricsHttpResponse(request, [this] { return Scrape(); });
     size_t sent = 0;
     while (sent < response.size()) {
       ssize_t n = ::send(conn, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);

@@ -17,8 +17,10 @@
 #include <prometheus/registry.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -53,6 +55,12 @@ class RpcTimer {
   std::chrono::steady_clock::time_point start_;
   int code_ = 0;
 };
+
+// The metrics server's whole HTTP answer to one request head (the bytes read from a connection, at most
+// 16 KiB, possibly partial or garbage): 200 with `scrape()` for GET /metrics and GET /, 404 for other GETs,
+// 405 otherwise; always a complete HTTP/1.1 response with Content-Length and Connection: close. Pure (fuzzed:
+// fuzz/metrics_http_fuzzer.cc).
+std::string MetricsHttpResponse(std::string_view request, const std::function<std::string()>& scrape);
 
 class MetricsServer {
  public:

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -163,9 +164,11 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  absl::StatusOr<std::string> bytes = ReadFileToString(path);
-  if (!bytes.ok()) return bytes.status();
-  const std::string& b = *bytes;
+  ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(path));
+  return ParseSafetensors(bytes, path);
+}
+
+absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view b, const std::string& path) {
   if (b.size() < 8) {
     return absl::DataLossError(absl::StrCat(path, ": ", b.size(), " bytes is too short for a safetensors file"));
   }
@@ -177,7 +180,8 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
   }
   google::protobuf::Struct header;
   google::protobuf::util::JsonParseOptions options;
-  auto parsed = google::protobuf::util::JsonStringToMessage(b.substr(8, header_size), &header, options);
+  auto parsed = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(b.data() + 8, static_cast<size_t>(header_size)), &header, options);
   if (!parsed.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON: ", parsed.ToString()));
   }
@@ -191,8 +195,9 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
       for (const auto& [k, v] : value.struct_value().fields()) file.metadata[k] = v.string_value();
       continue;
     }
+    const std::string& tensor_name = name;  // lambdas cannot capture structured bindings before C++20 in clang 14
     auto bad = [&](const std::string& why) {
-      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': ", why));
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", tensor_name, "': ", why));
     };
     if (value.kind_case() != google::protobuf::Value::kStructValue) return bad("entry is not an object");
     const auto& f = value.struct_value().fields();
@@ -210,17 +215,33 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
       return bad(absl::StrCat("dtype ", dtype, " is not supported (F32, F16, BF16)"));
     NamedTensor t;
     t.name = name;
+    // The element count, computed without overflow: a product above what the data section can hold is an
+    // error, unless a zero dimension makes it empty.
     uint64_t count = 1;
+    bool too_large = false;
     for (const auto& d : shape_it->second.list_value().values()) {
       const double v = d.number_value();
       if (v < 0 || v != std::floor(v) || v > 1e12) return bad("shape has a bad dimension");
       t.shape.push_back(static_cast<int64_t>(v));
-      count *= static_cast<uint64_t>(v);
+      const uint64_t dim = static_cast<uint64_t>(v);
+      if (dim == 0) {
+        count = 0;
+      } else if (count > data_size / elem / dim) {
+        too_large = true;
+      } else {
+        count *= dim;
+      }
+    }
+    if (count == 0) too_large = false;
+    if (too_large) {
+      return bad(absl::StrCat("shape holds more elements than the ", data_size,
+                              " data bytes; the file is truncated or corrupt"));
     }
     const auto& offs = offsets_it->second.list_value().values();
     if (offs.size() != 2) return bad("data_offsets must have two entries");
     const double begin_d = offs[0].number_value(), end_d = offs[1].number_value();
-    if (begin_d < 0 || end_d < begin_d || end_d > static_cast<double>(data_size)) {
+    if (begin_d < 0 || end_d < begin_d || end_d > static_cast<double>(data_size) || begin_d != std::floor(begin_d) ||
+        end_d != std::floor(end_d)) {
       return bad(absl::StrCat("data_offsets [", begin_d, ", ", end_d, "] lie outside the ", data_size,
                               " data bytes; the file is truncated or corrupt"));
     }
@@ -229,7 +250,9 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
       return bad(absl::StrCat("shape needs ", count * elem, " bytes but data_offsets give ", end - begin));
     }
     t.data.resize(count);
-    if (elem == 4) {
+    if (count == 0) {
+      // nothing to copy (and data() may be null)
+    } else if (elem == 4) {
       std::memcpy(t.data.data(), data + begin, count * 4);
     } else {
       for (uint64_t i = 0; i < count; ++i) {
