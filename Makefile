@@ -7,14 +7,15 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 
 # Instrumented builds, each in its own directory (docs/architecture.md, "Fuzzing and sanitizers").
-FUZZ_BUILD ?= build-fuzz
+# The clang ASan build holds the fuzz targets too (cmake/sanitizers.cmake).
 ASAN_BUILD ?= build-asan
+FUZZ_BUILD := $(ASAN_BUILD)
 TSAN_BUILD ?= build-tsan
 FUZZ_SECONDS ?= 60
 # TSan runs the tests with threads of their own: the runtime, control-plane and comm tests.
 TSAN_TESTS ?= ^(comm_|control|cluster_up|runtime_|head\.|worker\.|Registry|JobManager|JobRunner|Auth|Rpc)
 
-.PHONY: all deps configure build demo test clean format fuzz-build fuzz test-asan test-tsan
+.PHONY: all deps configure build demo test clean format asan-configure fuzz-build fuzz test-asan test-tsan
 
 all: build
 
@@ -34,10 +35,14 @@ demo: build
 test: build fuzz-build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
-# libFuzzer targets (clang, ASan + UBSan), fuzz/.
-fuzz-build: deps
-	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-	  -DGEOTRAIN_FUZZ=ON
+# The ASan + UBSan build (clang, with libFuzzer's coverage instrumentation): configured once for both the fuzz
+# targets (fuzz/) and the whole suite.
+asan-configure: deps
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+	  -DGEOTRAIN_SANITIZE=address
+
+# libFuzzer targets only.
+fuzz-build: asan-configure
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzzers
 
 # Every fuzz target for FUZZ_SECONDS, one after the other; new inputs stay in $(FUZZ_BUILD)/corpus/.
@@ -45,14 +50,14 @@ fuzz: fuzz-build
 	bash fuzz/run_all.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 # The whole suite under ASan + UBSan; integration tests start the sanitized binaries.
-test-asan: deps
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DGEOTRAIN_SANITIZE=address $(CMAKE_FLAGS)
+test-asan: asan-configure
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	bash tests/sanitizers/run_ctest.sh $(ASAN_BUILD) address -j $(JOBS)
 
 # The runtime, control-plane and comm tests under ThreadSanitizer.
 test-tsan: deps
-	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DGEOTRAIN_SANITIZE=thread $(CMAKE_FLAGS)
+	cmake -S . -B $(TSAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+	  -DGEOTRAIN_SANITIZE=thread
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	bash tests/sanitizers/run_ctest.sh $(TSAN_BUILD) thread -j $(JOBS) -R '$(TSAN_TESTS)'
 
@@ -60,4 +65,4 @@ format:
 	bash tests/style/check_format.sh $(CURDIR) --fix
 
 clean:
-	rm -rf $(BUILD) $(FUZZ_BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)

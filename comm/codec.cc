@@ -18,6 +18,7 @@
 #include <mutex>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -233,14 +234,22 @@ constexpr Kernels kKernels = {"avx512", F32ToBf16, Bf16ToF32, F32ToF16, F16ToF32
 }  // namespace avx512
 #endif
 
+#if defined(__x86_64__)
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know "f16c".
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
 const Kernels* DetectKernels() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+      __builtin_cpu_supports("avx512dq") && HasF16c() && __builtin_cpu_supports("fma")) {
     return &avx512::kKernels;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx2") && HasF16c() && __builtin_cpu_supports("fma")) {
     return &avx2::kKernels;
   }
 #endif

@@ -6,7 +6,7 @@
 set -uo pipefail
 binary="$1" corpus="$2" seconds="$3" work="$4"
 if [ ! -x "$binary" ]; then
-  echo "fuzz: $binary not built; run 'make fuzz-build' (clang build in build-fuzz/) first"
+  echo "fuzz: $binary not built; run 'make fuzz-build' (the clang ASan build, build-asan/) first"
   exit 77
 fi
 mkdir -p "$work/new"
