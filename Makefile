@@ -13,7 +13,7 @@ FUZZ_BUILD := $(ASAN_BUILD)
 TSAN_BUILD ?= build-tsan
 FUZZ_SECONDS ?= 60
 # TSan runs the tests with threads of their own: the runtime, control-plane and comm tests.
-TSAN_TESTS ?= ^(comm_|control|cluster_up|runtime_|head\.|worker\.|Registry|JobManager|JobRunner|Auth|Rpc)
+TSAN_TESTS ?= ^(comm_(stream|collective|rendezvous)|netem\.Emulator|control_plane|cluster_up|prometheus_scrape|runtime_|StageActorTest|Collectives|RegistryTest|JobManagerTest|PlaceActorsTest|AuthTest|RpcTest)
 
 .PHONY: all deps configure build demo test clean format asan-configure fuzz-build fuzz test-asan test-tsan
 

@@ -136,7 +136,9 @@ GT_INLINE bool Int8EncodeBody(const float* in, size_t n, float* scales, int8_t* 
     }
     const float max_abs = BitsFloat(max_bits);
     const float scale = max_abs / 127.0f;
-    const float inverse = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+    // A block of tiny values (max below ~3.7e-37) would make the inverse overflow to infinity, and 0 x inf is
+    // NaN, whose conversion to an integer is undefined; the largest float quantizes such a block to zeros.
+    const float inverse = max_abs > 0.0f ? std::min(127.0f / max_abs, std::numeric_limits<float>::max()) : 0.0f;
     std::memcpy(scales + block, &scale, sizeof(float));
     QuantizeInt8Body(in + begin, inverse, q + begin, len);
   }
@@ -542,6 +544,7 @@ absl::Status CheckInt8Scales(const uint8_t* raw, uint64_t count) {
 
 // Decodes elements [begin, begin + n) of a validated fixed-size raw payload.
 void DecodeRange(CodecKind kind, const uint8_t* raw, uint64_t count, size_t begin, size_t n, float* out) {
+  if (n == 0) return;  // an empty output may be a null pointer, which memcpy must not get even for 0 bytes
   const Kernels* k = K();
   switch (kind) {
     case CodecKind::kNone:

@@ -168,6 +168,36 @@ TEST_P(CodecTest, Int8RefusesNonFiniteInput) {
   EXPECT_EQ(EncodeTensor(MustParse("int8"), input, &wire).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Found by fuzz/codec_fuzzer.cc (UBSan): decoding an empty tensor into an empty span (whose data() is null)
+// passed the null pointer to memcpy.
+TEST_P(CodecTest, EmptyTensorsRoundTrip) {
+  for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.5", "bf16+zstd", "none+zstd"}) {
+    const std::vector<float> input;
+    Bytes wire;
+    std::vector<float> residual;
+    ASSERT_TRUE(EncodeTensor(MustParse(name), input, &wire, &residual).ok()) << name;
+    std::vector<float> out;
+    EXPECT_TRUE(DecodeTensor(wire.span(), absl::MakeSpan(out)).ok()) << name;
+    EXPECT_TRUE(DecodeTensorAdd(wire.span(), absl::MakeSpan(out)).ok()) << name;
+  }
+}
+
+// Found by fuzz/codec_fuzzer.cc (UBSan): a block whose largest magnitude is a denormal made the int8 inverse
+// scale infinite, and a zero in it became 0 x inf = NaN before the conversion to an integer (undefined
+// behaviour). Such a block now quantizes to zeros.
+TEST_P(CodecTest, Int8BlocksOfDenormalsQuantizeToZero) {
+  std::vector<float> input(600, 0.0f);
+  input[1] = 1.4e-44f;   // a denormal: 127 / it overflows
+  input[2] = -3.0e-39f;  // a denormal too
+  input[300] = 2.0f;     // another block, normal
+  Bytes wire;
+  ASSERT_TRUE(EncodeTensor(MustParse("int8"), input, &wire).ok());
+  std::vector<float> out(input.size(), 1.0f);
+  ASSERT_TRUE(DecodeTensor(wire.span(), absl::MakeSpan(out)).ok());
+  for (size_t i = 0; i < 256; ++i) EXPECT_EQ(out[i], 0.0f) << i;
+  EXPECT_NEAR(out[300], 2.0f, 2.0f / 254);
+}
+
 TEST_P(CodecTest, TopKKeepsLargestExactlyAndConservesTheSum) {
   const size_t n = 10000;
   const Codec codec = MustParse("topk:0.01");
