@@ -15,12 +15,12 @@ mkdir -p "$logs"
 common="print_stacktrace=1:halt_on_error=1"
 case "$kind" in
   address)
-    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0:log_path=$logs/asan"
+    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0:log_path=$logs/report"
     export LSAN_OPTIONS="suppressions=$here/lsan.supp:print_suppressions=0"
-    export UBSAN_OPTIONS="$common:suppressions=$here/ubsan.supp:log_path=$logs/ubsan"
+    export UBSAN_OPTIONS="$common:suppressions=$here/ubsan.supp:log_path=$logs/report"
     ;;
   thread)
-    export TSAN_OPTIONS="$common:second_deadlock_stack=1:suppressions=$here/tsan.supp:log_path=$logs/tsan"
+    export TSAN_OPTIONS="$common:second_deadlock_stack=1:suppressions=$here/tsan.supp:log_path=$logs/report"
     # libgomp is not instrumented: one OpenMP thread keeps its pool out of the picture.
     export OMP_NUM_THREADS=1
     ;;
