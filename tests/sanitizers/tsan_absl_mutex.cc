@@ -8,13 +8,19 @@
 // own function (dlsym RTLD_NEXT) and tells TSan the happens-before edge it makes: a release before the mutex
 // is given up, an acquire once it is held. That is all race detection needs; TSan's lock-order (deadlock)
 // checks do not see these mutexes.
+// Conditions (Await, LockWhen) are waited for here by polling (unlock, sleep up to 1 ms, lock, evaluate), not by
+// Abseil: Abseil evaluates a waiter's condition in whichever thread unlocks, at a point no annotation can mark,
+// which TSan would report as a race on the fields the condition reads. Polling keeps every evaluation in the
+// waiting thread with the mutex held. Await is taken to be called with the mutex held exclusively.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 
 extern "C" {
 void __tsan_acquire(void* addr);
@@ -45,6 +51,21 @@ F Real(const char* member) {
 namespace absl {
 ABSL_NAMESPACE_BEGIN
 
+namespace {
+// Waits, holding `mu` on entry and on return, until `cond` holds (true) or `deadline` passes (false).
+bool WaitFor(Mutex* mu, const Condition& cond, absl::Time deadline, bool reader) {
+  absl::Duration pause = absl::Microseconds(20);
+  while (!cond.Eval()) {
+    if (absl::Now() >= deadline) return false;
+    reader ? mu->ReaderUnlock() : mu->Unlock();
+    absl::SleepFor(pause);
+    pause = std::min(pause * 2, absl::Milliseconds(1));
+    reader ? mu->ReaderLock() : mu->Lock();
+  }
+  return true;
+}
+}  // namespace
+
 // Acquiring.
 void Mutex::Lock() {
   static auto real = Real<void (*)(Mutex*)>("5Mutex4LockEv");
@@ -69,42 +90,26 @@ bool Mutex::ReaderTryLock() {
   return locked;
 }
 void Mutex::LockWhen(const Condition& cond) {
-  static auto real = Real<void (*)(Mutex*, const Condition&)>("5Mutex8LockWhenERKNS0_9ConditionE");
-  real(this, cond);
-  __tsan_acquire(this);
+  Lock();
+  Await(cond);
 }
 void Mutex::ReaderLockWhen(const Condition& cond) {
-  static auto real = Real<void (*)(Mutex*, const Condition&)>("5Mutex14ReaderLockWhenERKNS0_9ConditionE");
-  real(this, cond);
-  __tsan_acquire(this);
+  ReaderLock();
+  WaitFor(this, cond, absl::InfiniteFuture(), /*reader=*/true);
 }
 bool Mutex::LockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
-  static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
-      ("5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE"));
-  const bool met = real(this, cond, timeout);
-  __tsan_acquire(this);  // held either way
-  return met;
+  return LockWhenWithDeadline(cond, absl::Now() + timeout);
 }
 bool Mutex::LockWhenWithDeadline(const Condition& cond, absl::Time deadline) {
-  static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Time)>(
-      ("5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE"));
-  const bool met = real(this, cond, deadline);
-  __tsan_acquire(this);
-  return met;
+  Lock();
+  return WaitFor(this, cond, deadline, /*reader=*/false);
 }
 bool Mutex::ReaderLockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
-  static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
-      ("5Mutex25ReaderLockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE"));
-  const bool met = real(this, cond, timeout);
-  __tsan_acquire(this);
-  return met;
+  return ReaderLockWhenWithDeadline(cond, absl::Now() + timeout);
 }
 bool Mutex::ReaderLockWhenWithDeadline(const Condition& cond, absl::Time deadline) {
-  static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Time)>(
-      ("5Mutex26ReaderLockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE"));
-  const bool met = real(this, cond, deadline);
-  __tsan_acquire(this);
-  return met;
+  ReaderLock();
+  return WaitFor(this, cond, deadline, /*reader=*/true);
 }
 
 // Releasing.
@@ -120,27 +125,12 @@ void Mutex::ReaderUnlock() {
 }
 
 // Releasing while waiting, then holding again.
-void Mutex::Await(const Condition& cond) {
-  static auto real = Real<void (*)(Mutex*, const Condition&)>("5Mutex5AwaitERKNS0_9ConditionE");
-  __tsan_release(this);
-  real(this, cond);
-  __tsan_acquire(this);
-}
+void Mutex::Await(const Condition& cond) { WaitFor(this, cond, absl::InfiniteFuture(), /*reader=*/false); }
 bool Mutex::AwaitWithTimeout(const Condition& cond, absl::Duration timeout) {
-  static auto real = Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
-      ("5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE"));
-  __tsan_release(this);
-  const bool met = real(this, cond, timeout);
-  __tsan_acquire(this);
-  return met;
+  return WaitFor(this, cond, absl::Now() + timeout, /*reader=*/false);
 }
 bool Mutex::AwaitWithDeadline(const Condition& cond, absl::Time deadline) {
-  static auto real =
-      Real<bool (*)(Mutex*, const Condition&, absl::Time)>("5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  __tsan_release(this);
-  const bool met = real(this, cond, deadline);
-  __tsan_acquire(this);
-  return met;
+  return WaitFor(this, cond, deadline, /*reader=*/false);
 }
 void CondVar::Wait(Mutex* mu) {
   static auto real = Real<void (*)(CondVar*, Mutex*)>("7CondVar4WaitEPNS0_5MutexE");
