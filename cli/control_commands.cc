@@ -147,6 +147,10 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   start->add_option("--heartbeat-interval-ms", options->heartbeat_interval_ms, "worker heartbeat interval")
       ->capture_default_str();
   start
+      ->add_option("--unreachable-timeout-ms", options->unreachable_timeout_ms,
+                   "Declare a silent worker that cannot be reached (a partition) dead after this long (default 30000)")
+      ->check(CLI::Range(int64_t{1000}, int64_t{3600000}));
+  start
       ->add_option("--heartbeat-timeout-ms", options->heartbeat_timeout_ms,
                    "silence after which a worker is declared dead")
       ->capture_default_str();
@@ -340,6 +344,20 @@ void PrintJob(const JobInfo& job) {
     std::printf("  step time: predicted %.3f s, measured %.3f s\n", job.predicted_step_seconds(),
                 job.measured_step_seconds());
   }
+  if (job.last_checkpoint_step() > 0 || !job.resumed_from().empty()) {
+    std::printf("  checkpoints: newest complete at step %ld%s%s\n", static_cast<long>(job.last_checkpoint_step()),
+                job.resumed_from().empty() ? "" : "; this run resumed from ", job.resumed_from().c_str());
+  }
+  if (job.restarts() > 0) std::printf("  restarts: %d (run %ld)\n", job.restarts(), static_cast<long>(job.attempt()));
+  for (const FaultRecord& f : job.faults()) {
+    std::printf("  fault at %s, step %ld: %s\n    -> %s, %ld step(s) lost, %s\n",
+                FormatTime(f.detected_unix_ms()).c_str(), static_cast<long>(f.step()), f.cause().c_str(),
+                f.resumed_from().empty() ? "restarted from the beginning"
+                                         : absl::StrCat("resumed from step ", f.resumed_step()).c_str(),
+                static_cast<long>(f.steps_lost()),
+                f.recovery_seconds() > 0 ? absl::StrFormat("training again after %.1f s", f.recovery_seconds()).c_str()
+                                         : "recovering");
+  }
   for (const ActorRecord& a : job.actors()) {
     std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(), a.worker_id().c_str(),
                 a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str(), a.message().c_str());
@@ -422,13 +440,18 @@ void AddJobCommands(CLI::App& app, Context& context) {
   submit->add_flag("--follow", *follow, "stream the job's log until it ends");
   auto progress = std::make_shared<bool>(false);
   submit->add_flag("--progress", *progress, "with --follow: one progress line for the steps (default on a terminal)");
+  auto resume_from = std::make_shared<std::string>();
+  submit->add_option("--resume-from", *resume_from,
+                     "start from this checkpoint (a step directory, or a checkpoint dir: its newest complete one); "
+                     "any plan's checkpoint of the same model (sets checkpoint.resume_from)");
   flags->Add(submit);
-  submit->callback([flags, spec_path, follow, progress, &context] {
+  submit->callback([flags, spec_path, follow, progress, resume_from, &context] {
     auto spec = LoadJobSpecFile(*spec_path);
     if (!spec.ok()) {
       context.exit_code = Fail(spec.status());
       return;
     }
+    if (!resume_from->empty()) spec->mutable_checkpoint()->set_resume_from(*resume_from);
     // Workers may run elsewhere with another working directory: paths travel absolute.
     auto absolute = [](std::string* path) {
       if (!path->empty() && (*path)[0] != '/') *path = (std::filesystem::current_path() / *path).string();
@@ -436,6 +459,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     absolute(spec->mutable_data()->mutable_train());
     absolute(spec->mutable_data()->mutable_val());
     absolute(spec->mutable_checkpoint()->mutable_dir());
+    absolute(spec->mutable_checkpoint()->mutable_resume_from());
     auto client = Connect(*flags);
     if (!client.ok()) {
       context.exit_code = Fail(client.status());

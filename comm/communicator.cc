@@ -14,6 +14,8 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
 
 namespace geotrain::comm {
 
@@ -111,17 +113,45 @@ std::vector<float>* GrpcCommunicator::Residual(const std::string& key) {
   return &residuals_[key];
 }
 
+absl::Status GrpcCommunicator::SendWithRetries(const Call& call, const std::function<absl::Status()>& send) {
+  absl::Duration backoff = absl::Milliseconds(50);
+  for (int attempt = 0;; ++attempt) {
+    absl::Status status = send();
+    // A retry of a tensor whose first delivery was taken but not acknowledged finds it waiting.
+    if (attempt > 0 && status.code() == absl::StatusCode::kAlreadyExists) return absl::OkStatus();
+    if (status.code() != absl::StatusCode::kUnavailable) return status;
+    if (server_->JobCancelled(options_.job_id)) {
+      return absl::CancelledError(absl::StrCat("job ", options_.job_id, " is stopping: ", status.message()));
+    }
+    if (absl::Now() + backoff >= call.deadline) {
+      return absl::UnavailableError(
+          absl::StrCat(status.message(), " (retried ", attempt + 1, " time(s) until the deadline)"));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(1));
+  }
+}
+
 absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
                                       const Codec& codec, const std::string& residual_key) {
-  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
   const int64_t n = static_cast<int64_t>(data.size());
-  return client_->Send(peers_[peer].address, MakeKey(call, part, rank_), {n}, data, codec, call.deadline, residual);
+  const TensorKey key = MakeKey(call, part, rank_);
+  if (EncodedElementBytes(codec) > 0) {  // element-wise codecs: each attempt encodes again, identically
+    return SendWithRetries(
+        call, [&] { return client_->Send(peers_[peer].address, key, {n}, data, codec, call.deadline, nullptr); });
+  }
+  // The others are encoded once (top-k's error feedback must see the tensor once), then sent.
+  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
+  Bytes encoded;
+  RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
+  return SendEncodedTo(call, part, peer, codec, encoded, n);
 }
 
 absl::Status GrpcCommunicator::SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
                                              const Bytes& encoded, int64_t elements) {
-  return client_->SendEncoded(peers_[peer].address, MakeKey(call, part, rank_), {elements}, codec, encoded,
-                              call.deadline);
+  const TensorKey key = MakeKey(call, part, rank_);
+  return SendWithRetries(
+      call, [&] { return client_->SendEncoded(peers_[peer].address, key, {elements}, codec, encoded, call.deadline); });
 }
 
 absl::StatusOr<ReceivedTensor> GrpcCommunicator::RecvFrom(const Call& call, const std::string& part, int peer) {

@@ -614,13 +614,16 @@ void TensorStreamServer::CancelJob(const std::string& job_id) {
   cancelled_jobs_.insert(job_id);
 }
 
+bool TensorStreamServer::JobCancelled(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_jobs_.contains(job_id);
+}
+
 size_t TensorStreamServer::DiscardJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   size_t dropped = 0;
   for (auto it = mailbox_.begin(); it != mailbox_.end();) {
-    const std::string& key_job = it->first.job_id;
-    if (key_job == job_id || (key_job.size() > job_id.size() && key_job.compare(0, job_id.size(), job_id) == 0 &&
-                              key_job[job_id.size()] == '/')) {
+    if (it->first.job_id == job_id) {
       reserved_bytes_ -= std::min<uint64_t>(it->second.encoded.size(), reserved_bytes_);
       mailbox_.erase(it++);
       ++dropped;
@@ -663,6 +666,11 @@ std::shared_ptr<grpc::Channel> TensorStreamClient::ChannelFor(const std::string&
   // A separate connection per client object (not shared through gRPC's global subchannel pool), so that
   // benchmarks and tests with several endpoints in one process behave like separate processes.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // After a link outage the connection comes back within a second of the link (gRPC's default backoff
+  // grows to two minutes): senders retry until their deadline (comm/communicator.h).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   ApplyTransportOptions(options_, &args);
   auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   channels_[address] = channel;

@@ -132,8 +132,7 @@ class TensorStreamServer {
   absl::StatusOr<ReceivedTensor> Recv(const TensorKey& key, absl::Time deadline);
 
   // Drops every tensor of `job_id` waiting in the mailbox (when a job ends, fails or is cancelled, or after a
-  // collective failed part-way), and those of its later runs ("<job_id>/attempt<N>"); returns how many were
-  // dropped.
+  // collective failed part-way); returns how many were dropped.
   size_t DiscardJob(const std::string& job_id);
 
   // Stops the receives of `job_id` (a key's job id exactly, e.g. one run of a job): every Recv waiting for
@@ -141,6 +140,8 @@ class TensorStreamServer {
   // (FAILED_PRECONDITION to the sender). For a job that is stopping: its actors learn it without waiting for
   // their receive deadlines. The mailbox shares it between every actor of the job on this endpoint.
   void CancelJob(const std::string& job_id);
+  // Whether CancelJob(job_id) was called.
+  bool JobCancelled(const std::string& job_id) const;
 
   // Wakes every Recv with CANCELLED and refuses new tensors (UNAVAILABLE). Call before shutting the
   // grpc::Server down when other threads may be waiting.

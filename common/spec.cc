@@ -267,6 +267,11 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (c->lan_codec().empty()) c->set_lan_codec("none");
   if (c->chunk_bytes() == 0) c->set_chunk_bytes(1 << 20);
   if (c->grad_bucket_mb() == 0) c->set_grad_bucket_mb(25);
+  CheckpointSpec* k = spec->mutable_checkpoint();
+  if (k->keep() == 0) k->set_keep(3);
+  FaultToleranceSpec* f = spec->mutable_fault_tolerance();
+  if (!f->has_max_restarts()) f->set_max_restarts(3);
+  if (f->wait_for_workers_s() == 0) f->set_wait_for_workers_s(300);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -301,7 +306,22 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
     return bad("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
   }
-  if (spec.checkpoint().every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
+  const CheckpointSpec& k = spec.checkpoint();
+  if (k.every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
+  if (k.keep() < -1) return bad("checkpoint.keep", "must be -1 (keep all) or a count of checkpoints to keep");
+  if (k.resume() != "" && k.resume() != "auto") {
+    return bad("checkpoint.resume", absl::StrCat("must be auto (or absent), got '", k.resume(), "'"));
+  }
+  if (k.resume() == "auto" && k.dir().empty()) {
+    return bad("checkpoint.resume", "auto needs checkpoint.dir: the directory to resume from");
+  }
+  const FaultToleranceSpec& f = spec.fault_tolerance();
+  if (f.has_max_restarts() && f.max_restarts() < -1) {
+    return bad("fault_tolerance.max_restarts", "must be -1 (unlimited), 0 (fail on the first fault) or a count");
+  }
+  if (!(f.wait_for_workers_s() >= 0 && f.wait_for_workers_s() <= 7 * 24 * 3600)) {
+    return bad("fault_tolerance.wait_for_workers_s", "must be between 0 and 604800 (a week)");
+  }
   return absl::OkStatus();
 }
 
