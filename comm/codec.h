@@ -29,6 +29,8 @@
 //
 // Thread safety: all functions are thread-safe; a residual vector must not be shared by concurrent calls.
 // Speed: the element loops are compiled for AVX-512, AVX2 and plain x86-64 and chosen at run time.
+// Files: codec.cc (names, wire header, encode and decode), codec_kernels.{h,cc} (the element loops per
+// instruction set), crc32c.{h,cc} (checksums), buffer_pool.{h,cc} (Bytes and its pool of large buffers).
 #pragma once
 
 #include <cstddef>
@@ -41,6 +43,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "comm/buffer_pool.h"  // Bytes
+#include "comm/crc32c.h"       // Crc32c
 
 namespace geotrain::comm {
 
@@ -67,29 +71,6 @@ struct Codec {
 // Parses "none" | "fp16" | "bf16" | "int8" | "topk:F" (0 < F <= 1), each optionally "+zstd" or "+zstd:L"
 // (L in 1..19). Errors name the bad part and list the accepted forms.
 absl::StatusOr<Codec> ParseCodec(std::string_view text);
-
-// An owned byte buffer that is left uninitialised on allocation (no memset of large tensors). Copies
-// share the same memory (so that gRPC slices can reference it without copying); treat the contents as
-// immutable once they are shared. Buffers of 1 MiB and more are recycled through a process-wide pool
-// (at most 1 GiB kept), because first-touch page faults on fresh large allocations cost more than encoding.
-class Bytes {
- public:
-  Bytes() = default;
-  explicit Bytes(size_t size);
-  uint8_t* data() { return data_.get(); }
-  const uint8_t* data() const { return data_.get(); }
-  size_t size() const { return size_; }
-  // Sets the size to `size` <= the allocated size (used after compressing into a worst-case buffer).
-  void Shrink(size_t size);
-  absl::Span<const uint8_t> span() const { return {data_.get(), size_}; }
-  // Shared ownership of the memory, for zero-copy hand-off.
-  const std::shared_ptr<uint8_t[]>& shared() const { return data_; }
-
- private:
-  std::shared_ptr<uint8_t[]> data_;
-  size_t size_ = 0;
-  size_t capacity_ = 0;
-};
 
 // What the header of an encoded tensor says, once validated.
 struct EncodedInfo {
@@ -134,9 +115,6 @@ absl::Status DecodeTensor(absl::Span<const uint8_t> encoded, absl::Span<float> o
 // Decodes and adds into `accumulator` (accumulator += decoded), saving a pass in reductions.
 absl::Status DecodeTensorAdd(absl::Span<const uint8_t> encoded, absl::Span<float> accumulator,
                              const DecodeOptions& options = {});
-
-// CRC-32C (Castagnoli), hardware-accelerated where SSE4.2 is present. `crc` chains calls.
-uint32_t Crc32c(const void* data, size_t size, uint32_t crc = 0);
 
 // The instruction set the element loops use on this machine: "avx512", "avx2" or "scalar".
 std::string_view CodecIsa();
