@@ -29,7 +29,7 @@
 //
 // Thread safety: all functions are thread-safe; a residual vector must not be shared by concurrent calls.
 // Speed: the element loops are compiled for AVX-512, AVX2 and plain x86-64 and chosen at run time.
-// Files: codec.cc (names, wire header, encode and decode), codec_kernels.{h,cc} (the element loops per
+// Files: codec.cc (wire header, encode and decode), codec_kernels.{h,cc} (the element loops per
 // instruction set), crc32c.{h,cc} (checksums), buffer_pool.{h,cc} (Bytes and its pool of large buffers).
 #pragma once
 
@@ -43,12 +43,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "comm/buffer_pool.h"  // Bytes
-#include "comm/crc32c.h"       // Crc32c
+#include "comm/buffer_pool.h"   // Bytes
+#include "comm/crc32c.h"        // Crc32c
+#include "common/codec_spec.h"  // Codec, CodecKind, ParseCodec
 
 namespace geotrain::comm {
 
-enum class CodecKind : uint8_t { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kTopK = 4 };
+// A codec is what its name says (common/codec_spec.h holds the one parser, which the planner shares).
+using Codec = ::geotrain::CodecSpec;
+using CodecKind = ::geotrain::CodecKind;
 
 inline constexpr size_t kInt8BlockSize = 256;
 inline constexpr size_t kCodecHeaderBytes = 40;
@@ -56,21 +59,9 @@ inline constexpr uint32_t kCodecMagic = 0x43445447;  // "GTDC" in little endian
 // Element counts above this are refused (keeps every size computation far from overflow).
 inline constexpr uint64_t kMaxCodecElements = uint64_t{1} << 40;
 
-struct Codec {
-  CodecKind kind = CodecKind::kNone;
-  double topk_fraction = 0.0;  // (0, 1], kTopK only
-  bool zstd = false;
-  int zstd_level = 1;
-
-  // Lossless codecs reproduce every bit: none, optionally with zstd.
-  bool lossless() const { return kind == CodecKind::kNone; }
-  // The canonical name, which ParseCodec accepts: "bf16+zstd", "topk:0.01", "int8+zstd:3".
-  std::string ToString() const;
-};
-
 // Parses "none" | "fp16" | "bf16" | "int8" | "topk:F" (0 < F <= 1), each optionally "+zstd" or "+zstd:L"
-// (L in 1..19). Errors name the bad part and list the accepted forms.
-absl::StatusOr<Codec> ParseCodec(std::string_view text);
+// (L in 1..19): ParseCodecSpec under comm's name. Errors name the bad part and list the accepted forms.
+inline absl::StatusOr<Codec> ParseCodec(std::string_view text) { return ParseCodecSpec(text); }
 
 // What the header of an encoded tensor says, once validated.
 struct EncodedInfo {

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/rpc.h"  // FromGrpc, ToGrpc
 #include "tensor.grpc.pb.h"
 #include "tensor.pb.h"
 
@@ -34,14 +35,6 @@ constexpr char kStreamMethod[] = "/geotrain.TensorStream/Stream";
 constexpr size_t kMaxHeaderBytes = 64 * 1024;
 // Encode + CRC and copy + CRC work in blocks of this size so the second pass reads from L1/L2.
 constexpr size_t kCacheBlockBytes = 64 * 1024;
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(context, ": ", s.error_message()));
-}
 
 // --- Protobuf wire helpers ----------------------------------------------------------------------------
 
@@ -266,16 +259,6 @@ void RetainFreedMemory() {
 void DestroySharedBytes(void* user_data) { delete static_cast<std::shared_ptr<uint8_t[]>*>(user_data); }
 
 }  // namespace
-
-bool TokenMatches(std::string_view presented, std::string_view expected) {
-  if (expected.empty()) return false;  // a server without a token accepts nobody
-  unsigned diff = presented.size() == expected.size() ? 0u : 1u;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const unsigned char p = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
-    diff |= p ^ static_cast<unsigned char>(expected[i]);
-  }
-  return diff == 0;
-}
 
 std::string TensorKey::ToString() const {
   return absl::StrCat("{job=", job_id, " step=", step, " mb=", microbatch, " tensor=", tensor_id, " src=", src, "}");

@@ -15,18 +15,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geotrain {
 namespace {
-
-bool ConstantTimeEquals(std::string_view a, std::string_view b) {
-  // Length is not secret; content is.
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
 
 std::string RandomHex(int bytes) {
   std::string raw(bytes, '\0');
@@ -46,6 +39,17 @@ std::string RandomHex(int bytes) {
 
 }  // namespace
 
+bool TokenMatches(std::string_view presented, std::string_view expected) {
+  if (expected.empty()) return false;  // a server without a token accepts nobody
+  // Length is not secret; content is. The loop runs over the expected token whatever is presented.
+  unsigned diff = presented.size() == expected.size() ? 0u : 1u;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const unsigned char p = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
+    diff |= p ^ static_cast<unsigned char>(expected[i]);
+  }
+  return diff == 0;
+}
+
 grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
                                       const std::string& peer) const {
   auto it = metadata.find(kTokenMetadataKey);
@@ -55,7 +59,7 @@ grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc
                         "no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's token file "
                         "is <state-dir>/token)");
   }
-  if (!ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()), token_)) {
+  if (!TokenMatches(std::string_view(it->second.data(), it->second.size()), token_)) {
     GT_LOG(WARNING) << "refused a call from " << peer << ": wrong cluster token";
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "wrong cluster token; use the token in the head's <state-dir>/token file");
@@ -173,9 +177,10 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   return grpc::CreateCustomChannel(address, *creds, args);
 }
 
-absl::Status FromGrpc(const grpc::Status& status) {
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  return context.empty() ? converted : WithContext(converted, context);
 }
 
 grpc::Status ToGrpc(const absl::Status& status) {

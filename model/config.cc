@@ -1,6 +1,8 @@
 // GPT-2 presets and the derived counts (parameters, FLOPs, activations).
 #include "model/config.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "spec.pb.h"
@@ -114,6 +116,14 @@ int64_t GPT2Config::BlockActivationFloatsPerToken(int seq_len) const {
   // ln1, ln1 stats, qkv, atty, attproj, residual2, ln2, ln2 stats, fch, fch_gelu, fcproj, residual3
   // plus the attention probabilities (NH x T per token) llm.c keeps.
   return C + 2 + 3 * C + C + C + C + C + 2 + 4 * C + 4 * C + C + C + static_cast<int64_t>(n_head) * seq_len;
+}
+
+StageBlocks SplitStageBlocks(int n_layer, int stage, int num_stages) {
+  const int base = n_layer / num_stages, extra = n_layer % num_stages;
+  StageBlocks blocks;
+  blocks.first = stage * base + std::min(stage, extra);
+  blocks.last = blocks.first + base + (stage < extra ? 1 : 0);
+  return blocks;
 }
 
 }  // namespace geotrain

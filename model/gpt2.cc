@@ -104,10 +104,9 @@ class NormalStream {
 
 StageOptions StageOptions::Split(const GPT2Config& config, int stage, int num_stages) {
   StageOptions o;
-  const int L = config.n_layer;
-  const int base = L / num_stages, extra = L % num_stages;
-  o.first_layer = stage * base + std::min(stage, extra);
-  o.last_layer = o.first_layer + base + (stage < extra ? 1 : 0);
+  const StageBlocks blocks = SplitStageBlocks(config.n_layer, stage, num_stages);
+  o.first_layer = blocks.first;
+  o.last_layer = blocks.last;
   o.has_embedding = stage == 0;
   o.has_head = stage == num_stages - 1;
   return o;

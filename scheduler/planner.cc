@@ -220,10 +220,9 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
 std::vector<int> RuntimeStageBegin(const ModelCosts& model, int pp) {
   const int blocks = model.num_layers() - 2;  // [embedding, h.0 .. h.L-1, head]
   if (pp < 1 || pp > blocks) return {};
-  const int base = blocks / pp, extra = blocks % pp;
   std::vector<int> begin(pp + 1);
   begin[0] = 0;
-  for (int s = 1; s < pp; ++s) begin[s] = 1 + s * base + std::min(s, extra);
+  for (int s = 1; s < pp; ++s) begin[s] = 1 + SplitStageBlocks(blocks, s, pp).first;  // layer 0 is the embedding
   begin[pp] = model.num_layers();
   return begin;
 }

@@ -67,9 +67,9 @@ struct PlanResult {
 absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                    const PlannerOptions& options = {});
 
-// The runtime's stage slicing (model::StageOptions::Split, the head's placement): blocks split as
-// evenly as possible with the earlier stages taking the extra ones, the embedding on the first
-// stage and the head on the last. Returns pp + 1 indices into ModelCosts::layers; empty when pp
+// The runtime's stage slicing (SplitStageBlocks in model/config.h, which model::StageOptions::Split uses):
+// blocks split as evenly as possible with the earlier stages taking the extra ones, the embedding on the
+// first stage and the head on the last. Returns pp + 1 indices into ModelCosts::layers; empty when pp
 // exceeds the number of blocks.
 std::vector<int> RuntimeStageBegin(const ModelCosts& model, int pp);
 
