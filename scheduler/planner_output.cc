@@ -2,11 +2,13 @@
 // as JSON (`geotrain plan --json`) and as text for a terminal.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
 #include "scheduler/planner.h"
 #include "scheduler/planner_internal.h"
 #include "spec.pb.h"
@@ -85,90 +87,111 @@ void FillParallelSpec(const ManualPlan& manual, ParallelSpec* spec) {
 
 namespace {
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
+using Json = nlohmann::ordered_json;  // keys in the order written
+
+// A figure with 6 significant digits (integral ones as integers), null when not finite.
+Json JsonNumber(double x) {
+  if (!std::isfinite(x)) return nullptr;
+  const double rounded = std::strtod(absl::StrFormat("%.6g", x).c_str(), nullptr);
+  if (rounded == std::trunc(rounded) && std::fabs(rounded) < 9.0e15) return static_cast<int64_t>(rounded);
+  return rounded;
 }
 
-std::string JsonNumber(double x) { return std::isfinite(x) ? absl::StrFormat("%.6g", x) : "null"; }
+// Compact JSON; bytes that are not UTF-8 (in a site or device name) become U+FFFD instead of an exception.
+std::string Dump(const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
-}  // namespace
-
-std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
+Json CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
   const Plan& p = c.plan;
   const Prediction& pr = c.prediction;
-  std::vector<std::string> stages;
+  Json stages = Json::array();
   for (int s = 0; s < p.pp; ++s) {
-    stages.push_back(absl::StrCat("{\"first_layer\":", JsonString(model.layers[p.stage_begin[s]].name),
-                                  ",\"last_layer\":", JsonString(model.layers[p.stage_begin[s + 1] - 1].name),
-                                  ",\"forward_s\":", JsonNumber(pr.stage_forward_s[s]),
-                                  ",\"backward_s\":", JsonNumber(pr.stage_backward_s[s]),
-                                  ",\"allreduce_s\":", JsonNumber(pr.stage_allreduce_s[s]), "}"));
+    stages.push_back({{"first_layer", model.layers[p.stage_begin[s]].name},
+                      {"last_layer", model.layers[p.stage_begin[s + 1] - 1].name},
+                      {"forward_s", JsonNumber(pr.stage_forward_s[s])},
+                      {"backward_s", JsonNumber(pr.stage_backward_s[s])},
+                      {"allreduce_s", JsonNumber(pr.stage_allreduce_s[s])}});
   }
-  std::vector<std::string> links;
+  Json links = Json::array();
   for (const LinkTraffic& t : pr.cross_site) {
-    links.push_back(absl::StrCat(
-        "{\"a\":", JsonString(cluster.site_names[t.site_a]), ",\"b\":", JsonString(cluster.site_names[t.site_b]),
-        ",\"bytes_per_step\":", JsonNumber(t.bytes), ",\"gradient_bytes\":", JsonNumber(t.gradient_bytes),
-        ",\"activation_bytes\":", JsonNumber(t.activation_bytes), ",\"gradient_codec\":", JsonString(t.gradient_codec),
-        ",\"activation_codec\":", JsonString(t.activation_codec), "}"));
+    links.push_back({{"a", cluster.site_names[t.site_a]},
+                     {"b", cluster.site_names[t.site_b]},
+                     {"bytes_per_step", JsonNumber(t.bytes)},
+                     {"gradient_bytes", JsonNumber(t.gradient_bytes)},
+                     {"activation_bytes", JsonNumber(t.activation_bytes)},
+                     {"gradient_codec", t.gradient_codec},
+                     {"activation_codec", t.activation_codec}});
   }
-  std::vector<std::string> memory, placement;
+  Json memory = Json::array(), placement = Json::array();
   for (int d = 0; d < static_cast<int>(pr.device_memory_bytes.size()); ++d) {
     if (pr.device_memory_bytes[d] <= 0) continue;
-    memory.push_back(absl::StrCat(
-        "{\"device\":", d, ",\"site\":", JsonString(cluster.site_names[cluster.devices[d].site]),
-        ",\"name\":", JsonString(cluster.devices[d].name), ",\"bytes\":", JsonNumber(pr.device_memory_bytes[d]), "}"));
+    memory.push_back({{"device", d},
+                      {"site", cluster.site_names[cluster.devices[d].site]},
+                      {"name", cluster.devices[d].name},
+                      {"bytes", JsonNumber(pr.device_memory_bytes[d])}});
   }
   for (int r = 0; r < p.dp; ++r) {
     for (int s = 0; s < p.pp; ++s) {
       for (int k = 0; k < p.tp; ++k) {
         const Device& d = cluster.devices[p.devices[r][s][k]];
-        placement.push_back(absl::StrCat(
-            "{\"replica\":", r, ",\"stage\":", s, ",\"tp_rank\":", k, ",\"device\":", p.devices[r][s][k],
-            ",\"site\":", JsonString(cluster.site_names[d.site]), ",\"worker\":", d.worker, ",\"slot\":", d.slot, "}"));
+        placement.push_back({{"replica", r},
+                             {"stage", s},
+                             {"tp_rank", k},
+                             {"device", p.devices[r][s][k]},
+                             {"site", cluster.site_names[d.site]},
+                             {"worker", d.worker},
+                             {"slot", d.slot}});
       }
     }
   }
-  return absl::StrCat(
-      "{\"dp\":", p.dp, ",\"pp\":", p.pp, ",\"tp\":", p.tp, ",\"microbatch_size\":", p.microbatch_size,
-      ",\"microbatches\":[", absl::StrJoin(p.microbatches, ","),
-      "],\"schedule\":", JsonString(ScheduleName(p.schedule)), ",\"layout\":", JsonString(c.layout),
-      ",\"subset\":", JsonString(c.subset), ",\"fits\":", pr.fits ? "true" : "false",
-      ",\"reject_reason\":", JsonString(pr.reject_reason), ",\"step_time_s\":", JsonNumber(pr.step_time_s),
-      ",\"tokens_per_s\":", JsonNumber(pr.tokens_per_s), ",\"pipeline_time_s\":", JsonNumber(pr.pipeline_time_s),
-      ",\"dp_exposed_s\":", JsonNumber(pr.dp_exposed_s), ",\"tied_sync_s\":", JsonNumber(pr.tied_sync_s),
-      ",\"scalar_sync_s\":", JsonNumber(pr.scalar_sync_s), ",\"bubble_fraction\":", JsonNumber(pr.bubble_fraction),
-      ",\"compute_bound_s\":", JsonNumber(pr.compute_bound_s),
-      ",\"max_memory_fraction\":", JsonNumber(pr.max_memory_fraction), ",\"left_out_devices\":[",
-      absl::StrJoin(c.left_out, ","), "],\"stages\":[", absl::StrJoin(stages, ","), "],\"cross_site_links\":[",
-      absl::StrJoin(links, ","), "],\"device_memory\":[", absl::StrJoin(memory, ","), "],\"placement\":[",
-      absl::StrJoin(placement, ","), "]}");
+  return Json{{"dp", p.dp},
+              {"pp", p.pp},
+              {"tp", p.tp},
+              {"microbatch_size", p.microbatch_size},
+              {"microbatches", p.microbatches},
+              {"schedule", ScheduleName(p.schedule)},
+              {"layout", c.layout},
+              {"subset", c.subset},
+              {"fits", pr.fits},
+              {"reject_reason", pr.reject_reason},
+              {"step_time_s", JsonNumber(pr.step_time_s)},
+              {"tokens_per_s", JsonNumber(pr.tokens_per_s)},
+              {"pipeline_time_s", JsonNumber(pr.pipeline_time_s)},
+              {"dp_exposed_s", JsonNumber(pr.dp_exposed_s)},
+              {"tied_sync_s", JsonNumber(pr.tied_sync_s)},
+              {"scalar_sync_s", JsonNumber(pr.scalar_sync_s)},
+              {"bubble_fraction", JsonNumber(pr.bubble_fraction)},
+              {"compute_bound_s", JsonNumber(pr.compute_bound_s)},
+              {"max_memory_fraction", JsonNumber(pr.max_memory_fraction)},
+              {"left_out_devices", c.left_out},
+              {"stages", std::move(stages)},
+              {"cross_site_links", std::move(links)},
+              {"device_memory", std::move(memory)},
+              {"placement", std::move(placement)}};
+}
+
+}  // namespace
+
+std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
+  return Dump(CandidateJson(cluster, model, c));
 }
 
 std::string PlanResultToJson(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                              const PlanResult& result, int top) {
-  std::vector<std::string> ranked, rejected, explanation;
+  Json ranked = Json::array(), rejected = Json::array();
   for (int i = 0; i < std::min<int>(top, result.ranked.size()); ++i) {
-    ranked.push_back(PlanCandidateToJson(cluster, model, result.ranked[i]));
+    ranked.push_back(CandidateJson(cluster, model, result.ranked[i]));
   }
-  for (const PlanCandidate& c : result.rejected) rejected.push_back(PlanCandidateToJson(cluster, model, c));
-  for (const std::string& line : result.explanation) explanation.push_back(JsonString(line));
-  return absl::StrCat(
-      "{\"global_batch\":", job.global_batch, ",\"seq_len\":", job.seq_len, ",\"devices\":", cluster.devices.size(),
-      ",\"sites\":", cluster.num_sites(), ",\"plans_simulated\":", result.plans_simulated,
-      ",\"planning_seconds\":", JsonNumber(result.planning_seconds), ",\"ranked\":[", absl::StrJoin(ranked, ","),
-      "],\"rejected\":[", absl::StrJoin(rejected, ","), "],\"explanation\":[", absl::StrJoin(explanation, ","), "]}\n");
+  for (const PlanCandidate& c : result.rejected) rejected.push_back(CandidateJson(cluster, model, c));
+  const Json json{{"global_batch", job.global_batch},
+                  {"seq_len", job.seq_len},
+                  {"devices", cluster.devices.size()},
+                  {"sites", cluster.num_sites()},
+                  {"plans_simulated", result.plans_simulated},
+                  {"planning_seconds", JsonNumber(result.planning_seconds)},
+                  {"ranked", std::move(ranked)},
+                  {"rejected", std::move(rejected)},
+                  {"explanation", result.explanation}};
+  return Dump(json) + "\n";
 }
 
 std::string FormatPlanResult(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
