@@ -21,6 +21,7 @@
 #include "common/names.h"
 #include "common/rpc.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "control.grpc.pb.h"
 #include "head/head_server.h"
 #include "head/job_manager.h"
@@ -111,13 +112,11 @@ struct HeadClient {
 };
 
 absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
-  auto endpoint = ResolveHead(flags.head, flags.token);
-  if (!endpoint.ok()) return endpoint.status();
+  ASSIGN_OR_RETURN(auto endpoint, ResolveHead(flags.head, flags.token));
   TlsFiles tls;
   tls.ca = flags.tls_ca;
-  auto channel = MakeChannel(endpoint->address, tls);
-  if (!channel.ok()) return channel.status();
-  return HeadClient{Head::NewStub(*channel), *endpoint};
+  ASSIGN_OR_RETURN(auto channel, MakeChannel(endpoint.address, tls));
+  return HeadClient{Head::NewStub(channel), endpoint};
 }
 
 std::string FormatTime(int64_t unix_ms) {

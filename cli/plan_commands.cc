@@ -23,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "cli/registry.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "model/config.h"
 #include "scheduler/cluster.h"
 #include "scheduler/cost_model.h"
@@ -83,9 +84,8 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
   if (parallel.plan() != "manual") {
     return absl::InvalidArgumentError("--predict needs a job spec with parallel: {plan: manual, ...}");
   }
-  absl::StatusOr<scheduler::Plan> shape = scheduler::RuntimePlanShape(spec, model);
-  if (!shape.ok()) return shape.status();
-  scheduler::Plan plan = *std::move(shape);
+  ASSIGN_OR_RETURN(scheduler::Plan shape, scheduler::RuntimePlanShape(spec, model));
+  scheduler::Plan plan = std::move(shape);
   std::map<std::string, int> site_of;
   for (int s = 0; s < cluster.num_sites(); ++s) site_of[cluster.site_names[s]] = s;
   std::vector<char> used(cluster.devices.size(), 0);

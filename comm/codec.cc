@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/codec_kernels.h"
+#include "common/status.h"
 
 static_assert(std::endian::native == std::endian::little, "geotrain's wire formats assume little endian");
 
@@ -217,9 +218,8 @@ void DecodeRange(CodecKind kind, const uint8_t* raw, uint64_t count, size_t begi
 
 absl::Status DecodeImpl(absl::Span<const uint8_t> encoded, absl::Span<float> output, const DecodeOptions& options,
                         bool accumulate) {
-  auto header = ReadHeader(encoded);
-  if (!header.ok()) return header.status();
-  const Header& h = *header;
+  ASSIGN_OR_RETURN(auto header, ReadHeader(encoded));
+  const Header& h = header;
   if (h.count != output.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("encoded tensor has ", h.count, " elements, the destination ", output.size()));
@@ -227,13 +227,12 @@ absl::Status DecodeImpl(absl::Span<const uint8_t> encoded, absl::Span<float> out
   if (options.verify_checksum && Crc32c(encoded.data() + kCodecHeaderBytes, h.payload_bytes) != h.payload_crc) {
     return absl::DataLossError("encoded tensor payload checksum mismatch (corrupted in transit)");
   }
-  auto raw_or = RawPayload(h, encoded);
-  if (!raw_or.ok()) return raw_or.status();
-  const uint8_t* raw = *raw_or;
+  ASSIGN_OR_RETURN(auto raw_or, RawPayload(h, encoded));
+  const uint8_t* raw = raw_or;
   const CodecKind kind = static_cast<CodecKind>(h.kind);
   if (kind == CodecKind::kTopK) {
     uint64_t k = 0;
-    if (absl::Status s = CheckTopK(raw, h, &k); !s.ok()) return s;
+    RETURN_IF_ERROR(CheckTopK(raw, h, &k));
     if (!accumulate) std::fill(output.begin(), output.end(), 0.0f);
     const uint8_t* indices = raw + 8;
     const uint8_t* values = raw + 8 + 4 * k;
@@ -243,7 +242,7 @@ absl::Status DecodeImpl(absl::Span<const uint8_t> encoded, absl::Span<float> out
     return absl::OkStatus();
   }
   if (kind == CodecKind::kInt8) {
-    if (absl::Status s = CheckInt8Scales(raw, h.count); !s.ok()) return s;
+    RETURN_IF_ERROR(CheckInt8Scales(raw, h.count));
   }
   if (!accumulate) {
     DecodeRange(kind, raw, h.count, 0, output.size(), output.data());
@@ -336,7 +335,7 @@ absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Byt
   uint8_t* raw = nullptr;
   Bytes result;
   if (codec.kind == CodecKind::kTopK) {
-    if (absl::Status s = EncodeTopK(codec, input, residual, &topk_raw); !s.ok()) return s;
+    RETURN_IF_ERROR(EncodeTopK(codec, input, residual, &topk_raw));
     raw_bytes = topk_raw.size();
     if (!codec.zstd) {
       result = Bytes(kCodecHeaderBytes + raw_bytes);
@@ -466,18 +465,17 @@ absl::Status CheckEncodedSize(const Codec& codec, uint64_t element_count, uint64
 }
 
 absl::StatusOr<EncodedInfo> InspectEncoded(absl::Span<const uint8_t> encoded, bool verify_checksum) {
-  auto header = ReadHeader(encoded);
-  if (!header.ok()) return header.status();
-  if (verify_checksum && Crc32c(encoded.data() + kCodecHeaderBytes, header->payload_bytes) != header->payload_crc) {
+  ASSIGN_OR_RETURN(auto header, ReadHeader(encoded));
+  if (verify_checksum && Crc32c(encoded.data() + kCodecHeaderBytes, header.payload_bytes) != header.payload_crc) {
     return absl::DataLossError("encoded tensor payload checksum mismatch (corrupted in transit)");
   }
   EncodedInfo info;
-  info.codec.kind = static_cast<CodecKind>(header->kind);
-  info.codec.zstd = (header->flags & kFlagZstd) != 0;
-  info.element_count = header->count;
-  info.payload_bytes = header->payload_bytes;
-  info.raw_payload_bytes = header->raw_bytes;
-  info.payload_crc = header->payload_crc;
+  info.codec.kind = static_cast<CodecKind>(header.kind);
+  info.codec.zstd = (header.flags & kFlagZstd) != 0;
+  info.element_count = header.count;
+  info.payload_bytes = header.payload_bytes;
+  info.raw_payload_bytes = header.raw_bytes;
+  info.payload_crc = header.payload_crc;
   return info;
 }
 

@@ -129,16 +129,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   if (tls.cert.empty() || tls.key.empty()) {
     return absl::InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
   }
-  auto cert = ReadSmallFile(tls.cert);
-  if (!cert.ok()) return cert.status();
-  auto key = ReadSmallFile(tls.key);
-  if (!key.ok()) return key.status();
+  ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
+  ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
   grpc::SslServerCredentialsOptions options;
-  options.pem_key_cert_pairs.push_back({*key, *cert});
+  options.pem_key_cert_pairs.push_back({key, cert});
   if (!tls.ca.empty()) {
-    auto ca = ReadSmallFile(tls.ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
+    options.pem_root_certs = ca;
   }
   return grpc::SslServerCredentials(options);
 }
@@ -147,24 +144,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions options;
   if (!tls.ca.empty()) {
-    auto ca = ReadSmallFile(tls.ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
+    options.pem_root_certs = ca;
   }
   if (!tls.cert.empty() && !tls.key.empty()) {
-    auto cert = ReadSmallFile(tls.cert);
-    if (!cert.ok()) return cert.status();
-    auto key = ReadSmallFile(tls.key);
-    if (!key.ok()) return key.status();
-    options.pem_cert_chain = *cert;
-    options.pem_private_key = *key;
+    ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
+    ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
+    options.pem_cert_chain = cert;
+    options.pem_private_key = key;
   }
   return grpc::SslCredentials(options);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls) {
-  auto creds = MakeChannelCredentials(tls);
-  if (!creds.ok()) return creds.status();
+  ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
@@ -174,7 +167,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetMaxReceiveMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(address, *creds, args);
+  return grpc::CreateCustomChannel(address, creds, args);
 }
 
 absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
@@ -213,10 +206,9 @@ absl::Status WriteClusterRecord(const ClusterRecord& record) {
 
 absl::StatusOr<ClusterRecord> ReadClusterRecord() {
   const std::string path = absl::StrCat(GeotrainHome(), "/current_cluster.json");
-  auto text = ReadSmallFile(path);
-  if (!text.ok()) return text.status();
+  ASSIGN_OR_RETURN(auto text, ReadSmallFile(path));
   try {
-    YAML::Node node = YAML::Load(*text);
+    YAML::Node node = YAML::Load(text);
     ClusterRecord r;
     r.address = node["address"].as<std::string>("");
     r.token_file = node["token_file"].as<std::string>("");

@@ -204,7 +204,7 @@ absl::Status ParseYamlOrJson(std::string_view text, std::string_view source, goo
 
 absl::Status LoadMessageFile(const std::string& path, google::protobuf::Message* message) {
   std::string text;
-  if (absl::Status s = ReadFile(path, &text); !s.ok()) return s;
+  RETURN_IF_ERROR(ReadFile(path, &text));
   return ParseYamlOrJson(text, path, message);
 }
 
@@ -328,7 +328,7 @@ absl::Status ValidateTopology(Topology* topology) {
 
 absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {
   JobSpec spec;
-  if (absl::Status s = LoadMessageFile(path, &spec); !s.ok()) return s;
+  RETURN_IF_ERROR(LoadMessageFile(path, &spec));
   ApplyJobDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
@@ -338,7 +338,7 @@ absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {
 
 absl::StatusOr<Topology> LoadTopologyFile(const std::string& path) {
   Topology topology;
-  if (absl::Status s = LoadMessageFile(path, &topology); !s.ok()) return s;
+  RETURN_IF_ERROR(LoadMessageFile(path, &topology));
   if (absl::Status s = ValidateTopology(&topology); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
   }

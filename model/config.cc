@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 #include "spec.pb.h"
 
 namespace geotrain {
@@ -38,7 +39,7 @@ absl::StatusOr<GPT2Config> GPT2Config::FromPreset(const std::string& name) {
       c.n_embd = p.n_embd;
       c.block_size = p.block_size;
       c.vocab_size = p.vocab_size;
-      if (absl::Status s = c.Validate(); !s.ok()) return s;
+      RETURN_IF_ERROR(c.Validate());
       return c;
     }
   }
@@ -55,16 +56,15 @@ std::vector<std::string> GPT2Config::PresetNames() {
 absl::StatusOr<GPT2Config> GPT2Config::FromSpec(const ModelSpec& spec) {
   GPT2Config c;
   if (!spec.preset().empty()) {
-    absl::StatusOr<GPT2Config> preset = FromPreset(spec.preset());
-    if (!preset.ok()) return preset.status();
-    c = *preset;
+    ASSIGN_OR_RETURN(GPT2Config preset, FromPreset(spec.preset()));
+    c = preset;
   }
   if (spec.n_layer() != 0) c.n_layer = spec.n_layer();
   if (spec.n_head() != 0) c.n_head = spec.n_head();
   if (spec.n_embd() != 0) c.n_embd = spec.n_embd();
   if (spec.block_size() != 0) c.block_size = spec.block_size();
   if (spec.vocab_size() != 0) c.vocab_size = spec.vocab_size();
-  if (absl::Status s = c.Validate(); !s.ok()) return s;
+  RETURN_IF_ERROR(c.Validate());
   return c;
 }
 

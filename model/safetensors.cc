@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace geotrain::model {
@@ -139,9 +140,8 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  absl::StatusOr<std::string> bytes = ReadFileToString(path);
-  if (!bytes.ok()) return bytes.status();
-  const std::string& b = *bytes;
+  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+  const std::string& b = bytes;
   if (b.size() < 8) {
     return absl::DataLossError(absl::StrCat(path, ": ", b.size(), " bytes is too short for a safetensors file"));
   }

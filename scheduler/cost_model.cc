@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace geotrain::scheduler {
 namespace {
@@ -69,13 +70,12 @@ double Codec::SecondsPerByte(const LinkSpec& link) const {
 }
 
 absl::StatusOr<Codec> ParseCodec(const std::string& name) {
-  absl::StatusOr<CodecSpec> spec = ParseCodecSpec(name);  // the runtime's parser: one meaning per name
-  if (!spec.ok()) return spec.status();
+  ASSIGN_OR_RETURN(const CodecSpec spec, ParseCodecSpec(name));  // the runtime's parser: one meaning per name
   // Throughputs are the codec issue's goal figures for one core (4 GB/s for casts); calibrate with
   // runs.
   Codec codec;
-  codec.name = spec->ToString();
-  switch (spec->kind) {
+  codec.name = spec.ToString();
+  switch (spec.kind) {
     case CodecKind::kNone:
       codec = Codec{codec.name, 1.0, 0, true};
       break;
@@ -88,10 +88,10 @@ absl::StatusOr<Codec> ParseCodec(const std::string& name) {
       break;
     case CodecKind::kTopK:
       // A value and an index per kept element; the selection is slow.
-      codec = Codec{codec.name, 2 * spec->topk_fraction, 0.5e9, false};
+      codec = Codec{codec.name, 2 * spec.topk_fraction, 0.5e9, false};
       break;
   }
-  if (spec->zstd) {
+  if (spec.zstd) {
     // zstd over the payload (docs/benchmarks/comm.md (b), level 1 on gradient-like data): it took 7-22% off
     // the cast codecs' bytes and ran at about 1 GB/s of fp32 input, encode and decode together.
     codec.ratio *= kZstdRatio;

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 #include "scheduler/planner_internal.h"
 
 namespace geotrain::scheduler {
@@ -40,7 +41,7 @@ std::string best_subset_name(const std::map<std::string, double>& subset_best) {
 absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                    const PlannerOptions& options) {
   const auto started = std::chrono::steady_clock::now();
-  if (absl::Status s = cluster.Validate(); !s.ok()) return s;
+  RETURN_IF_ERROR(cluster.Validate());
   if (job.global_batch < 1 || job.seq_len < 1) {
     return absl::InvalidArgumentError("plan: global batch and sequence length must be positive");
   }
