@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/rpc.h"
 #include "common/spec.h"
 #include "common/status.h"
@@ -34,11 +35,6 @@
 
 namespace geotrain::cli {
 namespace {
-
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
-  return 1;
-}
 
 std::string SelfDirectory() {
   std::error_code ec;
@@ -178,14 +174,10 @@ int StopProcesses(const std::vector<Started>& processes) {
 }
 
 absl::StatusOr<ClusterStatus> HeadStatus(const std::string& address) {
-  ASSIGN_OR_RETURN(auto endpoint, ResolveHead(address, ""));
-  ASSIGN_OR_RETURN(auto channel, MakeChannel(endpoint.address, TlsFiles{}));
-  auto stub = Head::NewStub(channel);
+  ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, ""));
   grpc::ClientContext ctx;
-  AttachToken(&ctx, endpoint.token);
-  SetDeadlineMillis(&ctx, 3000);
   ClusterStatus status;
-  grpc::Status s = stub->GetClusterStatus(&ctx, ClusterStatusRequest(), &status);
+  grpc::Status s = client.stub->GetClusterStatus(client.Prepare(&ctx, 3000), ClusterStatusRequest(), &status);
   if (!s.ok()) return FromGrpc(s);
   return status;
 }

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "model/checkpoint.h"
@@ -25,11 +26,6 @@ namespace geotrain::cli {
 namespace {
 
 using model::GPT2Stage;
-
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str());
-  return 1;
-}
 
 struct Loaded {
   JobSpec spec;
