@@ -10,7 +10,7 @@
 // gradients only, with error feedback: the caller keeps one residual vector per tensor), each optionally
 // followed by "+zstd" or "+zstd:LEVEL" (zstd over the encoded payload).
 //
-// Error bounds (per element x, decoded y), tested in tests/comm/codec_test.cc:
+// Error bounds (per element x, decoded y), tested in comm/codec_test.cc:
 //   fp16: |y - x| <= 2^-11 |x| for normal fp16 range (|x| in [2^-14, 65504]);
 //   bf16: |y - x| <= 2^-8 |x| for normal values;
 //   int8: |y - x| <= scale/2 with scale = max|block| / 127, i.e. max|block| / 254;
