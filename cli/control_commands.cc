@@ -17,10 +17,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/log.h"
 #include "common/names.h"
 #include "common/rpc.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "control.grpc.pb.h"
 #include "head/head_server.h"
 #include "head/job_manager.h"
@@ -35,28 +37,6 @@ using head::HeadServer;
 using worker::ParseEmulatedDevice;
 using worker::WorkerOptions;
 using worker::WorkerServer;
-
-// Prints "geotrain: <message>" and returns the exit code for it.
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
-  return status.code() == absl::StatusCode::kUnauthenticated ? 3 : 1;
-}
-
-// Explains an RPC failure in terms of what the user can do.
-absl::Status Explain(const grpc::Status& s, const std::string& address) {
-  switch (s.error_code()) {
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return absl::UnavailableError(
-          absl::StrCat("cannot reach the head at ", address, " (", s.error_message(),
-                       "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return absl::UnauthenticatedError(
-          absl::StrCat("the head at ", address, " refused the call: ", s.error_message()));
-    default:
-      return FromGrpc(s);
-  }
-}
 
 // SIGINT and SIGTERM stop a daemon cleanly. Threads that libraries start before main() (OpenBLAS's
 // pool) may receive the signal, so masks are no use: the handler writes the signal number to a pipe,
@@ -99,25 +79,10 @@ struct HeadFlags {
   }
 };
 
-// A connected stub and the token to call it with.
-struct HeadClient {
-  std::unique_ptr<Head::Stub> stub;
-  HeadEndpoint endpoint;
-  grpc::ClientContext* Prepare(grpc::ClientContext* ctx, int64_t deadline_ms = 10000) const {
-    AttachToken(ctx, endpoint.token);
-    if (deadline_ms > 0) SetDeadlineMillis(ctx, deadline_ms);
-    return ctx;
-  }
-};
-
 absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
-  auto endpoint = ResolveHead(flags.head, flags.token);
-  if (!endpoint.ok()) return endpoint.status();
   TlsFiles tls;
   tls.ca = flags.tls_ca;
-  auto channel = MakeChannel(endpoint->address, tls);
-  if (!channel.ok()) return channel.status();
-  return HeadClient{Head::NewStub(*channel), *endpoint};
+  return ConnectToHead(flags.head, flags.token, tls);
 }
 
 std::string FormatTime(int64_t unix_ms) {
@@ -313,7 +278,7 @@ void AddStatusCommand(CLI::App& app, Context& context) {
     ClusterStatus status;
     grpc::Status s = client->stub->GetClusterStatus(client->Prepare(&ctx), ClusterStatusRequest(), &status);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     status.set_head_address(client->endpoint.address);
@@ -423,7 +388,7 @@ int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow,
   }
   line.Break();
   grpc::Status s = reader->Finish();
-  if (!s.ok()) return Fail(Explain(s, client.endpoint.address));
+  if (!s.ok()) return Fail(ExplainRpcFailure(s, client.endpoint.address));
   if (follow && (last == JOB_FAILED || last == JOB_CANCELLED)) return 1;
   return 0;
 }
@@ -472,7 +437,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     SubmitJobReply reply;
     grpc::Status s = client->stub->SubmitJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     std::printf("submitted %s (%s): %s\n", reply.job().job_id().c_str(), reply.job().name().c_str(),
@@ -498,7 +463,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     ListJobsReply reply;
     grpc::Status s = client->stub->ListJobs(client->Prepare(&ctx), ListJobsRequest(), &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     if (*list_json) {
@@ -530,7 +495,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     JobInfo reply;
     grpc::Status s = client->stub->GetJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     if (*status_json) {
@@ -555,7 +520,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     JobInfo reply;
     grpc::Status s = client->stub->CancelJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     std::printf("job %s: %s\n", reply.job_id().c_str(), JobStateName(reply.state()));

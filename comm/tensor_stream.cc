@@ -24,6 +24,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/rpc.h"  // FromGrpc, ToGrpc
+#include "common/status.h"
 #include "tensor.grpc.pb.h"
 #include "tensor.pb.h"
 
@@ -34,14 +36,6 @@ constexpr char kStreamMethod[] = "/geotrain.TensorStream/Stream";
 constexpr size_t kMaxHeaderBytes = 64 * 1024;
 // Encode + CRC and copy + CRC work in blocks of this size so the second pass reads from L1/L2.
 constexpr size_t kCacheBlockBytes = 64 * 1024;
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(context, ": ", s.error_message()));
-}
 
 // --- Protobuf wire helpers ----------------------------------------------------------------------------
 
@@ -267,16 +261,6 @@ void DestroySharedBytes(void* user_data) { delete static_cast<std::shared_ptr<ui
 
 }  // namespace
 
-bool TokenMatches(std::string_view presented, std::string_view expected) {
-  if (expected.empty()) return false;  // a server without a token accepts nobody
-  unsigned diff = presented.size() == expected.size() ? 0u : 1u;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const unsigned char p = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
-    diff |= p ^ static_cast<unsigned char>(expected[i]);
-  }
-  return diff == 0;
-}
-
 std::string TensorKey::ToString() const {
   return absl::StrCat("{job=", job_id, " step=", step, " mb=", microbatch, " tensor=", tensor_id, " src=", src, "}");
 }
@@ -303,8 +287,7 @@ absl::Status ReceivedTensor::DecodeAddInto(absl::Span<float> accumulator) const 
 
 absl::StatusOr<std::vector<float>> ReceivedTensor::Decode() const {
   std::vector<float> out(static_cast<size_t>(num_elements()));
-  absl::Status s = DecodeInto(absl::MakeSpan(out));
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(DecodeInto(absl::MakeSpan(out)));
   return out;
 }
 
@@ -386,29 +369,27 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
       return absl::InvalidArgumentError(absl::StrCat("unsupported tensor dtype ", h.dtype()));
     }
     std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
-    absl::StatusOr<uint64_t> elements = ShapeElements(shape, o.max_rank);
-    if (!elements.ok()) return elements.status();
-    absl::StatusOr<Codec> codec = ParseCodec(h.codec());
-    if (!codec.ok()) return codec.status();
+    ASSIGN_OR_RETURN(uint64_t elements, ShapeElements(shape, o.max_rank));
+    ASSIGN_OR_RETURN(Codec codec, ParseCodec(h.codec()));
     if (h.total_bytes() > o.max_tensor_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("tensor of ", h.total_bytes(), " bytes exceeds the receiver's ",
                                                        "limit of ", o.max_tensor_bytes, " (max_tensor_bytes)"));
     }
-    if (absl::Status s = CheckEncodedSize(*codec, *elements, h.total_bytes()); !s.ok()) return s;
+    RETURN_IF_ERROR(CheckEncodedSize(codec, elements, h.total_bytes()));
     if (h.chunk_bytes() == 0 || h.chunk_bytes() > o.max_chunk_bytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("chunk size ", h.chunk_bytes(), " outside (0, ", o.max_chunk_bytes, "]"));
     }
     if (chunk.offset != 0) return absl::InvalidArgumentError("first chunk of a tensor has a non-zero offset");
-    if (absl::Status s = owner_->Reserve(h.total_bytes()); !s.ok()) return s;
+    RETURN_IF_ERROR(owner_->Reserve(h.total_bytes()));
     reserved_ = h.total_bytes();
     tensor_ = ReceivedTensor{};
     tensor_.key = KeyFromProto(k);
     tensor_.shape = std::move(shape);
     tensor_.codec = h.codec();
     tensor_.encoded = Bytes(h.total_bytes());
-    codec_ = *codec;
-    elements_ = *elements;
+    codec_ = codec;
+    elements_ = elements;
     chunk_bytes_ = h.chunk_bytes();
     expected_crc_ = h.checksum();
     crc_ = 0;
@@ -421,10 +402,10 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     std::vector<grpc::Slice> slices;
     if (!request_.Dump(&slices).ok()) return absl::InvalidArgumentError("chunk: unreadable message");
     ParsedChunk chunk;
-    if (absl::Status s = ParseChunk(&slices, &chunk); !s.ok()) return s;
+    RETURN_IF_ERROR(ParseChunk(&slices, &chunk));
     if (!in_progress_) {
       if (!chunk.has_header) return absl::InvalidArgumentError("first chunk of a tensor has no header");
-      if (absl::Status s = BeginTensor(chunk); !s.ok()) return s;
+      RETURN_IF_ERROR(BeginTensor(chunk));
     } else if (chunk.has_header) {
       return absl::InvalidArgumentError("chunk carries a header in the middle of a tensor");
     }
@@ -470,18 +451,16 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     if (crc_ != expected_crc_) {
       return absl::DataLossError(absl::StrCat("tensor ", tensor_.key.ToString(), " checksum mismatch"));
     }
-    absl::StatusOr<EncodedInfo> info = InspectEncoded(tensor_.encoded.span(), /*verify_checksum=*/false);
-    if (!info.ok()) return info.status();
-    if (info->element_count != elements_ || info->codec.kind != codec_.kind || info->codec.zstd != codec_.zstd ||
-        info->payload_crc != expected_crc_) {
+    ASSIGN_OR_RETURN(EncodedInfo info, InspectEncoded(tensor_.encoded.span(), /*verify_checksum=*/false));
+    if (info.element_count != elements_ || info.codec.kind != codec_.kind || info.codec.zstd != codec_.zstd ||
+        info.payload_crc != expected_crc_) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", tensor_.key.ToString(), ": codec header disagrees with the stream header"));
     }
     geotrain::TensorAck ack;
     KeyToProto(tensor_.key, ack.mutable_key());
     ack.set_bytes(tensor_.encoded.size());
-    absl::Status s = owner_->Deliver(std::move(tensor_));
-    if (!s.ok()) return s;
+    RETURN_IF_ERROR(owner_->Deliver(std::move(tensor_)));
     reserved_ = 0;  // the mailbox owns the reservation now
     const std::string serialized = ack.SerializeAsString();
     grpc::Slice slice(serialized);
@@ -727,14 +706,13 @@ absl::Status TensorStreamClient::Send(const std::string& peer_address, const Ten
   const size_t element_bytes = EncodedElementBytes(codec);
   if (element_bytes == 0) {  // int8, top-k, zstd: the whole tensor is encoded before the first chunk
     Bytes encoded;
-    if (absl::Status s = EncodeTensor(codec, data, &encoded, residual); !s.ok()) return s;
+    RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
     return SendEncoded(peer_address, key, shape, codec, encoded, deadline);
   }
-  absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
-  if (!elements.ok()) return elements.status();
-  if (*elements != data.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("sending tensor ", key.ToString(), ": shape has ", *elements,
-                                                   " elements, the data ", data.size()));
+  ASSIGN_OR_RETURN(uint64_t elements, ShapeElements(shape, options_.max_rank));
+  if (elements != data.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sending tensor ", key.ToString(), ": shape has ", elements, " elements, the data ", data.size()));
   }
   Bytes buffer(kCodecHeaderBytes + data.size() * element_bytes);
   ChunkEncoder encoder(codec, data, &buffer);
@@ -744,15 +722,13 @@ absl::Status TensorStreamClient::Send(const std::string& peer_address, const Ten
 absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, const TensorKey& key,
                                              absl::Span<const int64_t> shape, const Codec& codec, const Bytes& encoded,
                                              absl::Time deadline) {
-  absl::StatusOr<EncodedInfo> info = InspectEncoded(encoded.span(), /*verify_checksum=*/false);
-  if (!info.ok()) return info.status();
-  absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
-  if (!elements.ok()) return elements.status();
-  if (*elements != info->element_count || info->codec.kind != codec.kind || info->codec.zstd != codec.zstd) {
+  ASSIGN_OR_RETURN(EncodedInfo info, InspectEncoded(encoded.span(), /*verify_checksum=*/false));
+  ASSIGN_OR_RETURN(uint64_t elements, ShapeElements(shape, options_.max_rank));
+  if (elements != info.element_count || info.codec.kind != codec.kind || info.codec.zstd != codec.zstd) {
     return absl::InvalidArgumentError(absl::StrCat("sending tensor ", key.ToString(), " to ", peer_address,
                                                    ": encoded tensor does not match shape or codec"));
   }
-  return SendChunks(peer_address, key, shape, codec, encoded, info->payload_crc, /*encoder=*/nullptr, deadline);
+  return SendChunks(peer_address, key, shape, codec, encoded, info.payload_crc, /*encoder=*/nullptr, deadline);
 }
 
 absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, const TensorKey& key,

@@ -56,6 +56,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "comm/codec.h"
+#include "common/token.h"
 
 namespace grpc {
 class ServerBuilder;
@@ -64,11 +65,10 @@ class Channel;
 
 namespace geotrain::comm {
 
-// The cluster token's metadata key on every RPC.
-inline constexpr char kTokenMetadataKey[] = "x-geotrain-token";
-
-// Compares in time that depends only on `expected`'s length, not on where the strings differ.
-bool TokenMatches(std::string_view presented, std::string_view expected);
+// The cluster token's key and check are common/token.h's (kTokenMetadataKey, TokenMatches): one rule for
+// every service.
+using ::geotrain::kTokenMetadataKey;
+using ::geotrain::TokenMatches;
 
 struct TensorKey {
   std::string job_id;

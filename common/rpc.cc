@@ -15,18 +15,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geotrain {
 namespace {
-
-bool ConstantTimeEquals(std::string_view a, std::string_view b) {
-  // Length is not secret; content is.
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
 
 std::string RandomHex(int bytes) {
   std::string raw(bytes, '\0');
@@ -46,6 +39,17 @@ std::string RandomHex(int bytes) {
 
 }  // namespace
 
+bool TokenMatches(std::string_view presented, std::string_view expected) {
+  if (expected.empty()) return false;  // a server without a token accepts nobody
+  // Length is not secret; content is. The loop runs over the expected token whatever is presented.
+  unsigned diff = presented.size() == expected.size() ? 0u : 1u;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const unsigned char p = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
+    diff |= p ^ static_cast<unsigned char>(expected[i]);
+  }
+  return diff == 0;
+}
+
 grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
                                       const std::string& peer) const {
   auto it = metadata.find(kTokenMetadataKey);
@@ -55,7 +59,7 @@ grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc
                         "no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's token file "
                         "is <state-dir>/token)");
   }
-  if (!ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()), token_)) {
+  if (!TokenMatches(std::string_view(it->second.data(), it->second.size()), token_)) {
     GT_LOG(WARNING) << "refused a call from " << peer << ": wrong cluster token";
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "wrong cluster token; use the token in the head's <state-dir>/token file");
@@ -125,16 +129,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   if (tls.cert.empty() || tls.key.empty()) {
     return absl::InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
   }
-  auto cert = ReadSmallFile(tls.cert);
-  if (!cert.ok()) return cert.status();
-  auto key = ReadSmallFile(tls.key);
-  if (!key.ok()) return key.status();
+  ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
+  ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
   grpc::SslServerCredentialsOptions options;
-  options.pem_key_cert_pairs.push_back({*key, *cert});
+  options.pem_key_cert_pairs.push_back({key, cert});
   if (!tls.ca.empty()) {
-    auto ca = ReadSmallFile(tls.ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
+    options.pem_root_certs = ca;
   }
   return grpc::SslServerCredentials(options);
 }
@@ -143,24 +144,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions options;
   if (!tls.ca.empty()) {
-    auto ca = ReadSmallFile(tls.ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
+    options.pem_root_certs = ca;
   }
   if (!tls.cert.empty() && !tls.key.empty()) {
-    auto cert = ReadSmallFile(tls.cert);
-    if (!cert.ok()) return cert.status();
-    auto key = ReadSmallFile(tls.key);
-    if (!key.ok()) return key.status();
-    options.pem_cert_chain = *cert;
-    options.pem_private_key = *key;
+    ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
+    ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
+    options.pem_cert_chain = cert;
+    options.pem_private_key = key;
   }
   return grpc::SslCredentials(options);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls) {
-  auto creds = MakeChannelCredentials(tls);
-  if (!creds.ok()) return creds.status();
+  ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
@@ -170,12 +167,13 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetMaxReceiveMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(address, *creds, args);
+  return grpc::CreateCustomChannel(address, creds, args);
 }
 
-absl::Status FromGrpc(const grpc::Status& status) {
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  return context.empty() ? converted : WithContext(converted, context);
 }
 
 grpc::Status ToGrpc(const absl::Status& status) {
@@ -208,10 +206,9 @@ absl::Status WriteClusterRecord(const ClusterRecord& record) {
 
 absl::StatusOr<ClusterRecord> ReadClusterRecord() {
   const std::string path = absl::StrCat(GeotrainHome(), "/current_cluster.json");
-  auto text = ReadSmallFile(path);
-  if (!text.ok()) return text.status();
+  ASSIGN_OR_RETURN(auto text, ReadSmallFile(path));
   try {
-    YAML::Node node = YAML::Load(*text);
+    YAML::Node node = YAML::Load(text);
     ClusterRecord r;
     r.address = node["address"].as<std::string>("");
     r.token_file = node["token_file"].as<std::string>("");

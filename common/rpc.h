@@ -14,12 +14,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/token.h"  // kTokenMetadataKey, TokenMatches
 
 namespace geotrain {
 
-inline constexpr char kTokenMetadataKey[] = "x-geotrain-token";
-
-// Checks the token of incoming calls. Thread-safe (immutable after construction).
+// Checks the token of incoming calls (TokenMatches). Thread-safe (immutable after construction).
 class TokenAuth {
  public:
   explicit TokenAuth(std::string token) : token_(std::move(token)) {}
@@ -55,7 +55,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // A channel to `address` with keepalive settings suited to long-lived control streams.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls);
 
-absl::Status FromGrpc(const grpc::Status& status);
+// The one conversion between gRPC and absl statuses (their codes are the same numbers). FromGrpc prefixes
+// the message with `context` when one is given ("context: message").
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view context = {});
 grpc::Status ToGrpc(const absl::Status& status);
 
 // Reads a whole file (for PEM files and token files).

@@ -1,4 +1,5 @@
-// Token resolution order, the cluster record, atomic writes with their mode.
+// Token resolution order, the cluster record, atomic writes with their mode, the token check and the status
+// conversion.
 #include "common/rpc.h"
 
 #include <gmock/gmock.h>
@@ -78,6 +79,27 @@ TEST_F(RpcTest, TlsNeedsCertAndKey) {
   tls.cert = "/nonexistent.pem";
   EXPECT_FALSE(MakeServerCredentials(tls).ok());
   EXPECT_TRUE(MakeServerCredentials(TlsFiles{}).ok());
+}
+
+// The one token check (TokenAuth and the tensor streams): equal and non-empty, nothing else.
+TEST(TokenMatchesTest, OnlyTheSameNonEmptyTokenMatches) {
+  EXPECT_TRUE(TokenMatches("abc", "abc"));
+  EXPECT_FALSE(TokenMatches("abd", "abc"));
+  EXPECT_FALSE(TokenMatches("abcd", "abc"));
+  EXPECT_FALSE(TokenMatches("ab", "abc"));
+  EXPECT_FALSE(TokenMatches("", "abc"));  // a call without a token
+  EXPECT_FALSE(TokenMatches("", ""));     // a server without a token accepts nobody, not even an empty token
+  EXPECT_FALSE(TokenMatches("abc", ""));
+}
+
+TEST(StatusConversionTest, CodesAndMessagesSurviveBothWays) {
+  const absl::Status status = absl::NotFoundError("no such job");
+  const grpc::Status converted = ToGrpc(status);
+  EXPECT_EQ(converted.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(FromGrpc(converted), status);
+  EXPECT_EQ(FromGrpc(converted, "fetch"), absl::NotFoundError("fetch: no such job"));
+  EXPECT_TRUE(ToGrpc(absl::OkStatus()).ok());
+  EXPECT_TRUE(FromGrpc(grpc::Status::OK, "fetch").ok());
 }
 
 }  // namespace

@@ -15,7 +15,7 @@ packages=(
   libopenblas-dev libzstd-dev libyaml-cpp-dev libsqlite3-dev libicu-dev
   prometheus curl procps iproute2 openssl
   python3-torch python3-numpy python3-matplotlib
-  fortunes libcli11-dev clang-format
+  fortunes libcli11-dev clang-format nlohmann-json3-dev
 )
 # node and npm: the machine's own when present (a NodeSource build conflicts with Debian's nodejs).
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then

@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "control.grpc.pb.h"
+#include "head/scrape_targets.h"
 
 namespace geotrain::head {
 
@@ -338,21 +339,11 @@ void HeadServer::DetectorLoop() {
 
 void HeadServer::WriteScrapeTargets() {
   // Prometheus file-based discovery: the head and every alive worker's metrics endpoint, by site.
-  std::map<std::string, std::vector<std::string>> by_site;
-  for (const WorkerInfo& w : registry_->Workers()) {
-    if (w.state() == WORKER_ALIVE && !w.metrics_address().empty()) by_site[w.site()].push_back(w.metrics_address());
-  }
-  std::string json = "[";
-  if (metrics_) {
-    absl::StrAppend(&json, "{\"targets\": [\"", options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host,
-                    ":", metrics_->port(), "\"], \"labels\": {\"role\": \"head\"}}");
-  }
-  for (const auto& [site, targets] : by_site) {
-    absl::StrAppend(&json, json.size() > 1 ? ", " : "", "{\"targets\": [");
-    for (size_t i = 0; i < targets.size(); ++i) absl::StrAppend(&json, i ? ", " : "", "\"", targets[i], "\"");
-    absl::StrAppend(&json, "], \"labels\": {\"role\": \"worker\", \"site\": \"", site, "\"}}");
-  }
-  json += "]\n";
+  const std::string json = ScrapeTargetsJson(
+      metrics_
+          ? absl::StrCat(options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host, ":", metrics_->port())
+          : std::string(),
+      registry_->Workers());
   absl::MutexLock lock(&targets_mu_);
   if (json == scrape_targets_) return;
   if (WriteFileAtomically(absl::StrCat(options_.state_dir, "/prometheus_targets.json"), json, 0644).ok()) {

@@ -22,10 +22,7 @@
 // committed) is in the job record (JobManager, SQLite); Restore() rebuilds the runs, and actors that kept
 // training report to the new head (their reports wait in their queues while it is away).
 //
-// Placement (manual plans): an explicit `parallel.placement` entry pins (replica, stage, tp rank) to a
-// worker or a site; the others take the free devices in site order, replica by replica, stage by stage.
-// Tensor-parallel groups must sit inside one site. A plan whose actors do not fit their devices' memory
-// is refused before anything starts, with the numbers.
+// Placement and `plan: auto` planning are in head/placement.h.
 //
 // Threads: one job-control thread (Start) plans, places, launches, restarts and reconciles; the RPCs to
 // workers run on an executor (actors are created in parallel, stops are sent at once); gRPC handlers call
@@ -50,39 +47,10 @@
 #include "control.grpc.pb.h"
 #include "head/executor.h"
 #include "head/job_manager.h"
+#include "head/placement.h"  // PlaceActors, PlanAutoJob (moved there; callers keep including this header)
 #include "head/registry.h"
 
 namespace geotrain::head {
-
-// One actor's placement and its estimated memory.
-struct ActorPlacement {
-  ActorRecord actor;
-  std::string site;
-  uint64_t memory_bytes = 0;         // estimated need
-  uint64_t device_memory_bytes = 0;  // what its device has
-};
-
-// Places the actors of a manual plan on `workers` (alive ones are used). Errors: not enough devices
-// (UNAVAILABLE: the job waits), a TP group across sites or a plan that does not fit in memory
-// (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused). Pure: tested without processes.
-absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers);
-
-// Estimated bytes an actor of stage `stage` needs: parameters, gradients and AdamW moments (16 bytes
-// per parameter) plus the activations of one microbatch and, on the last stage, the logits.
-uint64_t EstimateActorMemory(const JobSpec& spec, int stage);
-
-// Chooses a plan for a `plan: auto` job with the planner (scheduler/) on the alive workers, their
-// devices and the site links the workers measured (1 Gbit/s and 1 ms where nothing was measured yet).
-// Returns the job with its parallel section filled (manual form, placement by site) and the predicted
-// step time, plus the planner's explanation lines. The runtime splits layers evenly across stages and
-// the batch evenly across replicas, so only plans with equal replica shares are taken.
-struct AutoPlan {
-  ParallelSpec parallel;
-  double predicted_step_seconds = 0;
-  std::vector<std::string> explanation;
-};
-absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
-                                     const std::vector<SiteLink>& links);
 
 struct JobRunnerOptions {
   std::string token;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "model/safetensors.h"
@@ -76,10 +77,9 @@ bool IsLetter(uint32_t c) { return (U_GET_GC_MASK(static_cast<UChar32>(c)) & U_G
 bool IsNumber(uint32_t c) { return (U_GET_GC_MASK(static_cast<UChar32>(c)) & U_GC_N_MASK) != 0; }
 
 absl::StatusOr<std::unordered_map<std::string, int32_t>> LoadEncoderJson(const std::string& path) {
-  absl::StatusOr<std::string> text = ReadFileToString(path);
-  if (!text.ok()) return text.status();
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   google::protobuf::Struct root;
-  auto parsed = google::protobuf::util::JsonStringToMessage(*text, &root);
+  auto parsed = google::protobuf::util::JsonStringToMessage(text, &root);
   if (!parsed.ok()) return absl::DataLossError(absl::StrCat(path, ": not valid JSON: ", parsed.ToString()));
   std::unordered_map<std::string, int32_t> encoder;
   for (const auto& [token, value] : root.fields()) {
@@ -178,19 +178,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& di
                                             "deploy/install-deps.sh or set GEOTRAIN_TOKENIZER_DIR"));
   }
   std::unique_ptr<Tokenizer> t(new Tokenizer());
-  absl::StatusOr<std::unordered_map<std::string, int32_t>> encoder = LoadEncoderJson(encoder_path);
-  if (!encoder.ok()) return encoder.status();
-  t->encoder_ = std::move(*encoder);
+  ASSIGN_OR_RETURN(t->encoder_, LoadEncoderJson(encoder_path));
   int32_t max_id = -1;
   for (const auto& [token, id] : t->encoder_) max_id = std::max(max_id, id);
   t->decoder_.assign(max_id + 1, "");
   for (const auto& [token, id] : t->encoder_) t->decoder_[id] = token;
   if (auto it = t->encoder_.find("<|endoftext|>"); it != t->encoder_.end()) t->eot_ = it->second;
 
-  absl::StatusOr<std::string> merges = ReadFileToString(merges_path);
-  if (!merges.ok()) return merges.status();
+  ASSIGN_OR_RETURN(std::string merges, ReadFileToString(merges_path));
   int32_t rank = 0;
-  for (absl::string_view line : absl::StrSplit(*merges, '\n')) {
+  for (absl::string_view line : absl::StrSplit(merges, '\n')) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty() || line.substr(0, 8) == "#version") continue;
     std::vector<absl::string_view> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
