@@ -1,6 +1,6 @@
 // CLI verbs of the control plane: `head start`, `worker start`, `status`, and `job submit|list|status|
-// cancel|logs`. Every verb that talks to a head resolves it from --head/--token, GEOTRAIN_HEAD/
-// GEOTRAIN_TOKEN, or the record a head on this machine leaves (see common/rpc.h).
+// cancel|logs`. Every verb that talks to a head resolves it from --head/--token/--token-file, GEOTRAIN_HEAD/
+// GEOTRAIN_TOKEN/GEOTRAIN_TOKEN_FILE, or the record a head on this machine leaves (see common/rpc.h).
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -68,21 +68,31 @@ std::thread StopOnSignal(std::function<void()> on_signal) {
   });
 }
 
+// --token and --token-file, one or the other: a file keeps the token out of `ps` and shell histories.
+void AddTokenOptions(CLI::App* cmd, std::string* token, std::string* token_file, const std::string& fallback) {
+  CLI::Option* token_option =
+      cmd->add_option("--token", *token, absl::StrCat("cluster token (default: ", fallback, ")"));
+  cmd->add_option("--token-file", *token_file, "file holding the cluster token (default: GEOTRAIN_TOKEN_FILE)")
+      ->excludes(token_option);
+}
+
 struct HeadFlags {
   std::string head;
   std::string token;
+  std::string token_file;
   std::string tls_ca;
   void Add(CLI::App* cmd) {
     cmd->add_option("--head", head, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
-    cmd->add_option("--token", token, "cluster token (default: GEOTRAIN_TOKEN or the head's token file)");
+    AddTokenOptions(cmd, &token, &token_file, "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or the head's token file");
     cmd->add_option("--tls-ca", tls_ca, "CA certificate (PEM) to verify a TLS head");
   }
 };
 
 absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
+  ASSIGN_OR_RETURN(std::string token, TokenFromFlagsOrEnvironment(flags.token, flags.token_file));
   TlsFiles tls;
   tls.ca = flags.tls_ca;
-  return ConnectToHead(flags.head, flags.token, tls);
+  return ConnectToHead(flags.head, token, tls);
 }
 
 std::string FormatTime(int64_t unix_ms) {
@@ -108,7 +118,9 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   start->add_option("--bind", options->bind_host, "address to listen on")->capture_default_str();
   start->add_option("--advertise-host", options->advertise_host, "host the CLI and workers should dial");
   start->add_option("--state-dir", options->state_dir, "where the head persists its state")->capture_default_str();
-  start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN, the state dir's, or new)");
+  auto token_file = std::make_shared<std::string>();
+  AddTokenOptions(start, &options->token, token_file.get(),
+                  "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE, the state dir's, or new");
   start->add_option("--heartbeat-interval-ms", options->heartbeat_interval_ms, "worker heartbeat interval")
       ->capture_default_str();
   start
@@ -122,11 +134,14 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   start->add_option("--tls-cert", options->tls.cert, "server certificate (PEM) for TLS");
   start->add_option("--tls-key", options->tls.key, "server private key (PEM) for TLS");
   start->add_option("--tls-ca", options->tls.ca, "CA (PEM) for verifying clients");
-  start->callback([options, &context] {
+  start->callback([options, token_file, &context] {
     SetLogProcessName("head");
-    if (options->token.empty()) {
-      if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) options->token = env;
+    absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(options->token, *token_file);
+    if (!token.ok()) {
+      context.exit_code = Fail(token.status());
+      return;
     }
+    options->token = *token;
     if (options->heartbeat_timeout_ms <= options->heartbeat_interval_ms) {
       context.exit_code =
           Fail(absl::InvalidArgumentError("--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms"));
@@ -140,8 +155,10 @@ void AddHeadCommands(CLI::App& app, Context& context) {
     }
     std::printf("geotrain head %s listening on port %d (metrics on %d); token in %s/token\n", server.head_id().c_str(),
                 server.port(), server.metrics_port(), options->state_dir.c_str());
-    std::printf("join workers with: geotrain worker start --head <this-host>:%d --site NAME --token <token>\n",
-                server.port());
+    std::printf(
+        "join workers with: geotrain worker start --head <this-host>:%d --site NAME --token-file <a copy of "
+        "%s/token>\n",
+        server.port(), options->state_dir.c_str());
     std::fflush(stdout);
     std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
     server.Wait();
@@ -166,7 +183,9 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--metrics-port", options->metrics_port, "Prometheus metrics port (0: any free, -1: off)")
       ->capture_default_str();
   start->add_option("--worker-id", options->worker_id, "stable worker id (default: assigned by the head)");
-  start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN or this machine's head)");
+  auto token_file = std::make_shared<std::string>();
+  AddTokenOptions(start, &options->token, token_file.get(),
+                  "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or this machine's head");
   auto advertise_for = std::make_shared<std::vector<std::string>>();
   start->add_option("--advertise-for", *advertise_for,
                     "SITE=HOST:PORT: the address peers at SITE dial (repeatable; e.g. a WAN emulator route)");
@@ -178,7 +197,7 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--tls-cert", options->tls.cert, "client certificate (PEM)");
   start->add_option("--tls-key", options->tls.key, "client private key (PEM)");
   start->add_option("--tls-ca", options->tls.ca, "CA (PEM) that signed the head's certificate");
-  start->callback([options, emulate, head_flag, advertise_for, &context] {
+  start->callback([options, emulate, head_flag, token_file, advertise_for, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));
     for (const std::string& pair : *advertise_for) {
       const size_t eq = pair.find('=');
@@ -197,7 +216,12 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       }
       options->emulated_devices.push_back(*device);
     }
-    auto endpoint = ResolveHead(*head_flag, options->token);
+    absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(options->token, *token_file);
+    if (!token.ok()) {
+      context.exit_code = Fail(token.status());
+      return;
+    }
+    auto endpoint = ResolveHead(*head_flag, *token);
     if (!endpoint.ok()) {
       context.exit_code = Fail(endpoint.status());
       return;

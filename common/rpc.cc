@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -229,28 +230,47 @@ void RemoveClusterRecordIfOwned(int64_t pid) {
   }
 }
 
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadSmallFile(path);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("token file: ", text.status().message(),
+                                     "; copy the head's <state-dir>/token there (mode 0600), or fix the path"));
+  }
+  std::string token(absl::StripAsciiWhitespace(*text));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file '", path, "' is empty; copy the head's <state-dir>/token there"));
+  }
+  return token;
+}
+
+absl::StatusOr<std::string> TokenFromFlagsOrEnvironment(const std::string& token_flag,
+                                                        const std::string& token_file_flag) {
+  if (!token_flag.empty()) return token_flag;
+  if (!token_file_flag.empty()) return ReadTokenFile(token_file_flag);
+  if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr && *env) return std::string(env);
+  if (const char* env = std::getenv("GEOTRAIN_TOKEN_FILE"); env != nullptr && *env) {
+    absl::StatusOr<std::string> token = ReadTokenFile(env);
+    if (!token.ok()) return WithContext(token.status(), "GEOTRAIN_TOKEN_FILE");
+    return token;
+  }
+  return std::string();
+}
+
 absl::StatusOr<HeadEndpoint> ResolveHead(const std::string& head_flag, const std::string& token_flag) {
   HeadEndpoint endpoint;
   endpoint.address = head_flag;
-  endpoint.token = token_flag;
+  ASSIGN_OR_RETURN(endpoint.token, TokenFromFlagsOrEnvironment(token_flag, ""));
   if (endpoint.address.empty()) {
     if (const char* env = std::getenv("GEOTRAIN_HEAD"); env != nullptr) endpoint.address = env;
-  }
-  if (endpoint.token.empty()) {
-    if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) endpoint.token = env;
   }
   if (endpoint.address.empty() || endpoint.token.empty()) {
     auto record = ReadClusterRecord();
     if (record.ok()) {
       if (endpoint.address.empty()) endpoint.address = record->address;
       if (endpoint.token.empty()) {
-        auto token = ReadSmallFile(record->token_file);
-        if (token.ok()) {
-          endpoint.token = *token;
-          while (!endpoint.token.empty() && (endpoint.token.back() == '\n' || endpoint.token.back() == ' ')) {
-            endpoint.token.pop_back();
-          }
-        }
+        if (auto token = ReadTokenFile(record->token_file); token.ok()) endpoint.token = *token;
       }
     }
   }
@@ -261,7 +281,8 @@ absl::StatusOr<HeadEndpoint> ResolveHead(const std::string& head_flag, const std
   }
   if (endpoint.token.empty()) {
     return absl::UnauthenticatedError(
-        "no cluster token: pass --token or set GEOTRAIN_TOKEN (the head writes it to <state-dir>/token)");
+        "no cluster token: pass --token-file FILE or set GEOTRAIN_TOKEN_FILE (a copy of the head's "
+        "<state-dir>/token, mode 0600), or pass --token / set GEOTRAIN_TOKEN");
   }
   return endpoint;
 }

@@ -79,8 +79,18 @@ absl::Status WriteClusterRecord(const ClusterRecord& record);
 absl::StatusOr<ClusterRecord> ReadClusterRecord();
 void RemoveClusterRecordIfOwned(int64_t pid);
 
+// Reads a cluster token from a file (the head's <state-dir>/token, or one an operator installed, mode 0600):
+// its contents without surrounding whitespace. An unreadable or empty file is an error naming the file.
+// Token files keep the token off command lines, where `ps` and shell histories would show it.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+// The token a process was given: --token, else --token-file, else $GEOTRAIN_TOKEN, else the file named
+// by $GEOTRAIN_TOKEN_FILE; "" when none is set. A named file that cannot be read is an error.
+absl::StatusOr<std::string> TokenFromFlagsOrEnvironment(const std::string& token_flag,
+                                                        const std::string& token_file_flag);
+
 // Resolves the head's address and the token for a CLI call: flags first, then GEOTRAIN_HEAD and
-// GEOTRAIN_TOKEN, then the cluster record. Errors say which flag or variable to set.
+// GEOTRAIN_TOKEN (or GEOTRAIN_TOKEN_FILE), then the cluster record. Errors say which flag or variable to set.
 struct HeadEndpoint {
   std::string address;
   std::string token;
