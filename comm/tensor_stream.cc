@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -867,57 +868,102 @@ TensorStreamServer::Stats TensorStreamServer::stats() const {
 
 // --- Client ----------------------------------------------------------------------------------------------
 
-// One TensorStream call to a peer, kept open across Sends and used by one Send at a time.
+// One TensorStream call to a peer, kept open across Sends and used by one Send at a time. It has a completion queue
+// of its own (gRPC's asynchronous API), so that a Send can encode the next chunk while the previous one is being
+// written, have the last chunk's write and the ack's read outstanding together, and wait with its own deadline.
 class TensorStreamClient::Stream {
  public:
+  enum class Wait { kOk, kFailed, kTimedOut };
+
   explicit Stream(std::shared_ptr<grpc::Channel> channel) : channel_(std::move(channel)) {}
   ~Stream() { Close(); }
 
-  // Starts the call. The metadata (the token) goes out with the first Write, so this never blocks.
+  // Starts the call. The metadata (the token) goes out with the first write, so this never blocks.
   void Open(const std::string& token) {
     context_.AddMetadata(kTokenMetadataKey, token);
     context_.set_initial_metadata_corked(true);
     grpc::internal::RpcMethod method(kStreamMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel_);
-    call_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-        channel_.get(), method, &context_));
+    // Allocated in the call's arena: freed with the call, not deleted here.
+    call_ = grpc::internal::ClientAsyncReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+        channel_.get(), &queue_, method, &context_, /*start=*/true, /*tag=*/nullptr);
   }
   bool opened() const { return call_ != nullptr; }
-  grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* call() { return call_.get(); }
-  grpc::ClientContext* context() { return &context_; }
-  // The call's status, once it is over (after a failed Write or Read, or a cancel).
-  grpc::Status Finish() {
-    finished_ = true;
-    return call_->Finish();
+
+  // At most one write and one read outstanding. gRPC references `message`'s slices until the write completes.
+  void StartWrite(grpc::ByteBuffer message) {
+    outgoing_ = std::move(message);
+    write_pending_ = true;
+    call_->Write(outgoing_, &write_pending_);
   }
-  // Ends the call without waiting for the peer.
-  void Close() {
-    if (call_ == nullptr || finished_) return;
-    context_.TryCancel();
-    Finish();
+  void StartRead(grpc::ByteBuffer* message) {
+    read_pending_ = true;
+    call_->Read(message, &read_pending_);
+  }
+  bool write_pending() const { return write_pending_; }
+  bool write_ok() const { return write_ok_; }
+
+  // Waits until the outstanding write (if `write`) and read (if `read`) have completed, or `deadline`. kFailed: one
+  // of them failed, which means the call is over (Finish says why).
+  Wait Await(bool write, bool read, absl::Time deadline) {
+    while ((write && write_pending_) || (read && read_pending_)) {
+      if (!Next(deadline)) return Wait::kTimedOut;
+    }
+    return (write && !write_ok_) || (read && !read_ok_) ? Wait::kFailed : Wait::kOk;
   }
 
-  bool used = false;                   // has carried a tensor
-  bool cancelled_by_deadline = false;  // set by the client's deadline watch (under its watch_mu_)
+  // Ends the call (cancelling it first if `cancel`) and returns its status.
+  grpc::Status Finish(bool cancel) {
+    if (cancel) context_.TryCancel();
+    while (write_pending_ || read_pending_) Next(absl::InfiniteFuture());
+    grpc::Status status;
+    bool finish_pending = true;
+    call_->Finish(&status, &finish_pending);
+    while (finish_pending) Next(absl::InfiniteFuture());
+    finished_ = true;
+    return status;
+  }
+
+  bool used = false;  // has carried a tensor
 
  private:
+  // Takes one completion off the queue; false at `deadline`. The tags are the operations' "pending" flags,
+  // cleared here.
+  bool Next(absl::Time deadline) {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto result = queue_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
+    if (result != grpc::CompletionQueue::GOT_EVENT) return false;
+    *static_cast<bool*>(tag) = false;
+    if (tag == &write_pending_) write_ok_ = ok;
+    if (tag == &read_pending_) read_ok_ = ok;
+    return true;
+  }
+  // Ends the call without waiting for the peer, then drains the queue.
+  void Close() {
+    if (call_ != nullptr && !finished_) Finish(/*cancel=*/true);
+    queue_.Shutdown();
+    void* tag;
+    bool ok;
+    while (queue_.Next(&tag, &ok)) {
+    }
+  }
+
   std::shared_ptr<grpc::Channel> channel_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call_;
+  grpc::CompletionQueue queue_;
+  grpc::ClientContext context_;  // destroyed (releasing the call) before queue_
+  grpc::ClientAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* call_ = nullptr;
+  grpc::ByteBuffer outgoing_;
+  bool write_pending_ = false, read_pending_ = false;
+  bool write_ok_ = false, read_ok_ = false;
   bool finished_ = false;
 };
 
 TensorStreamClient::TensorStreamClient(std::string token, TensorStreamOptions options)
     : token_(std::move(token)), options_(options) {
   RetainFreedMemory();
-  watcher_ = std::thread([this] { WatchLoop(); });
 }
 
 TensorStreamClient::~TensorStreamClient() {
-  {
-    absl::MutexLock lock(&watch_mu_);
-    stopping_ = true;
-  }
-  watcher_.join();
   std::vector<std::unique_ptr<Stream>> idle;
   {
     absl::MutexLock lock(&mu_);
@@ -925,7 +971,7 @@ TensorStreamClient::~TensorStreamClient() {
       for (auto& stream : peer.idle) idle.push_back(std::move(stream));
     }
   }
-  idle.clear();  // each closes its call
+  idle.clear();  // each cancels its call
 }
 
 std::unique_ptr<TensorStreamClient::Stream> TensorStreamClient::TakeStream(const std::string& address) {
@@ -957,43 +1003,7 @@ void TensorStreamClient::ReturnStream(const std::string& address, std::unique_pt
     idle.push_back(std::move(stream));
     return;
   }
-  // Full: `stream` closes its call as it goes out of scope (TryCancel, then a Finish that does not wait).
-}
-
-void TensorStreamClient::Watch(Stream* stream, absl::Time deadline) {
-  absl::MutexLock lock(&watch_mu_);
-  stream->cancelled_by_deadline = false;
-  watched_[stream] = deadline;
-  if (deadline < next_wake_) watch_changed_ = true;  // the watch sleeps past it: wake it up
-}
-
-bool TensorStreamClient::Unwatch(Stream* stream) {
-  absl::MutexLock lock(&watch_mu_);
-  watched_.erase(stream);
-  return stream->cancelled_by_deadline;
-}
-
-void TensorStreamClient::WatchLoop() {
-  absl::MutexLock lock(&watch_mu_);
-  while (!stopping_) {
-    const absl::Time now = absl::Now();
-    next_wake_ = absl::InfiniteFuture();
-    for (auto it = watched_.begin(); it != watched_.end();) {
-      if (it->second <= now) {
-        // The Send's blocked Write or Read returns false; its Finish then reports CANCELLED, which the Send turns
-        // into DEADLINE_EXCEEDED.
-        it->first->cancelled_by_deadline = true;
-        it->first->context()->TryCancel();
-        watched_.erase(it++);
-      } else {
-        next_wake_ = std::min(next_wake_, it->second);
-        ++it;
-      }
-    }
-    watch_changed_ = false;
-    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return watch_changed_ || stopping_; };
-    watch_mu_.AwaitWithDeadline(absl::Condition(&woken), next_wake_);
-  }
+  // Full: `stream` cancels its call as it goes out of scope.
 }
 
 // Encodes an element-wise codec a chunk at a time into the tensor's buffer, just before the chunk is written,
@@ -1103,10 +1113,8 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
   for (int attempt = 1;; ++attempt) {
     std::unique_ptr<Stream> stream = TakeStream(peer_address);
     const bool reused = stream->used;
-    Watch(stream.get(), deadline);
     if (!stream->opened()) stream->Open(token_);
-    const Outcome outcome = WriteTensor(stream.get(), key, header_bytes, chunk_bytes, encoded, encoder);
-    const bool timed_out = Unwatch(stream.get());
+    const Outcome outcome = WriteTensor(stream.get(), key, header_bytes, chunk_bytes, encoded, encoder, deadline);
     if (outcome == Outcome::kAcknowledged) {
       {
         absl::MutexLock lock(&mu_);
@@ -1114,20 +1122,22 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
         stats_.bytes_sent += total;
       }
       stream->used = true;
-      if (!timed_out) ReturnStream(peer_address, std::move(stream));  // else cancelled: closed as it goes
+      ReturnStream(peer_address, std::move(stream));
       return absl::OkStatus();
     }
-    if (outcome == Outcome::kBadAck) {
-      return absl::InternalError(absl::StrCat(context_text, ": the receiver acknowledged another tensor"));
-    }
-    // The call is over (a Write or the Read failed); its status says why.
-    const grpc::Status status = stream->Finish();
-    if (timed_out) {
+    if (outcome == Outcome::kTimedOut) {
+      (void)stream->Finish(/*cancel=*/true);
       return absl::DeadlineExceededError(absl::StrCat(context_text, ": no acknowledgement before the deadline"));
     }
+    if (outcome == Outcome::kBadAck) {
+      (void)stream->Finish(/*cancel=*/true);
+      return absl::InternalError(absl::StrCat(context_text, ": the receiver acknowledged another tensor"));
+    }
+    // The call is over (a write or the read failed); its status says why.
+    const grpc::Status status = stream->Finish(/*cancel=*/false);
     // A pooled stream the receiver had closed (it restarted, or shut down a stream idle since the last Send):
-    // nothing of this tensor was delivered (no chunk left, or the call ended cleanly without an ack), so send it
-    // again on a new stream. The other idle streams to this peer are likely closed too.
+    // nothing of this tensor was delivered (its first chunk could not be written, or the call ended cleanly
+    // without an ack), so send it again on a new stream. The other idle streams to this peer are likely closed too.
     if (reused && (outcome == Outcome::kNotStarted || status.ok()) && attempt < 3) {
       absl::MutexLock lock(&mu_);
       peers_[peer_address].idle.clear();
@@ -1140,8 +1150,27 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
 
 TensorStreamClient::Outcome TensorStreamClient::WriteTensor(Stream* stream, const TensorKey& key,
                                                             const std::string& header_bytes, uint64_t chunk_bytes,
-                                                            const Bytes& encoded, ChunkEncoder* encoder) {
+                                                            const Bytes& encoded, ChunkEncoder* encoder,
+                                                            absl::Time deadline) {
   const uint64_t total = encoded.size();
+  uint64_t in_flight = 0;         // payload bytes of the write outstanding
+  uint64_t in_flight_offset = 0;  // and their offset (a failed first chunk: nothing of the tensor was sent)
+  grpc::ByteBuffer ack_buffer;
+  // The write of chunk k is outstanding while chunk k + 1 is encoded: one write outstanding at a time (flow
+  // control holds it when the receiver does not read), and one chunk encoded ahead.
+  auto finish_write = [&]() -> std::optional<Outcome> {
+    switch (stream->Await(/*write=*/true, /*read=*/false, deadline)) {
+      case Stream::Wait::kTimedOut:
+        return Outcome::kTimedOut;
+      case Stream::Wait::kFailed:
+        return in_flight_offset == 0 ? Outcome::kNotStarted : Outcome::kFailed;
+      case Stream::Wait::kOk:
+        break;
+    }
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_written += in_flight;
+    return std::nullopt;
+  };
   for (uint64_t offset = 0; offset < total;) {
     const uint64_t len = std::min<uint64_t>(chunk_bytes, total - offset);
     const bool last = offset + len == total;
@@ -1169,15 +1198,27 @@ TensorStreamClient::Outcome TensorStreamClient::WriteTensor(Stream* stream, cons
     grpc::Slice slices[2] = {grpc::Slice(prefix),
                              grpc::Slice(const_cast<uint8_t*>(encoded.data()) + offset, len, &DestroySharedBytes,
                                          new std::shared_ptr<uint8_t[]>(encoded.shared()))};
-    grpc::ByteBuffer message(slices, 2);
-    // One write outstanding at a time: Write blocks while HTTP/2 flow control holds the stream.
-    if (!stream->call()->Write(message)) return offset == 0 ? Outcome::kNotStarted : Outcome::kFailed;
+    if (stream->write_pending()) {
+      if (std::optional<Outcome> failed = finish_write(); failed.has_value()) return *failed;
+    }
+    stream->StartWrite(grpc::ByteBuffer(slices, 2));
+    in_flight = len;
+    in_flight_offset = offset;
+    if (last) stream->StartRead(&ack_buffer);  // the ack may come before the last write completes
     offset += len;
-    absl::MutexLock lock(&mu_);
-    stats_.bytes_written += len;
   }
-  grpc::ByteBuffer ack_buffer;
-  if (!stream->call()->Read(&ack_buffer)) return Outcome::kFailed;
+  switch (stream->Await(/*write=*/true, /*read=*/true, deadline)) {
+    case Stream::Wait::kTimedOut:
+      return Outcome::kTimedOut;
+    case Stream::Wait::kFailed:
+      return in_flight_offset == 0 && !stream->write_ok() ? Outcome::kNotStarted : Outcome::kFailed;
+    case Stream::Wait::kOk:
+      break;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_written += in_flight;
+  }
   std::vector<grpc::Slice> ack_slices;
   std::string ack_bytes;
   if (ack_buffer.Dump(&ack_slices).ok()) {
@@ -1185,7 +1226,7 @@ TensorStreamClient::Outcome TensorStreamClient::WriteTensor(Stream* stream, cons
   }
   geotrain::TensorAck ack;
   if (!ack.ParseFromString(ack_bytes) || KeyFromProto(ack.key()) != key || ack.bytes() != total) {
-    return Outcome::kBadAck;  // the stream closes (cancelled) as it goes
+    return Outcome::kBadAck;
   }
   return Outcome::kAcknowledged;
 }

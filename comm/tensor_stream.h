@@ -56,7 +56,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -266,38 +265,26 @@ class TensorStreamClient {
     std::vector<std::unique_ptr<Stream>> idle;
   };
   // How a tensor's trip over one stream ended. kNotStarted: its first chunk could not be written.
-  enum class Outcome { kAcknowledged, kNotStarted, kFailed, kBadAck };
+  enum class Outcome { kAcknowledged, kNotStarted, kFailed, kTimedOut, kBadAck };
 
-  // An idle stream to `address`, or a new one (not yet opened: Stream::Open, once the deadline is watched).
+  // An idle stream to `address`, or a new one (not yet opened: Stream::Open).
   std::unique_ptr<Stream> TakeStream(const std::string& address);
   // After a tensor went through `stream`: back to the pool, or closed when the pool is full.
   void ReturnStream(const std::string& address, std::unique_ptr<Stream> stream);
-  // Writes `encoded` in chunks on `stream` and reads the ack. With `encoder`, each chunk is encoded into
-  // `encoded` just before it is written and the codec header's CRCs go with the last chunk.
+  // Writes `encoded` in chunks on `stream` and reads the ack, until `deadline`. With `encoder`, each chunk is
+  // encoded into `encoded` while the previous one is being written, and the codec header's CRCs go with the last
+  // chunk.
   Outcome WriteTensor(Stream* stream, const TensorKey& key, const std::string& header_bytes, uint64_t chunk_bytes,
-                      const Bytes& encoded, ChunkEncoder* encoder);
+                      const Bytes& encoded, ChunkEncoder* encoder, absl::Time deadline);
   // Sends over a pooled or new stream, once more on a new stream if a pooled one turns out to be closed.
   absl::Status SendChunks(const std::string& peer_address, const TensorKey& key, absl::Span<const int64_t> shape,
                           const Codec& codec, const Bytes& encoded, uint32_t checksum, ChunkEncoder* encoder,
                           absl::Time deadline);
-  // Deadlines: a stream's call is cancelled when the deadline of the Send using it passes. Unwatch returns
-  // whether that happened.
-  void Watch(Stream* stream, absl::Time deadline);
-  bool Unwatch(Stream* stream);
-  void WatchLoop();
-
   const std::string token_;
   const TensorStreamOptions options_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
-
-  absl::Mutex watch_mu_;
-  absl::flat_hash_map<Stream*, absl::Time> watched_ ABSL_GUARDED_BY(watch_mu_);
-  absl::Time next_wake_ ABSL_GUARDED_BY(watch_mu_) = absl::InfiniteFuture();  // when WatchLoop wakes up next
-  bool watch_changed_ ABSL_GUARDED_BY(watch_mu_) = false;
-  bool stopping_ ABSL_GUARDED_BY(watch_mu_) = false;
-  std::thread watcher_;  // runs WatchLoop for the client's lifetime
 };
 
 }  // namespace geotrain::comm

@@ -6,6 +6,8 @@
 //   A' = transport only: SendEncoded(already encoded bytes) -> Recv (the encoded tensor in the mailbox)
 //   B  = one persistent TCP connection on 127.0.0.1: write the bytes, the peer reads them into a buffer
 //   M  = memcpy of the same bytes between the same two buffers (the memory-bandwidth ceiling of one copy)
+// In A, A2, A' and B the receiving thread is started, and waiting, before the clock starts; the clock stops when it
+// has the data (and, for the stream, when Send has returned: the receiver's acknowledgement is included).
 // Every size runs in every round (1, 16, 64, 256, 1, 16, ...), tensors under 16 MiB several times in a row (16 MiB
 // per round and size); the first round is dropped. Ratios are given two ways: median(A) / median(B) over all
 // samples, and the median of the ratio between the A and the B of the same iteration.
@@ -27,10 +29,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "bench/bench_util.h"
 #include "comm/tensor_stream.h"
 
@@ -45,6 +49,28 @@ using geotrain::bench::Median;
 constexpr char kHeavyLock[] = "/tmp/geotrain-heavy.lock";
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Runs `receive` on a new thread and returns once that thread is about to call it: the receiving side is waiting
+// before the clock starts (as a pipeline stage or a ring step waits for its input), for the stream and TCP alike,
+// so that no variant counts a thread's start-up.
+class ReceiverThread {
+ public:
+  explicit ReceiverThread(std::function<void()> receive)
+      : thread_([this, receive = std::move(receive)] {
+          started_.Notify();
+          receive();
+        }) {
+    started_.WaitForNotification();
+  }
+  ~ReceiverThread() { Join(); }
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  absl::Notification started_;
+  std::thread thread_;
+};
 
 // A connected pair of loopback TCP sockets.
 struct TcpPair {
@@ -69,8 +95,7 @@ struct TcpPair {
   }
   // Sends `n` bytes from `src` while the other end reads them into `dst`; returns seconds.
   double Copy(const uint8_t* src, uint8_t* dst, size_t n) {
-    const auto start = Clock::now();
-    std::thread reader([&] {
+    ReceiverThread reader([&] {
       size_t got = 0;
       while (got < n) {
         const ssize_t r = read(receiver, dst + got, n - got);
@@ -78,13 +103,14 @@ struct TcpPair {
         got += static_cast<size_t>(r);
       }
     });
+    const auto start = Clock::now();
     size_t sent = 0;
     while (sent < n) {
       const ssize_t w = write(sender, src + sent, n - sent);
       if (w <= 0) break;
       sent += static_cast<size_t>(w);
     }
-    reader.join();
+    reader.Join();
     return Seconds(start, Clock::now());
   }
 };
@@ -195,13 +221,13 @@ int main(int argc, char** argv) {
         const std::vector<int64_t> shape = {static_cast<int64_t>(st.n)};
         // A: end to end through the mailbox.
         TensorKey key{"bench", step++, 0, "t", "sender"};
-        auto start = Clock::now();
-        std::thread receiver([&] {
+        ReceiverThread receiver([&] {
           auto got = streams.Recv(key, absl::Now() + absl::Seconds(120));
           if (!got.ok() || !got->DecodeInto(absl::MakeSpan(st.out)).ok()) std::fprintf(stderr, "recv failed\n");
         });
+        auto start = Clock::now();
         absl::Status s = client.Send(address, key, shape, st.data, Codec{}, absl::Now() + absl::Seconds(120));
-        receiver.join();
+        receiver.Join();
         const double a = Seconds(start, Clock::now());
         if (!s.ok()) {
           std::fprintf(stderr, "send failed: %s\n", std::string(s.message()).c_str());
@@ -210,26 +236,26 @@ int main(int argc, char** argv) {
         // A2: end to end into a waiting RecvInto: the receiving thread has posted its buffer before the Send starts
         // (as a pipeline stage or a ring step waits for its input).
         key.step = step++;
-        start = Clock::now();
-        std::thread receiver_into([&] {
+        ReceiverThread receiver_into([&] {
           if (!streams.RecvInto(key, absl::MakeSpan(st.out), absl::Now() + absl::Seconds(120)).ok()) {
             std::fprintf(stderr, "recv into failed\n");
           }
         });
         while (streams.stats().receivers_waiting == 0) std::this_thread::yield();
+        start = Clock::now();
         s = client.Send(address, key, shape, st.data, Codec{}, absl::Now() + absl::Seconds(120));
-        receiver_into.join();
+        receiver_into.Join();
         const double a_into = Seconds(start, Clock::now());
         if (!s.ok()) return 1;
         ++into_runs;
         // A': transport only.
         key.step = step++;
-        start = Clock::now();
-        std::thread receiver2([&] {
+        ReceiverThread receiver2([&] {
           if (!streams.Recv(key, absl::Now() + absl::Seconds(120)).ok()) std::fprintf(stderr, "recv failed\n");
         });
+        start = Clock::now();
         s = client.SendEncoded(address, key, shape, Codec{}, st.encoded, absl::Now() + absl::Seconds(120));
-        receiver2.join();
+        receiver2.Join();
         const double a2 = Seconds(start, Clock::now());
         // B: raw TCP.
         const double b = tcp.Copy(st.tcp_src.data(), st.tcp_dst.data(), st.bytes);
