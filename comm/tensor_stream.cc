@@ -934,7 +934,10 @@ class TensorStreamClient::Stream {
     const auto result = queue_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
     if (result != grpc::CompletionQueue::GOT_EVENT) return false;
     *static_cast<bool*>(tag) = false;
-    if (tag == &write_pending_) write_ok_ = ok;
+    if (tag == &write_pending_) {
+      write_ok_ = ok;
+      outgoing_.Clear();  // drops this message's references to the tensor's buffer
+    }
     if (tag == &read_pending_) read_ok_ = ok;
     return true;
   }

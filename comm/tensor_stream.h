@@ -17,15 +17,16 @@
 // payload each, the first carrying the TensorHeader) and waits for the receiver's ack, which comes once the
 // tensor is complete, validated and delivered; then the stream goes back to the pool for the next Send. Send
 // returns OK only after that ack. Concurrent Sends to one peer use different streams (one HTTP/2 connection per
-// peer address). For the element-wise codecs (none, fp16, bf16 without zstd) Send encodes each chunk just before
-// writing it; the codec header's two CRCs are then zeros in the first chunk and come in the last chunk's trailer
-// (TensorChunk field 5, fixed64), the stream header's checksum being 0. The receiver accepts both forms
-// (docs/comm.md).
+// peer address). A stream that broke while idle (the receiver restarted or shut down) is found on the first
+// write and the tensor is sent again on a new stream; nothing else is retried. For the element-wise codecs (none,
+// fp16, bf16 without zstd) Send encodes each chunk while the previous one is being written; the codec header's
+// two CRCs are then zeros in the first chunk and come in the last chunk's trailer (TensorChunk field 5, fixed64),
+// the stream header's checksum being 0. The receiver accepts both forms (docs/comm.md).
 // Delivery: a tensor goes to the mailbox (Recv, or RecvInto called after it arrived), or, when a RecvInto for its
 // key is already waiting and the codec is element-wise, straight into RecvInto's buffer: each chunk is decoded
 // there as it arrives, so no reassembly buffer and no decode pass after the last byte.
-// Back-pressure: the sender has one write outstanding at a time and gRPC's HTTP/2 flow control holds it
-// when the receiver does not read; the receiver reads one chunk at a time per stream and holds at most
+// Back-pressure: the sender has one write outstanding at a time (and one more chunk encoded), and gRPC's HTTP/2
+// flow control holds it when the receiver does not read; the receiver reads one chunk at a time per stream and holds at most
 // options.max_mailbox_bytes of complete or partly received tensors in the mailbox (beyond that a Send is refused
 // with RESOURCE_EXHAUSTED rather than buffered).
 // Validation: every header field and size is checked before anything is allocated or written: token, key field
@@ -46,7 +47,8 @@
 // being returned to the kernel and page-faulted back in on every read, which cut loopback throughput ~10x
 // (docs/benchmarks/comm.md). Freed heap up to that size is kept by the process rather than returned.
 // Threading: all methods are thread-safe. Server callbacks run on gRPC's threads and never block; Recv and
-// RecvInto block the caller until the tensor arrives or the deadline passes (DEADLINE_EXCEEDED).
+// RecvInto block the caller until the tensor arrives or the deadline passes (DEADLINE_EXCEEDED); Send blocks its
+// caller (every wait bounded by its deadline: a late Send cancels its stream's call).
 // Ownership: TensorStreamServer must outlive the grpc::Server it was registered on; call its Shutdown() before
 // the grpc::Server's (it ends the streams that clients keep open, which the server's Shutdown would otherwise
 // wait for). TensorStreamClient keeps one channel per peer address and up to kMaxIdleStreamsPerPeer idle
