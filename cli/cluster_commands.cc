@@ -24,8 +24,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/rpc.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "control.grpc.pb.h"
 #include "netem/control_client.h"
 #include "netem/process.h"
@@ -33,11 +35,6 @@
 
 namespace geotrain::cli {
 namespace {
-
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
-  return 1;
-}
 
 std::string SelfDirectory() {
   std::error_code ec;
@@ -177,23 +174,16 @@ int StopProcesses(const std::vector<Started>& processes) {
 }
 
 absl::StatusOr<ClusterStatus> HeadStatus(const std::string& address) {
-  auto endpoint = ResolveHead(address, "");
-  if (!endpoint.ok()) return endpoint.status();
-  auto channel = MakeChannel(endpoint->address, TlsFiles{});
-  if (!channel.ok()) return channel.status();
-  auto stub = Head::NewStub(*channel);
+  ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, ""));
   grpc::ClientContext ctx;
-  AttachToken(&ctx, endpoint->token);
-  SetDeadlineMillis(&ctx, 3000);
   ClusterStatus status;
-  grpc::Status s = stub->GetClusterStatus(&ctx, ClusterStatusRequest(), &status);
+  grpc::Status s = client.stub->GetClusterStatus(client.Prepare(&ctx, 3000), ClusterStatusRequest(), &status);
   if (!s.ok()) return FromGrpc(s);
   return status;
 }
 
 absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir) {
-  auto topology = LoadTopologyFile(topology_path);
-  if (!topology.ok()) return topology.status();
+  ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(topology_path));
   if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
     for (const Started& p : existing->processes) {
       if (p.pid > 0 && ::kill(p.pid, 0) == 0 && RunsGeotrain(p.pid)) {
@@ -216,7 +206,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
 
   // Links by unordered site pair.
   std::map<std::pair<std::string, std::string>, const TopologyLink*> links;
-  for (const TopologyLink& l : topology->links()) {
+  for (const TopologyLink& l : topology.links()) {
     links[std::minmax(l.a(), l.b())] = &l;
   }
 
@@ -229,19 +219,18 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   };
   std::vector<PlannedWorker> workers;
   std::vector<netem::RouteSpec> routes;
-  for (const TopologySite& site : topology->sites()) {
+  for (const TopologySite& site : topology.sites()) {
     for (int i = 0; i < site.workers_size(); ++i) {
       const TopologyWorker& w = site.workers(i);
       PlannedWorker p;
       p.id = absl::StrCat(site.name(), "-", i);
       p.site = site.name();
-      auto port = FreePort();
-      if (!port.ok()) return port.status();
-      p.port = *port;
+      ASSIGN_OR_RETURN(auto port, FreePort());
+      p.port = port;
       for (int d = 0; d < std::max(1, w.count()); ++d) {
         p.devices.push_back(absl::StrCat(w.device().empty() ? "GPU" : w.device(), ":", w.tflops(), ":", w.mem_gb()));
       }
-      for (const TopologySite& other : topology->sites()) {
+      for (const TopologySite& other : topology.sites()) {
         if (other.name() == site.name() || !links.count(std::minmax(other.name(), site.name()))) continue;
         netem::RouteSpec r;
         r.src_site = other.name();
@@ -323,8 +312,8 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   std::printf(
       "cluster up: head at %s, %zu workers in %d sites, WAN emulator with %zu routes "
       "(control port %d)\n",
-      file.head_address.c_str(), workers.size(), topology->sites_size(), routes.size(), file.netem_control_port);
-  for (const TopologyLink& l : topology->links()) {
+      file.head_address.c_str(), workers.size(), topology.sites_size(), routes.size(), file.netem_control_port);
+  for (const TopologyLink& l : topology.links()) {
     std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
                 l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
   }
@@ -336,28 +325,24 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
 }
 
 absl::Status ClusterDown(const std::string& state_dir) {
-  auto file = ReadClusterFile(state_dir);
-  if (!file.ok()) return file.status();
-  const int stopped = StopProcesses(file->processes);
+  ASSIGN_OR_RETURN(auto file, ReadClusterFile(state_dir));
+  const int stopped = StopProcesses(file.processes);
   std::filesystem::remove(ClusterFilePath(state_dir));
   std::filesystem::remove(state_dir + "/netem.ready");
-  std::printf("cluster down: stopped %d process(es) of %zu started\n", stopped, file->processes.size());
+  std::printf("cluster down: stopped %d process(es) of %zu started\n", stopped, file.processes.size());
   return absl::OkStatus();
 }
 
 absl::Status ClusterShow(const std::string& state_dir) {
-  auto file = ReadClusterFile(state_dir);
-  if (!file.ok()) return file.status();
-  auto topology = LoadTopologyFile(file->topology);
-  if (!topology.ok()) return topology.status();
-  auto status = HeadStatus(file->head_address);
-  if (!status.ok()) return status.status();
+  ASSIGN_OR_RETURN(auto file, ReadClusterFile(state_dir));
+  ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(file.topology));
+  ASSIGN_OR_RETURN(auto status, HeadStatus(file.head_address));
   std::map<std::pair<std::string, std::string>, SiteLink> measured;
-  for (const SiteLink& l : status->site_links()) measured[{l.a(), l.b()}] = l;
-  std::printf("head %s; WAN emulator control port %d\n\n", file->head_address.c_str(), file->netem_control_port);
+  for (const SiteLink& l : status.site_links()) measured[{l.a(), l.b()}] = l;
+  std::printf("head %s; WAN emulator control port %d\n\n", file.head_address.c_str(), file.netem_control_port);
   std::printf("%-12s %-12s %10s %10s %12s %12s\n", "SITE A", "SITE B", "CONF MS", "MEAS MS", "CONF MBIT/S",
               "MEAS MBIT/S");
-  for (const TopologyLink& l : topology->links()) {
+  for (const TopologyLink& l : topology.links()) {
     auto key = std::minmax(l.a(), l.b());
     auto it = measured.find({key.first, key.second});
     std::printf("%-12s %-12s %10.2f %10s %12.0f %12s\n", l.a().c_str(), l.b().c_str(), l.latency_ms(),
@@ -365,7 +350,7 @@ absl::Status ClusterShow(const std::string& state_dir) {
                 l.bandwidth_mbps(),
                 it == measured.end() ? "-" : std::to_string(static_cast<int>(it->second.bandwidth_mbps())).c_str());
   }
-  auto stats = netem::QueryStats(file->netem_control_port);
+  auto stats = netem::QueryStats(file.netem_control_port);
   if (stats.ok()) {
     std::printf("\n%-24s %14s %8s\n", "EMULATED LINK", "BYTES", "CONNS");
     for (const netem::LinkDirectionStats& s : *stats) {
@@ -374,8 +359,8 @@ absl::Status ClusterShow(const std::string& state_dir) {
     }
   }
   int alive = 0;
-  for (const WorkerInfo& w : status->workers()) alive += w.state() == WORKER_ALIVE;
-  std::printf("\n%d of %d workers alive\n", alive, status->workers_size());
+  for (const WorkerInfo& w : status.workers()) alive += w.state() == WORKER_ALIVE;
+  std::printf("\n%d of %d workers alive\n", alive, status.workers_size());
   return absl::OkStatus();
 }
 

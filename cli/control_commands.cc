@@ -1,6 +1,6 @@
 // CLI verbs of the control plane: `head start`, `worker start`, `status`, and `job submit|list|status|
-// cancel|logs`. Every verb that talks to a head resolves it from --head/--token, GEOTRAIN_HEAD/
-// GEOTRAIN_TOKEN, or the record a head on this machine leaves (see common/rpc.h).
+// cancel|logs`. Every verb that talks to a head resolves it from --head/--token/--token-file, GEOTRAIN_HEAD/
+// GEOTRAIN_TOKEN/GEOTRAIN_TOKEN_FILE, or the record a head on this machine leaves (see common/rpc.h).
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -17,10 +17,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/log.h"
 #include "common/names.h"
 #include "common/rpc.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "control.grpc.pb.h"
 #include "head/head_server.h"
 #include "head/job_manager.h"
@@ -35,28 +37,6 @@ using head::HeadServer;
 using worker::ParseEmulatedDevice;
 using worker::WorkerOptions;
 using worker::WorkerServer;
-
-// Prints "geotrain: <message>" and returns the exit code for it.
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
-  return status.code() == absl::StatusCode::kUnauthenticated ? 3 : 1;
-}
-
-// Explains an RPC failure in terms of what the user can do.
-absl::Status Explain(const grpc::Status& s, const std::string& address) {
-  switch (s.error_code()) {
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return absl::UnavailableError(
-          absl::StrCat("cannot reach the head at ", address, " (", s.error_message(),
-                       "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return absl::UnauthenticatedError(
-          absl::StrCat("the head at ", address, " refused the call: ", s.error_message()));
-    default:
-      return FromGrpc(s);
-  }
-}
 
 // SIGINT and SIGTERM stop a daemon cleanly. Threads that libraries start before main() (OpenBLAS's
 // pool) may receive the signal, so masks are no use: the handler writes the signal number to a pipe,
@@ -88,36 +68,31 @@ std::thread StopOnSignal(std::function<void()> on_signal) {
   });
 }
 
+// --token and --token-file, one or the other: a file keeps the token out of `ps` and shell histories.
+void AddTokenOptions(CLI::App* cmd, std::string* token, std::string* token_file, const std::string& fallback) {
+  CLI::Option* token_option =
+      cmd->add_option("--token", *token, absl::StrCat("cluster token (default: ", fallback, ")"));
+  cmd->add_option("--token-file", *token_file, "file holding the cluster token (default: GEOTRAIN_TOKEN_FILE)")
+      ->excludes(token_option);
+}
+
 struct HeadFlags {
   std::string head;
   std::string token;
+  std::string token_file;
   std::string tls_ca;
   void Add(CLI::App* cmd) {
     cmd->add_option("--head", head, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
-    cmd->add_option("--token", token, "cluster token (default: GEOTRAIN_TOKEN or the head's token file)");
+    AddTokenOptions(cmd, &token, &token_file, "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or the head's token file");
     cmd->add_option("--tls-ca", tls_ca, "CA certificate (PEM) to verify a TLS head");
   }
 };
 
-// A connected stub and the token to call it with.
-struct HeadClient {
-  std::unique_ptr<Head::Stub> stub;
-  HeadEndpoint endpoint;
-  grpc::ClientContext* Prepare(grpc::ClientContext* ctx, int64_t deadline_ms = 10000) const {
-    AttachToken(ctx, endpoint.token);
-    if (deadline_ms > 0) SetDeadlineMillis(ctx, deadline_ms);
-    return ctx;
-  }
-};
-
 absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
-  auto endpoint = ResolveHead(flags.head, flags.token);
-  if (!endpoint.ok()) return endpoint.status();
+  ASSIGN_OR_RETURN(std::string token, TokenFromFlagsOrEnvironment(flags.token, flags.token_file));
   TlsFiles tls;
   tls.ca = flags.tls_ca;
-  auto channel = MakeChannel(endpoint->address, tls);
-  if (!channel.ok()) return channel.status();
-  return HeadClient{Head::NewStub(*channel), *endpoint};
+  return ConnectToHead(flags.head, token, tls);
 }
 
 std::string FormatTime(int64_t unix_ms) {
@@ -143,9 +118,15 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   start->add_option("--bind", options->bind_host, "address to listen on")->capture_default_str();
   start->add_option("--advertise-host", options->advertise_host, "host the CLI and workers should dial");
   start->add_option("--state-dir", options->state_dir, "where the head persists its state")->capture_default_str();
-  start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN, the state dir's, or new)");
+  auto token_file = std::make_shared<std::string>();
+  AddTokenOptions(start, &options->token, token_file.get(),
+                  "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE, the state dir's, or new");
   start->add_option("--heartbeat-interval-ms", options->heartbeat_interval_ms, "worker heartbeat interval")
       ->capture_default_str();
+  start
+      ->add_option("--unreachable-timeout-ms", options->unreachable_timeout_ms,
+                   "Declare a silent worker that cannot be reached (a partition) dead after this long (default 30000)")
+      ->check(CLI::Range(int64_t{1000}, int64_t{3600000}));
   start
       ->add_option("--heartbeat-timeout-ms", options->heartbeat_timeout_ms,
                    "silence after which a worker is declared dead")
@@ -153,11 +134,14 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   start->add_option("--tls-cert", options->tls.cert, "server certificate (PEM) for TLS");
   start->add_option("--tls-key", options->tls.key, "server private key (PEM) for TLS");
   start->add_option("--tls-ca", options->tls.ca, "CA (PEM) for verifying clients");
-  start->callback([options, &context] {
+  start->callback([options, token_file, &context] {
     SetLogProcessName("head");
-    if (options->token.empty()) {
-      if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) options->token = env;
+    absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(options->token, *token_file);
+    if (!token.ok()) {
+      context.exit_code = Fail(token.status());
+      return;
     }
+    options->token = *token;
     if (options->heartbeat_timeout_ms <= options->heartbeat_interval_ms) {
       context.exit_code =
           Fail(absl::InvalidArgumentError("--heartbeat-timeout-ms must be larger than --heartbeat-interval-ms"));
@@ -171,8 +155,10 @@ void AddHeadCommands(CLI::App& app, Context& context) {
     }
     std::printf("geotrain head %s listening on port %d (metrics on %d); token in %s/token\n", server.head_id().c_str(),
                 server.port(), server.metrics_port(), options->state_dir.c_str());
-    std::printf("join workers with: geotrain worker start --head <this-host>:%d --site NAME --token <token>\n",
-                server.port());
+    std::printf(
+        "join workers with: geotrain worker start --head <this-host>:%d --site NAME --token-file <a copy of "
+        "%s/token>\n",
+        server.port(), options->state_dir.c_str());
     std::fflush(stdout);
     std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
     server.Wait();
@@ -197,7 +183,9 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--metrics-port", options->metrics_port, "Prometheus metrics port (0: any free, -1: off)")
       ->capture_default_str();
   start->add_option("--worker-id", options->worker_id, "stable worker id (default: assigned by the head)");
-  start->add_option("--token", options->token, "cluster token (default: GEOTRAIN_TOKEN or this machine's head)");
+  auto token_file = std::make_shared<std::string>();
+  AddTokenOptions(start, &options->token, token_file.get(),
+                  "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or this machine's head");
   auto advertise_for = std::make_shared<std::vector<std::string>>();
   start->add_option("--advertise-for", *advertise_for,
                     "SITE=HOST:PORT: the address peers at SITE dial (repeatable; e.g. a WAN emulator route)");
@@ -209,7 +197,7 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--tls-cert", options->tls.cert, "client certificate (PEM)");
   start->add_option("--tls-key", options->tls.key, "client private key (PEM)");
   start->add_option("--tls-ca", options->tls.ca, "CA (PEM) that signed the head's certificate");
-  start->callback([options, emulate, head_flag, advertise_for, &context] {
+  start->callback([options, emulate, head_flag, token_file, advertise_for, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));
     for (const std::string& pair : *advertise_for) {
       const size_t eq = pair.find('=');
@@ -228,7 +216,12 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       }
       options->emulated_devices.push_back(*device);
     }
-    auto endpoint = ResolveHead(*head_flag, options->token);
+    absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(options->token, *token_file);
+    if (!token.ok()) {
+      context.exit_code = Fail(token.status());
+      return;
+    }
+    auto endpoint = ResolveHead(*head_flag, *token);
     if (!endpoint.ok()) {
       context.exit_code = Fail(endpoint.status());
       return;
@@ -309,7 +302,7 @@ void AddStatusCommand(CLI::App& app, Context& context) {
     ClusterStatus status;
     grpc::Status s = client->stub->GetClusterStatus(client->Prepare(&ctx), ClusterStatusRequest(), &status);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     status.set_head_address(client->endpoint.address);
@@ -339,6 +332,20 @@ void PrintJob(const JobInfo& job) {
   if (job.predicted_step_seconds() > 0 || job.measured_step_seconds() > 0) {
     std::printf("  step time: predicted %.3f s, measured %.3f s\n", job.predicted_step_seconds(),
                 job.measured_step_seconds());
+  }
+  if (job.last_checkpoint_step() > 0 || !job.resumed_from().empty()) {
+    std::printf("  checkpoints: newest complete at step %ld%s%s\n", static_cast<long>(job.last_checkpoint_step()),
+                job.resumed_from().empty() ? "" : "; this run resumed from ", job.resumed_from().c_str());
+  }
+  if (job.restarts() > 0) std::printf("  restarts: %d (run %ld)\n", job.restarts(), static_cast<long>(job.attempt()));
+  for (const FaultRecord& f : job.faults()) {
+    std::printf("  fault at %s, step %ld: %s\n    -> %s, %ld step(s) lost, %s\n",
+                FormatTime(f.detected_unix_ms()).c_str(), static_cast<long>(f.step()), f.cause().c_str(),
+                f.resumed_from().empty() ? "restarted from the beginning"
+                                         : absl::StrCat("resumed from step ", f.resumed_step()).c_str(),
+                static_cast<long>(f.steps_lost()),
+                f.recovery_seconds() > 0 ? absl::StrFormat("training again after %.1f s", f.recovery_seconds()).c_str()
+                                         : "recovering");
   }
   for (const ActorRecord& a : job.actors()) {
     std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(), a.worker_id().c_str(),
@@ -405,7 +412,7 @@ int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow,
   }
   line.Break();
   grpc::Status s = reader->Finish();
-  if (!s.ok()) return Fail(Explain(s, client.endpoint.address));
+  if (!s.ok()) return Fail(ExplainRpcFailure(s, client.endpoint.address));
   if (follow && (last == JOB_FAILED || last == JOB_CANCELLED)) return 1;
   return 0;
 }
@@ -422,13 +429,18 @@ void AddJobCommands(CLI::App& app, Context& context) {
   submit->add_flag("--follow", *follow, "stream the job's log until it ends");
   auto progress = std::make_shared<bool>(false);
   submit->add_flag("--progress", *progress, "with --follow: one progress line for the steps (default on a terminal)");
+  auto resume_from = std::make_shared<std::string>();
+  submit->add_option("--resume-from", *resume_from,
+                     "start from this checkpoint (a step directory, or a checkpoint dir: its newest complete one); "
+                     "any plan's checkpoint of the same model (sets checkpoint.resume_from)");
   flags->Add(submit);
-  submit->callback([flags, spec_path, follow, progress, &context] {
+  submit->callback([flags, spec_path, follow, progress, resume_from, &context] {
     auto spec = LoadJobSpecFile(*spec_path);
     if (!spec.ok()) {
       context.exit_code = Fail(spec.status());
       return;
     }
+    if (!resume_from->empty()) spec->mutable_checkpoint()->set_resume_from(*resume_from);
     // Workers may run elsewhere with another working directory: paths travel absolute.
     auto absolute = [](std::string* path) {
       if (!path->empty() && (*path)[0] != '/') *path = (std::filesystem::current_path() / *path).string();
@@ -436,6 +448,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     absolute(spec->mutable_data()->mutable_train());
     absolute(spec->mutable_data()->mutable_val());
     absolute(spec->mutable_checkpoint()->mutable_dir());
+    absolute(spec->mutable_checkpoint()->mutable_resume_from());
     auto client = Connect(*flags);
     if (!client.ok()) {
       context.exit_code = Fail(client.status());
@@ -448,7 +461,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     SubmitJobReply reply;
     grpc::Status s = client->stub->SubmitJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     std::printf("submitted %s (%s): %s\n", reply.job().job_id().c_str(), reply.job().name().c_str(),
@@ -474,7 +487,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     ListJobsReply reply;
     grpc::Status s = client->stub->ListJobs(client->Prepare(&ctx), ListJobsRequest(), &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     if (*list_json) {
@@ -506,7 +519,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     JobInfo reply;
     grpc::Status s = client->stub->GetJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     if (*status_json) {
@@ -531,7 +544,7 @@ void AddJobCommands(CLI::App& app, Context& context) {
     JobInfo reply;
     grpc::Status s = client->stub->CancelJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
-      context.exit_code = Fail(Explain(s, client->endpoint.address));
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
     std::printf("job %s: %s\n", reply.job_id().c_str(), JobStateName(reply.state()));

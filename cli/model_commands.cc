@@ -13,7 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "model/checkpoint.h"
 #include "model/data.h"
 #include "model/gpt2.h"
@@ -26,31 +28,23 @@ namespace {
 
 using model::GPT2Stage;
 
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "error: %s\n", std::string(status.message()).c_str());
-  return 1;
-}
-
 struct Loaded {
   JobSpec spec;
   GPT2Config config;
 };
 
 absl::StatusOr<Loaded> LoadSpec(const std::string& path) {
-  absl::StatusOr<JobSpec> spec = LoadJobSpecFile(path);
-  if (!spec.ok()) return spec.status();
-  absl::StatusOr<GPT2Config> config = GPT2Config::FromSpec(spec->model());
-  if (!config.ok()) return config.status();
-  return Loaded{*spec, *config};
+  ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpecFile(path));
+  ASSIGN_OR_RETURN(GPT2Config config, GPT2Config::FromSpec(spec.model()));
+  return Loaded{spec, config};
 }
 
 absl::StatusOr<std::unique_ptr<GPT2Stage>> MakeModel(const Loaded& l, const std::string& weights) {
   model::StageOptions o;
   o.max_batch = l.spec.train().global_batch();
   o.max_seq_len = l.spec.train().seq_len();
-  absl::StatusOr<std::unique_ptr<GPT2Stage>> m = GPT2Stage::Create(l.config, o);
-  if (!m.ok()) return m.status();
-  if (absl::Status s = model::LoadStageWeights(weights, **m); !s.ok()) return s;
+  ASSIGN_OR_RETURN(std::unique_ptr<GPT2Stage> m, GPT2Stage::Create(l.config, o));
+  RETURN_IF_ERROR(model::LoadStageWeights(weights, *m));
   return m;
 }
 

@@ -1,7 +1,8 @@
 // `geotrain plan`: ranks parallelisation plans for a model on a topology file with the planner
 // (scheduler/planner.h) and explains the winner; --json prints the same as one JSON object. With
-// --job SPEC the model, batch, sequence length and WAN codec come from a job spec, and --predict
-// simulates that spec's manual plan (as the runtime runs it) instead of searching.
+// --job SPEC the model, batch, sequence length and WAN codec come from a job spec, planned as the head
+// plans a `plan: auto` job (scheduler/spec_planning.h), and --predict simulates that spec's manual plan
+// (as the runtime runs it) instead of searching.
 //
 //   geotrain plan --topology utah_amsterdam.yaml --model gpt2-medium --global-batch 48 --seq-len
 //   1024
@@ -22,10 +23,12 @@
 #include "absl/strings/str_split.h"
 #include "cli/registry.h"
 #include "common/spec.h"
+#include "common/status.h"
 #include "model/config.h"
 #include "scheduler/cluster.h"
 #include "scheduler/cost_model.h"
 #include "scheduler/planner.h"
+#include "scheduler/spec_planning.h"
 
 namespace geotrain::cli {
 namespace {
@@ -81,17 +84,8 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
   if (parallel.plan() != "manual") {
     return absl::InvalidArgumentError("--predict needs a job spec with parallel: {plan: manual, ...}");
   }
-  scheduler::Plan plan;
-  plan.dp = parallel.dp();
-  plan.pp = parallel.pp();
-  plan.tp = parallel.tp();
-  plan.schedule = parallel.schedule() == "gpipe" ? scheduler::Schedule::kGPipe : scheduler::Schedule::k1F1B;
-  plan.microbatch_size = spec.train().global_batch() / (plan.dp * parallel.microbatches());
-  plan.microbatches.assign(plan.dp, parallel.microbatches());
-  plan.stage_begin = scheduler::RuntimeStageBegin(model, plan.pp);
-  if (plan.stage_begin.empty()) {
-    return absl::InvalidArgumentError("parallel.pp exceeds the model's blocks");
-  }
+  ASSIGN_OR_RETURN(scheduler::Plan shape, scheduler::RuntimePlanShape(spec, model));
+  scheduler::Plan plan = std::move(shape);
   std::map<std::string, int> site_of;
   for (int s = 0; s < cluster.num_sites(); ++s) site_of[cluster.site_names[s]] = s;
   std::vector<char> used(cluster.devices.size(), 0);
@@ -155,9 +149,12 @@ int RunPlan(const PlanFlags& flags) {
                  std::string(cluster.status().message()).c_str());
     return 2;
   }
+  // With --job the spec is planned as the head plans a `plan: auto` job (scheduler::PlanningForSpec: its
+  // codec, the runtime's step end and plans); the flags below override it.
   std::optional<JobSpec> spec;
+  scheduler::JobOptions job;
+  scheduler::PlannerOptions options;
   int global_batch = flags.global_batch, seq_len = flags.seq_len;
-  std::string codecs = flags.codecs;
   absl::StatusOr<GPT2Config> config = absl::InvalidArgumentError("give --model or --job");
   if (!flags.job_spec.empty()) {
     absl::StatusOr<JobSpec> loaded = LoadJobSpecFile(flags.job_spec);
@@ -166,10 +163,19 @@ int RunPlan(const PlanFlags& flags) {
       return 2;
     }
     spec = *std::move(loaded);
-    config = GPT2Config::FromSpec(spec->model());
-    if (global_batch == 0) global_batch = spec->train().global_batch();
-    if (seq_len == 0) seq_len = spec->train().seq_len();
-    if (!flags.codecs_given) codecs = spec->comm().wan_codec();
+    if (global_batch != 0) spec->mutable_train()->set_global_batch(global_batch);
+    if (seq_len != 0) spec->mutable_train()->set_seq_len(seq_len);
+    absl::StatusOr<scheduler::SpecPlanning> planning = scheduler::PlanningForSpec(*spec);
+    if (!planning.ok()) {
+      std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.job_spec.c_str(),
+                   std::string(planning.status().message()).c_str());
+      return 2;
+    }
+    config = planning->config;
+    job = planning->job;
+    options = planning->options;
+    global_batch = job.global_batch;
+    seq_len = job.seq_len;
   } else if (!flags.model.empty()) {
     config = GPT2Config::FromPreset(flags.model);
   }
@@ -190,14 +196,13 @@ int RunPlan(const PlanFlags& flags) {
     std::fprintf(stderr, "geotrain plan: --global-batch must be a positive number of sequences\n");
     return 2;
   }
-  scheduler::JobOptions job;
   job.global_batch = global_batch;
   job.seq_len = seq_len;
   job.efficiency = flags.efficiency;
   job.memory_headroom = flags.memory_headroom;
   job.layer_overhead_s = flags.layer_overhead_us * 1e-6;
   job.step_overhead_s = flags.step_overhead_ms * 1e-3;
-  job.sequential_sync = flags.sequential_sync;
+  job.sequential_sync = job.sequential_sync || flags.sequential_sync;
   job.message_round_trips = flags.message_round_trips;
   job.message_window_bytes = flags.message_window_kib * 1024;
   for (absl::string_view item : absl::StrSplit(flags.shared_host_scale, ',', absl::SkipEmpty())) {
@@ -215,18 +220,20 @@ int RunPlan(const PlanFlags& flags) {
     std::fprintf(stderr, "geotrain plan: %s\n", std::string(s.message()).c_str());
     return 2;
   }
-  for (absl::string_view name : absl::StrSplit(codecs, ',', absl::SkipEmpty())) {
-    if (name == "none") continue;
-    absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
-    if (!codec.ok()) {
-      std::fprintf(stderr, "geotrain plan: --codecs: %s\n", std::string(codec.status().message()).c_str());
-      return 2;
+  if (!spec || flags.codecs_given) {
+    job.codecs.clear();
+    for (absl::string_view name : absl::StrSplit(flags.codecs, ',', absl::SkipEmpty())) {
+      if (name == "none") continue;
+      absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
+      if (!codec.ok()) {
+        std::fprintf(stderr, "geotrain plan: --codecs: %s\n", std::string(codec.status().message()).c_str());
+        return 2;
+      }
+      job.codecs.push_back(*codec);
     }
-    job.codecs.push_back(*codec);
   }
-  scheduler::PlannerOptions options;
   options.search_subsets = !flags.no_subsets;
-  options.runtime_plans = flags.runtime_plans;
+  options.runtime_plans = options.runtime_plans || flags.runtime_plans;
   options.max_ranked = std::max(flags.top, 1);
   options.tp_degrees.clear();
   for (absl::string_view degree : absl::StrSplit(flags.tp_degrees, ',', absl::SkipEmpty())) {
@@ -286,7 +293,9 @@ void AddPlanCommands(CLI::App& app, Context& context) {
   CLI::Option* model =
       plan->add_option("--model", flags->model, "model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, ...)");
   CLI::Option* job = plan->add_option("--job", flags->job_spec,
-                                      "job spec (YAML/JSON) giving the model, global batch, seq len and WAN codec");
+                                      "job spec (YAML/JSON) giving the model, global batch, seq len and WAN codec; "
+                                      "planned as the head plans `plan: auto` (--runtime-plans and "
+                                      "--sequential-sync on)");
   model->excludes(job);
   plan->add_option("--global-batch", flags->global_batch, "sequences per optimizer step");
   plan->add_option("--seq-len", flags->seq_len, "tokens per sequence");
@@ -322,7 +331,8 @@ void AddPlanCommands(CLI::App& app, Context& context) {
         flags->codecs = v;
         flags->codecs_given = true;
       },
-      "codecs allowed on cross-site links: none, fp16, bf16, int8, topk:F (default fp16,bf16)");
+      "codecs allowed on cross-site links: none, fp16, bf16, int8, topk:F, each optionally +zstd (default "
+      "fp16,bf16; with --job the spec's wan_codec)");
   plan->add_option("--efficiency", flags->efficiency, "assumed achieved/peak FLOP/s per device (default 0.4)");
   plan->add_option("--memory-headroom", flags->memory_headroom,
                    "fraction of each device's memory kept free (default 0.1)");

@@ -10,7 +10,7 @@
 // gradients only, with error feedback: the caller keeps one residual vector per tensor), each optionally
 // followed by "+zstd" or "+zstd:LEVEL" (zstd over the encoded payload).
 //
-// Error bounds (per element x, decoded y), tested in tests/comm/codec_test.cc:
+// Error bounds (per element x, decoded y), tested in comm/codec_test.cc:
 //   fp16: |y - x| <= 2^-11 |x| for normal fp16 range (|x| in [2^-14, 65504]);
 //   bf16: |y - x| <= 2^-8 |x| for normal values;
 //   int8: |y - x| <= scale/2 with scale = max|block| / 127, i.e. max|block| / 254;
@@ -29,6 +29,8 @@
 //
 // Thread safety: all functions are thread-safe; a residual vector must not be shared by concurrent calls.
 // Speed: the element loops are compiled for AVX-512, AVX2 and plain x86-64 and chosen at run time.
+// Files: codec.cc (wire header, encode and decode), codec_kernels.{h,cc} (the element loops per
+// instruction set), crc32c.{h,cc} (checksums), buffer_pool.{h,cc} (Bytes and its pool of large buffers).
 #pragma once
 
 #include <cstddef>
@@ -41,10 +43,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "comm/buffer_pool.h"   // Bytes
+#include "comm/crc32c.h"        // Crc32c
+#include "common/codec_spec.h"  // Codec, CodecKind, ParseCodec
 
 namespace geotrain::comm {
 
-enum class CodecKind : uint8_t { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kTopK = 4 };
+// A codec is what its name says (common/codec_spec.h holds the one parser, which the planner shares).
+using Codec = ::geotrain::CodecSpec;
+using CodecKind = ::geotrain::CodecKind;
 
 inline constexpr size_t kInt8BlockSize = 256;
 inline constexpr size_t kCodecHeaderBytes = 40;
@@ -52,44 +59,9 @@ inline constexpr uint32_t kCodecMagic = 0x43445447;  // "GTDC" in little endian
 // Element counts above this are refused (keeps every size computation far from overflow).
 inline constexpr uint64_t kMaxCodecElements = uint64_t{1} << 40;
 
-struct Codec {
-  CodecKind kind = CodecKind::kNone;
-  double topk_fraction = 0.0;  // (0, 1], kTopK only
-  bool zstd = false;
-  int zstd_level = 1;
-
-  // Lossless codecs reproduce every bit: none, optionally with zstd.
-  bool lossless() const { return kind == CodecKind::kNone; }
-  // The canonical name, which ParseCodec accepts: "bf16+zstd", "topk:0.01", "int8+zstd:3".
-  std::string ToString() const;
-};
-
 // Parses "none" | "fp16" | "bf16" | "int8" | "topk:F" (0 < F <= 1), each optionally "+zstd" or "+zstd:L"
-// (L in 1..19). Errors name the bad part and list the accepted forms.
-absl::StatusOr<Codec> ParseCodec(std::string_view text);
-
-// An owned byte buffer that is left uninitialised on allocation (no memset of large tensors). Copies
-// share the same memory (so that gRPC slices can reference it without copying); treat the contents as
-// immutable once they are shared. Buffers of 1 MiB and more are recycled through a process-wide pool
-// (at most 1 GiB kept), because first-touch page faults on fresh large allocations cost more than encoding.
-class Bytes {
- public:
-  Bytes() = default;
-  explicit Bytes(size_t size);
-  uint8_t* data() { return data_.get(); }
-  const uint8_t* data() const { return data_.get(); }
-  size_t size() const { return size_; }
-  // Sets the size to `size` <= the allocated size (used after compressing into a worst-case buffer).
-  void Shrink(size_t size);
-  absl::Span<const uint8_t> span() const { return {data_.get(), size_}; }
-  // Shared ownership of the memory, for zero-copy hand-off.
-  const std::shared_ptr<uint8_t[]>& shared() const { return data_; }
-
- private:
-  std::shared_ptr<uint8_t[]> data_;
-  size_t size_ = 0;
-  size_t capacity_ = 0;
-};
+// (L in 1..19): ParseCodecSpec under comm's name. Errors name the bad part and list the accepted forms.
+inline absl::StatusOr<Codec> ParseCodec(std::string_view text) { return ParseCodecSpec(text); }
 
 // What the header of an encoded tensor says, once validated.
 struct EncodedInfo {
@@ -134,9 +106,6 @@ absl::Status DecodeTensor(absl::Span<const uint8_t> encoded, absl::Span<float> o
 // Decodes and adds into `accumulator` (accumulator += decoded), saving a pass in reductions.
 absl::Status DecodeTensorAdd(absl::Span<const uint8_t> encoded, absl::Span<float> accumulator,
                              const DecodeOptions& options = {});
-
-// CRC-32C (Castagnoli), hardware-accelerated where SSE4.2 is present. `crc` chains calls.
-uint32_t Crc32c(const void* data, size_t size, uint32_t crc = 0);
 
 // The instruction set the element loops use on this machine: "avx512", "avx2" or "scalar".
 std::string_view CodecIsa();

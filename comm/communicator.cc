@@ -14,6 +14,8 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
 
 namespace geotrain::comm {
 
@@ -111,17 +113,45 @@ std::vector<float>* GrpcCommunicator::Residual(const std::string& key) {
   return &residuals_[key];
 }
 
+absl::Status GrpcCommunicator::SendWithRetries(const Call& call, const std::function<absl::Status()>& send) {
+  absl::Duration backoff = absl::Milliseconds(50);
+  for (int attempt = 0;; ++attempt) {
+    absl::Status status = send();
+    // A retry of a tensor whose first delivery was taken but not acknowledged finds it waiting.
+    if (attempt > 0 && status.code() == absl::StatusCode::kAlreadyExists) return absl::OkStatus();
+    if (status.code() != absl::StatusCode::kUnavailable) return status;
+    if (server_->JobCancelled(options_.job_id)) {
+      return absl::CancelledError(absl::StrCat("job ", options_.job_id, " is stopping: ", status.message()));
+    }
+    if (absl::Now() + backoff >= call.deadline) {
+      return absl::UnavailableError(
+          absl::StrCat(status.message(), " (retried ", attempt + 1, " time(s) until the deadline)"));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(1));
+  }
+}
+
 absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
                                       const Codec& codec, const std::string& residual_key) {
-  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
   const int64_t n = static_cast<int64_t>(data.size());
-  return client_->Send(peers_[peer].address, MakeKey(call, part, rank_), {n}, data, codec, call.deadline, residual);
+  const TensorKey key = MakeKey(call, part, rank_);
+  if (EncodedElementBytes(codec) > 0) {  // element-wise codecs: each attempt encodes again, identically
+    return SendWithRetries(
+        call, [&] { return client_->Send(peers_[peer].address, key, {n}, data, codec, call.deadline, nullptr); });
+  }
+  // The others are encoded once (top-k's error feedback must see the tensor once), then sent.
+  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
+  Bytes encoded;
+  RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
+  return SendEncodedTo(call, part, peer, codec, encoded, n);
 }
 
 absl::Status GrpcCommunicator::SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
                                              const Bytes& encoded, int64_t elements) {
-  return client_->SendEncoded(peers_[peer].address, MakeKey(call, part, rank_), {elements}, codec, encoded,
-                              call.deadline);
+  const TensorKey key = MakeKey(call, part, rank_);
+  return SendWithRetries(
+      call, [&] { return client_->SendEncoded(peers_[peer].address, key, {elements}, codec, encoded, call.deadline); });
 }
 
 absl::StatusOr<ReceivedTensor> GrpcCommunicator::RecvFrom(const Call& call, const std::string& part, int peer) {
@@ -148,9 +178,8 @@ absl::Status GrpcCommunicator::RingReduceScatter(const Call& call, const std::ve
     absl::Status status = got.status();
     if (status.ok()) status = CheckElements(*got, recv_end - recv_begin);
     if (status.ok()) status = got->DecodeAddInto(data.subspan(recv_begin, recv_end - recv_begin));
-    absl::Status send_status = sent.Wait();
-    if (!send_status.ok()) return send_status;
-    if (!status.ok()) return status;
+    RETURN_IF_ERROR(sent.Wait());
+    RETURN_IF_ERROR(status);
   }
   return absl::OkStatus();
 }
@@ -167,9 +196,9 @@ absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector
   absl::Span<float> own = data.subspan(own_begin, own_end - own_begin);
   Bytes forward;
   std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/ag")) : nullptr;
-  if (absl::Status s = EncodeTensor(codec, own, &forward, residual); !s.ok()) return s;
+  RETURN_IF_ERROR(EncodeTensor(codec, own, &forward, residual));
   if (!codec.lossless()) {
-    if (absl::Status s = DecodeTensor(forward.span(), own); !s.ok()) return s;
+    RETURN_IF_ERROR(DecodeTensor(forward.span(), own));
   }
   const std::string codec_name = codec.ToString();
   for (int s = 0; s < n - 1; ++s) {
@@ -187,9 +216,8 @@ absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector
                                                        codec_name, "; do all ranks use the same codecs?"));
     }
     if (status.ok()) status = got->DecodeInto(data.subspan(recv_begin, recv_end - recv_begin));
-    absl::Status send_status = sent.Wait();
-    if (!send_status.ok()) return send_status;
-    if (!status.ok()) return status;
+    RETURN_IF_ERROR(sent.Wait());
+    RETURN_IF_ERROR(status);
     forward = got->encoded;  // forwarded unchanged at the next step
   }
   return absl::OkStatus();
@@ -201,16 +229,16 @@ absl::Status GrpcCommunicator::AllReduceSum(absl::Span<float> data, std::string_
 }
 
 absl::Status GrpcCommunicator::RingAllReduce(absl::Span<float> data, std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   const Call call = Begin("ring-allreduce", tag);
   std::vector<int> all(peers_.size());
   for (int r = 0; r < size(); ++r) all[r] = r;
-  if (absl::Status s = RingReduceScatter(call, all, data); !s.ok()) return s;
+  RETURN_IF_ERROR(RingReduceScatter(call, all, data));
   return RingAllGather(call, all, data, GatherCodec(all));
 }
 
 absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   const Call call = Begin("hier-allreduce", tag);
   // Sites in order of their lowest rank; the lowest rank of a site leads it.
   std::vector<std::string> sites;
@@ -228,34 +256,30 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
   const std::vector<int>& site_ranks = members[my_site];
   const int leader = site_ranks.front();
   if (rank_ != leader) {
-    if (absl::Status s = SendTo(call, "up", leader, data, LinkCodec(rank_, leader), call.prefix + "/up"); !s.ok()) {
-      return s;
-    }
-    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "down", leader);
-    if (!got.ok()) return got.status();
-    if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
-    return got->DecodeInto(data);
+    RETURN_IF_ERROR(SendTo(call, "up", leader, data, LinkCodec(rank_, leader), call.prefix + "/up"));
+    ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "down", leader));
+    RETURN_IF_ERROR(CheckElements(got, data.size()));
+    return got.DecodeInto(data);
   }
   // Leader: reduce the site (in rank order), all-reduce among leaders, broadcast to the site.
   for (size_t i = 1; i < site_ranks.size(); ++i) {
-    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "up", site_ranks[i]);
-    if (!got.ok()) return got.status();
-    if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
-    if (absl::Status s = got->DecodeAddInto(data); !s.ok()) return s;
+    ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "up", site_ranks[i]));
+    RETURN_IF_ERROR(CheckElements(got, data.size()));
+    RETURN_IF_ERROR(got.DecodeAddInto(data));
   }
   std::vector<int> leaders;
   for (const auto& m : members) leaders.push_back(m.front());
   if (leaders.size() > 1) {
-    if (absl::Status s = RingReduceScatter(call, leaders, data); !s.ok()) return s;
-    if (absl::Status s = RingAllGather(call, leaders, data, GatherCodec(leaders)); !s.ok()) return s;
+    RETURN_IF_ERROR(RingReduceScatter(call, leaders, data));
+    RETURN_IF_ERROR(RingAllGather(call, leaders, data, GatherCodec(leaders)));
   }
   if (site_ranks.size() == 1) return absl::OkStatus();
   const Codec& codec = options_.lan_codec;
   Bytes encoded;
   std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(call.prefix + "/down") : nullptr;
-  if (absl::Status s = EncodeTensor(codec, data, &encoded, residual); !s.ok()) return s;
+  RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
   if (!codec.lossless()) {
-    if (absl::Status s = DecodeTensor(encoded.span(), data); !s.ok()) return s;
+    RETURN_IF_ERROR(DecodeTensor(encoded.span(), data));
   }
   std::vector<std::unique_ptr<AsyncStatus>> sends;
   for (size_t i = 1; i < site_ranks.size(); ++i) {
@@ -274,7 +298,7 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
 
 absl::Status GrpcCommunicator::ReduceScatter(absl::Span<const float> input, absl::Span<float> output,
                                              std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   if (input.size() != output.size() * peers_.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("ReduceScatter: input has ", input.size(),
@@ -284,14 +308,14 @@ absl::Status GrpcCommunicator::ReduceScatter(absl::Span<const float> input, absl
   std::vector<float> work(input.begin(), input.end());
   std::vector<int> all(peers_.size());
   for (int r = 0; r < size(); ++r) all[r] = r;
-  if (absl::Status s = RingReduceScatter(call, all, absl::MakeSpan(work)); !s.ok()) return s;
+  RETURN_IF_ERROR(RingReduceScatter(call, all, absl::MakeSpan(work)));
   std::memcpy(output.data(), work.data() + rank_ * output.size(), output.size() * sizeof(float));
   return absl::OkStatus();
 }
 
 absl::Status GrpcCommunicator::AllGather(absl::Span<const float> input, absl::Span<float> output,
                                          std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   if (output.size() != input.size() * peers_.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("AllGather: output has ", output.size(),
@@ -305,14 +329,13 @@ absl::Status GrpcCommunicator::AllGather(absl::Span<const float> input, absl::Sp
 }
 
 absl::Status GrpcCommunicator::Broadcast(absl::Span<float> data, int root, std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   if (root < 0 || root >= size()) return absl::InvalidArgumentError(absl::StrCat("Broadcast: bad root ", root));
   const Call call = Begin("broadcast", tag);
   if (rank_ != root) {
-    absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "b", root);
-    if (!got.ok()) return got.status();
-    if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
-    return got->DecodeInto(data);
+    ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "b", root));
+    RETURN_IF_ERROR(CheckElements(got, data.size()));
+    return got.DecodeInto(data);
   }
   std::vector<std::unique_ptr<AsyncStatus>> sends;
   for (int r = 0; r < size(); ++r) {
@@ -329,20 +352,19 @@ absl::Status GrpcCommunicator::Broadcast(absl::Span<float> data, int root, std::
 }
 
 absl::Status GrpcCommunicator::Send(int peer, absl::Span<const float> data, std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   if (peer < 0 || peer >= size() || peer == rank_) return absl::InvalidArgumentError("Send: bad peer");
   const Call call = Begin(absl::StrCat("p2p-", rank_, ">", peer), tag);
   return SendTo(call, "m", peer, data, LinkCodec(rank_, peer), call.prefix);
 }
 
 absl::Status GrpcCommunicator::Recv(int peer, absl::Span<float> data, std::string_view tag) {
-  if (!config_status_.ok()) return config_status_;
+  RETURN_IF_ERROR(config_status_);
   if (peer < 0 || peer >= size() || peer == rank_) return absl::InvalidArgumentError("Recv: bad peer");
   const Call call = Begin(absl::StrCat("p2p-", peer, ">", rank_), tag);
-  absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "m", peer);
-  if (!got.ok()) return got.status();
-  if (absl::Status s = CheckElements(*got, data.size()); !s.ok()) return s;
-  return got->DecodeInto(data);
+  ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "m", peer));
+  RETURN_IF_ERROR(CheckElements(got, data.size()));
+  return got.DecodeInto(data);
 }
 
 // --- BucketedAllReduce -----------------------------------------------------------------------------------
@@ -499,14 +521,13 @@ void GradientBuckets::GroupReady(int group) {
 }
 
 absl::Status GradientBuckets::Finish() {
-  if (!status_.ok()) return status_;
+  RETURN_IF_ERROR(status_);
   absl::Status status = all_reduce_.WaitAll();  // always drain, so no bucket is in flight after Finish
   const bool complete = std::all_of(ready_.begin(), ready_.end(), [](bool r) { return r; });
   std::fill(ready_.begin(), ready_.end(), false);
   for (Bucket& bucket : buckets_) bucket.groups_ready = 0;
-  absl::Status misuse = std::exchange(misuse_, absl::OkStatus());
-  if (!misuse.ok()) return misuse;
-  if (!status.ok()) return status;
+  RETURN_IF_ERROR(std::exchange(misuse_, absl::OkStatus()));
+  RETURN_IF_ERROR(status);
   if (!complete) return absl::FailedPreconditionError("gradient all-reduce finished before every group was ready");
   for (size_t g = 0; g < groups_.size(); ++g) {
     const float* in = buckets_[bucket_of_group_[g]].data + offset_in_bucket_[g];

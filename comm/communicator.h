@@ -18,6 +18,9 @@
 //   tag are part of every tensor key, so concurrent collectives never mix their tensors);
 // - every call has a deadline (options.timeout from its start): a rank that does not take part makes the others
 //   fail with DEADLINE_EXCEEDED, never hang;
+// - a send whose connection is lost or refused is retried with backoff until that deadline, so a link that
+//   flaps for a few seconds costs time, not the collective; a tensor delivered twice (its acknowledgement
+//   was lost) is taken once;
 // - the link between two ranks uses options.wan_codec when their sites differ, else options.lan_codec;
 // - results are identical on every rank, bit for bit, for every codec (a lossy codec's error is shared:
 //   the final values of each chunk are encoded once by their owner and forwarded unchanged);
@@ -124,6 +127,9 @@ class GrpcCommunicator : public Communicator {
   const Codec& GatherCodec(const std::vector<int>& group) const;
   absl::Status SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
                       const Codec& codec, const std::string& residual_key);
+  // Runs `send` again with backoff (50 ms doubling to 1 s) while it fails UNAVAILABLE (a connection lost or
+  // refused: a link that flaps), until the call's deadline or until the job's receives are cancelled here.
+  absl::Status SendWithRetries(const Call& call, const std::function<absl::Status()>& send);
   absl::Status SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
                              const Bytes& encoded, int64_t elements);
   absl::StatusOr<ReceivedTensor> RecvFrom(const Call& call, const std::string& part, int peer);

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/rendezvous.h"
+#include "common/status.h"
 
 namespace geotrain::comm {
 namespace {
@@ -237,7 +238,7 @@ absl::Status NcclCommunicator::Run(std::string_view op, std::string_view tag, in
 
 absl::Status NcclCommunicator::AllReduceSum(absl::Span<float> data, std::string_view tag) {
   if (data.empty()) return health();
-  if (absl::Status s = CheckDevice("AllReduceSum", data.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("AllReduceSum", data.data()));
   return Run("AllReduceSum", tag, data.size(), [&] {
     return Enqueued(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, comm_, stream_), comm_);
   });
@@ -248,7 +249,7 @@ absl::Status NcclCommunicator::Reduce(absl::Span<float> data, int root, std::str
     return absl::InvalidArgumentError(absl::StrCat("nccl Reduce: root ", root, " is not in [0, ", size_, ")"));
   }
   if (data.empty()) return health();
-  if (absl::Status s = CheckDevice("Reduce", data.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("Reduce", data.data()));
   return Run("Reduce", tag, data.size(), [&] {
     return Enqueued(ncclReduce(data.data(), data.data(), data.size(), ncclFloat, ncclSum, root, comm_, stream_), comm_);
   });
@@ -261,8 +262,8 @@ absl::Status NcclCommunicator::ReduceScatter(absl::Span<const float> input, absl
                                                    " floats, expected size() * output = ", output.size() * size_));
   }
   if (output.empty()) return health();
-  if (absl::Status s = CheckDevice("ReduceScatter", input.data()); !s.ok()) return s;
-  if (absl::Status s = CheckDevice("ReduceScatter", output.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("ReduceScatter", input.data()));
+  RETURN_IF_ERROR(CheckDevice("ReduceScatter", output.data()));
   return Run("ReduceScatter", tag, input.size(), [&] {
     return Enqueued(ncclReduceScatter(input.data(), output.data(), output.size(), ncclFloat, ncclSum, comm_, stream_),
                     comm_);
@@ -276,8 +277,8 @@ absl::Status NcclCommunicator::AllGather(absl::Span<const float> input, absl::Sp
                                                    " floats, expected size() * input = ", input.size() * size_));
   }
   if (input.empty()) return health();
-  if (absl::Status s = CheckDevice("AllGather", input.data()); !s.ok()) return s;
-  if (absl::Status s = CheckDevice("AllGather", output.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("AllGather", input.data()));
+  RETURN_IF_ERROR(CheckDevice("AllGather", output.data()));
   return Run("AllGather", tag, output.size(), [&] {
     return Enqueued(ncclAllGather(input.data(), output.data(), input.size(), ncclFloat, comm_, stream_), comm_);
   });
@@ -288,7 +289,7 @@ absl::Status NcclCommunicator::Broadcast(absl::Span<float> data, int root, std::
     return absl::InvalidArgumentError(absl::StrCat("nccl Broadcast: root ", root, " is not in [0, ", size_, ")"));
   }
   if (data.empty()) return health();
-  if (absl::Status s = CheckDevice("Broadcast", data.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("Broadcast", data.data()));
   return Run("Broadcast", tag, data.size(), [&] {
     return Enqueued(ncclBroadcast(data.data(), data.data(), data.size(), ncclFloat, root, comm_, stream_), comm_);
   });
@@ -305,15 +306,15 @@ absl::Status NcclCommunicator::SendRecv(absl::Span<const NcclSend> sends, absl::
     return n == 0 ? absl::OkStatus() : CheckDevice("SendRecv", data);
   };
   for (const NcclSend& s : sends) {
-    if (absl::Status st = check(s.peer, s.data.data(), s.data.size()); !st.ok()) return st;
+    RETURN_IF_ERROR(check(s.peer, s.data.data(), s.data.size()));
   }
   for (const NcclRecv& r : receives) {
-    if (absl::Status st = check(r.peer, r.data.data(), r.data.size()); !st.ok()) return st;
+    RETURN_IF_ERROR(check(r.peer, r.data.data(), r.data.size()));
   }
   if (elements == 0) return health();
   return Run("SendRecv", tag, elements, [&]() -> absl::Status {
     // In non-blocking mode the group's end may return ncclInProgress; Run polls the communicator after it.
-    if (absl::Status s = Enqueued(ncclGroupStart(), comm_); !s.ok()) return s;
+    RETURN_IF_ERROR(Enqueued(ncclGroupStart(), comm_));
     absl::Status status;
     for (const NcclSend& s : sends) {
       if (status.ok() && !s.data.empty()) {
@@ -342,7 +343,7 @@ absl::Status NcclCommunicator::Recv(int peer, absl::Span<float> data, std::strin
 
 absl::Status NcclCommunicator::CopyToHost(absl::Span<const float> device_data, float* host) {
   if (device_data.empty()) return health();
-  if (absl::Status s = CheckDevice("CopyToHost", device_data.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("CopyToHost", device_data.data()));
   return Run("CopyToHost", "", device_data.size(), [&] {
     return Enqueued(
         cudaMemcpyAsync(host, device_data.data(), device_data.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -351,7 +352,7 @@ absl::Status NcclCommunicator::CopyToHost(absl::Span<const float> device_data, f
 
 absl::Status NcclCommunicator::CopyFromHost(const float* host, absl::Span<float> device_data) {
   if (device_data.empty()) return health();
-  if (absl::Status s = CheckDevice("CopyFromHost", device_data.data()); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckDevice("CopyFromHost", device_data.data()));
   return Run("CopyFromHost", "", device_data.size(), [&] {
     return Enqueued(
         cudaMemcpyAsync(device_data.data(), host, device_data.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
@@ -364,14 +365,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorWithRend
   const absl::Time deadline = absl::Now() + timeout;
   std::string id;
   if (rank == 0) {
-    absl::StatusOr<std::string> made = NewNcclUniqueId();
-    if (!made.ok()) return made.status();
-    id = std::move(*made);
+    ASSIGN_OR_RETURN(std::string made, NewNcclUniqueId());
+    id = std::move(made);
   }
-  absl::StatusOr<std::string> shared = ExchangeRendezvous(head, token, job_id, key, rank == 0, id, timeout);
-  if (!shared.ok()) return shared.status();
-  auto communicator = NcclCommunicator::Create(rank, size, *shared, device, timeout, deadline);
-  if (!communicator.ok()) return communicator.status();
+  ASSIGN_OR_RETURN(std::string shared, ExchangeRendezvous(head, token, job_id, key, rank == 0, id, timeout));
+  ASSIGN_OR_RETURN(auto communicator, NcclCommunicator::Create(rank, size, shared, device, timeout, deadline));
   return communicator;
 }
 
@@ -413,14 +411,14 @@ absl::Status NcclHierarchicalAllReduce::AllReduceSum(absl::Span<float> device_da
   for (int64_t begin = 0, chunk = 0; begin < n; begin += chunk_elements_, ++chunk) {
     absl::Span<float> part = device_data.subspan(begin, std::min(chunk_elements_, n - begin));
     const std::string part_tag = chunked ? absl::StrCat(std::string(tag), "/", chunk) : std::string(tag);
-    if (absl::Status s = site_->Reduce(part, 0, part_tag); !s.ok()) return s;
+    RETURN_IF_ERROR(site_->Reduce(part, 0, part_tag));
     if (leaders_ != nullptr) {
       absl::Span<float> host(staging_, part.size());
-      if (absl::Status s = site_->CopyToHost(part, host.data()); !s.ok()) return s;
-      if (absl::Status s = leaders_->AllReduceSum(host, part_tag); !s.ok()) return s;
-      if (absl::Status s = site_->CopyFromHost(host.data(), part); !s.ok()) return s;
+      RETURN_IF_ERROR(site_->CopyToHost(part, host.data()));
+      RETURN_IF_ERROR(leaders_->AllReduceSum(host, part_tag));
+      RETURN_IF_ERROR(site_->CopyFromHost(host.data(), part));
     }
-    if (absl::Status s = site_->Broadcast(part, 0, part_tag); !s.ok()) return s;
+    RETURN_IF_ERROR(site_->Broadcast(part, 0, part_tag));
   }
   return absl::OkStatus();
 }

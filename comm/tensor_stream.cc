@@ -20,11 +20,13 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "comm/tensor_chunks.h"
+#include "common/rpc.h"  // FromGrpc, ToGrpc
 #include "common/status.h"
 #include "tensor.grpc.pb.h"
 #include "tensor.pb.h"
@@ -33,16 +35,6 @@ namespace geotrain::comm {
 namespace {
 
 constexpr char kStreamMethod[] = "/geotrain.TensorStream/Stream";
-// Encode + CRC and copy + CRC work in blocks of this size so the second pass reads from L1/L2.
-constexpr size_t kCacheBlockBytes = 64 * 1024;
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), absl::StrCat(context, ": ", s.error_message()));
-}
 
 // --- Protobuf wire helpers ----------------------------------------------------------------------------
 
@@ -92,16 +84,6 @@ void DestroySharedBytes(void* user_data) { delete static_cast<std::shared_ptr<ui
 
 }  // namespace
 
-bool TokenMatches(std::string_view presented, std::string_view expected) {
-  if (expected.empty()) return false;  // a server without a token accepts nobody
-  unsigned diff = presented.size() == expected.size() ? 0u : 1u;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const unsigned char p = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
-    diff |= p ^ static_cast<unsigned char>(expected[i]);
-  }
-  return diff == 0;
-}
-
 std::string TensorKey::ToString() const {
   return absl::StrCat("{job=", job_id, " step=", step, " mb=", microbatch, " tensor=", tensor_id, " src=", src, "}");
 }
@@ -128,61 +110,77 @@ absl::Status ReceivedTensor::DecodeAddInto(absl::Span<float> accumulator) const 
 
 absl::StatusOr<std::vector<float>> ReceivedTensor::Decode() const {
   std::vector<float> out(static_cast<size_t>(num_elements()));
-  absl::Status s = DecodeInto(absl::MakeSpan(out));
-  if (!s.ok()) return s;
+  RETURN_IF_ERROR(DecodeInto(absl::MakeSpan(out)));
   return out;
 }
 
 // --- Server ----------------------------------------------------------------------------------------------
 
-class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+// One TensorStream call: reads chunks and hands each to the stream's TensorChunkAssembler (tensor_chunks.h: the
+// parsing, validation and assembly, into a mailbox buffer or decoded straight into a waiting RecvInto's buffer),
+// acknowledges each tensor it delivers, then reads the next tensor's chunks, until the client ends the call.
+// The reactor is the assembler's sink: it forwards to the server with this stream's peer. Reactions run one at
+// a time on gRPC's threads and hold mu_ throughout; Close() comes from TensorStreamServer::Shutdown on another
+// thread.
+class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                    public TensorSink {
  public:
-  Reactor(TensorStreamServer* owner, grpc::CallbackServerContext* context) : owner_(owner) {
+  Reactor(TensorStreamServer* owner, grpc::CallbackServerContext* context)
+      : owner_(owner), assembler_(owner->options_, this) {
     const auto& metadata = context->client_metadata();
     auto it = metadata.find(kTokenMetadataKey);
     const std::string_view presented =
         it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
     if (!owner_->Authorized(presented)) {
       owner_->CountRejected();
-      Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          absl::StrCat("missing or wrong cluster token in '", kTokenMetadataKey,
-                                       "'; use the token the head printed (GEOTRAIN_TOKEN)")));
+      Close(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                         absl::StrCat("missing or wrong cluster token in '", kTokenMetadataKey,
+                                      "'; use the token the head printed (GEOTRAIN_TOKEN)")));
       return;
     }
     StartRead(&request_);
+    // Registered only now: until then nothing else knows of this reactor. Once registered, Shutdown may Close it.
+    registered_ = owner_->AddReactor(this);
+    if (!registered_) Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensor stream endpoint is shutting down"));
   }
 
-  ~Reactor() override { ReleaseReservation(); }
+  ~Reactor() override { assembler_.Abandon(); }
 
-  // The reservation of the tensor being received is the reactor's until the mailbox takes the tensor.
-  absl::Status Reserve(uint64_t bytes) {
-    RETURN_IF_ERROR(owner_->Reserve(bytes));
-    reserved_ = bytes;
-    return absl::OkStatus();
+  // Ends the call with `status` unless it has ended already (a pending read then fails).
+  void Close(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    FinishOnce(status);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed or the call was cancelled
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;  // closed by Shutdown
+    if (!ok) {              // the client ended the call or it was cancelled
       if (assembler_.in_progress()) {
-        ReleaseReservation();
+        const std::string key = assembler_.current_key().ToString();
+        assembler_.Abandon();
         owner_->CountRejected();
-        Finish(grpc::Status(grpc::StatusCode::DATA_LOSS,
-                            absl::StrCat("stream ended inside tensor ", assembler_.current_key().ToString())));
+        FinishOnce(grpc::Status(grpc::StatusCode::DATA_LOSS, absl::StrCat("stream ended inside tensor ", key)));
       } else {
-        Finish(grpc::Status::OK);
+        FinishOnce(grpc::Status::OK);
       }
       return;
     }
-    absl::Status s = HandleChunk();
+    absl::StatusOr<bool> delivered = HandleChunk();
     request_.Clear();
-    if (!s.ok()) {
-      ReleaseReservation();  // before the status reaches the sender
+    if (!delivered.ok()) {
+      assembler_.Abandon();  // before the status reaches the sender
       owner_->CountRejected();
-      Finish(ToGrpc(s));
+      FinishOnce(ToGrpc(delivered.status()));
       return;
     }
-    if (ack_ready_) {
-      ack_ready_ = false;
+    if (*delivered) {
+      geotrain::TensorAck ack;
+      KeyToProto(assembler_.delivered_key(), ack.mutable_key());
+      ack.set_bytes(assembler_.delivered_bytes());
+      const std::string serialized = ack.SerializeAsString();
+      grpc::Slice slice(serialized);
+      ack_ = grpc::ByteBuffer(&slice, 1);
       StartWrite(&ack_);
     } else {
       StartRead(&request_);
@@ -190,49 +188,63 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
   }
 
   void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "ack could not be written"));
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "ack could not be written"));
       return;
     }
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (registered_) owner_->RemoveReactor(this);
+    delete this;
+  }
+
+  // TensorSink: the server's mailbox and RecvInto buffers (called by assembler_, under mu_).
+  absl::Status Reserve(const TensorKey& key, uint64_t bytes) override { return owner_->Reserve(bytes); }
+  void Release(const TensorKey& key, uint64_t bytes) override { owner_->Release(bytes); }
+  absl::Status Deliver(ReceivedTensor tensor) override {
+    const uint64_t bytes = tensor.encoded.size();
+    absl::Status delivered = owner_->Deliver(std::move(tensor));
+    if (!delivered.ok()) owner_->Release(bytes);
+    return delivered;
+  }
+  std::shared_ptr<TensorDestination> Claim(const TensorKey& key, uint64_t elements) override {
+    return owner_->Claim(key, elements);
+  }
+  absl::Status BeginWrite(TensorDestination* d, const TensorKey& key) override { return owner_->BeginWrite(d, key); }
+  void EndWrite(TensorDestination* d) override { owner_->EndWrite(d); }
+  absl::Status CompleteClaim(TensorDestination* d, const TensorKey& key, uint64_t bytes) override {
+    return owner_->CompleteClaim(d, key, bytes);
+  }
+  void Unclaim(TensorDestination* d) override { owner_->Unclaim(d); }
 
  private:
-  void ReleaseReservation() {
-    if (reserved_ > 0) owner_->Release(reserved_);
-    reserved_ = 0;
+  void FinishOnce(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(status);
   }
 
-  // Parses and validates the chunk just read; delivers the tensor it completes and prepares the ack.
-  absl::Status HandleChunk() {
-    std::vector<grpc::Slice> slices;
-    if (!request_.Dump(&slices).ok()) return absl::InvalidArgumentError("chunk: unreadable message");
-    std::vector<absl::Span<const uint8_t>> pieces;
-    pieces.reserve(slices.size());
-    for (const grpc::Slice& slice : slices) pieces.emplace_back(slice.begin(), slice.size());
-    RETURN_IF_ERROR(assembler_.AddChunk(pieces));
-    if (!assembler_.has_complete()) return absl::OkStatus();
-    ReceivedTensor tensor = assembler_.TakeComplete();
-    geotrain::TensorAck ack;
-    KeyToProto(tensor.key, ack.mutable_key());
-    ack.set_bytes(tensor.encoded.size());
-    RETURN_IF_ERROR(owner_->Deliver(std::move(tensor)));
-    reserved_ = 0;  // the mailbox owns the reservation now
-    const std::string serialized = ack.SerializeAsString();
-    grpc::Slice slice(serialized);
-    ack_ = grpc::ByteBuffer(&slice, 1);
-    ack_ready_ = true;
-    return absl::OkStatus();
+  absl::StatusOr<bool> HandleChunk() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    slices_.clear();
+    if (!request_.Dump(&slices_).ok()) return absl::InvalidArgumentError("chunk: unreadable message");
+    pieces_.clear();
+    for (const grpc::Slice& slice : slices_) pieces_.emplace_back(slice.begin(), slice.size());
+    return assembler_.AddChunk(pieces_);
   }
 
-  TensorStreamServer* owner_;
+  TensorStreamServer* const owner_;
+  bool registered_ = false;  // in owner_'s reactor set (set in the constructor, read in OnDone)
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer ack_;
-  bool ack_ready_ = false;
-  TensorChunkAssembler assembler_{owner_->options_, [this](uint64_t bytes) { return Reserve(bytes); }};
-  uint64_t reserved_ = 0;
+  std::vector<grpc::Slice> slices_;                // the message being handled, as gRPC's slices
+  std::vector<absl::Span<const uint8_t>> pieces_;  // the same, as the assembler takes them
+  TensorChunkAssembler assembler_;
 };
 
 class TensorStreamServer::Service
@@ -343,13 +355,16 @@ void TensorStreamServer::CancelJob(const std::string& job_id) {
   cancelled_jobs_.insert(job_id);
 }
 
+bool TensorStreamServer::JobCancelled(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_jobs_.contains(job_id);
+}
+
 size_t TensorStreamServer::DiscardJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   size_t dropped = 0;
   for (auto it = mailbox_.begin(); it != mailbox_.end();) {
-    const std::string& key_job = it->first.job_id;
-    if (key_job == job_id || (key_job.size() > job_id.size() && key_job.compare(0, job_id.size(), job_id) == 0 &&
-                              key_job[job_id.size()] == '/')) {
+    if (it->first.job_id == job_id) {
       reserved_bytes_ -= std::min<uint64_t>(it->second.encoded.size(), reserved_bytes_);
       mailbox_.erase(it++);
       ++dropped;
@@ -360,9 +375,127 @@ size_t TensorStreamServer::DiscardJob(const std::string& job_id) {
   return dropped;
 }
 
-void TensorStreamServer::Shutdown() {
+absl::Status TensorStreamServer::RecvInto(const TensorKey& key, absl::Span<float> out, absl::Time deadline) {
+  auto destination = std::make_shared<TensorDestination>();
+  destination->out = out;
+  TensorDestination* const d = destination.get();
+  ReceivedTensor tensor;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return absl::CancelledError("tensor stream endpoint shut down");
+    if (!destinations_.try_emplace(key, destination).second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("another RecvInto is already waiting for tensor ", key.ToString()));
+    }
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return shutdown_ || d->done || (!d->claimed && mailbox_.contains(key)) ||
+             (!d->claimed && cancelled_jobs_.contains(key.job_id));
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    const bool in_mailbox = !d->done && !d->claimed && mailbox_.contains(key);
+    if (!d->done && !in_mailbox) {
+      // Giving up: a reactor writing into `out` finishes its block first, and writes nothing after.
+      d->withdrawn = true;
+      auto idle = [d]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !d->writing; };
+      mu_.Await(absl::Condition(&idle));
+      destinations_.erase(key);
+      if (shutdown_) return absl::CancelledError("tensor stream endpoint shut down");
+      if (cancelled_jobs_.contains(key.job_id)) {
+        return absl::CancelledError(
+            absl::StrCat("receives of job ", key.job_id, " were cancelled (the job is stopping)"));
+      }
+      return absl::DeadlineExceededError(absl::StrCat("no tensor ", key.ToString(), " arrived before the deadline"));
+    }
+    destinations_.erase(key);
+    if (d->done) return absl::OkStatus();
+    auto node = mailbox_.extract(key);
+    reserved_bytes_ -= std::min<uint64_t>(node.mapped().encoded.size(), reserved_bytes_);
+    tensor = std::move(node.mapped());
+  }
+  if (tensor.num_elements() != static_cast<int64_t>(out.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", key.ToString(), " has ", tensor.num_elements(),
+                                                   " elements, the receive buffer ", out.size()));
+  }
+  return tensor.DecodeInto(out);
+}
+
+std::shared_ptr<TensorDestination> TensorStreamServer::Claim(const TensorKey& key, uint64_t elements) {
   absl::MutexLock lock(&mu_);
-  shutdown_ = true;
+  if (shutdown_) return nullptr;
+  auto it = destinations_.find(key);
+  if (it == destinations_.end()) return nullptr;
+  TensorDestination* d = it->second.get();
+  if (d->claimed || d->withdrawn || d->done || d->out.size() != elements || cancelled_jobs_.contains(key.job_id)) {
+    return nullptr;
+  }
+  d->claimed = true;
+  return it->second;
+}
+
+absl::Status TensorStreamServer::BeginWrite(TensorDestination* destination, const TensorKey& key) {
+  absl::MutexLock lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
+  if (destination->withdrawn) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the receiver stopped waiting for tensor ", key.ToString(), " (its deadline passed)"));
+  }
+  destination->writing = true;
+  return absl::OkStatus();
+}
+
+void TensorStreamServer::EndWrite(TensorDestination* destination) {
+  absl::MutexLock lock(&mu_);
+  destination->writing = false;
+}
+
+absl::Status TensorStreamServer::CompleteClaim(TensorDestination* destination, const TensorKey& key,
+                                               uint64_t delivered_bytes) {
+  absl::MutexLock lock(&mu_);
+  destination->claimed = false;
+  if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
+  if (destination->withdrawn) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the receiver stopped waiting for tensor ", key.ToString(), " (its deadline passed)"));
+  }
+  destination->done = true;
+  ++stats_.tensors_received;
+  ++stats_.tensors_decoded_on_arrival;
+  stats_.bytes_received += delivered_bytes;
+  return absl::OkStatus();
+}
+
+void TensorStreamServer::Unclaim(TensorDestination* destination) {
+  absl::MutexLock lock(&mu_);
+  destination->claimed = false;
+  destination->writing = false;
+}
+
+bool TensorStreamServer::AddReactor(Reactor* reactor) {
+  absl::MutexLock lock(&reactors_mu_);
+  {
+    absl::MutexLock state_lock(&mu_);
+    if (shutdown_) return false;
+  }
+  reactors_.insert(reactor);
+  return true;
+}
+
+void TensorStreamServer::RemoveReactor(Reactor* reactor) {
+  absl::MutexLock lock(&reactors_mu_);
+  reactors_.erase(reactor);
+}
+
+void TensorStreamServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+  }
+  // Clients keep streams open between tensors; end them, or the grpc::Server's Shutdown would wait for them.
+  // A reactor stays registered (alive) until its OnDone, which waits for reactors_mu_.
+  absl::MutexLock lock(&reactors_mu_);
+  for (Reactor* reactor : reactors_) {
+    reactor->Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensor stream endpoint is shutting down"));
+  }
 }
 
 TensorStreamServer::Stats TensorStreamServer::stats() const {
@@ -370,32 +503,156 @@ TensorStreamServer::Stats TensorStreamServer::stats() const {
   Stats s = stats_;
   s.mailbox_tensors = mailbox_.size();
   s.mailbox_bytes = reserved_bytes_;
+  s.receivers_waiting = destinations_.size();
   return s;
 }
 
 // --- Client ----------------------------------------------------------------------------------------------
+
+// One TensorStream call to a peer, kept open across Sends and used by one Send at a time. It has a completion queue
+// of its own (gRPC's asynchronous API), so that a Send can encode the next chunk while the previous one is being
+// written, have the last chunk's write and the ack's read outstanding together, and wait with its own deadline.
+class TensorStreamClient::Stream {
+ public:
+  enum class Wait { kOk, kFailed, kTimedOut };
+
+  explicit Stream(std::shared_ptr<grpc::Channel> channel) : channel_(std::move(channel)) {}
+  ~Stream() { Close(); }
+
+  // Starts the call. The metadata (the token) goes out with the first write, so this never blocks.
+  void Open(const std::string& token) {
+    context_.AddMetadata(kTokenMetadataKey, token);
+    context_.set_initial_metadata_corked(true);
+    grpc::internal::RpcMethod method(kStreamMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel_);
+    // Allocated in the call's arena: freed with the call, not deleted here.
+    call_ = grpc::internal::ClientAsyncReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+        channel_.get(), &queue_, method, &context_, /*start=*/true, /*tag=*/nullptr);
+  }
+  bool opened() const { return call_ != nullptr; }
+
+  // At most one write and one read outstanding. gRPC references `message`'s slices until the write completes.
+  void StartWrite(grpc::ByteBuffer message) {
+    outgoing_ = std::move(message);
+    write_pending_ = true;
+    call_->Write(outgoing_, &write_pending_);
+  }
+  void StartRead(grpc::ByteBuffer* message) {
+    read_pending_ = true;
+    call_->Read(message, &read_pending_);
+  }
+  bool write_pending() const { return write_pending_; }
+  bool write_ok() const { return write_ok_; }
+
+  // Waits until the outstanding write (if `write`) and read (if `read`) have completed, or `deadline`. kFailed: one
+  // of them failed, which means the call is over (Finish says why).
+  Wait Await(bool write, bool read, absl::Time deadline) {
+    while ((write && write_pending_) || (read && read_pending_)) {
+      if (!Next(deadline)) return Wait::kTimedOut;
+    }
+    return (write && !write_ok_) || (read && !read_ok_) ? Wait::kFailed : Wait::kOk;
+  }
+
+  // Ends the call (cancelling it first if `cancel`) and returns its status.
+  grpc::Status Finish(bool cancel) {
+    if (cancel) context_.TryCancel();
+    while (write_pending_ || read_pending_) Next(absl::InfiniteFuture());
+    grpc::Status status;
+    bool finish_pending = true;
+    call_->Finish(&status, &finish_pending);
+    while (finish_pending) Next(absl::InfiniteFuture());
+    finished_ = true;
+    return status;
+  }
+
+  bool used = false;  // has carried a tensor
+
+ private:
+  // Takes one completion off the queue; false at `deadline`. The tags are the operations' "pending" flags,
+  // cleared here.
+  bool Next(absl::Time deadline) {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto result = queue_.AsyncNext(&tag, &ok, absl::ToChronoTime(deadline));
+    if (result != grpc::CompletionQueue::GOT_EVENT) return false;
+    *static_cast<bool*>(tag) = false;
+    if (tag == &write_pending_) {
+      write_ok_ = ok;
+      outgoing_.Clear();  // drops this message's references to the tensor's buffer
+    }
+    if (tag == &read_pending_) read_ok_ = ok;
+    return true;
+  }
+  // Ends the call without waiting for the peer, then drains the queue.
+  void Close() {
+    if (call_ != nullptr && !finished_) Finish(/*cancel=*/true);
+    queue_.Shutdown();
+    void* tag;
+    bool ok;
+    while (queue_.Next(&tag, &ok)) {
+    }
+  }
+
+  std::shared_ptr<grpc::Channel> channel_;
+  grpc::CompletionQueue queue_;
+  grpc::ClientContext context_;  // destroyed (releasing the call) before queue_
+  grpc::ClientAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* call_ = nullptr;
+  grpc::ByteBuffer outgoing_;
+  bool write_pending_ = false, read_pending_ = false;
+  bool write_ok_ = false, read_ok_ = false;
+  bool finished_ = false;
+};
 
 TensorStreamClient::TensorStreamClient(std::string token, TensorStreamOptions options)
     : token_(std::move(token)), options_(options) {
   RetainFreedMemory();
 }
 
-TensorStreamClient::~TensorStreamClient() = default;
+TensorStreamClient::~TensorStreamClient() {
+  std::vector<std::unique_ptr<Stream>> idle;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [address, peer] : peers_) {
+      for (auto& stream : peer.idle) idle.push_back(std::move(stream));
+    }
+  }
+  idle.clear();  // each cancels its call
+}
 
-std::shared_ptr<grpc::Channel> TensorStreamClient::ChannelFor(const std::string& address) {
+std::unique_ptr<TensorStreamClient::Stream> TensorStreamClient::TakeStream(const std::string& address) {
   absl::MutexLock lock(&mu_);
-  auto it = channels_.find(address);
-  if (it != channels_.end()) return it->second;
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
-  // A separate connection per client object (not shared through gRPC's global subchannel pool), so that
-  // benchmarks and tests with several endpoints in one process behave like separate processes.
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  ApplyTransportOptions(options_, &args);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  channels_[address] = channel;
-  return channel;
+  Peer& peer = peers_[address];
+  if (!peer.idle.empty()) {
+    std::unique_ptr<Stream> stream = std::move(peer.idle.back());
+    peer.idle.pop_back();
+    return stream;
+  }
+  if (peer.channel == nullptr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    // A separate connection per client object (not shared through gRPC's global subchannel pool), so that
+    // benchmarks and tests with several endpoints in one process behave like separate processes.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    // After a link outage the connection comes back within a second of the link (gRPC's default backoff
+    // grows to two minutes): senders retry until their deadline (comm/communicator.h).
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    ApplyTransportOptions(options_, &args);
+    peer.channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  }
+  ++stats_.streams_opened;
+  return std::make_unique<Stream>(peer.channel);
+}
+
+void TensorStreamClient::ReturnStream(const std::string& address, std::unique_ptr<Stream> stream) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::unique_ptr<Stream>>& idle = peers_[address].idle;
+  if (idle.size() < kMaxIdleStreamsPerPeer) {
+    idle.push_back(std::move(stream));
+    return;
+  }
+  // Full: `stream` cancels its call as it goes out of scope.
 }
 
 // Encodes an element-wise codec a chunk at a time into the tensor's buffer, just before the chunk is written,
@@ -417,7 +674,7 @@ class TensorStreamClient::ChunkEncoder {
         std::min<uint64_t>(data_.size(), (end - kCodecHeaderBytes + element_bytes_ - 1) / element_bytes_);
     // A cache-sized block at a time, so that the CRC reads what the encode has just written.
     while (done_ < target) {
-      const uint64_t n = std::min<uint64_t>(target - done_, kCacheBlockBytes / element_bytes_);
+      const uint64_t n = std::min<uint64_t>(target - done_, kStreamCacheBlockBytes / element_bytes_);
       uint8_t* out = buffer_->data() + kCodecHeaderBytes + done_ * element_bytes_;
       EncodeElements(codec_, data_.subspan(done_, n), out);
       crc_ = Crc32c(out, n * element_bytes_, crc_);
@@ -448,14 +705,13 @@ absl::Status TensorStreamClient::Send(const std::string& peer_address, const Ten
   const size_t element_bytes = EncodedElementBytes(codec);
   if (element_bytes == 0) {  // int8, top-k, zstd: the whole tensor is encoded before the first chunk
     Bytes encoded;
-    if (absl::Status s = EncodeTensor(codec, data, &encoded, residual); !s.ok()) return s;
+    RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
     return SendEncoded(peer_address, key, shape, codec, encoded, deadline);
   }
-  absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
-  if (!elements.ok()) return elements.status();
-  if (*elements != data.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("sending tensor ", key.ToString(), ": shape has ", *elements,
-                                                   " elements, the data ", data.size()));
+  ASSIGN_OR_RETURN(uint64_t elements, ShapeElements(shape, options_.max_rank));
+  if (elements != data.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sending tensor ", key.ToString(), ": shape has ", elements, " elements, the data ", data.size()));
   }
   Bytes buffer(kCodecHeaderBytes + data.size() * element_bytes);
   ChunkEncoder encoder(codec, data, &buffer);
@@ -465,15 +721,13 @@ absl::Status TensorStreamClient::Send(const std::string& peer_address, const Ten
 absl::Status TensorStreamClient::SendEncoded(const std::string& peer_address, const TensorKey& key,
                                              absl::Span<const int64_t> shape, const Codec& codec, const Bytes& encoded,
                                              absl::Time deadline) {
-  absl::StatusOr<EncodedInfo> info = InspectEncoded(encoded.span(), /*verify_checksum=*/false);
-  if (!info.ok()) return info.status();
-  absl::StatusOr<uint64_t> elements = ShapeElements(shape, options_.max_rank);
-  if (!elements.ok()) return elements.status();
-  if (*elements != info->element_count || info->codec.kind != codec.kind || info->codec.zstd != codec.zstd) {
+  ASSIGN_OR_RETURN(EncodedInfo info, InspectEncoded(encoded.span(), /*verify_checksum=*/false));
+  ASSIGN_OR_RETURN(uint64_t elements, ShapeElements(shape, options_.max_rank));
+  if (elements != info.element_count || info.codec.kind != codec.kind || info.codec.zstd != codec.zstd) {
     return absl::InvalidArgumentError(absl::StrCat("sending tensor ", key.ToString(), " to ", peer_address,
                                                    ": encoded tensor does not match shape or codec"));
   }
-  return SendChunks(peer_address, key, shape, codec, encoded, info->payload_crc, /*encoder=*/nullptr, deadline);
+  return SendChunks(peer_address, key, shape, codec, encoded, info.payload_crc, /*encoder=*/nullptr, deadline);
 }
 
 absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, const TensorKey& key,
@@ -484,28 +738,87 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_bytes ", options_.chunk_bytes, " outside [1024, ", options_.max_chunk_bytes, "]"));
   }
-  std::shared_ptr<grpc::Channel> channel = ChannelFor(peer_address);
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
-  context.AddMetadata(kTokenMetadataKey, token_);
-  grpc::internal::RpcMethod method(kStreamMethod, grpc::internal::RpcMethod::BIDI_STREAMING, channel);
-  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
-      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel.get(), method,
-                                                                                            &context));
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(absl::StrCat(context_text, ": the deadline passed before the send began"));
+  }
+  // Chunks of equal size, at most options_.chunk_bytes (so a 1 MiB tensor and its 40-byte codec header go as two
+  // halves rather than 1 MiB and 40 bytes).
+  const uint64_t total = encoded.size();
+  const uint64_t pieces = std::max<uint64_t>(1, (total + options_.chunk_bytes - 1) / options_.chunk_bytes);
+  const uint64_t chunk_bytes = (total + pieces - 1) / pieces;
   TensorHeader header;
   KeyToProto(key, header.mutable_key());
   header.set_dtype(TENSOR_DTYPE_F32);
   for (int64_t d : shape) header.add_shape(d);
   header.set_codec(codec.ToString());
-  header.set_total_bytes(encoded.size());
+  header.set_total_bytes(total);
   header.set_checksum(checksum);  // 0 when encoding while sending: the CRCs come with the last chunk
-  header.set_chunk_bytes(options_.chunk_bytes);
+  header.set_chunk_bytes(chunk_bytes);
   const std::string header_bytes = header.SerializeAsString();
 
+  for (int attempt = 1;; ++attempt) {
+    std::unique_ptr<Stream> stream = TakeStream(peer_address);
+    const bool reused = stream->used;
+    if (!stream->opened()) stream->Open(token_);
+    const Outcome outcome = WriteTensor(stream.get(), key, header_bytes, chunk_bytes, encoded, encoder, deadline);
+    if (outcome == Outcome::kAcknowledged) {
+      {
+        absl::MutexLock lock(&mu_);
+        ++stats_.tensors_sent;
+        stats_.bytes_sent += total;
+      }
+      stream->used = true;
+      ReturnStream(peer_address, std::move(stream));
+      return absl::OkStatus();
+    }
+    if (outcome == Outcome::kTimedOut) {
+      (void)stream->Finish(/*cancel=*/true);
+      return absl::DeadlineExceededError(absl::StrCat(context_text, ": no acknowledgement before the deadline"));
+    }
+    if (outcome == Outcome::kBadAck) {
+      (void)stream->Finish(/*cancel=*/true);
+      return absl::InternalError(absl::StrCat(context_text, ": the receiver acknowledged another tensor"));
+    }
+    // The call is over (a write or the read failed); its status says why.
+    const grpc::Status status = stream->Finish(/*cancel=*/false);
+    // A pooled stream the receiver had closed (it restarted, or shut down a stream idle since the last Send):
+    // nothing of this tensor was delivered (its first chunk could not be written, or the call ended cleanly
+    // without an ack), so send it again on a new stream. The other idle streams to this peer are likely closed too.
+    if (reused && (outcome == Outcome::kNotStarted || status.ok()) && attempt < 3) {
+      absl::MutexLock lock(&mu_);
+      peers_[peer_address].idle.clear();
+      continue;
+    }
+    if (!status.ok()) return FromGrpc(status, context_text);
+    return absl::UnavailableError(absl::StrCat(context_text, ": the receiver closed without acknowledging"));
+  }
+}
+
+TensorStreamClient::Outcome TensorStreamClient::WriteTensor(Stream* stream, const TensorKey& key,
+                                                            const std::string& header_bytes, uint64_t chunk_bytes,
+                                                            const Bytes& encoded, ChunkEncoder* encoder,
+                                                            absl::Time deadline) {
   const uint64_t total = encoded.size();
-  bool writes_ok = true;
+  uint64_t in_flight = 0;         // payload bytes of the write outstanding
+  uint64_t in_flight_offset = 0;  // and their offset (a failed first chunk: nothing of the tensor was sent)
+  grpc::ByteBuffer ack_buffer;
+  // The write of chunk k is outstanding while chunk k + 1 is encoded: one write outstanding at a time (flow
+  // control holds it when the receiver does not read), and one chunk encoded ahead.
+  auto finish_write = [&]() -> std::optional<Outcome> {
+    switch (stream->Await(/*write=*/true, /*read=*/false, deadline)) {
+      case Stream::Wait::kTimedOut:
+        return Outcome::kTimedOut;
+      case Stream::Wait::kFailed:
+        return in_flight_offset == 0 ? Outcome::kNotStarted : Outcome::kFailed;
+      case Stream::Wait::kOk:
+        break;
+    }
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_written += in_flight;
+    return std::nullopt;
+  };
   for (uint64_t offset = 0; offset < total;) {
-    const uint64_t len = std::min<uint64_t>(options_.chunk_bytes, total - offset);
+    const uint64_t len = std::min<uint64_t>(chunk_bytes, total - offset);
     const bool last = offset + len == total;
     if (encoder != nullptr) encoder->EncodeThrough(offset + len);
     std::string prefix;
@@ -531,35 +844,37 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
     grpc::Slice slices[2] = {grpc::Slice(prefix),
                              grpc::Slice(const_cast<uint8_t*>(encoded.data()) + offset, len, &DestroySharedBytes,
                                          new std::shared_ptr<uint8_t[]>(encoded.shared()))};
-    grpc::ByteBuffer message(slices, 2);
-    // One write outstanding at a time: Write blocks while HTTP/2 flow control holds the stream.
-    writes_ok = last ? stream->Write(message, grpc::WriteOptions().set_last_message()) : stream->Write(message);
-    if (!writes_ok) break;
-    offset += len;
-    absl::MutexLock lock(&mu_);
-    stats_.bytes_written += len;
-  }
-  bool acked = false;
-  if (writes_ok) {
-    grpc::ByteBuffer ack_buffer;
-    if (stream->Read(&ack_buffer)) {
-      std::vector<grpc::Slice> ack_slices;
-      std::string ack_bytes;
-      if (ack_buffer.Dump(&ack_slices).ok()) {
-        for (const grpc::Slice& s : ack_slices) ack_bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-      }
-      geotrain::TensorAck ack;
-      acked = ack.ParseFromString(ack_bytes) && KeyFromProto(ack.key()) == key && ack.bytes() == total;
+    if (stream->write_pending()) {
+      if (std::optional<Outcome> failed = finish_write(); failed.has_value()) return *failed;
     }
+    stream->StartWrite(grpc::ByteBuffer(slices, 2));
+    in_flight = len;
+    in_flight_offset = offset;
+    if (last) stream->StartRead(&ack_buffer);  // the ack may come before the last write completes
+    offset += len;
   }
-  // After a failed write the call is already over; Finish reports why (the receiver's status or the deadline).
-  const grpc::Status status = stream->Finish();
-  if (!status.ok()) return FromGrpc(status, context_text);
-  if (!acked) return absl::UnavailableError(absl::StrCat(context_text, ": the receiver closed without acknowledging"));
-  absl::MutexLock lock(&mu_);
-  ++stats_.tensors_sent;
-  stats_.bytes_sent += total;
-  return absl::OkStatus();
+  switch (stream->Await(/*write=*/true, /*read=*/true, deadline)) {
+    case Stream::Wait::kTimedOut:
+      return Outcome::kTimedOut;
+    case Stream::Wait::kFailed:
+      return in_flight_offset == 0 && !stream->write_ok() ? Outcome::kNotStarted : Outcome::kFailed;
+    case Stream::Wait::kOk:
+      break;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.bytes_written += in_flight;
+  }
+  std::vector<grpc::Slice> ack_slices;
+  std::string ack_bytes;
+  if (ack_buffer.Dump(&ack_slices).ok()) {
+    for (const grpc::Slice& s : ack_slices) ack_bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  geotrain::TensorAck ack;
+  if (!ack.ParseFromString(ack_bytes) || KeyFromProto(ack.key()) != key || ack.bytes() != total) {
+    return Outcome::kBadAck;
+  }
+  return Outcome::kAcknowledged;
 }
 
 TensorStreamClient::Stats TensorStreamClient::stats() const {

@@ -5,42 +5,54 @@
 //   TensorStreamServer streams(token);
 //   grpc::ServerBuilder builder;  builder.AddListeningPort(...);  streams.Register(&builder);
 //   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-//   absl::StatusOr<ReceivedTensor> t = streams.Recv(key, absl::Now() + absl::Seconds(30));
-//   std::vector<float> values = t->Decode().value();
+//   RETURN_IF_ERROR(streams.RecvInto(key, absl::MakeSpan(values), absl::Now() + absl::Seconds(30)));
+//   // or: absl::StatusOr<ReceivedTensor> t = streams.Recv(key, deadline);  t->DecodeInto(...)
 //
 //   // Sending side:
 //   TensorStreamClient client(token);
 //   absl::Status s = client.Send("10.0.0.2:7000", key, shape, values, codec, absl::Now() + absl::Seconds(30));
 //
-// Protocol: Send opens one bidirectional stream, writes the tensor in chunks (options.chunk_bytes of payload
-// each, the first carrying the TensorHeader) and waits for the receiver's ack, which comes once the tensor is
-// complete, validated and in the mailbox. Send returns OK only after that ack. For the element-wise codecs (none,
-// fp16, bf16 without zstd) Send encodes each chunk just before writing it; the codec header's two CRCs are then
-// zeros in the first chunk and come in the last chunk's trailer (TensorChunk field 5, fixed64), the stream
-// header's checksum being 0. The receiver accepts both forms (docs/comm.md).
-// Back-pressure: the sender has one write outstanding at a time and gRPC's HTTP/2 flow control holds it
-// when the receiver does not read; the receiver reads one chunk at a time and holds at most
-// options.max_mailbox_bytes of complete or partly received tensors (beyond that a Send is refused with
-// RESOURCE_EXHAUSTED rather than buffered).
-// Validation: every header field and size is checked before anything is allocated: token, key field sizes,
-// dtype, shape (rank, non-negative dims, product without overflow), codec name, total size against the codec's
-// size for that element count and options.max_tensor_bytes, chunk size, contiguous offsets, the last flag,
-// the trailer (only on the last chunk, only with a zero header checksum), the payload CRC-32C, and the codec
-// header (its CRC, element count = shape product, codec kind and flags match).
-// A malformed stream is finished with INVALID_ARGUMENT (DATA_LOSS for checksum mismatches) and nothing of it
-// reaches the mailbox.
+// Protocol: the client keeps its streams to a peer open and reuses them: a Send takes an idle stream (or opens
+// one; the token is checked when a stream opens), writes the tensor in chunks (at most options.chunk_bytes of
+// payload each, the first carrying the TensorHeader) and waits for the receiver's ack, which comes once the
+// tensor is complete, validated and delivered; then the stream goes back to the pool for the next Send. Send
+// returns OK only after that ack. Concurrent Sends to one peer use different streams (one HTTP/2 connection per
+// peer address). A stream that broke while idle (the receiver restarted or shut down) is found on the first
+// write and the tensor is sent again on a new stream; nothing else is retried. For the element-wise codecs (none,
+// fp16, bf16 without zstd) Send encodes each chunk while the previous one is being written; the codec header's
+// two CRCs are then zeros in the first chunk and come in the last chunk's trailer (TensorChunk field 5, fixed64),
+// the stream header's checksum being 0. The receiver accepts both forms (docs/comm.md).
+// Delivery: a tensor goes to the mailbox (Recv, or RecvInto called after it arrived), or, when a RecvInto for its
+// key is already waiting and the codec is element-wise, straight into RecvInto's buffer: each chunk is decoded
+// there as it arrives, so no reassembly buffer and no decode pass after the last byte.
+// Back-pressure: the sender has one write outstanding at a time (and one more chunk encoded), and gRPC's HTTP/2
+// flow control holds it when the receiver does not read; the receiver reads one chunk at a time per stream and holds at most
+// options.max_mailbox_bytes of complete or partly received tensors in the mailbox (beyond that a Send is refused
+// with RESOURCE_EXHAUSTED rather than buffered).
+// Validation: every header field and size is checked before anything is allocated or written: token, key field
+// sizes, dtype, shape (rank, non-negative dims, product without overflow), codec name, total size against the
+// codec's size for that element count and options.max_tensor_bytes, chunk size, contiguous offsets, the last
+// flag, the trailer (only on the last chunk, only with a zero header checksum), the payload CRC-32C, and the
+// codec header (its CRC, element count = shape product, codec kind and flags match). A malformed tensor is
+// refused with INVALID_ARGUMENT (DATA_LOSS for checksum mismatches), which ends its stream; nothing of it reaches
+// the mailbox, and a RecvInto whose buffer it was being decoded into does not return it (it keeps waiting).
 // Copies: sender: one encode pass (fp32 -> codec bytes, a memcpy for "none"), chunk by chunk where the codec
-// allows; the chunks reference the encoded buffer through grpc::Slice without copying. Receiver: one copy from gRPC's slices into the tensor's
-// buffer (the CRC is computed on the same pass over cache-hot data), and one decode pass in Recv's caller.
+// allows; the chunks reference the encoded buffer through grpc::Slice without copying. Receiver through the
+// mailbox: one copy from gRPC's slices into the tensor's buffer (the CRC is computed on the same pass over
+// cache-hot data), and one decode pass in Recv's caller; through a waiting RecvInto: one decode pass from gRPC's
+// slices into the caller's buffer, chunk by chunk (the CRC on the same cache-hot data).
 // Memory: the first TensorStreamServer or TensorStreamClient raises glibc's malloc trim threshold for the
 // process (mallopt M_TRIM_THRESHOLD = 256 MiB, and M_MMAP_THRESHOLD = 32 MiB, glibc's own dynamic ceiling,
 // unless GLIBC_TUNABLES sets either) so that gRPC's receive buffers stay resident between reads instead of
 // being returned to the kernel and page-faulted back in on every read, which cut loopback throughput ~10x
 // (docs/benchmarks/comm.md). Freed heap up to that size is kept by the process rather than returned.
-// Threading: all methods are thread-safe. Server callbacks run on gRPC's threads and never block; Recv blocks
-// the caller until the tensor arrives or the deadline passes (DEADLINE_EXCEEDED).
-// Ownership: TensorStreamServer must outlive the grpc::Server it was registered on (shut the server down
-// first). TensorStreamClient keeps one channel per peer address for its lifetime.
+// Threading: all methods are thread-safe. Server callbacks run on gRPC's threads and never block; Recv and
+// RecvInto block the caller until the tensor arrives or the deadline passes (DEADLINE_EXCEEDED); Send blocks its
+// caller (every wait bounded by its deadline: a late Send cancels its stream's call).
+// Ownership: TensorStreamServer must outlive the grpc::Server it was registered on; call its Shutdown() before
+// the grpc::Server's (it ends the streams that clients keep open, which the server's Shutdown would otherwise
+// wait for). TensorStreamClient keeps one channel per peer address and up to kMaxIdleStreamsPerPeer idle
+// streams per peer for its lifetime; it must outlive every Send it runs.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +68,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "comm/codec.h"
+#include "common/token.h"
 
 namespace grpc {
 class ServerBuilder;
@@ -64,11 +77,15 @@ class Channel;
 
 namespace geotrain::comm {
 
-// The cluster token's metadata key on every RPC.
-inline constexpr char kTokenMetadataKey[] = "x-geotrain-token";
+struct TensorDestination;  // tensor_chunks.h
 
-// Compares in time that depends only on `expected`'s length, not on where the strings differ.
-bool TokenMatches(std::string_view presented, std::string_view expected);
+// The cluster token's key and check are common/token.h's (kTokenMetadataKey, TokenMatches): one rule for
+// every service.
+using ::geotrain::kTokenMetadataKey;
+using ::geotrain::TokenMatches;
+// Idle streams a TensorStreamClient keeps open per peer for later Sends (more concurrent Sends open more
+// streams, closed after use).
+inline constexpr size_t kMaxIdleStreamsPerPeer = 8;
 
 struct TensorKey {
   std::string job_id;
@@ -131,9 +148,22 @@ class TensorStreamServer {
   // it. DEADLINE_EXCEEDED at `deadline`; CANCELLED after Shutdown().
   absl::StatusOr<ReceivedTensor> Recv(const TensorKey& key, absl::Time deadline);
 
+  // Waits for the tensor with exactly this key and decodes it into `out`, whose size must equal the tensor's
+  // element count (INVALID_ARGUMENT otherwise). If the tensor is already in the mailbox, it is taken and
+  // decoded as with Recv + DecodeInto. Otherwise, if its codec is element-wise (none, fp16, bf16 without zstd)
+  // and its element count equals out.size(), the receiving stream decodes each chunk straight into `out` as it
+  // arrives; other tensors go through the mailbox and are decoded here. OK means every check of a Recv passed
+  // (sizes, payload CRC, codec header) before return. On any error the contents of `out` are unspecified (a
+  // tensor that failed its checks may have been partly written to it); a tensor that fails its checks is
+  // refused to its sender and this call keeps waiting for a valid one until the deadline.
+  // DEADLINE_EXCEEDED at `deadline`, CANCELLED after Shutdown(); a tensor whose chunks are still being written
+  // into `out` then is refused to its sender (DEADLINE_EXCEEDED), and no byte is written to `out` after return.
+  // At most one RecvInto may wait for a given key (FAILED_PRECONDITION otherwise); do not wait for one key with
+  // both Recv and RecvInto (the tensor would go to RecvInto).
+  absl::Status RecvInto(const TensorKey& key, absl::Span<float> out, absl::Time deadline);
+
   // Drops every tensor of `job_id` waiting in the mailbox (when a job ends, fails or is cancelled, or after a
-  // collective failed part-way), and those of its later runs ("<job_id>/attempt<N>"); returns how many were
-  // dropped.
+  // collective failed part-way); returns how many were dropped.
   size_t DiscardJob(const std::string& job_id);
 
   // Stops the receives of `job_id` (a key's job id exactly, e.g. one run of a job): every Recv waiting for
@@ -141,17 +171,22 @@ class TensorStreamServer {
   // (FAILED_PRECONDITION to the sender). For a job that is stopping: its actors learn it without waiting for
   // their receive deadlines. The mailbox shares it between every actor of the job on this endpoint.
   void CancelJob(const std::string& job_id);
+  // Whether CancelJob(job_id) was called.
+  bool JobCancelled(const std::string& job_id) const;
 
-  // Wakes every Recv with CANCELLED and refuses new tensors (UNAVAILABLE). Call before shutting the
-  // grpc::Server down when other threads may be waiting.
+  // Wakes every Recv and RecvInto with CANCELLED, refuses new tensors (UNAVAILABLE) and ends every open
+  // stream (UNAVAILABLE). Call before shutting the grpc::Server down: clients keep their streams open between
+  // tensors, and the grpc::Server's Shutdown() waits for open streams.
   void Shutdown();
 
   struct Stats {
     uint64_t tensors_received = 0;
-    uint64_t bytes_received = 0;  // encoded bytes of complete tensors
+    uint64_t tensors_decoded_on_arrival = 0;  // of which decoded chunk by chunk into a waiting RecvInto's buffer
+    uint64_t bytes_received = 0;              // encoded bytes of complete tensors
     uint64_t streams_rejected = 0;
     uint64_t mailbox_tensors = 0;
-    uint64_t mailbox_bytes = 0;  // complete plus reserved for tensors being received
+    uint64_t mailbox_bytes = 0;      // complete plus reserved for tensors being received
+    uint64_t receivers_waiting = 0;  // RecvInto calls waiting for their tensor
   };
   Stats stats() const;
 
@@ -161,7 +196,6 @@ class TensorStreamServer {
   class Service;
   class Reactor;
   friend class Reactor;
-
   // Called by reactors.
   bool Authorized(std::string_view presented) const;
   absl::Status Reserve(uint64_t bytes);
@@ -169,13 +203,30 @@ class TensorStreamServer {
   // Takes over the reservation of `tensor.encoded.size()` bytes.
   absl::Status Deliver(ReceivedTensor tensor);
   void CountRejected();
+  // The waiting RecvInto's buffer for `key` if it takes `elements` elements and no other reactor holds it.
+  std::shared_ptr<TensorDestination> Claim(const TensorKey& key, uint64_t elements);
+  // Brackets each write into a claimed destination; BeginWrite fails once RecvInto gave up or on Shutdown.
+  absl::Status BeginWrite(TensorDestination* destination, const TensorKey& key);
+  void EndWrite(TensorDestination* destination);
+  // Ends a claim: with the tensor complete and valid (`delivered_bytes` encoded bytes), or without (the
+  // destination waits for another sender).
+  absl::Status CompleteClaim(TensorDestination* destination, const TensorKey& key, uint64_t delivered_bytes);
+  void Unclaim(TensorDestination* destination);
+  // Open streams, so that Shutdown can end them. AddReactor returns false after Shutdown.
+  bool AddReactor(Reactor* reactor);
+  void RemoveReactor(Reactor* reactor);
 
   const std::string token_;
   const TensorStreamOptions options_;
   std::unique_ptr<Service> service_;
 
+  // Lock order: reactors_mu_, then a reactor's own mutex, then mu_.
+  absl::Mutex reactors_mu_;
+  absl::flat_hash_set<Reactor*> reactors_ ABSL_GUARDED_BY(reactors_mu_);
+
   mutable absl::Mutex mu_;
   absl::flat_hash_map<TensorKey, ReceivedTensor> mailbox_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<TensorKey, std::shared_ptr<TensorDestination>> destinations_ ABSL_GUARDED_BY(mu_);
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<std::string> cancelled_jobs_ ABSL_GUARDED_BY(mu_);
@@ -204,24 +255,39 @@ class TensorStreamClient {
 
   struct Stats {
     uint64_t tensors_sent = 0;
-    uint64_t bytes_sent = 0;     // encoded bytes acknowledged
-    uint64_t bytes_written = 0;  // chunk payload bytes gRPC has accepted (acknowledged or not)
+    uint64_t bytes_sent = 0;      // encoded bytes acknowledged
+    uint64_t bytes_written = 0;   // chunk payload bytes gRPC has accepted (acknowledged or not)
+    uint64_t streams_opened = 0;  // streams opened (a Send reuses an idle one when it can)
   };
   Stats stats() const;
 
  private:
   class ChunkEncoder;
-  std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
-  // Writes `encoded` in chunks and waits for the ack. With `encoder`, each chunk is encoded into `encoded` just
-  // before it is written and the codec header's CRCs go with the last chunk (`checksum` is then 0).
+  class Stream;
+  struct Peer {
+    std::shared_ptr<grpc::Channel> channel;
+    std::vector<std::unique_ptr<Stream>> idle;
+  };
+  // How a tensor's trip over one stream ended. kNotStarted: its first chunk could not be written.
+  enum class Outcome { kAcknowledged, kNotStarted, kFailed, kTimedOut, kBadAck };
+
+  // An idle stream to `address`, or a new one (not yet opened: Stream::Open).
+  std::unique_ptr<Stream> TakeStream(const std::string& address);
+  // After a tensor went through `stream`: back to the pool, or closed when the pool is full.
+  void ReturnStream(const std::string& address, std::unique_ptr<Stream> stream);
+  // Writes `encoded` in chunks on `stream` and reads the ack, until `deadline`. With `encoder`, each chunk is
+  // encoded into `encoded` while the previous one is being written, and the codec header's CRCs go with the last
+  // chunk.
+  Outcome WriteTensor(Stream* stream, const TensorKey& key, const std::string& header_bytes, uint64_t chunk_bytes,
+                      const Bytes& encoded, ChunkEncoder* encoder, absl::Time deadline);
+  // Sends over a pooled or new stream, once more on a new stream if a pooled one turns out to be closed.
   absl::Status SendChunks(const std::string& peer_address, const TensorKey& key, absl::Span<const int64_t> shape,
                           const Codec& codec, const Bytes& encoded, uint32_t checksum, ChunkEncoder* encoder,
                           absl::Time deadline);
-
   const std::string token_;
   const TensorStreamOptions options_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 

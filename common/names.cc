@@ -29,6 +29,8 @@ const char* JobStateName(JobState state) {
       return "SUCCEEDED";
     case JOB_FAILED:
       return "FAILED";
+    case JOB_RESTARTING:
+      return "RESTARTING";
     case JOB_CANCELLED:
       return "CANCELLED";
     default:

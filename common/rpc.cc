@@ -13,20 +13,14 @@
 #include <random>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geotrain {
 namespace {
-
-bool ConstantTimeEquals(std::string_view a, std::string_view b) {
-  // Length is not secret; content is.
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
 
 std::string RandomHex(int bytes) {
   std::string raw(bytes, '\0');
@@ -46,6 +40,17 @@ std::string RandomHex(int bytes) {
 
 }  // namespace
 
+bool TokenMatches(std::string_view presented, std::string_view expected) {
+  if (expected.empty()) return false;  // a server without a token accepts nobody
+  // Length is not secret; content is. The loop runs over the expected token whatever is presented.
+  unsigned diff = presented.size() == expected.size() ? 0u : 1u;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const unsigned char p = i < presented.size() ? static_cast<unsigned char>(presented[i]) : 0;
+    diff |= p ^ static_cast<unsigned char>(expected[i]);
+  }
+  return diff == 0;
+}
+
 grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
                                       const std::string& peer) const {
   auto it = metadata.find(kTokenMetadataKey);
@@ -55,7 +60,7 @@ grpc::Status TokenAuth::CheckMetadata(const std::multimap<grpc::string_ref, grpc
                         "no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's token file "
                         "is <state-dir>/token)");
   }
-  if (!ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()), token_)) {
+  if (!TokenMatches(std::string_view(it->second.data(), it->second.size()), token_)) {
     GT_LOG(WARNING) << "refused a call from " << peer << ": wrong cluster token";
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "wrong cluster token; use the token in the head's <state-dir>/token file");
@@ -125,16 +130,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   if (tls.cert.empty() || tls.key.empty()) {
     return absl::InvalidArgumentError("TLS needs both --tls-cert and --tls-key");
   }
-  auto cert = ReadSmallFile(tls.cert);
-  if (!cert.ok()) return cert.status();
-  auto key = ReadSmallFile(tls.key);
-  if (!key.ok()) return key.status();
+  ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
+  ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
   grpc::SslServerCredentialsOptions options;
-  options.pem_key_cert_pairs.push_back({*key, *cert});
+  options.pem_key_cert_pairs.push_back({key, cert});
   if (!tls.ca.empty()) {
-    auto ca = ReadSmallFile(tls.ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
+    options.pem_root_certs = ca;
   }
   return grpc::SslServerCredentials(options);
 }
@@ -143,24 +145,20 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions options;
   if (!tls.ca.empty()) {
-    auto ca = ReadSmallFile(tls.ca);
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+    ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
+    options.pem_root_certs = ca;
   }
   if (!tls.cert.empty() && !tls.key.empty()) {
-    auto cert = ReadSmallFile(tls.cert);
-    if (!cert.ok()) return cert.status();
-    auto key = ReadSmallFile(tls.key);
-    if (!key.ok()) return key.status();
-    options.pem_cert_chain = *cert;
-    options.pem_private_key = *key;
+    ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
+    ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
+    options.pem_cert_chain = cert;
+    options.pem_private_key = key;
   }
   return grpc::SslCredentials(options);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls) {
-  auto creds = MakeChannelCredentials(tls);
-  if (!creds.ok()) return creds.status();
+  ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
@@ -170,12 +168,13 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetMaxReceiveMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(address, *creds, args);
+  return grpc::CreateCustomChannel(address, creds, args);
 }
 
-absl::Status FromGrpc(const grpc::Status& status) {
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  return context.empty() ? converted : WithContext(converted, context);
 }
 
 grpc::Status ToGrpc(const absl::Status& status) {
@@ -208,10 +207,9 @@ absl::Status WriteClusterRecord(const ClusterRecord& record) {
 
 absl::StatusOr<ClusterRecord> ReadClusterRecord() {
   const std::string path = absl::StrCat(GeotrainHome(), "/current_cluster.json");
-  auto text = ReadSmallFile(path);
-  if (!text.ok()) return text.status();
+  ASSIGN_OR_RETURN(auto text, ReadSmallFile(path));
   try {
-    YAML::Node node = YAML::Load(*text);
+    YAML::Node node = YAML::Load(text);
     ClusterRecord r;
     r.address = node["address"].as<std::string>("");
     r.token_file = node["token_file"].as<std::string>("");
@@ -232,28 +230,47 @@ void RemoveClusterRecordIfOwned(int64_t pid) {
   }
 }
 
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadSmallFile(path);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("token file: ", text.status().message(),
+                                     "; copy the head's <state-dir>/token there (mode 0600), or fix the path"));
+  }
+  std::string token(absl::StripAsciiWhitespace(*text));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token file '", path, "' is empty; copy the head's <state-dir>/token there"));
+  }
+  return token;
+}
+
+absl::StatusOr<std::string> TokenFromFlagsOrEnvironment(const std::string& token_flag,
+                                                        const std::string& token_file_flag) {
+  if (!token_flag.empty()) return token_flag;
+  if (!token_file_flag.empty()) return ReadTokenFile(token_file_flag);
+  if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr && *env) return std::string(env);
+  if (const char* env = std::getenv("GEOTRAIN_TOKEN_FILE"); env != nullptr && *env) {
+    absl::StatusOr<std::string> token = ReadTokenFile(env);
+    if (!token.ok()) return WithContext(token.status(), "GEOTRAIN_TOKEN_FILE");
+    return token;
+  }
+  return std::string();
+}
+
 absl::StatusOr<HeadEndpoint> ResolveHead(const std::string& head_flag, const std::string& token_flag) {
   HeadEndpoint endpoint;
   endpoint.address = head_flag;
-  endpoint.token = token_flag;
+  ASSIGN_OR_RETURN(endpoint.token, TokenFromFlagsOrEnvironment(token_flag, ""));
   if (endpoint.address.empty()) {
     if (const char* env = std::getenv("GEOTRAIN_HEAD"); env != nullptr) endpoint.address = env;
-  }
-  if (endpoint.token.empty()) {
-    if (const char* env = std::getenv("GEOTRAIN_TOKEN"); env != nullptr) endpoint.token = env;
   }
   if (endpoint.address.empty() || endpoint.token.empty()) {
     auto record = ReadClusterRecord();
     if (record.ok()) {
       if (endpoint.address.empty()) endpoint.address = record->address;
       if (endpoint.token.empty()) {
-        auto token = ReadSmallFile(record->token_file);
-        if (token.ok()) {
-          endpoint.token = *token;
-          while (!endpoint.token.empty() && (endpoint.token.back() == '\n' || endpoint.token.back() == ' ')) {
-            endpoint.token.pop_back();
-          }
-        }
+        if (auto token = ReadTokenFile(record->token_file); token.ok()) endpoint.token = *token;
       }
     }
   }
@@ -264,7 +281,8 @@ absl::StatusOr<HeadEndpoint> ResolveHead(const std::string& head_flag, const std
   }
   if (endpoint.token.empty()) {
     return absl::UnauthenticatedError(
-        "no cluster token: pass --token or set GEOTRAIN_TOKEN (the head writes it to <state-dir>/token)");
+        "no cluster token: pass --token-file FILE or set GEOTRAIN_TOKEN_FILE (a copy of the head's "
+        "<state-dir>/token, mode 0600), or pass --token / set GEOTRAIN_TOKEN");
   }
   return endpoint;
 }

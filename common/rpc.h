@@ -14,12 +14,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/token.h"  // kTokenMetadataKey, TokenMatches
 
 namespace geotrain {
 
-inline constexpr char kTokenMetadataKey[] = "x-geotrain-token";
-
-// Checks the token of incoming calls. Thread-safe (immutable after construction).
+// Checks the token of incoming calls (TokenMatches). Thread-safe (immutable after construction).
 class TokenAuth {
  public:
   explicit TokenAuth(std::string token) : token_(std::move(token)) {}
@@ -55,7 +55,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // A channel to `address` with keepalive settings suited to long-lived control streams.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls);
 
-absl::Status FromGrpc(const grpc::Status& status);
+// The one conversion between gRPC and absl statuses (their codes are the same numbers). FromGrpc prefixes
+// the message with `context` when one is given ("context: message").
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view context = {});
 grpc::Status ToGrpc(const absl::Status& status);
 
 // Reads a whole file (for PEM files and token files).
@@ -77,8 +79,18 @@ absl::Status WriteClusterRecord(const ClusterRecord& record);
 absl::StatusOr<ClusterRecord> ReadClusterRecord();
 void RemoveClusterRecordIfOwned(int64_t pid);
 
+// Reads a cluster token from a file (the head's <state-dir>/token, or one an operator installed, mode 0600):
+// its contents without surrounding whitespace. An unreadable or empty file is an error naming the file.
+// Token files keep the token off command lines, where `ps` and shell histories would show it.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+// The token a process was given: --token, else --token-file, else $GEOTRAIN_TOKEN, else the file named
+// by $GEOTRAIN_TOKEN_FILE; "" when none is set. A named file that cannot be read is an error.
+absl::StatusOr<std::string> TokenFromFlagsOrEnvironment(const std::string& token_flag,
+                                                        const std::string& token_file_flag);
+
 // Resolves the head's address and the token for a CLI call: flags first, then GEOTRAIN_HEAD and
-// GEOTRAIN_TOKEN, then the cluster record. Errors say which flag or variable to set.
+// GEOTRAIN_TOKEN (or GEOTRAIN_TOKEN_FILE), then the cluster record. Errors say which flag or variable to set.
 struct HeadEndpoint {
   std::string address;
   std::string token;

@@ -1,4 +1,5 @@
-// Token resolution order, the cluster record, atomic writes with their mode.
+// Token resolution order, the cluster record, atomic writes with their mode, the token check and the status
+// conversion.
 #include "common/rpc.h"
 
 #include <gmock/gmock.h>
@@ -21,6 +22,7 @@ class RpcTest : public ::testing::Test {
     setenv("GEOTRAIN_HOME", dir_.c_str(), 1);
     unsetenv("GEOTRAIN_HEAD");
     unsetenv("GEOTRAIN_TOKEN");
+    unsetenv("GEOTRAIN_TOKEN_FILE");
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   std::filesystem::path dir_;
@@ -67,6 +69,43 @@ TEST_F(RpcTest, ResolveHeadOrder) {
   EXPECT_FALSE(ReadClusterRecord().ok());
 }
 
+TEST_F(RpcTest, TokenFromFlagsOrEnvironmentOrder) {
+  const std::string flag_file = (dir_ / "flag-token").string();
+  const std::string env_file = (dir_ / "env-token").string();
+  ASSERT_TRUE(WriteFileAtomically(flag_file, "  from-flag-file \n", 0600).ok());
+  ASSERT_TRUE(WriteFileAtomically(env_file, "from-env-file\n", 0600).ok());
+  EXPECT_EQ(*TokenFromFlagsOrEnvironment("", ""), "");
+  setenv("GEOTRAIN_TOKEN_FILE", env_file.c_str(), 1);
+  EXPECT_EQ(*TokenFromFlagsOrEnvironment("", ""), "from-env-file");
+  setenv("GEOTRAIN_TOKEN", "from-env", 1);
+  EXPECT_EQ(*TokenFromFlagsOrEnvironment("", ""), "from-env");
+  EXPECT_EQ(*TokenFromFlagsOrEnvironment("", flag_file), "from-flag-file");
+  EXPECT_EQ(*TokenFromFlagsOrEnvironment("from-flag", flag_file), "from-flag");
+  // ResolveHead reads GEOTRAIN_TOKEN_FILE too, so every CLI verb takes the token from a file.
+  unsetenv("GEOTRAIN_TOKEN");
+  absl::StatusOr<HeadEndpoint> e = ResolveHead("h:1", "");
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->token, "from-env-file");
+}
+
+TEST_F(RpcTest, UnreadableOrEmptyTokenFileIsAnError) {
+  const std::string missing = (dir_ / "missing").string();
+  absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment("", missing);
+  EXPECT_EQ(token.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(token.status().message(), HasSubstr(missing));
+  EXPECT_THAT(token.status().message(), HasSubstr("<state-dir>/token"));
+
+  const std::string empty = (dir_ / "empty").string();
+  ASSERT_TRUE(WriteFileAtomically(empty, "\n", 0600).ok());
+  EXPECT_EQ(ReadTokenFile(empty).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // A GEOTRAIN_TOKEN_FILE that cannot be read fails loudly rather than falling back to another token.
+  setenv("GEOTRAIN_TOKEN_FILE", missing.c_str(), 1);
+  absl::StatusOr<HeadEndpoint> e = ResolveHead("h:1", "");
+  EXPECT_FALSE(e.ok());
+  EXPECT_THAT(e.status().message(), HasSubstr("GEOTRAIN_TOKEN_FILE"));
+}
+
 TEST_F(RpcTest, TokensAndIdsAreFresh) {
   EXPECT_EQ(GenerateToken().size(), 32u);
   EXPECT_NE(GenerateToken(), GenerateToken());
@@ -78,6 +117,27 @@ TEST_F(RpcTest, TlsNeedsCertAndKey) {
   tls.cert = "/nonexistent.pem";
   EXPECT_FALSE(MakeServerCredentials(tls).ok());
   EXPECT_TRUE(MakeServerCredentials(TlsFiles{}).ok());
+}
+
+// The one token check (TokenAuth and the tensor streams): equal and non-empty, nothing else.
+TEST(TokenMatchesTest, OnlyTheSameNonEmptyTokenMatches) {
+  EXPECT_TRUE(TokenMatches("abc", "abc"));
+  EXPECT_FALSE(TokenMatches("abd", "abc"));
+  EXPECT_FALSE(TokenMatches("abcd", "abc"));
+  EXPECT_FALSE(TokenMatches("ab", "abc"));
+  EXPECT_FALSE(TokenMatches("", "abc"));  // a call without a token
+  EXPECT_FALSE(TokenMatches("", ""));     // a server without a token accepts nobody, not even an empty token
+  EXPECT_FALSE(TokenMatches("abc", ""));
+}
+
+TEST(StatusConversionTest, CodesAndMessagesSurviveBothWays) {
+  const absl::Status status = absl::NotFoundError("no such job");
+  const grpc::Status converted = ToGrpc(status);
+  EXPECT_EQ(converted.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(FromGrpc(converted), status);
+  EXPECT_EQ(FromGrpc(converted, "fetch"), absl::NotFoundError("fetch: no such job"));
+  EXPECT_TRUE(ToGrpc(absl::OkStatus()).ok());
+  EXPECT_TRUE(FromGrpc(grpc::Status::OK, "fetch").ok());
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "common/spec.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -12,8 +13,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/status.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
 
 namespace geotrain {
@@ -21,38 +24,6 @@ namespace {
 
 using google::protobuf::Descriptor;
 using google::protobuf::FieldDescriptor;
-
-std::string JsonQuote(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 std::string KnownKeys(const Descriptor* d) {
   std::vector<std::string> names;
@@ -62,20 +33,18 @@ std::string KnownKeys(const Descriptor* d) {
 
 std::string PathOr(const std::string& path, const char* top) { return path.empty() ? top : path; }
 
+// YAML (or JSON, a subset of it) to the JSON that protobuf's JSON mapping reads, checked against the
+// message's descriptor on the way so that errors name the key: unknown keys, wrong kinds of values.
 class YamlToJson {
  public:
   explicit YamlToJson(std::string source) : source_(std::move(source)) {}
 
-  absl::Status Message(const YAML::Node& node, const Descriptor* d, const std::string& path, std::string* out) {
-    if (node.IsNull()) {
-      *out += "{}";
-      return absl::OkStatus();
-    }
+  absl::Status Message(const YAML::Node& node, const Descriptor* d, const std::string& path, nlohmann::json* out) {
+    *out = nlohmann::json::object();
+    if (node.IsNull()) return absl::OkStatus();
     if (!node.IsMap()) {
       return Error(path, absl::StrCat("expected a mapping with keys (", KnownKeys(d), ")"));
     }
-    *out += "{";
-    bool first = true;
     for (const auto& kv : node) {
       const std::string key = kv.first.as<std::string>();
       const std::string child = path.empty() ? key : absl::StrCat(path, ".", key);
@@ -87,23 +56,17 @@ class YamlToJson {
         return absl::InvalidArgumentError(absl::StrCat(source_, ": unknown key '", child, "'; known keys of ",
                                                        PathOr(path, "the top level"), ": ", KnownKeys(d)));
       }
-      if (!first) *out += ",";
-      first = false;
-      *out += JsonQuote(f->name());
-      *out += ":";
+      nlohmann::json& value = (*out)[f->name()];  // a key given twice: the last one wins
       if (f->is_repeated()) {
         if (!kv.second.IsSequence()) return Error(child, "expected a list");
-        *out += "[";
+        value = nlohmann::json::array();
         for (size_t i = 0; i < kv.second.size(); ++i) {
-          if (i) *out += ",";
-          if (absl::Status s = Value(kv.second[i], f, absl::StrCat(child, "[", i, "]"), out); !s.ok()) return s;
+          RETURN_IF_ERROR(Value(kv.second[i], f, absl::StrCat(child, "[", i, "]"), &value.emplace_back()));
         }
-        *out += "]";
-      } else if (absl::Status s = Value(kv.second, f, child, out); !s.ok()) {
-        return s;
+      } else {
+        RETURN_IF_ERROR(Value(kv.second, f, child, &value));
       }
     }
-    *out += "}";
     return absl::OkStatus();
   }
 
@@ -112,7 +75,7 @@ class YamlToJson {
     return absl::InvalidArgumentError(absl::StrCat(source_, ": key '", path, "': ", what));
   }
 
-  absl::Status Value(const YAML::Node& node, const FieldDescriptor* f, const std::string& path, std::string* out) {
+  absl::Status Value(const YAML::Node& node, const FieldDescriptor* f, const std::string& path, nlohmann::json* out) {
     if (f->type() == FieldDescriptor::TYPE_MESSAGE) {
       return Message(node, f->message_type(), path, out);
     }
@@ -120,14 +83,14 @@ class YamlToJson {
     const std::string text = node.Scalar();
     switch (f->cpp_type()) {
       case FieldDescriptor::CPPTYPE_STRING:
-        *out += JsonQuote(text);
+        *out = text;
         return absl::OkStatus();
       case FieldDescriptor::CPPTYPE_BOOL: {
         const std::string lower = absl::AsciiStrToLower(text);
         if (lower == "true" || lower == "yes" || lower == "on") {
-          *out += "true";
+          *out = true;
         } else if (lower == "false" || lower == "no" || lower == "off") {
-          *out += "false";
+          *out = false;
         } else {
           return Error(path, absl::StrCat("expected true or false, got '", text, "'"));
         }
@@ -137,15 +100,15 @@ class YamlToJson {
         if (f->enum_type()->FindValueByName(text) == nullptr) {
           return Error(path, absl::StrCat("unknown value '", text, "'"));
         }
-        *out += JsonQuote(text);
+        *out = text;
         return absl::OkStatus();
       case FieldDescriptor::CPPTYPE_FLOAT:
       case FieldDescriptor::CPPTYPE_DOUBLE: {
         double v;
-        if (!absl::SimpleAtod(text, &v)) {
+        if (!absl::SimpleAtod(text, &v) || !std::isfinite(v)) {
           return Error(path, absl::StrCat("expected a number, got '", text, "'"));
         }
-        *out += text;
+        *out = v;
         return absl::OkStatus();
       }
       default: {  // integers
@@ -160,7 +123,7 @@ class YamlToJson {
             v < 0) {
           return Error(path, absl::StrCat("expected a non-negative integer, got ", text));
         }
-        *out += JsonQuote(text);  // the JSON mapping takes 64-bit integers as strings
+        *out = text;  // the JSON mapping takes 64-bit integers as strings
         return absl::OkStatus();
       }
     }
@@ -215,18 +178,23 @@ absl::Status ParseYamlOrJson(std::string_view text, std::string_view source, goo
                                                    ": not valid YAML or JSON at line ", e.mark.line + 1, ", column ",
                                                    e.mark.column + 1, ": ", e.msg));
   }
-  std::string json;
+  nlohmann::json json;
   YamlToJson converter{std::string(source)};
   try {
-    if (absl::Status s = converter.Message(root, message->GetDescriptor(), "", &json); !s.ok()) {
-      return s;
-    }
+    RETURN_IF_ERROR(converter.Message(root, message->GetDescriptor(), "", &json));
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()), ": ", e.what()));
   }
+  std::string text_json;
+  try {
+    text_json = json.dump();
+  } catch (const nlohmann::json::type_error& e) {  // protobuf strings must be UTF-8
+    return absl::InvalidArgumentError(
+        absl::StrCat(absl::string_view(source.data(), source.size()), ": a value is not UTF-8 text: ", e.what()));
+  }
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
-  const auto status = google::protobuf::util::JsonStringToMessage(json, message, options);
+  const auto status = google::protobuf::util::JsonStringToMessage(text_json, message, options);
   if (!status.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(absl::string_view(source.data(), source.size()), ": ", std::string(status.message())));
@@ -236,7 +204,7 @@ absl::Status ParseYamlOrJson(std::string_view text, std::string_view source, goo
 
 absl::Status LoadMessageFile(const std::string& path, google::protobuf::Message* message) {
   std::string text;
-  if (absl::Status s = ReadFile(path, &text); !s.ok()) return s;
+  RETURN_IF_ERROR(ReadFile(path, &text));
   return ParseYamlOrJson(text, path, message);
 }
 
@@ -267,6 +235,11 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (c->lan_codec().empty()) c->set_lan_codec("none");
   if (c->chunk_bytes() == 0) c->set_chunk_bytes(1 << 20);
   if (c->grad_bucket_mb() == 0) c->set_grad_bucket_mb(25);
+  CheckpointSpec* k = spec->mutable_checkpoint();
+  if (k->keep() == 0) k->set_keep(3);
+  FaultToleranceSpec* f = spec->mutable_fault_tolerance();
+  if (!f->has_max_restarts()) f->set_max_restarts(3);
+  if (f->wait_for_workers_s() == 0) f->set_wait_for_workers_s(300);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -301,7 +274,22 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
     return bad("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
   }
-  if (spec.checkpoint().every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
+  const CheckpointSpec& k = spec.checkpoint();
+  if (k.every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
+  if (k.keep() < -1) return bad("checkpoint.keep", "must be -1 (keep all) or a count of checkpoints to keep");
+  if (k.resume() != "" && k.resume() != "auto") {
+    return bad("checkpoint.resume", absl::StrCat("must be auto (or absent), got '", k.resume(), "'"));
+  }
+  if (k.resume() == "auto" && k.dir().empty()) {
+    return bad("checkpoint.resume", "auto needs checkpoint.dir: the directory to resume from");
+  }
+  const FaultToleranceSpec& f = spec.fault_tolerance();
+  if (f.has_max_restarts() && f.max_restarts() < -1) {
+    return bad("fault_tolerance.max_restarts", "must be -1 (unlimited), 0 (fail on the first fault) or a count");
+  }
+  if (!(f.wait_for_workers_s() >= 0 && f.wait_for_workers_s() <= 7 * 24 * 3600)) {
+    return bad("fault_tolerance.wait_for_workers_s", "must be between 0 and 604800 (a week)");
+  }
   return absl::OkStatus();
 }
 
@@ -360,7 +348,7 @@ absl::Status ValidateTopology(Topology* topology) {
 
 absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {
   JobSpec spec;
-  if (absl::Status s = LoadMessageFile(path, &spec); !s.ok()) return s;
+  RETURN_IF_ERROR(LoadMessageFile(path, &spec));
   ApplyJobDefaults(&spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
@@ -370,7 +358,7 @@ absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {
 
 absl::StatusOr<Topology> LoadTopologyFile(const std::string& path) {
   Topology topology;
-  if (absl::Status s = LoadMessageFile(path, &topology); !s.ok()) return s;
+  RETURN_IF_ERROR(LoadMessageFile(path, &topology));
   if (absl::Status s = ValidateTopology(&topology); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", s.message()));
   }

@@ -82,5 +82,6 @@ print(f"\nsummary: {len(steps)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f},
       f"median {tokens[len(tokens)//2]:.0f} tokens/s, {wan/1e6:.1f} MB across the WAN (bf16)")
 print(f"loss plot: {sys.argv[2]}")
 PY
-echo "checkpoint: $(sed -n 's/.*"step": \([0-9]*\).*/step \1/p' "$out/ckpt/manifest.json") in $out/ckpt (manifest.json lists the stage shards)"
+latest="$out/ckpt/$(cat "$out/ckpt/latest")"
+echo "checkpoint: $latest (manifest.json lists every stage's file; loads in train --local and in HF transformers)"
 echo "demo finished in $(( $(date +%s) - start )) s"

@@ -15,7 +15,7 @@ packages=(
   libopenblas-dev libzstd-dev libyaml-cpp-dev libsqlite3-dev libicu-dev
   prometheus curl procps iproute2 openssl
   python3-torch python3-numpy python3-matplotlib
-  fortunes libcli11-dev clang-format
+  fortunes libcli11-dev clang-format nlohmann-json3-dev
   clang libclang-rt-14-dev llvm libomp-14-dev
 )
 # node and npm: the machine's own when present (a NodeSource build conflicts with Debian's nodejs).

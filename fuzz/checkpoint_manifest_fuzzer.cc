@@ -1,12 +1,12 @@
-// Fuzzes checkpoint manifests through the public loader (model/checkpoint.h LoadCheckpoint): a real
-// checkpoint of a tiny model (zero weights, so its files and their CRCs are the same on every build) is saved
-// once in a temporary directory; each input replaces its manifest.json and is loaded. Any manifest gives an
-// error or a checkpoint, never a crash or undefined behaviour.
+// Fuzzes checkpoint manifests (proto CheckpointManifest in protobuf's JSON mapping) through the public loader
+// (model/checkpoint.h LoadCheckpoint, which runs VerifyCheckpoint from model/checkpoint_files.h, as the head's
+// FindNewestCheckpoint does): a real checkpoint of a tiny model (zero weights, so its files and their CRCs are
+// the same on every build) is saved once in a temporary directory; each input replaces its manifest.json and is
+// loaded. Any manifest gives an error or a checkpoint, never a crash or undefined behaviour.
 // The seed corpus holds the manifest SaveCheckpoint writes; GEOTRAIN_FUZZ_DUMP_MANIFEST=PATH copies it there.
 #include <stdlib.h>
 #include <unistd.h>
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -14,8 +14,6 @@
 #include <fstream>
 
 #include "fuzz/fuzz_util.h"
-#include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
 #include "model/checkpoint.h"
 
 namespace {
@@ -70,35 +68,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   return 0;
 }
 
-namespace {
-
-// Known and reported, not fixed here (model/checkpoint.cc is being rewritten): LoadCheckpoint casts the
-// manifest's step and data_position numbers to int64_t unchecked, which is undefined beyond +-2^63
-// (fuzz/pending/checkpoint_manifest/step-1e300.json). Such manifests are skipped until the loader checks them;
-// delete this filter then.
-bool CastsOutOfRange(std::string_view text) {
-  google::protobuf::Struct root;
-  if (!google::protobuf::util::JsonStringToMessage(google::protobuf::StringPiece(text.data(), text.size()), &root)
-           .ok()) {
-    return false;
-  }
-  auto out_of_range = [](const google::protobuf::Value& v) {
-    return v.kind_case() == google::protobuf::Value::kNumberValue && !(std::fabs(v.number_value()) < 9.2e18);
-  };
-  const auto& fields = root.fields();
-  if (auto it = fields.find("step"); it != fields.end() && out_of_range(it->second)) return true;
-  if (auto it = fields.find("data_position"); it != fields.end()) {
-    for (const auto& [key, value] : it->second.struct_value().fields()) {
-      if (out_of_range(value)) return true;
-    }
-  }
-  return false;
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (CastsOutOfRange(geotrain::fuzz::AsText(data, size))) return 0;
   {
     std::ofstream out(fixture->dir + "/manifest.json", std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));

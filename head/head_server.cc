@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "control.grpc.pb.h"
+#include "head/scrape_targets.h"
 
 namespace geotrain::head {
 
@@ -43,6 +44,7 @@ class HeadServer::Service final : public Head::Service {
     if (absl::Status s = head_->store_->PutWorker(stored); !s.ok()) {
       GT_LOG(ERROR) << "persisting worker " << stored.worker_id() << ": " << s;
     }
+    head_->runner_->Kick();  // a job waiting for workers may fit now
     head_->RefreshMetrics();
     return grpc::Status::OK;
   }
@@ -87,6 +89,7 @@ class HeadServer::Service final : public Head::Service {
     auto job = head_->jobs_->Submit(request->spec(), request->spec_source());
     if (!job.ok()) return Fail(timer, job.status());
     *reply->mutable_job() = *job;
+    head_->runner_->Kick();
     head_->RefreshMetrics();
     return grpc::Status::OK;
   }
@@ -239,7 +242,10 @@ absl::Status HeadServer::Start() {
   head_id_ = GenerateId("h");
   started_unix_ms_ = clock_->UnixMillis();
   registry_ = std::make_unique<WorkerRegistry>(
-      clock_, WorkerRegistry::Options{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms}, head_id_);
+      clock_,
+      WorkerRegistry::Options{options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms,
+                              options_.unreachable_timeout_ms},
+      head_id_);
   auto workers = store_->LoadWorkers();
   if (!workers.ok()) return workers.status();
   registry_->Restore(*workers);
@@ -262,14 +268,14 @@ absl::Status HeadServer::Start() {
     }
   }
 
-  runner_ = std::make_unique<JobRunner>(jobs_.get(), registry_.get(), metrics_.get(), token_, "", options_.tls);
-  // Jobs that were running when the head went away cannot be resumed yet: their actors report to a
-  // run this head does not know, and are told to stop.
-  for (const JobInfo& job : jobs_->List()) {
-    if (job.state() == JOB_RUNNING) {
-      (void)jobs_->Transition(job.job_id(), JOB_FAILED, "the head restarted while the job ran");
-    }
-  }
+  JobRunnerOptions runner_options;
+  runner_options.token = token_;
+  runner_options.tls = options_.tls;
+  // An alive worker that stops listing an actor in its heartbeats has lost it (e.g. it restarted).
+  runner_options.actor_lost_after_ms = std::max<int64_t>(8000, 4 * options_.heartbeat_interval_ms);
+  runner_ = std::make_unique<JobRunner>(jobs_.get(), registry_.get(), metrics_.get(), runner_options, clock_);
+  // Jobs that were running when the head went away go on: their actors report to this head.
+  runner_->Restore();
   auto creds = MakeServerCredentials(options_.tls);
   if (!creds.ok()) return creds.status();
   service_ = std::make_unique<Service>(this);
@@ -297,6 +303,10 @@ absl::Status HeadServer::Start() {
     }
   }
   RefreshMetrics();
+  runner_->Start([this] {
+    rendezvous_->DropEndedJobs();
+    RefreshMetrics();
+  });
   detector_ = std::thread([this] { DetectorLoop(); });
   GT_LOG(INFO) << "head " << head_id_ << " serving on " << host << ":" << port_ << ", metrics on port "
                << metrics_port() << ", state in " << options_.state_dir << ", " << workers->size()
@@ -305,45 +315,35 @@ absl::Status HeadServer::Start() {
 }
 
 void HeadServer::DetectorLoop() {
-  // Checking at a quarter of the timeout bounds detection time by timeout + timeout / 4.
+  // Detection only: checking at a quarter of the timeout bounds detection time by timeout + timeout / 4
+  // (+ a probe of at most 0.5 s); what a death means for jobs is the job runner's, on its own thread.
   const int64_t period =
       std::max<int64_t>(50, std::min(options_.heartbeat_interval_ms, options_.heartbeat_timeout_ms / 4));
+  const WorkerRegistry::Probe probe = [](const std::vector<std::string>& addresses) {
+    return ProbeTcp(addresses, absl::Milliseconds(500));
+  };
   absl::MutexLock lock(&stop_mu_);
   while (!stopping_) {
     stop_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(period));
     if (stopping_) break;
     stop_mu_.Unlock();
-    for (const WorkerInfo& dead : registry_->CheckLiveness()) {
+    for (const WorkerInfo& dead : registry_->CheckLiveness(probe)) {
       if (absl::Status s = store_->PutWorker(dead); !s.ok()) {
         GT_LOG(ERROR) << "persisting worker " << dead.worker_id() << ": " << s;
       }
       runner_->OnWorkerDead(dead);
     }
-    runner_->Reconcile(registry_->Actors());
-    runner_->StartPendingJobs();
-    rendezvous_->DropEndedJobs();
-    RefreshMetrics();
     stop_mu_.Lock();
   }
 }
 
 void HeadServer::WriteScrapeTargets() {
   // Prometheus file-based discovery: the head and every alive worker's metrics endpoint, by site.
-  std::map<std::string, std::vector<std::string>> by_site;
-  for (const WorkerInfo& w : registry_->Workers()) {
-    if (w.state() == WORKER_ALIVE && !w.metrics_address().empty()) by_site[w.site()].push_back(w.metrics_address());
-  }
-  std::string json = "[";
-  if (metrics_) {
-    absl::StrAppend(&json, "{\"targets\": [\"", options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host,
-                    ":", metrics_->port(), "\"], \"labels\": {\"role\": \"head\"}}");
-  }
-  for (const auto& [site, targets] : by_site) {
-    absl::StrAppend(&json, json.size() > 1 ? ", " : "", "{\"targets\": [");
-    for (size_t i = 0; i < targets.size(); ++i) absl::StrAppend(&json, i ? ", " : "", "\"", targets[i], "\"");
-    absl::StrAppend(&json, "], \"labels\": {\"role\": \"worker\", \"site\": \"", site, "\"}}");
-  }
-  json += "]\n";
+  const std::string json = ScrapeTargetsJson(
+      metrics_
+          ? absl::StrCat(options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host, ":", metrics_->port())
+          : std::string(),
+      registry_->Workers());
   absl::MutexLock lock(&targets_mu_);
   if (json == scrape_targets_) return;
   if (WriteFileAtomically(absl::StrCat(options_.state_dir, "/prometheus_targets.json"), json, 0644).ok()) {
@@ -392,6 +392,7 @@ void HeadServer::Shutdown() {
     stopping_ = true;
   }
   if (detector_.joinable()) detector_.join();
+  if (runner_) runner_->Shutdown();
   if (rendezvous_) rendezvous_->Shutdown();  // wakes waiting fetches before the server drains
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (options_.write_cluster_record) RemoveClusterRecordIfOwned(getpid());

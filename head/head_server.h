@@ -10,9 +10,11 @@
 //
 // Threads: gRPC's sync server threads run the handlers; they call the registry, job manager, job
 // runner and rendezvous table, which lock their own state (FetchRendezvous blocks its handler thread for
-// up to 60 s). One detector thread calls CheckLiveness(), fails the jobs of dead workers, starts pending
-// jobs (placing and creating their actors), drops the rendezvous keys of ended jobs and refreshes
-// metrics every interval. Shutdown() stops the detector, then the server.
+// up to 60 s). One detector thread only detects: it calls CheckLiveness() (probing silent workers) and
+// hands each death to the job runner, which queues it; the job runner's own control thread plans, places,
+// launches, restarts and reconciles jobs, with the RPCs to workers on its executor, then drops the
+// rendezvous keys of ended jobs and refreshes metrics. So neither a slow plan nor a slow worker delays
+// detection. Shutdown() stops the detector, the job runner, then the server.
 #pragma once
 
 #include <atomic>
@@ -41,6 +43,9 @@ struct HeadOptions {
   std::string token;           // empty: reuse <state_dir>/token or make a new one
   int64_t heartbeat_interval_ms = 1000;
   int64_t heartbeat_timeout_ms = 4000;
+  // A silent worker whose port still answers, or that cannot be reached, is declared dead after this long
+  // (one whose port refuses connections at the heartbeat timeout): head/liveness_probe.h.
+  int64_t unreachable_timeout_ms = 30000;
   TlsFiles tls;
   bool write_cluster_record = true;
 };

@@ -7,13 +7,17 @@
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/spec.h"
+#include "common/status.h"
 
 namespace geotrain::head {
 
 namespace {
 bool Allowed(JobState from, JobState to) {
   if (from == JOB_PENDING) return to == JOB_RUNNING || to == JOB_FAILED || to == JOB_CANCELLED;
-  if (from == JOB_RUNNING) return to == JOB_SUCCEEDED || to == JOB_FAILED || to == JOB_CANCELLED;
+  if (from == JOB_RUNNING) {
+    return to == JOB_SUCCEEDED || to == JOB_FAILED || to == JOB_CANCELLED || to == JOB_RESTARTING;
+  }
+  if (from == JOB_RESTARTING) return to == JOB_RUNNING || to == JOB_FAILED || to == JOB_CANCELLED;
   return false;
 }
 }  // namespace
@@ -137,6 +141,20 @@ absl::Status JobManager::SetPlan(const std::string& job_id, const ParallelSpec& 
   return absl::OkStatus();
 }
 
+absl::StatusOr<JobInfo> JobManager::Update(const std::string& job_id, const std::function<void(JobInfo&)>& mutate) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  JobInfo updated = it->second;
+  mutate(updated);
+  updated.set_job_id(job_id);
+  updated.set_state(it->second.state());  // states change only through Transition
+  updated.set_updated_unix_ms(clock_->UnixMillis());
+  RETURN_IF_ERROR(store_->PutJob(updated));
+  it->second = std::move(updated);
+  return it->second;
+}
+
 absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
@@ -193,7 +211,7 @@ absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& 
 std::map<JobState, int> JobManager::CountByState() const {
   absl::MutexLock lock(&mu_);
   std::map<JobState, int> out;
-  for (JobState s : {JOB_PENDING, JOB_RUNNING, JOB_SUCCEEDED, JOB_FAILED, JOB_CANCELLED}) out[s] = 0;
+  for (JobState s : {JOB_PENDING, JOB_RUNNING, JOB_RESTARTING, JOB_SUCCEEDED, JOB_FAILED, JOB_CANCELLED}) out[s] = 0;
   for (const auto& [id, job] : jobs_) ++out[job.state()];
   return out;
 }

@@ -1,16 +1,19 @@
 // The head's job table and each job's state machine:
 //
 //   PENDING ──▶ RUNNING ──▶ SUCCEEDED | FAILED | CANCELLED
+//      │          ▲   │
+//      │          │   ▼
+//      │        RESTARTING ──▶ FAILED | CANCELLED      (a fault; the job resumes from its checkpoint)
 //      └──────────────────▶ FAILED | CANCELLED
 //
 // Terminal states are final. Every change is persisted (HeadStore) before it is visible, and appended
-// to the job's event log, which WatchJob streams. Until the distributed runtime lands, nothing moves a
-// job out of PENDING except cancellation.
+// to the job's event log, which WatchJob streams. The job runner (head/job_runner.h) moves jobs along.
 //
 // Thread-safety: all methods may be called from any thread; WaitEvents blocks on a condition variable
 // that every new event signals.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -43,6 +46,9 @@ class JobManager {
   // Replaces the job's plan (after the planner chose one for `plan: auto`) and records the predicted
   // step time; persisted.
   absl::Status SetPlan(const std::string& job_id, const ParallelSpec& parallel, double predicted_step_seconds);
+  // Changes the job's record with `mutate` and persists it (anything but the job id and the state, which
+  // only Transition changes). Returns the updated record.
+  absl::StatusOr<JobInfo> Update(const std::string& job_id, const std::function<void(JobInfo&)>& mutate);
   // Records the job's actors (placement) and its progress after a step; both persisted.
   absl::Status SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors);
   absl::Status UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,

@@ -1,308 +1,417 @@
-// Job runner: placement, actor creation, step aggregation and the end of jobs.
+// Job runner: actor creation, step aggregation, checkpoints, recovery and the end of jobs (placement and auto
+// plans: placement.cc).
 #include "head/job_runner.h"
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <memory>
+#include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 #include "common/log.h"
+#include "common/names.h"
 #include "common/spec.h"
+#include "common/status.h"
+#include "model/checkpoint_files.h"
 #include "model/config.h"
 #include "scheduler/planner.h"
 
 namespace geotrain::head {
-namespace {
 
-std::string ActorId(const std::string& job_id, int r, int s, int t) {
-  return absl::StrCat(job_id, "-r", r, "s", s, "t", t);
-}
-
-// Blocks [first, last) of stage `stage` of `pp`, as model::StageOptions::Split cuts them: earlier
-// stages take the extra blocks.
-std::pair<int, int> StageLayers(int n_layer, int stage, int pp) {
-  const int base = n_layer / pp, extra = n_layer % pp;
-  const int first = stage * base + std::min(stage, extra);
-  return {first, first + base + (stage < extra ? 1 : 0)};
-}
-
-}  // namespace
-
-uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
-  auto config = GPT2Config::FromSpec(spec.model());
-  if (!config.ok()) return 0;
-  const int pp = spec.parallel().pp(), tp = std::max(1, spec.parallel().tp());
-  const auto [first, last] = StageLayers(config->n_layer, stage, pp);
-  const uint64_t C = config->n_embd, Vp = config->padded_vocab_size, T = spec.train().seq_len();
-  uint64_t params = static_cast<uint64_t>(last - first) * config->BlockParameters() / tp;
-  if (stage == 0) params += Vp * C + static_cast<uint64_t>(config->block_size) * C;
-  if (stage == pp - 1) params += 2 * C + (stage == 0 ? 0 : Vp * C);
-  const uint64_t Bm =
-      std::max(1, spec.train().global_batch() / std::max(1, spec.parallel().dp() * spec.parallel().microbatches()));
-  uint64_t activations =
-      static_cast<uint64_t>(last - first) * Bm * T * config->BlockActivationFloatsPerToken(static_cast<int>(T));
-  if (stage == pp - 1) activations += 2 * Bm * T * Vp;  // logits and their gradient
-  // Parameters, gradients and AdamW's two moments in fp32; with data parallelism the gradient buckets
-  // hold a second copy of the gradients (comm::GradientBuckets).
-  const uint64_t state_bytes = spec.parallel().dp() > 1 ? 20 : 16;
-  return state_bytes * params + 4 * activations;
-}
-
-absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers) {
-  const JobSpec& spec = job.spec();
-  const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
-  auto config = GPT2Config::FromSpec(spec.model());
-  if (!config.ok()) return config.status();
-  if (pp > config->n_layer) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallel.pp (", pp, ") exceeds the model's ", config->n_layer, " layers"));
-  }
-  if (config->n_head % tp != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallel.tp (", tp, ") must divide the model's n_head (", config->n_head, ")"));
-  }
-  struct Slot {
-    const WorkerInfo* worker;
-    int device;
-    bool used = false;
-  };
-  std::vector<const WorkerInfo*> alive;
-  for (const WorkerInfo& w : workers) {
-    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
-  }
-  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
-    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
-  });
-  std::vector<Slot> slots;
-  for (const WorkerInfo* w : alive) {
-    for (int d = 0; d < w->devices_size(); ++d) slots.push_back({w, d});
-  }
-  const int needed = dp * pp * tp;
-  if (static_cast<int>(slots.size()) < needed) {
-    return absl::UnavailableError(
-        absl::StrCat("needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp, "); ", slots.size(), " alive"));
-  }
-  std::map<std::tuple<int, int, int>, const PlacementSpec*> pinned;
-  for (const PlacementSpec& p : spec.parallel().placement()) {
-    if (p.replica() < 0 || p.replica() >= dp || p.stage() < 0 || p.stage() >= pp || p.tp_rank() < 0 ||
-        p.tp_rank() >= tp) {
-      return absl::InvalidArgumentError(absl::StrCat("parallel.placement names replica ", p.replica(), ", stage ",
-                                                     p.stage(), ", tp rank ", p.tp_rank(), " outside the plan"));
-    }
-    pinned[{p.replica(), p.stage(), p.tp_rank()}] = &p;
-  }
-  std::vector<ActorPlacement> out;
-  auto take = [&](const PlacementSpec* pin) -> Slot* {
-    for (Slot& slot : slots) {
-      if (slot.used) continue;
-      if (pin != nullptr && !pin->worker().empty() && slot.worker->worker_id() != pin->worker()) continue;
-      if (pin != nullptr && !pin->site().empty() && slot.worker->site() != pin->site()) continue;
-      slot.used = true;
-      return &slot;
-    }
-    return nullptr;
-  };
-  // Pinned actors first, then the rest in order.
-  std::map<std::tuple<int, int, int>, Slot*> chosen;
-  // Pins to a worker first, then pins to a site, so that a site pin never takes the device a worker
-  // pin needs.
-  std::vector<std::pair<std::tuple<int, int, int>, const PlacementSpec*>> ordered(pinned.begin(), pinned.end());
-  std::stable_sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
-    return !a.second->worker().empty() && b.second->worker().empty();
-  });
-  for (const auto& [key, pin] : ordered) {
-    Slot* slot = take(pin);
-    if (slot == nullptr) {
-      return absl::UnavailableError(absl::StrCat("no free device on ", pin->worker().empty() ? "site " : "worker ",
-                                                 pin->worker().empty() ? pin->site() : pin->worker(), " for replica ",
-                                                 std::get<0>(key), ", stage ", std::get<1>(key)));
-    }
-    chosen[key] = slot;
-  }
-  for (int r = 0; r < dp; ++r) {
-    for (int s = 0; s < pp; ++s) {
-      for (int t = 0; t < tp; ++t) {
-        if (chosen.count({r, s, t})) continue;
-        chosen[{r, s, t}] = take(nullptr);
-      }
-    }
-  }
-  for (int r = 0; r < dp; ++r) {
-    for (int s = 0; s < pp; ++s) {
-      for (int t = 0; t < tp; ++t) {
-        Slot* slot = chosen[{r, s, t}];
-        if (t > 0 && slot->worker->site() != chosen[{r, s, 0}]->worker->site()) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("the tensor-parallel group of replica ", r, ", stage ", s, " would span sites ",
-                           chosen[{r, s, 0}]->worker->site(), " and ", slot->worker->site(),
-                           "; tensor parallelism stays inside a site: pin the group with parallel.placement"));
-        }
-        ActorPlacement p;
-        p.actor.set_actor_id(ActorId(job.job_id(), r, s, t));
-        p.actor.set_job_id(job.job_id());
-        p.actor.set_worker_id(slot->worker->worker_id());
-        p.actor.set_replica(r);
-        p.actor.set_stage(s);
-        p.actor.set_tp_rank(t);
-        p.actor.set_device_index(slot->device);
-        p.actor.set_state(ACTOR_PENDING_CREATION);
-        p.site = slot->worker->site();
-        p.memory_bytes = EstimateActorMemory(spec, s);
-        p.device_memory_bytes = slot->worker->devices(slot->device).memory_bytes();
-        if (p.device_memory_bytes > 0 && p.memory_bytes > p.device_memory_bytes) {
-          return absl::FailedPreconditionError(absl::StrFormat(
-              "the plan does not fit: stage %d needs about %.2f GB (parameters, gradients and AdamW at 16 "
-              "bytes per parameter, 20 with data parallelism, plus activations) but device %d of worker %s has "
-              "%.2f GB; use more "
-              "pipeline stages, more tensor parallelism, or smaller microbatches",
-              s, p.memory_bytes / 1e9, slot->device, slot->worker->worker_id(), p.device_memory_bytes / 1e9));
-        }
-        out.push_back(std::move(p));
-      }
-    }
-  }
-  return out;
-}
-
-absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
-                                     const std::vector<SiteLink>& links) {
-  auto config = GPT2Config::FromSpec(spec.model());
-  if (!config.ok()) return config.status();
-  scheduler::Cluster cluster;
-  std::map<std::string, int> site_index;
-  std::map<std::string, int> workers_in_site;
-  std::vector<const WorkerInfo*> alive;
-  for (const WorkerInfo& w : workers) {
-    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
-  }
-  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
-    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
-  });
-  if (alive.empty()) return absl::UnavailableError("no alive workers to plan for");
-  for (const WorkerInfo* w : alive) {
-    if (!site_index.count(w->site())) {
-      site_index[w->site()] = static_cast<int>(cluster.site_names.size());
-      cluster.site_names.push_back(w->site());
-    }
-    const int worker = workers_in_site[w->site()]++;
-    for (int d = 0; d < w->devices_size(); ++d) {
-      scheduler::Device device;
-      device.site = site_index[w->site()];
-      device.worker = worker;
-      device.slot = d;
-      device.name = w->devices(d).name();
-      device.tflops = std::max(1e-3, w->devices(d).tflops());
-      device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
-      cluster.devices.push_back(device);
-    }
-  }
-  const int n = cluster.num_sites();
-  const scheduler::ClusterOptions defaults;
-  cluster.links.assign(n, std::vector<scheduler::LinkSpec>(n, scheduler::LinkSpec{1e-3, 1e9 / 8}));
-  for (int a = 0; a < n; ++a) cluster.links[a][a] = defaults.intra_site;
-  for (const SiteLink& l : links) {
-    if (l.a() == l.b() || !site_index.count(l.a()) || !site_index.count(l.b()) || l.bandwidth_mbps() <= 0) continue;
-    const scheduler::LinkSpec measured{std::max(1e-6, l.latency_ms() / 1e3), l.bandwidth_mbps() * 1e6 / 8};
-    cluster.links[site_index[l.a()]][site_index[l.b()]] = measured;
-    cluster.links[site_index[l.b()]][site_index[l.a()]] = measured;
-  }
-  const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(*config, spec.train().seq_len());
-  scheduler::JobOptions job;
-  job.global_batch = spec.train().global_batch();
-  job.seq_len = spec.train().seq_len();
-  job.sequential_sync = true;  // the runtime ends a step as the validated model says (docs/planner.md)
-  if (auto codec = scheduler::ParseCodec(spec.comm().wan_codec()); codec.ok()) job.codecs.push_back(*codec);
-  scheduler::PlannerOptions planner_options;
-  planner_options.runtime_plans = true;  // the runtime's stage split and equal replica shares: the plan that runs
-  auto result = scheduler::PlanJob(cluster, model, job, planner_options);
-  if (!result.ok()) return result.status();
-  for (const scheduler::PlanCandidate& candidate : result->ranked) {
-    const scheduler::ManualPlan manual = scheduler::ToManualPlan(cluster, model, candidate.plan);
-    if (std::adjacent_find(manual.microbatches.begin(), manual.microbatches.end(), std::not_equal_to<>()) !=
-        manual.microbatches.end()) {
-      continue;  // unequal replica shares: not what the runtime does
-    }
-    AutoPlan out;
-    scheduler::FillParallelSpec(manual, &out.parallel);
-    JobSpec check = spec;
-    *check.mutable_parallel() = out.parallel;
-    if (!ValidateJobSpec(check).ok()) continue;
-    out.predicted_step_seconds = candidate.prediction.step_time_s;
-    out.explanation = result->explanation;
-    if (&candidate != &result->ranked.front()) {
-      out.explanation.push_back(
-          "(the top plan splits the batch unevenly across replicas; geotrain's runtime "
-          "splits it evenly, so the best even plan was taken)");
-    }
-    return out;
-  }
-  return absl::FailedPreconditionError(
-      "the planner found no plan that splits the global batch evenly across replicas; give a manual plan");
-}
-
-JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, std::string token,
-                     std::string head_address, TlsFiles tls)
+JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, JobRunnerOptions options,
+                     const Clock* clock)
     : jobs_(jobs),
       registry_(registry),
       metrics_(metrics),
-      token_(std::move(token)),
-      head_address_(std::move(head_address)),
-      tls_(std::move(tls)) {}
+      options_(std::move(options)),
+      clock_(clock),
+      executor_(std::make_unique<Executor>(options_.rpc_threads, "head-rpc")) {}
+
+JobRunner::~JobRunner() { Shutdown(); }
+
+void JobRunner::Check(const absl::Status& status, const std::string& job_id, const char* what) {
+  if (!status.ok()) GT_LOG(ERROR) << "job " << job_id << ": " << what << ": " << status;
+}
+
+void JobRunner::Start(std::function<void()> on_tick) {
+  control_ = std::thread([this, on_tick = std::move(on_tick)] { ControlLoop(on_tick); });
+}
+
+void JobRunner::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (control_.joinable()) control_.join();
+  executor_.reset();  // finishes the RPCs queued
+}
+
+void JobRunner::Kick() {
+  absl::MutexLock lock(&mu_);
+  kicked_ = true;
+}
+
+void JobRunner::ControlLoop(std::function<void()> on_tick) {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(
+          absl::Condition(
+              +[](JobRunner* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) { return r->stopping_ || r->kicked_; }, this),
+          absl::Milliseconds(options_.control_period_ms));
+      if (stopping_) return;
+      kicked_ = false;
+    }
+    HandleFaults();
+    Reconcile();
+    RecoverJobs();
+    StartPendingJobs();
+    if (on_tick) on_tick();
+  }
+}
+
+void JobRunner::Restore() {
+  std::map<std::string, WorkerInfo> workers;
+  for (const WorkerInfo& w : registry_->Workers()) workers[w.worker_id()] = w;
+  const int64_t now = clock_->NowMillis();
+  std::vector<std::pair<std::string, std::string>> lines;
+  const std::vector<JobInfo> jobs = jobs_->List();
+  absl::MutexLock lock(&mu_);
+  for (const JobInfo& job : jobs) {
+    if (job.state() != JOB_RUNNING && job.state() != JOB_RESTARTING) continue;
+    lines.push_back({job.job_id(), absl::StrCat("the head restarted: it takes the job over (run ", job.attempt(),
+                                                ", step ", job.step(), ")")});
+    Run& run = runs_[job.job_id()];
+    run.spec = job.spec();
+    run.attempt = job.attempt();
+    run.restarts = job.restarts();
+    run.last_step = job.step();
+    run.last_checkpoint_step = job.last_checkpoint_step();
+    run.resumed_from = job.resumed_from();
+    run.launched_ms = now;  // the workers get a grace period to list their actors again
+    for (const ActorRecord& a : job.actors()) {
+      ActorPlacement p;
+      p.actor = a;
+      auto w = workers.find(a.worker_id());
+      if (w != workers.end()) p.site = w->second.site();
+      run.actors.push_back(p);
+    }
+    for (const CheckpointShard& shard : job.pending_shards()) run.shards[shard.step()][shard.actor_id()] = shard;
+    if (job.state() == JOB_RESTARTING) {
+      run.phase = Phase::kRecovering;
+      run.fault_cause = job.message();
+      run.fault_detected_ms = now;
+      run.fault_unix_ms = clock_->UnixMillis();
+      run.fault_step = job.step();
+    }
+    GT_LOG(INFO) << "job " << job.job_id() << " (" << JobStateName(job.state()) << ", run " << run.attempt << ", step "
+                 << run.last_step << ") taken over from the previous head";
+  }
+  // The job manager's lock is taken inside ours nowhere else either way round: logging here is safe.
+  for (const auto& [job_id, line] : lines) Check(jobs_->Log(job_id, line), job_id, "logging");
+}
+
+void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
+  std::vector<std::pair<std::string, int64_t>> hit;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [job_id, run] : runs_) {
+      if (run.phase != Phase::kRunning) continue;
+      for (const ActorPlacement& p : run.actors) {
+        if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
+          hit.push_back({job_id, run.attempt});
+          break;
+        }
+      }
+    }
+  }
+  for (const auto& [job_id, attempt] : hit) {
+    Fault(
+        job_id, attempt,
+        absl::StrCat("worker ", worker.worker_id(), " at site ", worker.site(), " died (", worker.dead_reason(), ")"));
+  }
+}
+
+void JobRunner::Fault(const std::string& job_id, int64_t attempt, const std::string& cause) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it == runs_.end() || it->second.attempt != attempt || it->second.phase != Phase::kRunning) return;
+    Run& run = it->second;
+    run.phase = Phase::kFault;
+    run.fault_cause = cause;
+    run.fault_detected_ms = clock_->NowMillis();
+    run.fault_unix_ms = clock_->UnixMillis();
+    run.fault_step = run.last_step;
+    kicked_ = true;
+  }
+  GT_LOG(WARNING) << "job " << job_id << " (run " << attempt << "): fault: " << cause;
+}
+
+void JobRunner::HandleFaults() {
+  struct Pending {
+    std::string job_id, cause;
+    std::vector<ActorPlacement> actors;
+    int restarts = 0;
+    int64_t step = 0, detected_unix_ms = 0, attempt = 0;
+  };
+  std::vector<Pending> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [job_id, run] : runs_) {
+      if (run.phase != Phase::kFault) continue;
+      pending.push_back(
+          {job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms, run.attempt});
+    }
+  }
+  for (Pending& p : pending) {
+    absl::StatusOr<JobInfo> job = jobs_->Get(p.job_id);
+    if (!job.ok()) continue;
+    const FaultToleranceSpec& ft = job->spec().fault_tolerance();
+    const int max_restarts = ft.has_max_restarts() ? ft.max_restarts() : 3;
+    if (max_restarts >= 0 && p.restarts >= max_restarts) {
+      EndJob(p.job_id, JOB_FAILED,
+             max_restarts == 0
+                 ? p.cause
+                 : absl::StrCat(p.cause, "; no restart left (fault_tolerance.max_restarts ", max_restarts, ")"));
+      continue;
+    }
+    FaultRecord fault;
+    fault.set_cause(p.cause);
+    fault.set_detected_unix_ms(p.detected_unix_ms);
+    fault.set_step(p.step);
+    fault.set_attempt(p.attempt + 1);
+    Check(jobs_
+              ->Update(p.job_id,
+                       [&](JobInfo& j) {
+                         *j.add_faults() = fault;
+                         j.set_restarts(p.restarts + 1);
+                       })
+              .status(),
+          p.job_id, "recording the fault");
+    auto moved =
+        jobs_->Transition(p.job_id, JOB_RESTARTING,
+                          absl::StrCat(p.cause, "; restarting (", p.restarts + 1, " of ",
+                                       max_restarts < 0 ? std::string("unlimited") : absl::StrCat(max_restarts), ")"));
+    if (!moved.ok()) {  // cancelled meanwhile
+      Check(moved.status(), p.job_id, "moving to RESTARTING");
+      absl::MutexLock lock(&mu_);
+      if (auto it = runs_.find(p.job_id); it != runs_.end()) it->second.phase = Phase::kEnded;
+      continue;
+    }
+    if (metrics_ != nullptr) {
+      metrics_->Counters("geotrain_job_restarts_total", "Restarts of a job from its checkpoint after a fault")
+          .Add({{"job", p.job_id}})
+          .Increment();
+    }
+    // The surviving actors stop now (their receives end at once), before the next run is placed.
+    StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(p.job_id);
+    if (it == runs_.end() || it->second.phase != Phase::kFault) continue;
+    it->second.phase = Phase::kRecovering;
+    it->second.restarts = p.restarts + 1;
+    it->second.waiting_message.clear();
+    kicked_ = true;
+  }
+}
+
+absl::StatusOr<std::string> JobRunner::ResumePoint(const std::string& job_id, const JobSpec& spec) {
+  const CheckpointSpec& c = spec.checkpoint();
+  std::vector<std::string> skipped;
+  absl::StatusOr<std::string> newest = absl::NotFoundError("no checkpoint dir");
+  if (!c.dir().empty()) newest = model::FindNewestCheckpoint(c.dir(), &skipped);
+  for (const std::string& why : skipped) {
+    Check(jobs_->Log(job_id, absl::StrCat("skipped a checkpoint that does not verify: ", why)), job_id, "logging");
+  }
+  // The job's own newest checkpoint is the furthest point; one it was told to resume from comes next.
+  if (newest.ok()) {
+    absl::StatusOr<JobInfo> job = jobs_->Get(job_id);
+    const bool own = job.ok() && (job->last_checkpoint_step() > 0 || c.resume() == "auto");
+    if (own || c.resume_from().empty()) return *newest;
+  }
+  if (!c.resume_from().empty()) {
+    std::vector<std::string> skipped_there;
+    std::string from = c.resume_from();
+    std::error_code ec;
+    if (!std::filesystem::exists(from + "/manifest.json", ec)) {
+      ASSIGN_OR_RETURN(from, model::FindNewestCheckpoint(c.resume_from(), &skipped_there));
+    } else {
+      RETURN_IF_ERROR(model::VerifyCheckpoint(from).status());
+    }
+    for (const std::string& why : skipped_there) {
+      Check(jobs_->Log(job_id, absl::StrCat("skipped a checkpoint that does not verify: ", why)), job_id, "logging");
+    }
+    return from;
+  }
+  return std::string();
+}
+
+absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, const std::string& resume_from) {
+  JobInfo planned = job;
+  const ParallelSpec& submitted = job.has_submitted_parallel() ? job.submitted_parallel() : job.spec().parallel();
+  if (submitted.plan() == "auto") {
+    JobSpec to_plan = job.spec();
+    *to_plan.mutable_parallel() = submitted;
+    ASSIGN_OR_RETURN(AutoPlan plan, PlanAutoJob(to_plan, registry_->Workers(), registry_->SiteLinks()));
+    *planned.mutable_spec()->mutable_parallel() = plan.parallel;
+    planned.set_predicted_step_seconds(plan.predicted_step_seconds);
+    Check(jobs_->SetPlan(job.job_id(), plan.parallel, plan.predicted_step_seconds), job.job_id(), "recording the plan");
+    const ParallelSpec& p = plan.parallel;
+    Check(
+        jobs_->Log(job.job_id(), absl::StrFormat("planned%s: dp %d x pp %d x tp %d, %d microbatches, %s; "
+                                                 "predicted step %.3f s",
+                                                 attempt > 0 ? " again on the workers alive now" : "", p.dp(), p.pp(),
+                                                 p.tp(), p.microbatches(), p.schedule(), plan.predicted_step_seconds)),
+        job.job_id(), "logging");
+    for (const std::string& line : plan.explanation)
+      Check(jobs_->Log(job.job_id(), "  " + line), job.job_id(), "logging");
+  }
+  ASSIGN_OR_RETURN(std::vector<ActorPlacement> placement, PlaceActors(planned, registry_->Workers()));
+  return Launch(planned, std::move(placement), attempt, resume_from);
+}
 
 void JobRunner::StartPendingJobs() {
   for (const JobInfo& job : jobs_->List()) {
     if (job.state() != JOB_PENDING) continue;
     {
       absl::MutexLock lock(&mu_);
-      if (launching_.count(job.job_id()) || runs_.count(job.job_id())) continue;
-      launching_.insert(job.job_id());
+      if (runs_.count(job.job_id())) continue;
     }
-    JobInfo planned = job;
-    if (job.spec().parallel().plan() == "auto") {
-      auto plan = PlanAutoJob(job.spec(), registry_->Workers(), registry_->SiteLinks());
-      if (!plan.ok()) {
-        if (plan.status().code() != absl::StatusCode::kUnavailable) {
-          (void)jobs_->Transition(job.job_id(), JOB_FAILED, absl::StrCat("planning failed: ", plan.status().message()));
-        }
-        absl::MutexLock lock(&mu_);
-        launching_.erase(job.job_id());
-        continue;
+    if (!job.has_submitted_parallel()) {
+      Check(jobs_->Update(job.job_id(), [&](JobInfo& j) { *j.mutable_submitted_parallel() = job.spec().parallel(); })
+                .status(),
+            job.job_id(), "recording the submitted plan");
+    }
+    absl::StatusOr<std::string> resume_from = ResumePoint(job.job_id(), job.spec());
+    if (!resume_from.ok()) {
+      Check(
+          jobs_
+              ->Transition(job.job_id(), JOB_FAILED,
+                           absl::StrCat("cannot resume from checkpoint.resume_from: ", resume_from.status().message()))
+              .status(),
+          job.job_id(), "failing the job");
+      continue;
+    }
+    absl::StatusOr<JobInfo> current = jobs_->Get(job.job_id());
+    if (!current.ok()) continue;
+    absl::Status launched = PlaceAndLaunch(*current, 0, *resume_from);
+    if (launched.code() == absl::StatusCode::kUnavailable) {
+      // Not enough devices yet: the job waits for workers.
+      const std::string why = absl::StrCat("waiting for workers: ", launched.message());
+      if (current->message() != why) {
+        Check(jobs_->Update(job.job_id(), [&](JobInfo& j) { j.set_message(why); }).status(), job.job_id(),
+              "recording why it waits");
+        Check(jobs_->Log(job.job_id(), why), job.job_id(), "logging");
       }
-      *planned.mutable_spec()->mutable_parallel() = plan->parallel;
-      planned.set_predicted_step_seconds(plan->predicted_step_seconds);
-      (void)jobs_->SetPlan(job.job_id(), plan->parallel, plan->predicted_step_seconds);
-      const ParallelSpec& p = plan->parallel;
-      (void)jobs_->Log(job.job_id(), absl::StrFormat("planned: dp %d x pp %d x tp %d, %d microbatches, %s; "
-                                                     "predicted step %.3f s",
-                                                     p.dp(), p.pp(), p.tp(), p.microbatches(), p.schedule(),
-                                                     plan->predicted_step_seconds));
-      for (const std::string& line : plan->explanation) (void)jobs_->Log(job.job_id(), "  " + line);
+    } else if (!launched.ok() && launched.code() != absl::StatusCode::kAborted) {  // kAborted: a fault now
+      EndJob(job.job_id(), JOB_FAILED, std::string(launched.message()));
     }
-    auto placement = PlaceActors(planned, registry_->Workers());
-    absl::Status launched;
-    if (!placement.ok()) {
-      if (placement.status().code() == absl::StatusCode::kUnavailable) {
-        // Not enough devices yet: the job waits for workers.
-        const std::string why = absl::StrCat("waiting for workers: ", placement.status().message());
-        if (job.message() != why) (void)jobs_->Log(job.job_id(), why);
-      } else {
-        (void)jobs_->Transition(job.job_id(), JOB_FAILED, std::string(placement.status().message()));
-      }
-    } else {
-      launched = Launch(planned, std::move(*placement));
-      if (!launched.ok()) EndJob(job.job_id(), JOB_FAILED, std::string(launched.message()));
-    }
-    absl::MutexLock lock(&mu_);
-    launching_.erase(job.job_id());
   }
 }
 
-absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> placement) {
+void JobRunner::RecoverJobs() {
+  std::vector<std::string> recovering;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [job_id, run] : runs_) {
+      if (run.phase == Phase::kRecovering) recovering.push_back(job_id);
+    }
+  }
+  for (const std::string& job_id : recovering) {
+    absl::StatusOr<JobInfo> job = jobs_->Get(job_id);
+    if (!job.ok() || job->state() != JOB_RESTARTING) {
+      absl::MutexLock lock(&mu_);
+      if (auto it = runs_.find(job_id); it != runs_.end() && job.ok() && IsTerminal(job->state())) {
+        it->second.phase = Phase::kEnded;
+      }
+      continue;
+    }
+    int64_t attempt, detected_ms, fault_step;
+    std::string waiting;
+    {
+      absl::MutexLock lock(&mu_);
+      const Run& run = runs_[job_id];
+      attempt = run.attempt + 1;
+      detected_ms = run.fault_detected_ms;
+      fault_step = run.fault_step;
+      waiting = run.waiting_message;
+    }
+    absl::StatusOr<std::string> resume_from = ResumePoint(job_id, job->spec());
+    if (!resume_from.ok()) {
+      EndJob(job_id, JOB_FAILED, absl::StrCat("cannot restart: ", resume_from.status().message()));
+      continue;
+    }
+    absl::Status launched = PlaceAndLaunch(*job, attempt, *resume_from);
+    if (launched.ok()) {
+      int64_t resumed_step = 0;
+      if (!resume_from->empty()) {
+        if (auto manifest = model::VerifyCheckpoint(*resume_from); manifest.ok()) resumed_step = manifest->step();
+      }
+      const int64_t lost = std::max<int64_t>(0, fault_step - resumed_step);
+      Check(jobs_
+                ->Update(job_id,
+                         [&](JobInfo& j) {
+                           if (j.faults_size() == 0) return;
+                           FaultRecord* f = j.mutable_faults(j.faults_size() - 1);
+                           f->set_resumed_from(*resume_from);
+                           f->set_resumed_step(resumed_step);
+                           f->set_steps_lost(lost);
+                         })
+                .status(),
+            job_id, "recording the restart");
+      if (metrics_ != nullptr && lost > 0) {
+        metrics_->Counters("geotrain_job_steps_lost_total", "Steps trained again after restarts, by job")
+            .Add({{"job", job_id}})
+            .Increment(static_cast<double>(lost));
+      }
+      continue;
+    }
+    const double waited_s = (clock_->NowMillis() - detected_ms) / 1000.0;
+    const double limit_s = job->spec().fault_tolerance().wait_for_workers_s() > 0
+                               ? job->spec().fault_tolerance().wait_for_workers_s()
+                               : 300.0;
+    if (launched.code() == absl::StatusCode::kAborted && waited_s <= limit_s) {
+      // An actor could not be created (a worker went away meanwhile): try again on the next look.
+      Check(jobs_->Log(job_id, absl::StrCat("restart attempt failed: ", launched.message(), "; trying again")), job_id,
+            "logging");
+    } else if (launched.code() != absl::StatusCode::kUnavailable && launched.code() != absl::StatusCode::kAborted) {
+      EndJob(job_id, JOB_FAILED, absl::StrCat("cannot restart: ", launched.message()));
+    } else if (waited_s > limit_s) {
+      EndJob(job_id, JOB_FAILED,
+             absl::StrFormat("cannot restart: %s after waiting %.0f s (fault_tolerance.wait_for_workers_s); start "
+                             "or rejoin workers, or resubmit with a plan that fits the workers alive",
+                             launched.message(), waited_s));
+    } else {
+      const std::string why = absl::StrCat("waiting for workers to restart: ", launched.message());
+      if (why != waiting) {
+        Check(jobs_->Log(job_id, why), job_id, "logging");
+        absl::MutexLock lock(&mu_);
+        runs_[job_id].waiting_message = why;
+      }
+    }
+  }
+}
+
+absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> placement, int64_t attempt,
+                               const std::string& resume_from) {
+  // A restart's actors are new actors (their ids carry the run), so that a worker still finishing an
+  // earlier run's actor takes the new one at once.
+  if (attempt > 0) {
+    for (ActorPlacement& p : placement) p.actor.set_actor_id(absl::StrCat(p.actor.actor_id(), "-a", attempt));
+  }
   std::map<std::string, WorkerInfo> workers;
   for (const WorkerInfo& w : registry_->Workers()) workers[w.worker_id()] = w;
   CreateActorRequest request;
   *request.mutable_spec() = job.spec();
-  request.set_head_address(head_address_);
+  request.set_head_address(options_.head_address);
+  request.set_attempt(attempt);
+  request.set_resume_from(resume_from);
   for (const ActorPlacement& p : placement) {
     const WorkerInfo& w = workers[p.actor.worker_id()];
     ActorPeer* peer = request.add_peers();
@@ -317,37 +426,58 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     const int d = p.actor.device_index();
     peer->set_device_kind(d >= 0 && d < w.devices_size() ? w.devices(d).kind() : DEVICE_KIND_UNSPECIFIED);
   }
+  int64_t resumed_step = 0;
+  if (!resume_from.empty()) {
+    ASSIGN_OR_RETURN(CheckpointManifest manifest, model::VerifyCheckpoint(resume_from));
+    resumed_step = manifest.step();
+  }
   {
     absl::MutexLock lock(&mu_);
     Run& run = runs_[job.job_id()];
     run.spec = job.spec();
+    run.attempt = attempt;
     run.actors = placement;
+    run.done.clear();
+    run.steps.clear();
+    run.phase = Phase::kRunning;
+    run.resumed_step = resumed_step;
+    run.resumed_from = resume_from;
+    run.last_step = resumed_step;
+    run.recovery_measured = attempt == 0;
+    run.launched_ms = clock_->NowMillis();
+    run.actor_seen_ms.clear();
+    run.waiting_message.clear();
   }
   std::vector<ActorRecord> records;
   for (const ActorPlacement& p : placement) records.push_back(p.actor);
-  (void)jobs_->SetActors(job.job_id(), records);
-  auto started =
-      jobs_->Transition(job.job_id(), JOB_RUNNING, absl::StrCat("placed ", placement.size(), " actors; creating them"));
-  if (!started.ok()) return started.status();
-  for (const ActorPlacement& p : placement) {
-    bool ended;
-    {
-      absl::MutexLock lock(&mu_);
-      ended = runs_[job.job_id()].ended;
-    }
-    if (ended) {
-      // Cancelled (or failed) while its actors were being created: stop the ones already made.
-      std::vector<ActorPlacement> made(placement.begin(), placement.begin() + (&p - placement.data()));
-      StopActors(made, "the job ended while its actors were being created");
-      return absl::OkStatus();
-    }
+  Check(jobs_->SetActors(job.job_id(), records), job.job_id(), "recording the actors");
+  Check(jobs_
+            ->Update(job.job_id(),
+                     [&](JobInfo& j) {
+                       j.set_attempt(attempt);
+                       j.set_resumed_from(resume_from);
+                       j.set_step(resumed_step);
+                     })
+            .status(),
+        job.job_id(), "recording the run");
+  if (attempt == 0) {
+    ASSIGN_OR_RETURN(JobInfo started,
+                     jobs_->Transition(job.job_id(), JOB_RUNNING,
+                                       absl::StrCat("placed ", placement.size(), " actors; creating them",
+                                                    resume_from.empty() ? ""
+                                                                        : absl::StrCat("; resuming from ", resume_from,
+                                                                                       " (step ", resumed_step, ")"))));
+    (void)started;
+  }
+  // Every actor at once: a slow worker costs one deadline, not one per actor.
+  std::vector<absl::Status> created = executor_->Map(static_cast<int>(placement.size()), [&](int i) -> absl::Status {
+    const ActorPlacement& p = placement[i];
     const WorkerInfo& w = workers[p.actor.worker_id()];
-    auto channel = MakeChannel(w.address(), tls_);
-    if (!channel.ok()) return channel.status();
-    auto stub = Worker::NewStub(*channel);
+    ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(w.address(), options_.tls));
+    auto stub = Worker::NewStub(channel);
     grpc::ClientContext ctx;
-    AttachToken(&ctx, token_);
-    SetDeadlineMillis(&ctx, 10000);
+    AttachToken(&ctx, options_.token);
+    SetDeadlineMillis(&ctx, options_.create_deadline_ms);
     CreateActorRequest one = request;
     *one.mutable_actor() = p.actor;
     CreateActorReply reply;
@@ -356,33 +486,83 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
       return absl::UnavailableError(absl::StrCat("creating actor ", p.actor.actor_id(), " on worker ", w.worker_id(),
                                                  " (", w.address(), "): ", s.error_message()));
     }
+    return absl::OkStatus();
+  });
+  for (const absl::Status& s : created) {
+    if (s.ok()) continue;
+    // The actors that were made would wait for the missing one: stop them. A first run's failure is a fault
+    // (restarted within fault_tolerance.max_restarts); a restart's is retried within wait_for_workers_s.
+    StopActors(placement, "another actor of the job could not be created", /*wait=*/false);
+    if (attempt == 0) {
+      Fault(job.job_id(), attempt, std::string(s.message()));
+    } else {
+      absl::MutexLock lock(&mu_);
+      runs_[job.job_id()].phase = Phase::kRecovering;
+    }
+    return absl::AbortedError(s.message());
+  }
+  bool ended;
+  {
+    absl::MutexLock lock(&mu_);
+    ended = runs_[job.job_id()].phase == Phase::kEnded;
+  }
+  if (ended) {  // cancelled while its actors were being created
+    StopActors(placement, "the job ended while its actors were being created", /*wait=*/false);
+    return absl::OkStatus();
   }
   std::string where;
   for (const ActorPlacement& p : placement) {
     absl::StrAppend(&where, where.empty() ? "" : ", ", "r", p.actor.replica(), "s", p.actor.stage(),
                     p.actor.tp_rank() ? absl::StrCat("t", p.actor.tp_rank()) : "", "@", p.site);
   }
-  (void)jobs_->Log(job.job_id(), absl::StrCat("actors created: ", where));
+  Check(jobs_->Log(job.job_id(), absl::StrCat("actors created", attempt > 0 ? absl::StrCat(" (run ", attempt, ")") : "",
+                                              ": ", where)),
+        job.job_id(), "logging");
+  if (attempt > 0) {
+    Check(jobs_
+              ->Transition(
+                  job.job_id(), JOB_RUNNING,
+                  resume_from.empty()
+                      ? absl::StrCat("restarted (run ", attempt, ") from the beginning: no checkpoint yet")
+                      : absl::StrCat("restarted (run ", attempt, ") from ", resume_from, " at step ", resumed_step))
+              .status(),
+          job.job_id(), "moving to RUNNING");
+  }
   return absl::OkStatus();
 }
 
-void JobRunner::StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason) {
+void JobRunner::StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait) {
   std::map<std::string, WorkerInfo> workers;
   for (const WorkerInfo& w : registry_->Workers()) workers[w.worker_id()] = w;
+  auto targets = std::make_shared<std::vector<std::pair<WorkerInfo, std::string>>>();
   for (const ActorPlacement& p : actors) {
     auto it = workers.find(p.actor.worker_id());
     if (it == workers.end() || it->second.state() != WORKER_ALIVE) continue;
-    auto channel = MakeChannel(it->second.address(), tls_);
-    if (!channel.ok()) continue;
-    auto stub = Worker::NewStub(*channel);
+    targets->push_back({it->second, p.actor.actor_id()});
+  }
+  auto stop_one = [targets, reason, options = options_](int i) -> absl::Status {
+    const auto& [worker, actor_id] = (*targets)[i];
+    ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(worker.address(), options.tls));
+    auto stub = Worker::NewStub(channel);
     grpc::ClientContext ctx;
-    AttachToken(&ctx, token_);
-    SetDeadlineMillis(&ctx, 3000);
+    AttachToken(&ctx, options.token);
+    SetDeadlineMillis(&ctx, options.stop_deadline_ms);
     StopActorRequest request;
-    request.set_actor_id(p.actor.actor_id());
+    request.set_actor_id(actor_id);
     request.set_reason(reason);
     StopActorReply reply;
-    (void)stub->StopActor(&ctx, request, &reply);
+    grpc::Status s = stub->StopActor(&ctx, request, &reply);
+    // NOT_FOUND: the worker restarted and the actor is gone, which is what a stop wants.
+    if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      GT_LOG(WARNING) << "stopping actor " << actor_id << " on worker " << worker.worker_id() << ": "
+                      << s.error_message();
+    }
+    return absl::OkStatus();
+  };
+  if (wait) {
+    executor_->Map(static_cast<int>(targets->size()), stop_one);
+  } else {
+    for (int i = 0; i < static_cast<int>(targets->size()); ++i) executor_->Submit([stop_one, i] { (void)stop_one(i); });
   }
 }
 
@@ -392,38 +572,60 @@ void JobRunner::EndJob(const std::string& job_id, JobState state, const std::str
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(job_id);
     if (it != runs_.end()) {
-      if (it->second.ended) return;
-      it->second.ended = true;
+      if (it->second.phase == Phase::kEnded) return;
+      it->second.phase = Phase::kEnded;
       actors = it->second.actors;
     }
   }
-  (void)jobs_->Transition(job_id, state, message);
-  if (state != JOB_SUCCEEDED) StopActors(actors, message);
+  absl::StatusOr<JobInfo> ended = jobs_->Transition(job_id, state, message);
+  if (!ended.ok() && ended.status().code() != absl::StatusCode::kFailedPrecondition) {
+    Check(ended.status(), job_id, "ending the job");
+  }
+  if (state != JOB_SUCCEEDED) StopActors(actors, message, /*wait=*/false);
 }
 
-void JobRunner::Reconcile(const std::vector<ActorRecord>& reported) {
-  std::map<std::string, const ActorRecord*> by_id;
-  for (const ActorRecord& a : reported) by_id[a.actor_id()] = &a;
-  std::vector<std::pair<std::string, std::string>> failed;
+void JobRunner::Reconcile() {
+  // The workers' own view of their actors (heartbeats): an actor that died fails its run; one that
+  // finished counts as done if its last report was lost; one an alive worker stopped listing is lost.
+  std::map<std::string, ActorRecord> reported;
+  for (const ActorRecord& a : registry_->Actors()) reported[a.actor_id()] = a;
+  std::map<std::string, WorkerInfo> workers;
+  for (const WorkerInfo& w : registry_->Workers()) workers[w.worker_id()] = w;
+  const int64_t now = clock_->NowMillis();
+  std::vector<std::tuple<std::string, int64_t, std::string>> faults;
   std::vector<std::string> succeeded;
   {
     absl::MutexLock lock(&mu_);
     for (auto& [job_id, run] : runs_) {
-      if (run.ended) continue;
+      if (run.phase != Phase::kRunning) continue;
       for (const ActorPlacement& p : run.actors) {
-        auto it = by_id.find(p.actor.actor_id());
-        if (it == by_id.end() || it->second->state() != ACTOR_DEAD || run.done.count(p.actor.actor_id())) continue;
-        if (it->second->message() == "finished") {
-          run.done.insert(p.actor.actor_id());
-        } else {
-          failed.push_back({job_id, absl::StrCat("actor ", p.actor.actor_id(), " died: ", it->second->message())});
+        const std::string& id = p.actor.actor_id();
+        if (run.done.count(id)) continue;
+        auto it = reported.find(id);
+        if (it != reported.end()) {
+          run.actor_seen_ms[id] = now;
+          if (it->second.state() != ACTOR_DEAD) continue;
+          if (it->second.message() == "finished") {
+            run.done.insert(id);
+          } else if (!absl::StartsWith(it->second.message(), "stopped")) {
+            faults.push_back({job_id, run.attempt, absl::StrCat("actor ", id, " died: ", it->second.message())});
+            break;
+          }
+          continue;
+        }
+        auto w = workers.find(p.actor.worker_id());
+        const int64_t since = std::max(run.launched_ms, run.actor_seen_ms.count(id) ? run.actor_seen_ms[id] : 0);
+        if (w != workers.end() && w->second.state() == WORKER_ALIVE && now - since > options_.actor_lost_after_ms) {
+          faults.push_back(
+              {job_id, run.attempt,
+               absl::StrCat("actor ", id, " is gone from worker ", p.actor.worker_id(), " (the worker restarted?)")});
           break;
         }
       }
-      if (static_cast<int>(run.done.size()) == static_cast<int>(run.actors.size())) succeeded.push_back(job_id);
+      if (run.phase == Phase::kRunning && run.done.size() == run.actors.size()) succeeded.push_back(job_id);
     }
   }
-  for (const auto& [job_id, why] : failed) EndJob(job_id, JOB_FAILED, why);
+  for (const auto& [job_id, attempt, cause] : faults) Fault(job_id, attempt, cause);
   for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor finished");
 }
 
@@ -433,28 +635,10 @@ void JobRunner::StopJob(const std::string& job_id, const std::string& reason) {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(job_id);
     if (it == runs_.end()) return;
-    it->second.ended = true;
+    it->second.phase = Phase::kEnded;
     actors = it->second.actors;
   }
-  StopActors(actors, reason);
-}
-
-void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
-  std::vector<std::pair<std::string, std::string>> failed;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [job_id, run] : runs_) {
-      if (run.ended) continue;
-      for (const ActorPlacement& p : run.actors) {
-        if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
-          failed.push_back({job_id, absl::StrCat("actor ", p.actor.actor_id(), " died with worker ", worker.worker_id(),
-                                                 " (", worker.dead_reason(), ")")});
-          break;
-        }
-      }
-    }
-  }
-  for (const auto& [job_id, why] : failed) EndJob(job_id, JOB_FAILED, why);
+  StopActors(actors, reason, /*wait=*/false);
 }
 
 std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
@@ -468,19 +652,26 @@ std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
 
 bool JobRunner::OnStepReport(const StepReport& report) {
   bool finished = false, failed = false;
-  int actors = 0;
   StepAggregate complete;
   bool step_complete = false;
-  int64_t manifest_step = 0;
-  std::map<std::string, std::string> manifest_shards;
-  JobSpec manifest_spec;
+  double recovery_seconds = -1;
+  int64_t steps_lost = 0;
+  std::vector<std::pair<int64_t, std::map<std::string, CheckpointShard>>> ready;
+  std::vector<CheckpointShard> failed_shards, pending_shards;
+  bool persist_shards = false;
+  JobSpec spec;
+  int64_t attempt = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(report.job_id());
-    if (it == runs_.end()) return true;  // unknown (e.g. a head restart lost the run): stop
+    if (it == runs_.end()) return true;  // unknown (e.g. a head restart without its state): stop
     Run& run = it->second;
-    if (run.ended) return true;
-    actors = static_cast<int>(run.actors.size());
+    // An earlier run's actor (stopped for a restart), or a job that ended: stop.
+    if (run.phase == Phase::kEnded || report.attempt() != run.attempt) return true;
+    if (run.phase != Phase::kRunning) return false;  // a fault is being handled: the actors are being stopped
+    spec = run.spec;
+    attempt = run.attempt;
+    const int actors = static_cast<int>(run.actors.size());
     if (!report.error().empty()) {
       failed = true;
     } else if (report.step() > 0) {
@@ -490,6 +681,7 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       agg.compute = std::max(agg.compute, report.compute_seconds());
       agg.wait = std::max(agg.wait, report.comm_wait_seconds());
       agg.bubble = std::max(agg.bubble, report.bubble_seconds());
+      agg.checkpoint = std::max(agg.checkpoint, report.checkpoint_seconds());
       agg.tokens = report.tokens();
       if (report.carries_loss()) {
         agg.loss = report.loss();
@@ -501,54 +693,148 @@ bool JobRunner::OnStepReport(const StepReport& report) {
         complete = agg;
         step_complete = true;
         run.steps.erase(report.step());
-      }
-      if (!report.checkpoint().empty()) {
-        auto& shards = run.checkpoints[report.step()];
-        shards[report.actor_id()] = report.checkpoint();
-        const int writers = run.spec.parallel().pp() * run.spec.parallel().tp();
-        if (static_cast<int>(shards.size()) == writers) {
-          manifest_step = report.step();
-          manifest_shards = shards;
-          manifest_spec = run.spec;
-          run.checkpoints.erase(report.step());
+        run.last_step = std::max(run.last_step, report.step());
+        if (!run.recovery_measured && report.step() > run.resumed_step) {
+          run.recovery_measured = true;
+          recovery_seconds = (clock_->NowMillis() - run.fault_detected_ms) / 1000.0;
+          steps_lost = std::max<int64_t>(0, run.fault_step - run.resumed_step);
         }
       }
+      // Steps some report of which was lost (e.g. sent to a head that restarted) never complete: forget them.
+      while (!run.steps.empty() && run.steps.begin()->first + 100 < report.step()) run.steps.erase(run.steps.begin());
       if (report.done()) run.done.insert(report.actor_id());
       finished = static_cast<int>(run.done.size()) == actors;
     }
+    // Checkpoint shards (any report may carry them, also an error report's predecessors).
+    const int writers = run.spec.parallel().pp();
+    for (const CheckpointShard& shard : report.checkpoints()) {
+      if (!shard.error().empty()) {
+        failed_shards.push_back(shard);
+        run.shards.erase(shard.step());
+        continue;
+      }
+      if (shard.step() <= run.last_checkpoint_step) continue;
+      auto& shards = run.shards[shard.step()];
+      shards[shard.actor_id()] = shard;
+      if (static_cast<int>(shards.size()) == writers) {
+        ready.push_back({shard.step(), shards});
+        run.shards.erase(shard.step());
+        run.last_checkpoint_step = std::max(run.last_checkpoint_step, shard.step());
+      }
+    }
+    if (report.checkpoints_size() > 0) {
+      persist_shards = true;
+      for (const auto& [step, shards] : run.shards) {
+        for (const auto& [actor, shard] : shards) pending_shards.push_back(shard);
+      }
+    }
+  }
+  if (persist_shards) {  // so that a restarted head still commits them
+    Check(jobs_
+              ->Update(report.job_id(),
+                       [&](JobInfo& j) {
+                         j.clear_pending_shards();
+                         for (const CheckpointShard& s : pending_shards) *j.add_pending_shards() = s;
+                       })
+              .status(),
+          report.job_id(), "recording checkpoint shards");
   }
   if (failed) {
-    EndJob(report.job_id(), JOB_FAILED, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()));
+    Fault(report.job_id(), attempt, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()));
     return true;
   }
-  if (step_complete) RecordStep(report.job_id(), report.step(), complete, actors);
-  if (manifest_step > 0) WriteManifest(report.job_id(), manifest_spec, manifest_step, manifest_shards);
-  if (finished) {
-    EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
+  for (const CheckpointShard& shard : failed_shards) {
+    Check(jobs_->Log(report.job_id(), absl::StrCat("warning: checkpoint of step ", shard.step(), " abandoned: actor ",
+                                                   shard.actor_id(), " could not write its shard: ", shard.error(),
+                                                   "; training goes on, the next checkpoint is tried at its interval")),
+          report.job_id(), "logging");
   }
+  for (const auto& [step, shards] : ready) CommitCheckpoint(report.job_id(), spec, step, shards);
+  if (step_complete) RecordStep(report.job_id(), report.step(), complete);
+  if (recovery_seconds >= 0) RecordRecovery(report.job_id(), recovery_seconds, steps_lost);
+  if (finished) EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
   return false;
 }
 
-void JobRunner::WriteManifest(const std::string& job_id, const JobSpec& spec, int64_t step,
-                              const std::map<std::string, std::string>& shards) {
-  // The manifest names every shard of the step; it is written last, atomically, so a reader that finds
-  // it finds a complete checkpoint.
-  std::string json = absl::StrCat("{\"job\": \"", job_id, "\", \"step\": ", step, ", \"shards\": [");
-  bool first = true;
-  for (const auto& [actor, dir] : shards) {
-    absl::StrAppend(&json, first ? "" : ", ", "{\"actor\": \"", actor, "\", \"dir\": \"", dir, "\"}");
-    first = false;
+void JobRunner::CommitCheckpoint(const std::string& job_id, const JobSpec& spec, int64_t step,
+                                 const std::map<std::string, CheckpointShard>& shards) {
+  absl::StatusOr<GPT2Config> config = GPT2Config::FromSpec(spec.model());
+  if (!config.ok()) return;
+  CheckpointManifest manifest;
+  manifest.set_format(model::kCheckpointFormat);
+  manifest.set_step(step);
+  manifest.mutable_model()->set_n_layer(config->n_layer);
+  manifest.mutable_model()->set_n_head(config->n_head);
+  manifest.mutable_model()->set_n_embd(config->n_embd);
+  manifest.mutable_model()->set_block_size(config->block_size);
+  manifest.mutable_model()->set_vocab_size(config->vocab_size);
+  manifest.set_job(job_id);
+  manifest.set_plan(
+      absl::StrFormat("dp %d x pp %d x tp %d", spec.parallel().dp(), spec.parallel().pp(), spec.parallel().tp()));
+  manifest.set_created_unix_ms(clock_->UnixMillis());
+  // Stage order: the first stage's data position and optimizer step; a tied tensor (wte) from the first
+  // stage that holds it.
+  std::vector<const CheckpointShard*> by_stage;
+  for (const auto& [actor, shard] : shards) by_stage.push_back(&shard);
+  std::sort(by_stage.begin(), by_stage.end(),
+            [](const CheckpointShard* a, const CheckpointShard* b) { return a->stage() < b->stage(); });
+  double snapshot = 0, write = 0;
+  for (const CheckpointShard* shard : by_stage) {
+    if (shard == by_stage.front()) {
+      *manifest.mutable_data_position() = shard->data_position();
+      manifest.set_optimizer_step(shard->optimizer_step());
+    }
+    for (const CheckpointFile& f : shard->files()) {
+      CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name()];
+      entry.set_bytes(f.bytes());
+      entry.set_crc32(f.crc32());
+    }
+    for (const std::string& t : shard->tensors()) manifest.mutable_tensors()->insert({t, shard->model_file()});
+    snapshot = std::max(snapshot, shard->snapshot_seconds());
+    write = std::max(write, shard->write_seconds());
   }
-  absl::StrAppend(&json, "]}\n");
-  const std::string path = absl::StrCat(spec.checkpoint().dir(), "/manifest.json");
-  if (absl::Status s = WriteFileAtomically(path, json, 0644); !s.ok()) {
-    (void)jobs_->Log(job_id, absl::StrCat("checkpoint of step ", step, " not recorded: ", s.message()));
+  const std::string& dir = spec.checkpoint().dir();
+  if (absl::Status s = model::CommitCheckpoint(dir, manifest); !s.ok()) {
+    Check(jobs_->Log(job_id, absl::StrCat("warning: checkpoint of step ", step, " not committed: ", s.message(),
+                                          "; training goes on")),
+          job_id, "logging");
     return;
   }
-  (void)jobs_->Log(job_id, absl::StrCat("checkpoint of step ", step, " complete: ", path));
+  Check(jobs_->Update(job_id, [&](JobInfo& j) { j.set_last_checkpoint_step(std::max(j.last_checkpoint_step(), step)); })
+            .status(),
+        job_id, "recording the checkpoint");
+  Check(jobs_->Log(job_id, absl::StrFormat("checkpoint of step %d complete: %s (snapshot %.3f s on the training "
+                                           "thread, written in the background in %.3f s)",
+                                           step, model::StepDirectory(dir, step), snapshot, write)),
+        job_id, "logging");
+  if (absl::Status s = model::PruneCheckpoints(dir, model::CheckpointsKept(spec.checkpoint())); !s.ok()) {
+    Check(jobs_->Log(job_id, absl::StrCat("warning: ", s.message())), job_id, "logging");
+  }
 }
 
-void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg, int actors) {
+void JobRunner::RecordRecovery(const std::string& job_id, double seconds, int64_t steps_lost) {
+  Check(jobs_
+            ->Update(job_id,
+                     [&](JobInfo& j) {
+                       if (j.faults_size() > 0) j.mutable_faults(j.faults_size() - 1)->set_recovery_seconds(seconds);
+                     })
+            .status(),
+        job_id, "recording the recovery");
+  Check(jobs_->Log(job_id, absl::StrFormat("recovered: training again %.1f s after the fault was detected; %d "
+                                           "step(s) lost",
+                                           seconds, steps_lost)),
+        job_id, "logging");
+  if (metrics_ == nullptr) return;
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {1, 2, 5, 10, 15, 20, 30, 45, 60, 120, 300, 600};
+  prometheus::BuildHistogram()
+      .Name("geotrain_job_recovery_seconds")
+      .Help("Time from a fault's detection to the first step done after the restart")
+      .Register(metrics_->registry())
+      .Add({}, kBuckets)
+      .Observe(seconds);
+}
+
+void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg) {
   const double tokens_per_second = agg.step_seconds > 0 ? agg.tokens / agg.step_seconds : 0;
   std::string wan;
   int64_t wan_total = 0;
@@ -557,10 +843,12 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
     wan_total += bytes;
   }
   const std::string line = absl::StrFormat(
-      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f) wan bytes %d%s", step,
-      agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble, wan_total,
+      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s", step,
+      agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble,
+      agg.checkpoint > 0 ? absl::StrFormat(", checkpoint %.3f", agg.checkpoint) : "", wan_total,
       wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"));
-  (void)jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line);
+  Check(jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line), job_id,
+        "recording progress");
   if (metrics_ == nullptr) return;
   if (auto job = jobs_->Get(job_id); job.ok() && job->predicted_step_seconds() > 0) {
     metrics_->Gauges("geotrain_predicted_step_seconds", "The planner's predicted step time, by job")
@@ -603,7 +891,6 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
         .Add({{"codec", codec}})
         .Set(agg.compression_ratio);
   }
-  (void)actors;
 }
 
 }  // namespace geotrain::head

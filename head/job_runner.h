@@ -1,83 +1,89 @@
 // Runs jobs on the cluster: places a job's actors on workers, creates them, follows their step reports,
-// and ends the job. It is the head's only path into the data plane, and it stays at step granularity:
-// tensors flow between actors directly, never through the head.
+// commits their checkpoints, recovers from faults, and ends the job. It is the head's only path into the
+// data plane, and it stays at step granularity: tensors flow between actors directly, never through the
+// head.
 //
 //   PENDING ──(enough alive devices; plan fits in memory)──▶ actors created ──▶ RUNNING
 //   RUNNING ──(every actor reported its last step)──▶ SUCCEEDED
-//   RUNNING ──(an actor failed, its worker died)──▶ FAILED, every other actor stopped
+//   RUNNING ──(a fault: a worker hosting an actor died, an actor errored, a stream or collective failed)──▶
+//     RESTARTING: every surviving actor is stopped at once; the job resumes from its newest complete
+//     checkpoint (or its start) as a new run (attempt) on the workers alive now: the same ones when they
+//     are back, spare ones, or, for `plan: auto`, a new plan ──▶ RUNNING
+//   RESTARTING ──(fault_tolerance.max_restarts used up; or a manual plan still lacks devices after
+//     fault_tolerance.wait_for_workers_s)──▶ FAILED, naming the fault or what is missing
 //   any ──(job cancel)──▶ CANCELLED, every actor stopped
 //
-// Placement (manual plans): an explicit `parallel.placement` entry pins (replica, stage, tp rank) to a
-// worker or a site; the others take the free devices in site order, replica by replica, stage by stage.
-// Tensor-parallel groups must sit inside one site. A plan whose actors do not fit their devices' memory
-// is refused before anything starts, with the numbers.
+// Checkpoints: replica 0's actors write their stage's shard into <checkpoint.dir>/step_N/ in the
+// background and report it; when every stage's shard of a step is in, the runner writes the manifest
+// (model/checkpoint.h CommitCheckpoint) and keeps the newest checkpoint.keep. A failed shard abandons that
+// checkpoint with a warning event; training goes on.
 //
-// Thread-safety: all methods may be called from any thread (gRPC handlers, the detector thread); one
-// mutex guards the runs; RPCs to workers are made without holding it.
+// A head restart: what a running job needs (plan, actors, run number, restarts, faults, shards not yet
+// committed) is in the job record (JobManager, SQLite); Restore() rebuilds the runs, and actors that kept
+// training report to the new head (their reports wait in their queues while it is away).
+//
+// Placement and `plan: auto` planning are in head/placement.h.
+//
+// Threads: one job-control thread (Start) plans, places, launches, restarts and reconciles; the RPCs to
+// workers run on an executor (actors are created in parallel, stops are sent at once); gRPC handlers call
+// OnStepReport, StopJob and Kick; the detector thread calls OnWorkerDead, which only queues the fault.
+// One mutex guards the runs; no RPC is made while holding it.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
 #include "control.grpc.pb.h"
+#include "head/executor.h"
 #include "head/job_manager.h"
+#include "head/placement.h"  // PlaceActors, PlanAutoJob (moved there; callers keep including this header)
 #include "head/registry.h"
 
 namespace geotrain::head {
 
-// One actor's placement and its estimated memory.
-struct ActorPlacement {
-  ActorRecord actor;
-  std::string site;
-  uint64_t memory_bytes = 0;         // estimated need
-  uint64_t device_memory_bytes = 0;  // what its device has
+struct JobRunnerOptions {
+  std::string token;
+  std::string head_address;  // where actors report (empty: the worker's own head address)
+  TlsFiles tls;
+  int rpc_threads = 8;                 // the executor's threads
+  int64_t control_period_ms = 250;     // how often the control thread looks at the jobs, at most
+  int64_t actor_lost_after_ms = 8000;  // an alive worker that stops listing an actor: lost after this long
+  int64_t stop_deadline_ms = 3000;     // StopActor's deadline
+  int64_t create_deadline_ms = 10000;  // CreateActor's deadline
 };
-
-// Places the actors of a manual plan on `workers` (alive ones are used). Errors: not enough devices
-// (UNAVAILABLE: the job waits), a TP group across sites or a plan that does not fit in memory
-// (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused). Pure: tested without processes.
-absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers);
-
-// Estimated bytes an actor of stage `stage` needs: parameters, gradients and AdamW moments (16 bytes
-// per parameter) plus the activations of one microbatch and, on the last stage, the logits.
-uint64_t EstimateActorMemory(const JobSpec& spec, int stage);
-
-// Chooses a plan for a `plan: auto` job with the planner (scheduler/) on the alive workers, their
-// devices and the site links the workers measured (1 Gbit/s and 1 ms where nothing was measured yet).
-// Returns the job with its parallel section filled (manual form, placement by site) and the predicted
-// step time, plus the planner's explanation lines. The runtime splits layers evenly across stages and
-// the batch evenly across replicas, so only plans with equal replica shares are taken.
-struct AutoPlan {
-  ParallelSpec parallel;
-  double predicted_step_seconds = 0;
-  std::vector<std::string> explanation;
-};
-absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
-                                     const std::vector<SiteLink>& links);
 
 class JobRunner {
  public:
-  JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, std::string token,
-            std::string head_address, TlsFiles tls);
+  JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, JobRunnerOptions options,
+            const Clock* clock = RealClock::Get());
+  ~JobRunner();  // Shutdown()
+  JobRunner(const JobRunner&) = delete;
+  JobRunner& operator=(const JobRunner&) = delete;
 
-  // Tries to start every PENDING job (call after a submit and on every detector tick).
-  void StartPendingJobs();
-  // Handles one actor's step report; returns true when the actor should stop.
-  bool OnStepReport(const StepReport& report);
-  // Fails jobs whose actors ran on `worker`.
+  // Rebuilds the runs of the jobs that were RUNNING or RESTARTING when an earlier head stopped.
+  void Restore();
+  // Starts the job-control thread; `on_tick` (may be null) runs on it after every look at the jobs.
+  void Start(std::function<void()> on_tick);
+  void Shutdown();
+  // Wakes the control thread now (a job was submitted, a worker joined).
+  void Kick();
+
+  // A worker was declared dead: the jobs with actors on it have a fault (handled on the control thread).
   void OnWorkerDead(const WorkerInfo& worker);
-  // Reconciles runs with the actor states workers report in heartbeats, for when a step report was
-  // lost: an actor that finished counts as done; one that died fails its job with its message.
-  void Reconcile(const std::vector<ActorRecord>& reported);
-  // Stops every actor of the job (after a cancel).
+  // Handles one actor's step report (gRPC handler threads); returns true when the actor should stop.
+  bool OnStepReport(const StepReport& report);
+  // Stops every actor of the job (after a cancel); the stops are sent in the background.
   void StopJob(const std::string& job_id, const std::string& reason);
   // Actors of running jobs as the head placed them (for status when workers have not reported yet).
   std::vector<ActorRecord> Actors(const std::string& job_id) const;
@@ -85,38 +91,80 @@ class JobRunner {
  private:
   struct StepAggregate {
     int reports = 0;
-    double step_seconds = 0, compute = 0, wait = 0, bubble = 0, loss = 0;
+    double step_seconds = 0, compute = 0, wait = 0, bubble = 0, loss = 0, checkpoint = 0;
     bool have_loss = false;
     int64_t tokens = 0;
     std::map<std::string, int64_t> wan_bytes;
     double compression_ratio = 0;
   };
+  enum class Phase {
+    kRunning,     // actors created (or being created) and training
+    kFault,       // a fault was seen; the control thread stops the actors and decides
+    kRecovering,  // actors stopped; waiting to be placed and launched again
+    kEnded,
+  };
   struct Run {
-    JobSpec spec;
+    JobSpec spec;  // with the current run's plan
+    int64_t attempt = 0;
+    int restarts = 0;
+    Phase phase = Phase::kRunning;
     std::vector<ActorPlacement> actors;
     std::set<std::string> done;
     std::map<int64_t, StepAggregate> steps;
-    std::map<int64_t, std::map<std::string, std::string>> checkpoints;  // step -> actor -> shard dir
-    bool ended = false;
+    std::map<int64_t, std::map<std::string, CheckpointShard>> shards;  // step -> actor -> shard
+    int64_t last_step = 0;     // the newest step every actor of this run reported
+    int64_t resumed_step = 0;  // the step this run started after
+    int64_t last_checkpoint_step = 0;
+    std::string resumed_from;
+    // The fault being recovered from.
+    std::string fault_cause;
+    int64_t fault_detected_ms = 0;  // clock's monotonic milliseconds
+    int64_t fault_unix_ms = 0;
+    int64_t fault_step = 0;
+    bool recovery_measured = true;  // false until the first step after a restart completes
+    std::string waiting_message;    // last "waiting for workers" line logged
+    int64_t launched_ms = 0;
+    std::map<std::string, int64_t> actor_seen_ms;  // actor -> when a heartbeat last listed it
   };
 
-  absl::Status Launch(const JobInfo& job, std::vector<ActorPlacement> placement);
+  void ControlLoop(std::function<void()> on_tick);
+  // The control thread's steps.
+  void HandleFaults();
+  void RecoverJobs();
+  void StartPendingJobs();
+  void Reconcile();
+  // Chooses the plan and the placement for the job's next run, and launches it. UNAVAILABLE when the
+  // workers alive now cannot hold it (the caller decides whether to wait).
+  absl::Status PlaceAndLaunch(const JobInfo& job, int64_t attempt, const std::string& resume_from);
+  // Where the job's next run starts: its newest complete checkpoint, else what the spec resumes from, else
+  // nothing. Logs the checkpoints skipped.
+  absl::StatusOr<std::string> ResumePoint(const std::string& job_id, const JobSpec& spec);
+  absl::Status Launch(const JobInfo& job, std::vector<ActorPlacement> placement, int64_t attempt,
+                      const std::string& resume_from);
+  // Records a fault of the job's current run (any thread); ignored when the run already has one or ended.
+  void Fault(const std::string& job_id, int64_t attempt, const std::string& cause);
   void EndJob(const std::string& job_id, JobState state, const std::string& message);
-  void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason);
-  void WriteManifest(const std::string& job_id, const JobSpec& spec, int64_t step,
-                     const std::map<std::string, std::string>& shards);
-  void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg, int actors);
+  // Sends StopActor to every actor at once; waits for the answers when `wait`.
+  void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait);
+  void CommitCheckpoint(const std::string& job_id, const JobSpec& spec, int64_t step,
+                        const std::map<std::string, CheckpointShard>& shards);
+  void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg);
+  void RecordRecovery(const std::string& job_id, double seconds, int64_t steps_lost);
+  // Logs a failed bookkeeping call (the job table's persistence); such a failure never stops a job.
+  void Check(const absl::Status& status, const std::string& job_id, const char* what);
 
   JobManager* jobs_;
   WorkerRegistry* registry_;
   MetricsServer* metrics_;  // may be null
-  const std::string token_;
-  const std::string head_address_;
-  const TlsFiles tls_;
+  const JobRunnerOptions options_;
+  const Clock* clock_;
+  std::unique_ptr<Executor> executor_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> launching_ ABSL_GUARDED_BY(mu_);
+  bool kicked_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread control_;
 };
 
 }  // namespace geotrain::head

@@ -89,16 +89,59 @@ HeartbeatReply WorkerRegistry::Heartbeat(const HeartbeatRequest& request) {
   return reply;
 }
 
-std::vector<WorkerInfo> WorkerRegistry::CheckLiveness() {
+std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
+  // Which silent workers answer a connection, asked without the lock (a probe takes up to a second).
+  std::vector<std::string> silent_ids, addresses;
+  if (probe) {
+    const int64_t now = clock_->NowMillis();
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, w] : workers_) {
+      if (w.state() == WORKER_ALIVE && now - last_seen_ms_[id] > options_.timeout_ms) {
+        silent_ids.push_back(id);
+        addresses.push_back(w.address());
+      }
+    }
+  }
+  std::map<std::string, Reachability> reach;
+  if (!silent_ids.empty()) {
+    const std::vector<Reachability> found = probe(addresses);
+    for (size_t i = 0; i < silent_ids.size() && i < found.size(); ++i) reach[silent_ids[i]] = found[i];
+  }
   std::vector<WorkerInfo> dead;
   const int64_t now = clock_->NowMillis();
   absl::MutexLock lock(&mu_);
   for (auto& [id, w] : workers_) {
     if (w.state() != WORKER_ALIVE) continue;
     const int64_t silent = now - last_seen_ms_[id];
-    if (silent <= options_.timeout_ms) continue;
+    if (silent <= options_.timeout_ms) {
+      suspected_.erase(id);
+      continue;
+    }
+    std::string reason = absl::StrCat("no heartbeat for ", silent, " ms (timeout ", options_.timeout_ms, " ms)");
+    if (probe) {
+      auto r = reach.find(id);
+      if (r == reach.end()) continue;  // went silent after the probe: the next check probes it
+      if (r->second != Reachability::kRefused) {
+        if (silent <= options_.unreachable_timeout_ms) {
+          if (suspected_.insert({id, r->second}).second) {
+            GT_LOG(WARNING) << "worker " << id << " (site " << w.site() << ") silent for " << silent << " ms; "
+                            << (r->second == Reachability::kListening ? "its port answers"
+                                                                      : "it cannot be reached (a partition?)")
+                            << ": declared dead after " << options_.unreachable_timeout_ms << " ms of silence";
+          }
+          continue;
+        }
+        reason = absl::StrCat("no heartbeat for ", silent, " ms; ",
+                              r->second == Reachability::kListening ? "its port answers (hung?)"
+                                                                    : "unreachable (a partition, or the host is down)",
+                              " past the unreachable timeout of ", options_.unreachable_timeout_ms, " ms");
+      } else {
+        reason += "; its port refuses connections: the process is gone";
+      }
+    }
+    suspected_.erase(id);
     w.set_state(WORKER_DEAD);
-    w.set_dead_reason(absl::StrCat("no heartbeat for ", silent, " ms (timeout ", options_.timeout_ms, " ms)"));
+    w.set_dead_reason(reason);
     for (ActorRecord& actor : actors_[id]) {
       if (actor.state() == ACTOR_DEAD) continue;
       actor.set_state(ACTOR_DEAD);

@@ -1,6 +1,9 @@
 // The head's worker registry: who is in the cluster, at which site, with which devices, and whether it
-// is alive. Failure detection is heartbeat-based: a worker not heard from for `timeout_ms` is declared
-// dead by CheckLiveness(), together with every actor it hosted.
+// is alive. Failure detection is heartbeat-based: a worker not heard from for `timeout_ms` is probed
+// (head/liveness_probe.h): when its port refuses connections the process is gone and the worker is
+// declared dead at once, together with every actor it hosted; when it cannot be reached (a partition, a
+// host down) or its port answers without heartbeats, it is declared dead only after
+// `unreachable_timeout_ms` of silence. Without a probe, silence beyond `timeout_ms` is death.
 //
 //   WorkerRegistry registry(clock, {.heartbeat_interval_ms = 1000, .timeout_ms = 4000}, head_id);
 //   RegisterWorkerReply r = registry.Register(request);
@@ -10,6 +13,7 @@
 // Thread-safety: all methods are safe to call from any thread (one mutex guards the table).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "control.pb.h"
+#include "head/liveness_probe.h"
 
 namespace geotrain::head {
 
@@ -26,7 +31,10 @@ class WorkerRegistry {
   struct Options {
     int64_t heartbeat_interval_ms = 1000;
     int64_t timeout_ms = 4000;
+    int64_t unreachable_timeout_ms = 30000;
   };
+  // Tells how each address answers a connection (head/liveness_probe.h ProbeTcp, or a fake in tests).
+  using Probe = std::function<std::vector<Reachability>(const std::vector<std::string>& addresses)>;
 
   WorkerRegistry(const Clock* clock, Options options, std::string head_id);
 
@@ -43,9 +51,10 @@ class WorkerRegistry {
   // know it, has declared it dead, or the incarnation is stale.
   HeartbeatReply Heartbeat(const HeartbeatRequest& request);
 
-  // Declares dead every alive worker silent for longer than the timeout, marks its actors dead, and
-  // returns the newly dead workers.
-  std::vector<WorkerInfo> CheckLiveness();
+  // Declares dead every alive worker silent for longer than the timeout (with `probe`: whose port refuses
+  // connections, or silent for longer than the unreachable timeout), marks its actors dead, and returns the
+  // newly dead workers. The probe runs without the registry's lock.
+  std::vector<WorkerInfo> CheckLiveness(const Probe& probe = nullptr);
 
   std::vector<WorkerInfo> Workers() const;
   std::vector<ActorRecord> Actors() const;
@@ -64,6 +73,8 @@ class WorkerRegistry {
   // Last seen heartbeat on the monotonic clock, by worker id.
   std::map<std::string, int64_t> last_seen_ms_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<ActorRecord>> actors_ ABSL_GUARDED_BY(mu_);
+  // Silent workers that did not refuse the probe, with what it found (logged once per silence).
+  std::map<std::string, Reachability> suspected_ ABSL_GUARDED_BY(mu_);
   // Latest probe by (src worker, dst worker).
   std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
 };

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace geotrain::head {
 
@@ -21,12 +22,12 @@ absl::Status RendezvousTable::CheckKey(const std::string& job_id, const std::str
 }
 
 absl::Status RendezvousTable::Publish(const std::string& job_id, const std::string& key, std::string value) {
-  if (absl::Status s = CheckKey(job_id, key); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckKey(job_id, key));
   if (static_cast<int64_t>(value.size()) > kMaxValueBytes) {
     return absl::InvalidArgumentError(absl::StrCat("rendezvous: the value of key '", key, "' has ", value.size(),
                                                    " bytes; at most ", kMaxValueBytes, " are allowed"));
   }
-  if (absl::Status s = job_check_(job_id); !s.ok()) return s;
+  RETURN_IF_ERROR(job_check_(job_id));
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("rendezvous: the head is shutting down");
   std::map<std::string, std::string>& keys = jobs_[job_id];
@@ -47,13 +48,13 @@ absl::Status RendezvousTable::Publish(const std::string& job_id, const std::stri
 
 absl::StatusOr<std::string> RendezvousTable::Fetch(const std::string& job_id, const std::string& key,
                                                    absl::Duration timeout, const std::function<bool()>& cancelled) {
-  if (absl::Status s = CheckKey(job_id, key); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckKey(job_id, key));
   if (timeout < absl::ZeroDuration() || timeout > kMaxWait) {
     return absl::InvalidArgumentError(absl::StrCat("rendezvous: the timeout must be 0 to ",
                                                    absl::ToInt64Milliseconds(kMaxWait), " ms, not ",
                                                    absl::ToInt64Milliseconds(timeout), " ms"));
   }
-  if (absl::Status s = job_check_(job_id); !s.ok()) return s;
+  RETURN_IF_ERROR(job_check_(job_id));
   const absl::Time deadline = absl::Now() + timeout;
   absl::MutexLock lock(&mu_);
   jobs_[job_id];  // the entry exists while the job may rendezvous; DropEndedJobs removes it

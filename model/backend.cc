@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "model/cuda_backend.h"
 #include "model/ops.h"
 
@@ -146,9 +147,8 @@ cuda::CudaContext* CudaContextOf(Backend&) { return nullptr; }
 #endif
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(Backend& backend, size_t bytes) {
-  absl::StatusOr<void*> ptr = backend.Allocate(bytes);
-  if (!ptr.ok()) return ptr.status();
-  return DeviceBuffer(&backend, *ptr, bytes);
+  ASSIGN_OR_RETURN(void* ptr, backend.Allocate(bytes));
+  return DeviceBuffer(&backend, ptr, bytes);
 }
 
 DeviceBuffer::~DeviceBuffer() { Release(); }

@@ -1,18 +1,24 @@
 // Weights files and training checkpoints (see checkpoint.h).
 #include "model/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
-#include "google/protobuf/struct.pb.h"
+#include "absl/time/clock.h"
+#include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace geotrain::model {
 namespace {
+
+namespace fs = std::filesystem;
 
 // The name the model uses for a file's tensor name, or "" to skip it.
 std::string CanonicalName(const std::string& file_name) {
@@ -24,13 +30,6 @@ std::string CanonicalName(const std::string& file_name) {
   return name;
 }
 
-absl::StatusOr<google::protobuf::Struct> ParseJson(const std::string& text, const std::string& source) {
-  google::protobuf::Struct root;
-  auto parsed = google::protobuf::util::JsonStringToMessage(text, &root);
-  if (!parsed.ok()) return absl::DataLossError(absl::StrCat(source, ": not valid JSON: ", parsed.ToString()));
-  return root;
-}
-
 }  // namespace
 
 absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
@@ -38,13 +37,11 @@ absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bo
   for (const std::string& name : stage.TensorNames()) {
     NamedTensor t;
     t.name = prefix + name;
-    absl::StatusOr<std::vector<int64_t>> shape = stage.TensorShape(name);
-    if (!shape.ok()) return shape.status();
-    t.shape = *shape;
+    ASSIGN_OR_RETURN(t.shape, stage.TensorShape(name));
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     t.data.resize(n);
-    if (absl::Status s = stage.ExportTensor(name, grads, t.data.data()); !s.ok()) return s;
+    RETURN_IF_ERROR(stage.ExportTensor(name, grads, t.data.data()));
     out.push_back(std::move(t));
   }
   return out;
@@ -56,19 +53,16 @@ absl::Status LoadStageWeights(const SafetensorsFile& file, const std::string& so
   for (const NamedTensor& t : file.tensors) {
     const std::string name = CanonicalName(t.name);
     if (name.empty() || !needed.count(name)) continue;  // buffers, or another stage's tensors
-    absl::StatusOr<std::vector<int64_t>> shape = stage.TensorShape(name);
-    if (!shape.ok()) return shape.status();
-    if (t.shape != *shape) {
+    ASSIGN_OR_RETURN(std::vector<int64_t> shape, stage.TensorShape(name));
+    if (t.shape != shape) {
       std::string got, want;
       for (int64_t d : t.shape) absl::StrAppend(&got, got.empty() ? "" : ", ", d);
-      for (int64_t d : *shape) absl::StrAppend(&want, want.empty() ? "" : ", ", d);
+      for (int64_t d : shape) absl::StrAppend(&want, want.empty() ? "" : ", ", d);
       return absl::InvalidArgumentError(absl::StrCat(source, ": tensor ", t.name, " has shape (", got,
                                                      ") but the model needs (", want,
                                                      "); the file is for another model shape"));
     }
-    if (absl::Status s = stage.ImportTensor(name, t.data.data(), static_cast<int64_t>(t.data.size())); !s.ok()) {
-      return s;
-    }
+    RETURN_IF_ERROR(stage.ImportTensor(name, t.data.data(), static_cast<int64_t>(t.data.size())));
     needed.erase(name);
   }
   if (!needed.empty()) {
@@ -79,154 +73,145 @@ absl::Status LoadStageWeights(const SafetensorsFile& file, const std::string& so
 }
 
 absl::Status LoadStageWeights(const std::string& path, GPT2Stage& stage) {
-  absl::StatusOr<SafetensorsFile> file = ReadSafetensors(path);
-  if (!file.ok()) return file.status();
-  return LoadStageWeights(*file, path, stage);
+  ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
+  return LoadStageWeights(file, path, stage);
 }
 
 absl::Status SaveStageWeights(const std::string& path, GPT2Stage& stage) {
-  absl::StatusOr<std::vector<NamedTensor>> tensors = ExportStageTensors(stage, false);
-  if (!tensors.ok()) return tensors.status();
-  return WriteSafetensorsAtomically(path, *tensors, {{"format", "pt"}});
+  ASSIGN_OR_RETURN(std::vector<NamedTensor> tensors, ExportStageTensors(stage, false));
+  return WriteSafetensorsAtomically(path, tensors, {{"format", "pt"}});
+}
+
+absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep) {
+  CheckpointSnapshot snapshot;
+  ASSIGN_OR_RETURN(snapshot.weights, ExportStageTensors(stage, false));
+  std::vector<float> host_m, host_v;
+  RETURN_IF_ERROR(adam.CopyMomentsToHost(&host_m, &host_v));
+  for (const char* which : {"m.", "v."}) {
+    const float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
+    for (const NamedTensor& w : snapshot.weights) {
+      NamedTensor t;
+      t.name = which + w.name;
+      t.shape = w.shape;
+      t.data.resize(w.data.size());
+      RETURN_IF_ERROR(stage.ExportTensorFromBuffer(w.name, buffer, t.data.data()));
+      snapshot.moments.push_back(std::move(t));
+    }
+  }
+  snapshot.optimizer_step = adam.step();
+  if (!keep) return CheckpointSnapshot{};
+  return snapshot;
 }
 
 absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& stage, AdamW& adam,
                             const DataPosition& data_position) {
-  namespace fs = std::filesystem;
-  const std::string step_name = absl::StrFormat("step_%08d", step);
-  const std::string step_dir = absl::StrCat(dir, "/", step_name);
-  std::error_code ec;
-  fs::create_directories(step_dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create checkpoint directory ", step_dir, ": ", ec.message()));
-
-  if (absl::Status s = SaveStageWeights(step_dir + "/model.safetensors", stage); !s.ok()) return s;
-  std::vector<float> host_m, host_v;
-  if (absl::Status s = adam.CopyMomentsToHost(&host_m, &host_v); !s.ok()) return s;
-  std::vector<NamedTensor> moments;
-  for (const char* which : {"m.", "v."}) {
-    const float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
-    for (const std::string& name : stage.TensorNames()) {
-      NamedTensor t;
-      t.name = which + name;
-      t.shape = *stage.TensorShape(name);
-      int64_t n = 1;
-      for (int64_t d : t.shape) n *= d;
-      t.data.resize(n);
-      if (absl::Status s = stage.ExportTensorFromBuffer(name, buffer, t.data.data()); !s.ok()) return s;
-      moments.push_back(std::move(t));
-    }
-  }
-  if (absl::Status s = WriteSafetensorsAtomically(step_dir + "/optimizer.safetensors", moments,
-                                                  {{"step", absl::StrCat(adam.step())}});
-      !s.ok()) {
-    return s;
-  }
+  ASSIGN_OR_RETURN(CheckpointSnapshot snapshot, SnapshotStage(stage, adam, /*keep=*/true));
+  ASSIGN_OR_RETURN(WrittenShard shard, WriteCheckpointShard(StepDirectory(dir, step), "", snapshot));
+  CheckpointManifest manifest;
+  manifest.set_format(kCheckpointFormat);
+  manifest.set_step(step);
   const GPT2Config& c = stage.config();
-  std::string manifest = absl::StrCat(
-      "{\n  \"format\": \"geotrain-checkpoint-1\",\n  \"step\": ", step, ",\n  \"model\": {\"n_layer\": ", c.n_layer,
-      ", \"n_head\": ", c.n_head, ", \"n_embd\": ", c.n_embd, ", \"block_size\": ", c.block_size,
-      ", \"vocab_size\": ", c.vocab_size, "},\n  \"data_position\": {\"shard\": ", data_position.shard,
-      ", \"offset\": ", data_position.offset, ", \"epoch\": ", data_position.epoch, "},\n  \"files\": {");
-  bool first = true;
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
-    absl::StatusOr<std::string> bytes = ReadFileToString(absl::StrCat(step_dir, "/", file));
-    if (!bytes.ok()) return bytes.status();
-    absl::StrAppend(&manifest, first ? "" : ",", "\n    \"", file, "\": {\"bytes\": ", bytes->size(), ", \"crc32\": \"",
-                    absl::StrFormat("%08x", Crc32(bytes->data(), bytes->size())), "\"}");
-    first = false;
+  manifest.mutable_model()->set_n_layer(c.n_layer);
+  manifest.mutable_model()->set_n_head(c.n_head);
+  manifest.mutable_model()->set_n_embd(c.n_embd);
+  manifest.mutable_model()->set_block_size(c.block_size);
+  manifest.mutable_model()->set_vocab_size(c.vocab_size);
+  manifest.mutable_data_position()->set_shard(data_position.shard);
+  manifest.mutable_data_position()->set_offset(data_position.offset);
+  manifest.mutable_data_position()->set_epoch(data_position.epoch);
+  manifest.set_optimizer_step(snapshot.optimizer_step);
+  manifest.set_job("local");
+  manifest.set_plan("dp 1 x pp 1 x tp 1");
+  manifest.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+  for (const WrittenShard::File& f : shard.files) {
+    CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name];
+    entry.set_bytes(f.bytes);
+    entry.set_crc32(f.crc32);
   }
-  manifest += "\n  }\n}\n";
-  if (absl::Status s = WriteFileAtomically(step_dir + "/manifest.json", manifest); !s.ok()) return s;
-  return WriteFileAtomically(dir + "/latest", step_name + "\n");
+  for (const std::string& t : shard.tensors) (*manifest.mutable_tensors())[t] = shard.model_file;
+  return CommitCheckpoint(dir, manifest);
 }
 
-absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, GPT2Stage& stage, AdamW& adam) {
-  namespace fs = std::filesystem;
-  std::string step_dir = dir;
-  if (!fs::exists(dir + "/manifest.json")) {
-    absl::StatusOr<std::string> latest = ReadFileToString(dir + "/latest");
-    if (!latest.ok()) return absl::NotFoundError(absl::StrCat("no checkpoint in ", dir, " (no 'latest' file)"));
-    step_dir = absl::StrCat(dir, "/", absl::StripAsciiWhitespace(*latest));
+absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage& stage, AdamW& adam) {
+  CheckpointInfo info;
+  std::error_code ec;
+  if (fs::exists(path + "/manifest.json", ec)) {
+    info.directory = path;
+  } else {
+    if (!fs::is_directory(path, ec)) return absl::NotFoundError(absl::StrCat("no checkpoint at ", path));
+    ASSIGN_OR_RETURN(info.directory, FindNewestCheckpoint(path, &info.skipped));
   }
-  const std::string manifest_path = step_dir + "/manifest.json";
-  absl::StatusOr<std::string> manifest_text = ReadFileToString(manifest_path);
-  if (!manifest_text.ok()) return manifest_text.status();
-  absl::StatusOr<google::protobuf::Struct> manifest = ParseJson(*manifest_text, manifest_path);
-  if (!manifest.ok()) return manifest.status();
-  const auto& fields = manifest->fields();
-  auto number = [&](const google::protobuf::Struct& s, const std::string& key) -> double {
-    auto it = s.fields().find(key);
-    return it == s.fields().end() ? -1.0 : it->second.number_value();
-  };
-  if (!fields.count("format") || fields.at("format").string_value() != "geotrain-checkpoint-1") {
-    return absl::DataLossError(absl::StrCat(manifest_path, ": not a geotrain checkpoint manifest"));
-  }
-  for (const char* key : {"model", "files", "data_position", "step"}) {
-    if (!fields.count(key)) return absl::DataLossError(absl::StrCat(manifest_path, ": missing '", key, "'"));
-  }
-  const google::protobuf::Struct& model = fields.at("model").struct_value();
+  const std::string& step_dir = info.directory;
+  ASSIGN_OR_RETURN(CheckpointManifest manifest, VerifyCheckpoint(step_dir));
+  const ModelSpec& m = manifest.model();
   const GPT2Config& c = stage.config();
-  if (number(model, "n_layer") != c.n_layer || number(model, "n_head") != c.n_head ||
-      number(model, "n_embd") != c.n_embd || number(model, "block_size") != c.block_size ||
-      number(model, "vocab_size") != c.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(manifest_path, ": checkpoint is for another model shape (",
-                                                   number(model, "n_layer"), " layers, ", number(model, "n_embd"),
-                                                   " channels); resume with the spec it was trained with"));
+  if (m.n_layer() != c.n_layer || m.n_head() != c.n_head || m.n_embd() != c.n_embd || m.block_size() != c.block_size ||
+      m.vocab_size() != c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(step_dir, ": checkpoint is for another model shape (", m.n_layer(),
+                                                   " layers, ", m.n_embd(),
+                                                   " channels); resume with the spec it "
+                                                   "was trained with"));
   }
-  // Verify every file before loading anything.
-  std::map<std::string, SafetensorsFile> files;
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
-    const std::string path = absl::StrCat(step_dir, "/", file);
-    auto entry = fields.at("files").struct_value().fields().find(file);
-    if (entry == fields.at("files").struct_value().fields().end()) {
-      return absl::DataLossError(absl::StrCat(manifest_path, ": no entry for ", file));
+  // Which model files hold the tensors this stage needs (format 1: model.safetensors holds all).
+  std::map<std::string, std::vector<std::string>> by_file;
+  for (const std::string& name : stage.TensorNames()) {
+    std::string file = "model.safetensors";
+    if (!manifest.tensors().empty()) {
+      auto it = manifest.tensors().find(name);
+      if (it == manifest.tensors().end()) {
+        return absl::DataLossError(absl::StrCat(step_dir, ": the checkpoint has no tensor ", name));
+      }
+      file = it->second;
     }
-    absl::StatusOr<std::string> bytes = ReadFileToString(path);
-    if (!bytes.ok()) return bytes.status();
-    const double want_bytes = number(entry->second.struct_value(), "bytes");
-    const auto& entry_fields = entry->second.struct_value().fields();
-    const std::string want_crc = entry_fields.count("crc32") ? entry_fields.at("crc32").string_value() : "";
-    const std::string crc = absl::StrFormat("%08x", Crc32(bytes->data(), bytes->size()));
-    if (want_bytes != static_cast<double>(bytes->size()) || crc != want_crc) {
-      return absl::DataLossError(absl::StrCat(path, ": ", bytes->size(), " bytes with CRC-32 ", crc,
-                                              " but the manifest records ", want_bytes, " bytes with ", want_crc,
-                                              "; the file is truncated or corrupt: resume from an older step"));
-    }
-    absl::StatusOr<SafetensorsFile> parsed = ReadSafetensors(path);
-    if (!parsed.ok()) return parsed.status();
-    files[file] = std::move(*parsed);
+    by_file[file].push_back(name);
   }
-  if (absl::Status s = LoadStageWeights(files["model.safetensors"], step_dir + "/model.safetensors", stage); !s.ok()) {
-    return s;
-  }
-  const SafetensorsFile& opt = files["optimizer.safetensors"];
-  // Every element the files hold is set; the rest (wte's padded rows) keeps its current value.
-  std::vector<float> host_m, host_v;
-  if (absl::Status s = adam.CopyMomentsToHost(&host_m, &host_v); !s.ok()) return s;
-  for (const char* which : {"m.", "v."}) {
-    float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
-    for (const std::string& name : stage.TensorNames()) {
-      const NamedTensor* t = opt.Find(which + name);
-      if (t == nullptr)
-        return absl::DataLossError(absl::StrCat(step_dir, "/optimizer.safetensors: missing ", which, name));
-      if (absl::Status s =
-              stage.ImportTensorToBuffer(name, t->data.data(), static_cast<int64_t>(t->data.size()), buffer);
-          !s.ok()) {
-        return s;
+  // Read and check every file needed before changing the stage or the optimizer.
+  std::map<std::string, SafetensorsFile> weights, moments;
+  for (const auto& [file, names] : by_file) {
+    ASSIGN_OR_RETURN(weights[file], ReadSafetensors(absl::StrCat(step_dir, "/", file)));
+    ASSIGN_OR_RETURN(moments[file], ReadSafetensors(absl::StrCat(step_dir, "/", OptimizerFileFor(file))));
+    for (const std::string& name : names) {
+      const NamedTensor* w = weights[file].Find(name);
+      const NamedTensor* mt = moments[file].Find("m." + name);
+      const NamedTensor* vt = moments[file].Find("v." + name);
+      if (w == nullptr || mt == nullptr || vt == nullptr) {
+        return absl::DataLossError(absl::StrCat(step_dir, "/", file, ": missing ", name, " or its moments"));
+      }
+      ASSIGN_OR_RETURN(std::vector<int64_t> shape, stage.TensorShape(name));
+      if (w->shape != shape || mt->shape != shape || vt->shape != shape) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(step_dir, "/", file, ": tensor ", name, " has another shape than the model's"));
       }
     }
   }
-  if (absl::Status s = adam.CopyMomentsFromHost(host_m, host_v); !s.ok()) return s;
-  int64_t adam_step = 0;
-  if (auto it = opt.metadata.find("step"); it != opt.metadata.end()) adam_step = std::stoll(it->second);
-  adam.set_step(adam_step);
-  CheckpointInfo info;
-  info.directory = step_dir;
-  info.step = static_cast<int64_t>(number(*manifest, "step"));
-  const google::protobuf::Struct& pos = fields.at("data_position").struct_value();
-  info.data_position.shard = static_cast<int64_t>(number(pos, "shard"));
-  info.data_position.offset = static_cast<int64_t>(number(pos, "offset"));
-  info.data_position.epoch = static_cast<int64_t>(number(pos, "epoch"));
+  std::vector<float> host_m, host_v;
+  RETURN_IF_ERROR(adam.CopyMomentsToHost(&host_m, &host_v));
+  for (const auto& [file, names] : by_file) {
+    for (const std::string& name : names) {
+      const NamedTensor* w = weights[file].Find(name);
+      RETURN_IF_ERROR(stage.ImportTensor(name, w->data.data(), static_cast<int64_t>(w->data.size())));
+      // Every element the files hold is set; the rest (wte's padded rows) keeps its current value.
+      for (const char* which : {"m.", "v."}) {
+        float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
+        const NamedTensor* t = moments[file].Find(which + name);
+        RETURN_IF_ERROR(stage.ImportTensorToBuffer(name, t->data.data(), static_cast<int64_t>(t->data.size()), buffer));
+      }
+    }
+  }
+  RETURN_IF_ERROR(adam.CopyMomentsFromHost(host_m, host_v));
+  int64_t optimizer_step = manifest.optimizer_step();
+  if (manifest.format() == "geotrain-checkpoint-1") {  // format 1 kept it in the optimizer file's metadata
+    const SafetensorsFile& opt = moments.begin()->second;
+    auto it = opt.metadata.find("step");
+    if (it == opt.metadata.end() || !absl::SimpleAtoi(it->second, &optimizer_step) || optimizer_step < 0) {
+      return absl::DataLossError(absl::StrCat(step_dir, "/optimizer.safetensors: no valid 'step' in its metadata"));
+    }
+  }
+  adam.set_step(optimizer_step);
+  info.step = manifest.step();
+  info.data_position.shard = manifest.data_position().shard();
+  info.data_position.offset = manifest.data_position().offset();
+  info.data_position.epoch = manifest.data_position().epoch();
   return info;
 }
 

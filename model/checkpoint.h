@@ -4,13 +4,27 @@
 // rows, so `transformers.GPT2Model.from_pretrained` loads them. Loading accepts the `transformer.` prefix
 // of GPT2LMHeadModel files, skips the attn.bias / attn.masked_bias buffers and the tied lm_head.weight.
 //
-// A training checkpoint is a directory <dir>/step_NNNNNNNN/ with
-//   model.safetensors      the weights (as above)
-//   optimizer.safetensors  AdamW moments as m.<name> and v.<name>, same layout as the weights
-//   manifest.json          step, model shape, data position, and each file's size and CRC-32
+// A training checkpoint is a step directory <dir>/step_NNNNNNNN/ holding
+//   model[-sK].safetensors      weights: full tensors (never tensor-parallel shards), one file per
+//                               pipeline stage that wrote them, or one model.safetensors for the whole model
+//   optimizer[-sK].safetensors  the AdamW moments of the same tensors, as m.<name> and v.<name>
+//   model.safetensors.index.json  HF's index ({"weight_map": {name: file}}) when the weights span files
+//   manifest.json               proto CheckpointManifest (spec.proto): step, model shape, data position,
+//                               optimizer step, each file's size and CRC-32, which file holds each tensor
 // and <dir>/latest naming the newest one. Every file is written atomically (temporary file, fsync,
-// rename) and the manifest last, so a crash never leaves a checkpoint that verifies but is incomplete.
-// Loading verifies sizes, CRCs, names, shapes and dtypes before touching the model.
+// rename) and the manifest last, so a step directory with a manifest whose files verify is complete.
+// The format does not depend on the plan that wrote it: a checkpoint of any (dp, pp, tp, placement)
+// resumes under any other plan of the same model, and `train --local` and cluster jobs read each other's.
+//
+//   Writing, in a cluster (the training thread snapshots; a background thread writes; the head commits):
+//     ASSIGN_OR_RETURN(CheckpointSnapshot snap, SnapshotStage(stage, adam, /*keep=*/tp_rank == 0));
+//     ASSIGN_OR_RETURN(WrittenShard shard, WriteCheckpointShard(StepDirectory(dir, step), "-s0", snap));
+//     RETURN_IF_ERROR(CommitCheckpoint(dir, manifest));  // once every shard of the step is in
+//   Reading (any plan):
+//     ASSIGN_OR_RETURN(CheckpointInfo info, LoadCheckpoint(dir_or_step_dir, stage, adam));
+//
+// Loading verifies sizes, CRCs, names, shapes and dtypes before touching the model. Thread-safety: the
+// functions are independent; SnapshotStage must run on the thread that drives the stage.
 #pragma once
 
 #include <string>
@@ -18,10 +32,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/checkpoint_files.h"
 #include "model/data.h"
 #include "model/gpt2.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
+#include "spec.pb.h"
 
 namespace geotrain::model {
 
@@ -35,17 +51,26 @@ absl::Status LoadStageWeights(const SafetensorsFile& file, const std::string& so
 // Writes the stage's weights (tp = 1 or collective) to path atomically.
 absl::Status SaveStageWeights(const std::string& path, GPT2Stage& stage);
 
+// Takes a stage's weights and AdamW moments into host memory (see CheckpointSnapshot in
+// model/checkpoint_files.h). Collective on a tensor-parallel stage: every rank calls it in the same order;
+// ranks with keep == false take part and return an empty snapshot.
+absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep);
+
 struct CheckpointInfo {
   int64_t step = 0;  // optimizer steps taken
   DataPosition data_position;
-  std::string directory;  // the step directory
+  std::string directory;             // the step directory loaded
+  std::vector<std::string> skipped;  // newer step directories that did not verify, and why
 };
 
-// Saves model, optimizer and data position as <dir>/step_NNNNNNNN and points <dir>/latest at it.
+// Saves model, optimizer and data position as <dir>/step_NNNNNNNN (one shard: model.safetensors and
+// optimizer.safetensors) and points <dir>/latest at it.
 absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& stage, AdamW& adam,
                             const DataPosition& data_position);
-// Loads <dir>/latest (or the given step directory) into stage and adam after verifying it; returns the
-// step and data position. NotFound when dir holds no checkpoint.
-absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& dir, GPT2Stage& stage, AdamW& adam);
+// Loads a checkpoint into stage and adam after verifying it: `path` is a step directory, or a checkpoint
+// directory whose newest complete checkpoint is taken (newer corrupt or incomplete ones are skipped and
+// listed in `skipped`). Only the tensors the stage holds are read (its layers, or its tensor-parallel part
+// of them). NOT_FOUND when there is no checkpoint; INVALID_ARGUMENT for another model shape.
+absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage& stage, AdamW& adam);
 
 }  // namespace geotrain::model

@@ -1,8 +1,11 @@
 // GPT-2 presets and the derived counts (parameters, FLOPs, activations).
 #include "model/config.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status.h"
 #include "spec.pb.h"
 
 namespace geotrain {
@@ -36,7 +39,7 @@ absl::StatusOr<GPT2Config> GPT2Config::FromPreset(const std::string& name) {
       c.n_embd = p.n_embd;
       c.block_size = p.block_size;
       c.vocab_size = p.vocab_size;
-      if (absl::Status s = c.Validate(); !s.ok()) return s;
+      RETURN_IF_ERROR(c.Validate());
       return c;
     }
   }
@@ -53,16 +56,15 @@ std::vector<std::string> GPT2Config::PresetNames() {
 absl::StatusOr<GPT2Config> GPT2Config::FromSpec(const ModelSpec& spec) {
   GPT2Config c;
   if (!spec.preset().empty()) {
-    absl::StatusOr<GPT2Config> preset = FromPreset(spec.preset());
-    if (!preset.ok()) return preset.status();
-    c = *preset;
+    ASSIGN_OR_RETURN(GPT2Config preset, FromPreset(spec.preset()));
+    c = preset;
   }
   if (spec.n_layer() != 0) c.n_layer = spec.n_layer();
   if (spec.n_head() != 0) c.n_head = spec.n_head();
   if (spec.n_embd() != 0) c.n_embd = spec.n_embd();
   if (spec.block_size() != 0) c.block_size = spec.block_size();
   if (spec.vocab_size() != 0) c.vocab_size = spec.vocab_size();
-  if (absl::Status s = c.Validate(); !s.ok()) return s;
+  RETURN_IF_ERROR(c.Validate());
   return c;
 }
 
@@ -114,6 +116,14 @@ int64_t GPT2Config::BlockActivationFloatsPerToken(int seq_len) const {
   // ln1, ln1 stats, qkv, atty, attproj, residual2, ln2, ln2 stats, fch, fch_gelu, fcproj, residual3
   // plus the attention probabilities (NH x T per token) llm.c keeps.
   return C + 2 + 3 * C + C + C + C + C + 2 + 4 * C + 4 * C + C + C + static_cast<int64_t>(n_head) * seq_len;
+}
+
+StageBlocks SplitStageBlocks(int n_layer, int stage, int num_stages) {
+  const int base = n_layer / num_stages, extra = n_layer % num_stages;
+  StageBlocks blocks;
+  blocks.first = stage * base + std::min(stage, extra);
+  blocks.last = blocks.first + base + (stage < extra ? 1 : 0);
+  return blocks;
 }
 
 }  // namespace geotrain

@@ -46,4 +46,15 @@ struct GPT2Config {
   int64_t BlockActivationFloatsPerToken(int seq_len) const;
 };
 
+// The runtime's pipeline split, the one rule for every place that needs it (model::StageOptions::Split, the
+// head's memory check through scheduler::RuntimeStageBegin, the planner's runtime plans): stage `stage` of
+// `num_stages` holds blocks [first, last), the blocks split as evenly as possible with the earlier stages
+// taking the extra ones; the embedding goes with stage 0 and the head with the last stage. Requires
+// 1 <= num_stages and 0 <= stage < num_stages; a stage gets no block when num_stages > n_layer.
+struct StageBlocks {
+  int first = 0;
+  int last = 0;  // exclusive
+};
+StageBlocks SplitStageBlocks(int n_layer, int stage, int num_stages);
+
 }  // namespace geotrain

@@ -3,6 +3,7 @@
 #include "model/cuda_backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "model/cuda/ops_cuda.h"
 
 namespace geotrain::model {
@@ -34,7 +35,7 @@ class CudaBackend final : public Backend {
   // The context queues the copy; a pageable destination makes cudaMemcpyAsync wait for it, but a
   // pinned one would not, so wait explicitly: callers read host_dst right after.
   absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) override {
-    if (absl::Status s = Keep(ctx_->CopyToHost(host_dst, src, bytes)); !s.ok()) return s;
+    RETURN_IF_ERROR(Keep(ctx_->CopyToHost(host_dst, src, bytes)));
     return Synchronize();
   }
   void CopyOnDevice(void* dst, const void* src, size_t bytes) override { ctx_->CopyOnDevice(dst, src, bytes); }
@@ -140,13 +141,12 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, Precision p
                                   "device 'cpu')"
                                 : "; use cuda:0 .. cuda:" + std::to_string(count - 1)));
   }
-  absl::StatusOr<std::unique_ptr<cuda::CudaContext>> ctx =
-      cuda::CudaContext::Create(device, ToGemmPrecision(precision));
-  if (!ctx.ok()) return ctx.status();
+  ASSIGN_OR_RETURN(std::unique_ptr<cuda::CudaContext> ctx,
+                   cuda::CudaContext::Create(device, ToGemmPrecision(precision)));
   absl::StatusOr<std::string> description = cuda::DeviceDescription(device);
   std::string name = absl::StrCat("cuda:", device, " (", description.ok() ? *description : "unknown device", ", ",
                                   precision == Precision::kBf16 ? "bf16" : "fp32", " GEMMs)");
-  return std::unique_ptr<Backend>(new CudaBackend(std::move(*ctx), std::move(name)));
+  return std::unique_ptr<Backend>(new CudaBackend(std::move(ctx), std::move(name)));
 }
 
 }  // namespace geotrain::model

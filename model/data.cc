@@ -120,10 +120,9 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const std::string
   const int64_t step_tokens = static_cast<int64_t>(num_replicas) * B * T + 1;
   bool any = false;
   for (const std::string& path : loader->paths_) {
-    absl::StatusOr<std::unique_ptr<TokenShard>> shard = TokenShard::Open(path, vocab_size);
-    if (!shard.ok()) return shard.status();
-    any = any || (*shard)->size() >= step_tokens;
-    loader->shards_.push_back(std::move(*shard));
+    ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path, vocab_size));
+    any = any || shard->size() >= step_tokens;
+    loader->shards_.push_back(std::move(shard));
   }
   if (!any) {
     return absl::InvalidArgumentError(absl::StrCat("no shard matching '", pattern, "' holds one step of ", step_tokens,
@@ -225,17 +224,16 @@ absl::StatusOr<PrepareStats> PrepareTextData(const std::vector<std::string>& inp
   }
   std::vector<std::string> files;
   for (const std::string& input : inputs) {
-    if (absl::Status s = CollectFiles(input, &files); !s.ok()) return s;
+    RETURN_IF_ERROR(CollectFiles(input, &files));
   }
   std::vector<std::string> documents;
   for (const std::string& file : files) {
-    absl::StatusOr<std::string> text = ReadFileToString(file);
-    if (!text.ok()) return text.status();
-    if (text->find('\0') != std::string::npos) continue;  // binary
-    std::vector<absl::string_view> lines = absl::StrSplit(*text, '\n');
+    ASSIGN_OR_RETURN(std::string text, ReadFileToString(file));
+    if (text.find('\0') != std::string::npos) continue;  // binary
+    std::vector<absl::string_view> lines = absl::StrSplit(text, '\n');
     const bool fortune = std::count(lines.begin(), lines.end(), absl::string_view("%")) > 0;
     if (!fortune) {
-      if (!text->empty()) documents.push_back(*text);
+      if (!text.empty()) documents.push_back(text);
       continue;
     }
     std::string doc;
@@ -264,7 +262,7 @@ absl::StatusOr<PrepareStats> PrepareTextData(const std::vector<std::string>& inp
   int shard_index = 0;
   auto flush = [&](const std::string& name) -> absl::Status {
     const std::string path = absl::StrCat(out_dir, "/", name);
-    if (absl::Status s = WriteTokenShard(path, buffer); !s.ok()) return s;
+    RETURN_IF_ERROR(WriteTokenShard(path, buffer));
     stats.files_written.push_back(path);
     buffer.clear();
     return absl::OkStatus();
@@ -276,13 +274,13 @@ absl::StatusOr<PrepareStats> PrepareTextData(const std::vector<std::string>& inp
     if (val) {
       if (d + 1 == num_val) {
         stats.val_tokens = static_cast<int64_t>(buffer.size());
-        if (absl::Status s = flush("val_000000.bin"); !s.ok()) return s;
+        RETURN_IF_ERROR(flush("val_000000.bin"));
       }
       continue;
     }
     if (static_cast<int64_t>(buffer.size()) >= shard_tokens || d + 1 == documents.size()) {
       stats.train_tokens += static_cast<int64_t>(buffer.size());
-      if (absl::Status s = flush(absl::StrFormat("train_%06d.bin", shard_index++)); !s.ok()) return s;
+      RETURN_IF_ERROR(flush(absl::StrFormat("train_%06d.bin", shard_index++)));
     }
   }
   return stats;

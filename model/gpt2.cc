@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 #include "model/ops.h"
 
 namespace geotrain::model {
@@ -104,10 +105,9 @@ class NormalStream {
 
 StageOptions StageOptions::Split(const GPT2Config& config, int stage, int num_stages) {
   StageOptions o;
-  const int L = config.n_layer;
-  const int base = L / num_stages, extra = L % num_stages;
-  o.first_layer = stage * base + std::min(stage, extra);
-  o.last_layer = o.first_layer + base + (stage < extra ? 1 : 0);
+  const StageBlocks blocks = SplitStageBlocks(config.n_layer, stage, num_stages);
+  o.first_layer = blocks.first;
+  o.last_layer = blocks.last;
   o.has_embedding = stage == 0;
   o.has_head = stage == num_stages - 1;
   return o;
@@ -115,7 +115,7 @@ StageOptions StageOptions::Split(const GPT2Config& config, int stage, int num_st
 
 absl::StatusOr<std::unique_ptr<GPT2Stage>> GPT2Stage::Create(const GPT2Config& config, const StageOptions& options) {
   GPT2Config c = config;
-  if (absl::Status s = c.Validate(); !s.ok()) return s;
+  RETURN_IF_ERROR(c.Validate());
   const int last = options.last_layer < 0 ? c.n_layer : options.last_layer;
   if (options.first_layer < 0 || options.first_layer > last || last > c.n_layer) {
     return absl::InvalidArgumentError(absl::StrCat("stage layers [", options.first_layer, ", ", last,
@@ -186,13 +186,12 @@ absl::Status GPT2Stage::BuildLayout() {
   }
   num_params_ = total;
   auto allocate = [&](DeviceBuffer& buffer, size_t bytes) -> absl::Status {
-    absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(*backend_, bytes);
-    if (!b.ok()) return b.status();
-    buffer = std::move(*b);
+    ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(*backend_, bytes));
+    buffer = std::move(b);
     return absl::OkStatus();
   };
-  if (absl::Status s = allocate(params_memory_, sizeof(float) * total); !s.ok()) return s;
-  if (absl::Status s = allocate(grads_memory_, sizeof(float) * total); !s.ok()) return s;
+  RETURN_IF_ERROR(allocate(params_memory_, sizeof(float) * total));
+  RETURN_IF_ERROR(allocate(grads_memory_, sizeof(float) * total));
   params_ = params_memory_.as<float>();
   grads_ = grads_memory_.as<float>();
   auto ps = Slots(p_);
@@ -235,7 +234,7 @@ absl::Status GPT2Stage::BuildLayout() {
                          &lnf_,       &lnf_mean_, &lnf_rstd_, &logits_,   &losses_, &lse_};
   int64_t act_total = 0;
   for (int64_t s : act_sizes) act_total += s;
-  if (absl::Status s = allocate(acts_memory_, sizeof(float) * act_total); !s.ok()) return s;
+  RETURN_IF_ERROR(allocate(acts_memory_, sizeof(float) * act_total));
   offset = 0;
   for (size_t i = 0; i < std::size(act_sizes); ++i) {
     *act_slots[i] = act_sizes[i] ? acts_memory_.as<float>() + offset : nullptr;
@@ -245,14 +244,14 @@ absl::Status GPT2Stage::BuildLayout() {
   float** scratch_slots[] = {&dresidual_, &dln_, &proj_, &dqkv_, &datty_, &dfch_};
   int64_t scratch_total = 0;
   for (int64_t s : scratch_sizes) scratch_total += s;
-  if (absl::Status s = allocate(scratch_memory_, sizeof(float) * scratch_total); !s.ok()) return s;
+  RETURN_IF_ERROR(allocate(scratch_memory_, sizeof(float) * scratch_total));
   offset = 0;
   for (size_t i = 0; i < std::size(scratch_sizes); ++i) {
     *scratch_slots[i] = scratch_memory_.as<float>() + offset;
     offset += scratch_sizes[i];
   }
-  if (absl::Status s = allocate(tokens_memory_, sizeof(int32_t) * BT); !s.ok()) return s;
-  if (absl::Status s = allocate(targets_memory_, sizeof(int32_t) * BT); !s.ok()) return s;
+  RETURN_IF_ERROR(allocate(tokens_memory_, sizeof(int32_t) * BT));
+  RETURN_IF_ERROR(allocate(targets_memory_, sizeof(int32_t) * BT));
   tokens_ = tokens_memory_.as<int32_t>();
   targets_ = targets_memory_.as<int32_t>();
   if (tp_size_ > 1 && backend_->is_cuda() && !tp_comm_->accepts_device_memory()) tp_staging_.resize(BT * C);
@@ -270,8 +269,8 @@ absl::Status GPT2Stage::AllReduce(float* data, int64_t n) {
   if (tp_size_ == 1) return absl::OkStatus();
   if (tp_staging_.empty()) return tp_comm_->AllReduceSum(data, n);
   const size_t bytes = sizeof(float) * n;
-  if (absl::Status s = backend_->CopyToHost(tp_staging_.data(), data, bytes); !s.ok()) return s;
-  if (absl::Status s = tp_comm_->AllReduceSum(tp_staging_.data(), n); !s.ok()) return s;
+  RETURN_IF_ERROR(backend_->CopyToHost(tp_staging_.data(), data, bytes));
+  RETURN_IF_ERROR(tp_comm_->AllReduceSum(tp_staging_.data(), n));
   return backend_->CopyToDevice(data, tp_staging_.data(), bytes);
 }
 
@@ -303,7 +302,7 @@ absl::Status GPT2Stage::Forward(int B, int T, const int32_t* tokens, const float
                                                        " is outside the vocabulary of ", config_.vocab_size));
       }
     }
-    if (absl::Status s = backend_->CopyToDevice(tokens_, tokens, sizeof(int32_t) * N); !s.ok()) return s;
+    RETURN_IF_ERROR(backend_->CopyToDevice(tokens_, tokens, sizeof(int32_t) * N));
     backend_->encoder_forward(input_, tokens_, p_.wte, p_.wpe, B, T, C);
   } else {
     if (input == nullptr) return absl::InvalidArgumentError("forward: a later stage needs input activations");
@@ -330,14 +329,14 @@ absl::Status GPT2Stage::Forward(int B, int T, const int32_t* tokens, const float
                              3 * Cr);
     backend_->attention_forward(atty, att_lse, qkv, B, T, Cr, NHr);
     backend_->matmul_forward(proj_, atty, p_.attprojw + static_cast<int64_t>(l) * C * Cr, nullptr, N, Cr, C);
-    if (absl::Status s = AllReduce(proj_, N * C); !s.ok()) return s;
+    RETURN_IF_ERROR(AllReduce(proj_, N * C));
     backend_->add_bias(proj_, p_.attprojb + l * C, N, C);
     backend_->residual_forward(residual2, residual, proj_, N * C);
     backend_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, p_.ln2w + l * C, p_.ln2b + l * C, N, C);
     backend_->matmul_forward(fch, ln2, p_.fcw + static_cast<int64_t>(l) * Hr * C, p_.fcb + l * Hr, N, C, Hr);
     backend_->gelu_forward(fch_gelu, fch, N * Hr);
     backend_->matmul_forward(proj_, fch_gelu, p_.fcprojw + static_cast<int64_t>(l) * C * Hr, nullptr, N, Hr, C);
-    if (absl::Status s = AllReduce(proj_, N * C); !s.ok()) return s;
+    RETURN_IF_ERROR(AllReduce(proj_, N * C));
     backend_->add_bias(proj_, p_.fcprojb + l * C, N, C);
     backend_->residual_forward(residual3, residual2, proj_, N * C);
   }
@@ -353,11 +352,10 @@ absl::Status GPT2Stage::Forward(int B, int T, const int32_t* tokens, const float
               absl::StrCat("forward: target ", targets[i], " at ", i, " is outside the vocabulary of ", V));
         }
       }
-      if (absl::Status s = backend_->CopyToDevice(targets_, targets, sizeof(int32_t) * N); !s.ok()) return s;
+      RETURN_IF_ERROR(backend_->CopyToDevice(targets_, targets, sizeof(int32_t) * N));
       backend_->crossentropy_forward(losses_, lse_, logits_, targets_, N, V, Vp);
-      absl::StatusOr<double> sum = backend_->Sum(losses_, N);
-      if (!sum.ok()) return sum.status();
-      loss_ = static_cast<float>(*sum / N);
+      ASSIGN_OR_RETURN(double sum, backend_->Sum(losses_, N));
+      loss_ = static_cast<float>(sum / N);
       have_targets_ = true;
     }
   }
@@ -401,7 +399,7 @@ absl::Status GPT2Stage::Backward(const float* doutput, float loss_scale) {
     backend_->gelu_backward(dfch_, fch, dfch_, N * Hr);
     backend_->matmul_backward(dln_, g_.fcw + static_cast<int64_t>(l) * Hr * C, g_.fcb + l * Hr, dfch_, ln2,
                               p_.fcw + static_cast<int64_t>(l) * Hr * C, N, C, Hr, false);
-    if (absl::Status s = AllReduce(dln_, N * C); !s.ok()) return s;
+    RETURN_IF_ERROR(AllReduce(dln_, N * C));
     backend_->layernorm_backward(dres, g_.ln2w + l * C, g_.ln2b + l * C, dln_, residual2, p_.ln2w + l * C,
                                  ln2_mean_ + l * act_stride, ln2_rstd_ + l * act_stride, N, C);
     // Attention: dres is now d(residual2) and d(attproj output).
@@ -410,16 +408,16 @@ absl::Status GPT2Stage::Backward(const float* doutput, float loss_scale) {
     backend_->attention_backward(dqkv_, datty_, qkv, atty, att_lse, B, T, Cr, NHr);
     backend_->matmul_backward(dln_, g_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, g_.qkvb + l * 3 * Cr, dqkv_, ln1,
                               p_.qkvw + static_cast<int64_t>(l) * 3 * Cr * C, N, C, 3 * Cr, false);
-    if (absl::Status s = AllReduce(dln_, N * C); !s.ok()) return s;
+    RETURN_IF_ERROR(AllReduce(dln_, N * C));
     backend_->layernorm_backward(dres, g_.ln1w + l * C, g_.ln1b + l * C, dln_, residual, p_.ln1w + l * C,
                                  ln1_mean_ + l * act_stride, ln1_rstd_ + l * act_stride, N, C);
     if (layer_gradients_ready_) {
-      if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+      RETURN_IF_ERROR(backend_->Synchronize());
       layer_gradients_ready_(l);
     }
   }
   if (has_embedding_) backend_->encoder_backward(g_.wte, g_.wpe, dres, tokens_, B, T, C);
-  if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+  RETURN_IF_ERROR(backend_->Synchronize());
   if (layer_gradients_ready_) layer_gradients_ready_(-1);
   return absl::OkStatus();
 }
@@ -496,10 +494,9 @@ absl::StatusOr<std::pair<int, int>> GPT2Stage::ParseName(const std::string& name
 }
 
 absl::StatusOr<std::vector<int64_t>> GPT2Stage::TensorShape(const std::string& name) const {
-  absl::StatusOr<std::pair<int, int>> parsed = ParseName(name);
-  if (!parsed.ok()) return parsed.status();
+  ASSIGN_OR_RETURN(const auto parsed, ParseName(name));
   const int64_t C = config_.n_embd;
-  switch (parsed->first) {
+  switch (parsed.first) {
     case kWte:
       return std::vector<int64_t>{config_.vocab_size, C};
     case kWpe:
@@ -556,9 +553,8 @@ static void ForEachElement(int kind, int64_t C, int64_t Cr, int64_t Hr, int rank
 }
 
 absl::StatusOr<GPT2Stage::Piece> GPT2Stage::Locate(const std::string& name) const {
-  absl::StatusOr<std::pair<int, int>> parsed = ParseName(name);
-  if (!parsed.ok()) return parsed.status();
-  const auto [kind, layer] = *parsed;
+  ASSIGN_OR_RETURN(const auto parsed, ParseName(name));
+  const auto [kind, layer] = parsed;
   const bool per_block = !(kind == kWte || kind == kWpe || kind == kLnfw || kind == kLnfb);
   Piece piece;
   piece.kind = kind;
@@ -587,40 +583,36 @@ absl::Status GPT2Stage::CopyPiece(const Piece& piece, float* local, const float*
 // On a device the piece is copied to the host, changed there (an import does not write every element:
 // wte's padded rows) and copied back.
 absl::Status GPT2Stage::CopyBackendPiece(const std::string& name, float* base, const float* full, float* full_out) {
-  absl::StatusOr<Piece> piece = Locate(name);
-  if (!piece.ok()) return piece.status();
-  if (!backend_->is_cuda()) return CopyPiece(*piece, base + piece->offset, full, full_out);
-  std::vector<float> host(piece->count);
-  float* local = base + piece->offset;
-  const size_t bytes = sizeof(float) * piece->count;
-  if (absl::Status s = backend_->CopyToHost(host.data(), local, bytes); !s.ok()) return s;
-  if (absl::Status s = CopyPiece(*piece, host.data(), full, full_out); !s.ok()) return s;
+  ASSIGN_OR_RETURN(Piece piece, Locate(name));
+  if (!backend_->is_cuda()) return CopyPiece(piece, base + piece.offset, full, full_out);
+  std::vector<float> host(piece.count);
+  float* local = base + piece.offset;
+  const size_t bytes = sizeof(float) * piece.count;
+  RETURN_IF_ERROR(backend_->CopyToHost(host.data(), local, bytes));
+  RETURN_IF_ERROR(CopyPiece(piece, host.data(), full, full_out));
   return full != nullptr ? backend_->CopyToDevice(local, host.data(), bytes) : absl::OkStatus();
 }
 
 absl::Status GPT2Stage::ImportTensor(const std::string& name, const float* data, int64_t count) {
-  if (absl::Status s = CheckTensorCount(name, count); !s.ok()) return s;
+  RETURN_IF_ERROR(CheckTensorCount(name, count));
   return CopyBackendPiece(name, params_, data, nullptr);
 }
 
 absl::Status GPT2Stage::ExportTensorFromBuffer(const std::string& name, const float* buffer, float* out) {
-  absl::StatusOr<Piece> piece = Locate(name);
-  if (!piece.ok()) return piece.status();
-  return CopyPiece(*piece, const_cast<float*>(buffer) + piece->offset, nullptr, out);
+  ASSIGN_OR_RETURN(Piece piece, Locate(name));
+  return CopyPiece(piece, const_cast<float*>(buffer) + piece.offset, nullptr, out);
 }
 
 absl::Status GPT2Stage::ImportTensorToBuffer(const std::string& name, const float* data, int64_t count, float* buffer) {
-  if (absl::Status s = CheckTensorCount(name, count); !s.ok()) return s;
-  absl::StatusOr<Piece> piece = Locate(name);
-  if (!piece.ok()) return piece.status();
-  return CopyPiece(*piece, buffer + piece->offset, data, nullptr);
+  RETURN_IF_ERROR(CheckTensorCount(name, count));
+  ASSIGN_OR_RETURN(Piece piece, Locate(name));
+  return CopyPiece(piece, buffer + piece.offset, data, nullptr);
 }
 
 absl::Status GPT2Stage::CheckTensorCount(const std::string& name, int64_t count) const {
-  absl::StatusOr<std::vector<int64_t>> shape = TensorShape(name);
-  if (!shape.ok()) return shape.status();
+  ASSIGN_OR_RETURN(std::vector<int64_t> shape, TensorShape(name));
   int64_t expected = 1;
-  for (int64_t d : *shape) expected *= d;
+  for (int64_t d : shape) expected *= d;
   if (count != expected) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor '", name, "' has ", count, " elements; the model expects ", expected));
@@ -671,12 +663,12 @@ absl::Status SumTiedEmbeddingGradients(GPT2Stage& first, GPT2Stage& last) {
     return backend.Synchronize();
   }
   std::vector<float> host_a(n), host_b(n);
-  if (absl::Status s = backend.CopyToHost(host_a.data(), a, bytes); !s.ok()) return s;
-  if (absl::Status s = last.backend().CopyToHost(host_b.data(), b, bytes); !s.ok()) return s;
+  RETURN_IF_ERROR(backend.CopyToHost(host_a.data(), a, bytes));
+  RETURN_IF_ERROR(last.backend().CopyToHost(host_b.data(), b, bytes));
   CpuBackendInstance()->accumulate(host_a.data(), host_b.data(), n);
-  if (absl::Status s = backend.CopyToDevice(a, host_a.data(), bytes); !s.ok()) return s;
-  if (absl::Status s = last.backend().CopyToDevice(b, host_a.data(), bytes); !s.ok()) return s;
-  if (absl::Status s = backend.Synchronize(); !s.ok()) return s;
+  RETURN_IF_ERROR(backend.CopyToDevice(a, host_a.data(), bytes));
+  RETURN_IF_ERROR(last.backend().CopyToDevice(b, host_a.data(), bytes));
+  RETURN_IF_ERROR(backend.Synchronize());
   return last.backend().Synchronize();
 }
 

@@ -76,8 +76,8 @@ struct StageOptions {
   Backend* backend = nullptr;             // null: the CPU; not owned, must outlive the stage
   int max_batch = 4;
   int max_seq_len = 0;  // 0: block_size
-  // Convenience: the options of stage `stage` of `num_stages` with blocks split as evenly as possible
-  // (earlier stages get the extra blocks).
+  // Convenience: the options of stage `stage` of `num_stages` with the runtime's split (SplitStageBlocks in
+  // model/config.h: blocks split as evenly as possible, earlier stages get the extra blocks).
   static StageOptions Split(const GPT2Config& config, int stage, int num_stages);
 };
 

@@ -6,6 +6,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace geotrain::model {
 
@@ -29,12 +30,10 @@ absl::StatusOr<std::unique_ptr<AdamW>> AdamW::Create(int64_t num_params, std::ve
 
 absl::Status AdamW::AllocateMoments() {
   const size_t bytes = sizeof(float) * num_params_;
-  absl::StatusOr<DeviceBuffer> m = DeviceBuffer::Allocate(*backend_, bytes);
-  if (!m.ok()) return m.status();
-  absl::StatusOr<DeviceBuffer> v = DeviceBuffer::Allocate(*backend_, bytes);
-  if (!v.ok()) return v.status();
-  m_ = std::move(*m);
-  v_ = std::move(*v);
+  ASSIGN_OR_RETURN(DeviceBuffer m, DeviceBuffer::Allocate(*backend_, bytes));
+  ASSIGN_OR_RETURN(DeviceBuffer v, DeviceBuffer::Allocate(*backend_, bytes));
+  m_ = std::move(m);
+  v_ = std::move(v);
   return absl::OkStatus();
 }
 
@@ -56,7 +55,7 @@ absl::Status AdamW::CopyMomentsToHost(std::vector<float>* m, std::vector<float>*
   m->resize(num_params_);
   v->resize(num_params_);
   const size_t bytes = sizeof(float) * num_params_;
-  if (absl::Status s = backend_->CopyToHost(m->data(), this->m(), bytes); !s.ok()) return s;
+  RETURN_IF_ERROR(backend_->CopyToHost(m->data(), this->m(), bytes));
   return backend_->CopyToHost(v->data(), this->v(), bytes);
 }
 
@@ -66,7 +65,7 @@ absl::Status AdamW::CopyMomentsFromHost(const std::vector<float>& m, const std::
                                                    " floats given for ", num_params_, " parameters"));
   }
   const size_t bytes = sizeof(float) * num_params_;
-  if (absl::Status s = backend_->CopyToDevice(this->m(), m.data(), bytes); !s.ok()) return s;
+  RETURN_IF_ERROR(backend_->CopyToDevice(this->m(), m.data(), bytes));
   return backend_->CopyToDevice(this->v(), v.data(), bytes);
 }
 

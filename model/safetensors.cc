@@ -15,28 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "google/protobuf/struct.pb.h"
-#include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
 
 namespace geotrain::model {
 namespace {
 
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
-      out += buf;
-    } else {
-      out += ch;
-    }
-  }
-  return out;
-}
+using Json = nlohmann::ordered_json;  // the header's keys in the order written
 
 float HalfToFloat(uint16_t h) {
   const uint32_t sign = (h >> 15) & 1, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
@@ -123,17 +107,8 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
 
 absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vector<NamedTensor>& tensors,
                                         const std::map<std::string, std::string>& metadata) {
-  std::string header = "{";
-  if (!metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool first = true;
-    for (const auto& [k, v] : metadata) {
-      if (!first) header += ",";
-      first = false;
-      absl::StrAppend(&header, "\"", JsonEscape(k), "\":\"", JsonEscape(v), "\"");
-    }
-    header += "}";
-  }
+  Json json = Json::object();
+  if (!metadata.empty()) json["__metadata__"] = metadata;
   uint64_t offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const NamedTensor& t = tensors[i];
@@ -143,14 +118,15 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", t.name, " has ", t.data.size(), " floats but its shape holds ", count));
     }
-    if (header.size() > 1) header += ",";
-    absl::StrAppend(&header, "\"", JsonEscape(t.name), "\":{\"dtype\":\"F32\",\"shape\":[");
-    for (size_t d = 0; d < t.shape.size(); ++d) absl::StrAppend(&header, d ? "," : "", t.shape[d]);
+    if (json.contains(t.name)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor name '", t.name, "' is used twice; names must be unique"));
+    }
     const uint64_t bytes = t.data.size() * sizeof(float);
-    absl::StrAppend(&header, "],\"data_offsets\":[", offset, ",", offset + bytes, "]}");
+    json[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
-  header += "}";
+  // Names that are not UTF-8 are written with U+FFFD rather than throwing.
+  std::string header = json.dump(-1, ' ', false, Json::error_handler_t::replace);
   while (header.size() % 8 != 0) header += ' ';
   std::string out;
   out.reserve(8 + header.size() + offset);
@@ -178,34 +154,34 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view b, const std::
     return absl::DataLossError(absl::StrCat(path, ": header length ", header_size, " exceeds the file (", b.size(),
                                             " bytes); the file is truncated or not safetensors"));
   }
-  google::protobuf::Struct header;
-  google::protobuf::util::JsonParseOptions options;
-  auto parsed = google::protobuf::util::JsonStringToMessage(
-      google::protobuf::StringPiece(b.data() + 8, static_cast<size_t>(header_size)), &header, options);
-  if (!parsed.ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": header is not valid JSON: ", parsed.ToString()));
+  const nlohmann::json header =
+      nlohmann::json::parse(b.begin() + 8, b.begin() + 8 + static_cast<std::ptrdiff_t>(header_size), nullptr,
+                            /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) {
+    return absl::DataLossError(absl::StrCat(path, ": header is not a valid JSON object"));
   }
   const uint64_t data_size = b.size() - 8 - header_size;
   const char* data = b.data() + 8 + header_size;
   SafetensorsFile file;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   std::vector<std::pair<uint64_t, size_t>> order;
-  for (const auto& [name, value] : header.fields()) {
+  for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
-      for (const auto& [k, v] : value.struct_value().fields()) file.metadata[k] = v.string_value();
+      if (value.is_object()) {
+        for (const auto& [k, v] : value.items()) file.metadata[k] = v.is_string() ? v.get<std::string>() : "";
+      }
       continue;
     }
     const std::string& tensor_name = name;  // lambdas cannot capture structured bindings before C++20 in clang 14
     auto bad = [&](const std::string& why) {
       return absl::DataLossError(absl::StrCat(path, ": tensor '", tensor_name, "': ", why));
     };
-    if (value.kind_case() != google::protobuf::Value::kStructValue) return bad("entry is not an object");
-    const auto& f = value.struct_value().fields();
-    auto dtype_it = f.find("dtype"), shape_it = f.find("shape"), offsets_it = f.find("data_offsets");
-    if (dtype_it == f.end() || shape_it == f.end() || offsets_it == f.end()) {
+    if (!value.is_object()) return bad("entry is not an object");
+    auto dtype_it = value.find("dtype"), shape_it = value.find("shape"), offsets_it = value.find("data_offsets");
+    if (dtype_it == value.end() || shape_it == value.end() || offsets_it == value.end()) {
       return bad("needs dtype, shape and data_offsets");
     }
-    const std::string dtype = dtype_it->second.string_value();
+    const std::string dtype = dtype_it->is_string() ? dtype_it->get<std::string>() : "";
     size_t elem = 0;
     if (dtype == "F32")
       elem = 4;
@@ -219,8 +195,10 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view b, const std::
     // error, unless a zero dimension makes it empty.
     uint64_t count = 1;
     bool too_large = false;
-    for (const auto& d : shape_it->second.list_value().values()) {
-      const double v = d.number_value();
+    if (!shape_it->is_array()) return bad("shape is not a list");
+    for (const nlohmann::json& d : *shape_it) {
+      if (!d.is_number()) return bad("shape has a bad dimension");
+      const double v = d.get<double>();
       if (v < 0 || v != std::floor(v) || v > 1e12) return bad("shape has a bad dimension");
       t.shape.push_back(static_cast<int64_t>(v));
       const uint64_t dim = static_cast<uint64_t>(v);
@@ -237,9 +215,10 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view b, const std::
       return bad(absl::StrCat("shape holds more elements than the ", data_size,
                               " data bytes; the file is truncated or corrupt"));
     }
-    const auto& offs = offsets_it->second.list_value().values();
-    if (offs.size() != 2) return bad("data_offsets must have two entries");
-    const double begin_d = offs[0].number_value(), end_d = offs[1].number_value();
+    const nlohmann::json& offs = *offsets_it;
+    if (!offs.is_array() || offs.size() != 2) return bad("data_offsets must have two entries");
+    if (!offs[0].is_number() || !offs[1].is_number()) return bad("data_offsets must be numbers");
+    const double begin_d = offs[0].get<double>(), end_d = offs[1].get<double>();
     if (begin_d < 0 || end_d < begin_d || end_d > static_cast<double>(data_size) || begin_d != std::floor(begin_d) ||
         end_d != std::floor(end_d)) {
       return bad(absl::StrCat("data_offsets [", begin_d, ", ", end_d, "] lie outside the ", data_size,

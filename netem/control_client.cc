@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 #include "netem/strings.h"
 
 namespace geotrain::netem {
@@ -142,9 +143,8 @@ absl::StatusOr<std::vector<LinkDirectionStats>> ParseStatsText(std::string_view 
 }
 
 absl::StatusOr<std::vector<LinkDirectionStats>> QueryStats(int port, std::chrono::milliseconds timeout) {
-  absl::StatusOr<std::string> text = SendControlCommand(port, "stats", timeout);
-  if (!text.ok()) return text.status();
-  return ParseStatsText(*text);
+  ASSIGN_OR_RETURN(std::string text, SendControlCommand(port, "stats", timeout));
+  return ParseStatsText(text);
 }
 
 }  // namespace geotrain::netem

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "netem/delay_line.h"
 #include "netem/strings.h"
 #include "netem/token_bucket.h"
@@ -498,13 +499,12 @@ class Emulator::Impl {
 
   absl::Status SetLinkUp(std::string_view a, std::string_view b, bool up) {
     return RunOnLoop([&]() -> absl::Status {
-      auto pair = FindLink(a, b);
-      if (!pair.ok()) return pair.status();
-      for (LinkDirection* l : {pair->first, pair->second}) l->up = up;
+      ASSIGN_OR_RETURN(auto pair, FindLink(a, b));
+      for (LinkDirection* l : {pair.first, pair.second}) l->up = up;
       if (!up) {
         std::vector<std::shared_ptr<Connection>> hit;
         for (auto& [id, c] : connections_) {
-          if (c->Uses(pair->first)) hit.push_back(c);
+          if (c->Uses(pair.first)) hit.push_back(c);
         }
         for (auto& c : hit) {
           c->forward_link()->connections_reset++;
@@ -518,12 +518,11 @@ class Emulator::Impl {
 
   absl::Status Stall(std::string_view a, std::string_view b, Duration duration) {
     return RunOnLoop([&]() -> absl::Status {
-      auto pair = FindLink(a, b);
-      if (!pair.ok()) return pair.status();
+      ASSIGN_OR_RETURN(auto pair, FindLink(a, b));
       const TimePoint until = SteadyClock::now() + std::max(duration, Duration::zero());
-      for (LinkDirection* l : {pair->first, pair->second}) l->stalled_until = until;
+      for (LinkDirection* l : {pair.first, pair.second}) l->stalled_until = until;
       for (auto& [id, c] : connections_) {
-        if (c->Uses(pair->first)) c->Wake();
+        if (c->Uses(pair.first)) c->Wake();
       }
       return absl::OkStatus();
     });
@@ -535,11 +534,10 @@ class Emulator::Impl {
           "latency_ms, bandwidth_mbps and jitter_ms must not be negative (bandwidth 0 = no cap)");
     }
     return RunOnLoop([&]() -> absl::Status {
-      auto pair = FindLink(src, dst);
-      if (!pair.ok()) return pair.status();
+      ASSIGN_OR_RETURN(auto pair, FindLink(src, dst));
       const TimePoint now = SteadyClock::now();
-      pair->first->Configure(params, options_, now);
-      if (both) pair->second->Configure(params, options_, now);
+      pair.first->Configure(params, options_, now);
+      if (both) pair.second->Configure(params, options_, now);
       return absl::OkStatus();
     });
   }
@@ -729,8 +727,7 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
     if (words.size() != 4 || (words[1] != "down" && words[1] != "up")) {
       return absl::InvalidArgumentError("usage: link down A B | link up A B");
     }
-    absl::Status s = SetLinkUp(words[2], words[3], words[1] == "up");
-    if (!s.ok()) return s;
+    RETURN_IF_ERROR(SetLinkUp(words[2], words[3], words[1] == "up"));
     return std::string();
   }
   if (verb == "stall") {
@@ -738,17 +735,15 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
     if (words.size() != 4 || !ParseNonNegative(words[3], &ms)) {
       return absl::InvalidArgumentError("usage: stall A B MS (MS a non-negative number)");
     }
-    absl::Status s = Stall(words[1], words[2], MillisToDuration(ms));
-    if (!s.ok()) return s;
+    RETURN_IF_ERROR(Stall(words[1], words[2], MillisToDuration(ms)));
     return std::string();
   }
   if (verb == "set") {
     if (words.size() < 4) {
       return absl::InvalidArgumentError("usage: set A B [latency_ms=X] [bandwidth_mbps=Y] [jitter_ms=Z]");
     }
-    auto pair = RunOnLoop([&] { return FindLink(words[1], words[2]); });
-    if (!pair.ok()) return pair.status();
-    LinkParams params = RunOnLoop([&] { return pair->first->params; });
+    ASSIGN_OR_RETURN(auto pair, RunOnLoop([&] { return FindLink(words[1], words[2]); }));
+    LinkParams params = RunOnLoop([&] { return pair.first->params; });
     for (size_t i = 3; i < words.size(); ++i) {
       std::pair<std::string, std::string> kv = absl::StrSplit(words[i], absl::MaxSplits('=', 1));
       double value = 0;
@@ -767,8 +762,7 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
             absl::StrCat("set: unknown key '", kv.first, "'; known keys: latency_ms, bandwidth_mbps, jitter_ms"));
       }
     }
-    absl::Status s = SetLinkParams(words[1], words[2], params, /*both=*/true);
-    if (!s.ok()) return s;
+    RETURN_IF_ERROR(SetLinkParams(words[1], words[2], params, /*both=*/true));
     return std::string();
   }
   if (verb == "stats") {

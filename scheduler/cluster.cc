@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "spec.pb.h"
 
 namespace geotrain::scheduler {
@@ -100,7 +101,7 @@ absl::StatusOr<Cluster> ClusterFromTopology(const Topology& topology, const Clus
       }
     }
   }
-  if (absl::Status s = cluster.Validate(); !s.ok()) return s;
+  RETURN_IF_ERROR(cluster.Validate());
   return cluster;
 }
 

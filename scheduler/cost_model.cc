@@ -7,9 +7,9 @@
 #include <limits>
 #include <set>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status.h"
 
 namespace geotrain::scheduler {
 namespace {
@@ -17,6 +17,10 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 double GB(double bytes) { return bytes / 1e9; }
+
+// What `+zstd` does to a codec in the model: wire bytes x kZstdRatio, at most kZstdThroughput.
+constexpr double kZstdRatio = 0.9;
+constexpr double kZstdThroughput = 1e9;
 
 }  // namespace
 
@@ -66,21 +70,35 @@ double Codec::SecondsPerByte(const LinkSpec& link) const {
 }
 
 absl::StatusOr<Codec> ParseCodec(const std::string& name) {
+  ASSIGN_OR_RETURN(const CodecSpec spec, ParseCodecSpec(name));  // the runtime's parser: one meaning per name
   // Throughputs are the codec issue's goal figures for one core (4 GB/s for casts); calibrate with
   // runs.
-  if (name == "none") return Codec{"none", 1.0, 0, true};
-  if (name == "fp16" || name == "bf16") return Codec{name, 0.5, 4e9, true};
-  if (name == "int8") return Codec{"int8", 0.25 + 1.0 / 1024, 2e9, false};  // a scale per 256 values
-  if (name.rfind("topk:", 0) == 0) {
-    double fraction = 0;
-    if (!absl::SimpleAtod(name.substr(5), &fraction) || !(fraction > 0 && fraction < 1)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec '", name, "': top-k needs a fraction between 0 and 1, e.g. topk:0.01"));
-    }
-    return Codec{name, 2 * fraction, 0.5e9, false};  // value + index per kept element; selection is slow
+  Codec codec;
+  codec.name = spec.ToString();
+  switch (spec.kind) {
+    case CodecKind::kNone:
+      codec = Codec{codec.name, 1.0, 0, true};
+      break;
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+      codec = Codec{codec.name, 0.5, 4e9, true};
+      break;
+    case CodecKind::kInt8:
+      codec = Codec{codec.name, 0.25 + 1.0 / 1024, 2e9, false};  // a scale per 256 values
+      break;
+    case CodecKind::kTopK:
+      // A value and an index per kept element; the selection is slow.
+      codec = Codec{codec.name, 2 * spec.topk_fraction, 0.5e9, false};
+      break;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown codec '", name, "'; use none, fp16, bf16, int8 or topk:F (e.g. topk:0.01)"));
+  if (spec.zstd) {
+    // zstd over the payload (docs/benchmarks/comm.md (b), level 1 on gradient-like data): it took 7-22% off
+    // the cast codecs' bytes and ran at about 1 GB/s of fp32 input, encode and decode together.
+    codec.ratio *= kZstdRatio;
+    codec.throughput_bytes_per_s =
+        codec.throughput_bytes_per_s > 0 ? std::min(codec.throughput_bytes_per_s, kZstdThroughput) : kZstdThroughput;
+  }
+  return codec;
 }
 
 const char* ScheduleName(Schedule schedule) { return schedule == Schedule::k1F1B ? "1f1b" : "gpipe"; }
@@ -201,6 +219,10 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
 double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, int dp) {
   const double e = model.bytes_per_element;
   return 2 * e + job.optimizer_bytes_per_parameter + (dp > 1 ? e : 0);
+}
+
+double UsableMemoryBytes(const JobOptions& job, double device_bytes) {
+  return device_bytes * (1 - job.memory_headroom);
 }
 
 double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int stage, int pp, int tp,
@@ -392,7 +414,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         const double mem =
             StageMemoryBytes(model, job, begin, end, s, pp, tp, plan.dp, b, plan.microbatches[r], plan.schedule);
         out.device_memory_bytes[plan.devices[r][s][k]] = mem;
-        const double usable = d.mem_bytes * (1 - job.memory_headroom);
+        const double usable = UsableMemoryBytes(job, d.mem_bytes);
         const double fraction = mem / usable;
         if (fraction > worst_memory_fraction) {
           worst_memory_fraction = fraction;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/codec_spec.h"
 #include "model/config.h"
 #include "scheduler/cluster.h"
 
@@ -59,7 +60,9 @@ struct Codec {
   // Seconds per raw byte sent over `link`: ratio / bandwidth + 2 / throughput (encode + decode).
   double SecondsPerByte(const LinkSpec& link) const;
 };
-// none, fp16, bf16, int8, topk:F (0 < F < 1; ratio 2F: a value and an index per kept element).
+// The cost of a codec name as the runtime parses it (ParseCodecSpec, common/codec_spec.h): none (ratio 1),
+// fp16 and bf16 (0.5), int8 (0.25 and a scale per 256 values), topk:F (2F: a value and an index per kept
+// element); "+zstd" multiplies the ratio by 0.9 and caps the throughput at 1 GB/s. Errors: the parser's.
 absl::StatusOr<Codec> ParseCodec(const std::string& name);
 
 enum class Schedule { k1F1B, kGPipe };
@@ -182,6 +185,10 @@ double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, in
 // (GPipe: all; 1F1B: min(pp - stage, microbatches)), the boundary buffers, and fixed_memory_bytes.
 double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int stage, int pp, int tp,
                         int dp, int microbatch_size, int microbatches, Schedule schedule);
+
+// The bytes of a device of `device_bytes` that a stage may use: all but the job's memory_headroom. A stage
+// fits when its StageMemoryBytes is at most this (Simulate, and the head's placement).
+double UsableMemoryBytes(const JobOptions& job, double device_bytes);
 
 // Simulates `plan`. Checks shapes (an error names what is inconsistent); a plan that does not fit
 // in memory comes back with fits = false and the reason, and its times still filled in.

@@ -61,15 +61,17 @@ struct PlanResult {
 };
 
 // Plans `job` on `cluster`. Errors: invalid cluster or job (batch, seq_len, codecs), or no plan
-// fits in memory at all (the error gives the closest candidate's reason). Deterministic; not
-// thread-safe per call (no shared state between calls). With GEOTRAIN_PLAN_DEBUG set, prints each
-// device subset's search time, plans simulated and best step time to stderr.
+// fits in memory at all (the error gives the closest candidate's reason). Deterministic (the same
+// inputs give the same ranking; only planning_seconds varies). Thread-safe: a call keeps its whole
+// search to itself and reads its arguments only, so calls may run at once on different threads; one
+// call runs on the caller's thread. With GEOTRAIN_PLAN_DEBUG set, prints each device subset's search
+// time, plans simulated and best step time to stderr.
 absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                    const PlannerOptions& options = {});
 
-// The runtime's stage slicing (model::StageOptions::Split, the head's placement): blocks split as
-// evenly as possible with the earlier stages taking the extra ones, the embedding on the first
-// stage and the head on the last. Returns pp + 1 indices into ModelCosts::layers; empty when pp
+// The runtime's stage slicing (SplitStageBlocks in model/config.h, which model::StageOptions::Split uses):
+// blocks split as evenly as possible with the earlier stages taking the extra ones, the embedding on the
+// first stage and the head on the last. Returns pp + 1 indices into ModelCosts::layers; empty when pp
 // exceeds the number of blocks.
 std::vector<int> RuntimeStageBegin(const ModelCosts& model, int pp);
 

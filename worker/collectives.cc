@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace geotrain::worker {
 
@@ -29,9 +30,8 @@ absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& pee
     std::vector<const ActorPeer*> group;
     for (int i = 0; i < n; ++i) {
       const auto [r, s, t] = coordinates(i);
-      absl::StatusOr<const ActorPeer*> p = find(r, s, t);
-      if (!p.ok()) return p.status();
-      group.push_back(*p);
+      ASSIGN_OR_RETURN(const ActorPeer* p, find(r, s, t));
+      group.push_back(p);
     }
     return group;
   };
@@ -41,10 +41,8 @@ absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& pee
 
   CollectivePlan plan;
   if (tp > 1) {
-    absl::StatusOr<std::vector<const ActorPeer*>> found =
-        members(tp, [&](int i) { return std::make_tuple(replica, stage, i); });
-    if (!found.ok()) return found.status();
-    const std::vector<const ActorPeer*>& group = *found;
+    ASSIGN_OR_RETURN(const std::vector<const ActorPeer*> group,
+                     members(tp, [&](int i) { return std::make_tuple(replica, stage, i); }));
     const bool all_cuda = all_on_cuda(group);
     const bool one_site =
         std::all_of(group.begin(), group.end(), [&](const ActorPeer* p) { return p->site() == group.front()->site(); });
@@ -56,10 +54,8 @@ absl::StatusOr<CollectivePlan> PlanCollectives(const std::vector<ActorPeer>& pee
     }
   }
   if (dp > 1) {
-    absl::StatusOr<std::vector<const ActorPeer*>> found =
-        members(dp, [&](int i) { return std::make_tuple(i, stage, tp_rank); });
-    if (!found.ok()) return found.status();
-    const std::vector<const ActorPeer*>& group = *found;
+    ASSIGN_OR_RETURN(const std::vector<const ActorPeer*> group,
+                     members(dp, [&](int i) { return std::make_tuple(i, stage, tp_rank); }));
     if (nccl_built && all_on_cuda(group)) {
       DataParallelNccl& d = plan.dp;
       d.use = true;

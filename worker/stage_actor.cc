@@ -33,6 +33,8 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
                                                                      services_.head ? services_.head->stub() : nullptr,
                                                                      absl::Milliseconds(config_.collective_timeout_ms));
   }
+  reporter_ = std::make_unique<StepReporter>(services_.head.get(), config_.actor.actor_id(),
+                                             [this] { Stop("the head stopped the job"); });
 }
 
 StageActor::~StageActor() {
@@ -51,8 +53,9 @@ void StageActor::Start() {
         StepReport report;
         report.set_job_id(config_.actor.job_id());
         report.set_actor_id(config_.actor.actor_id());
+        report.set_attempt(config_.attempt);
         report.set_error(why);
-        Report(report);
+        reporter_->Enqueue(report);
       }
     }
     absl::MutexLock lock(&mu_);
@@ -90,25 +93,6 @@ void StageActor::SetState(ActorState state, const std::string& message) {
   message_ = message;
 }
 
-void StageActor::Report(const StepReport& report) {
-  if (!services_.head) return;
-  // The last report and an error decide the job's end: they are retried (about a minute in all);
-  // an ordinary step report is tried once.
-  const bool decisive = report.done() || !report.error().empty();
-  absl::StatusOr<ReportStepReply> reply;
-  for (int attempt = 0, backoff_ms = 500; attempt < (decisive ? 8 : 1); ++attempt, backoff_ms *= 2) {
-    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(std::min(backoff_ms, 8000)));
-    reply = services_.head->ReportStep(report, absl::Seconds(5));
-    if (reply.ok()) break;
-  }
-  if (!reply.ok()) {
-    GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": cannot report step " << report.step()
-                    << " to the head: " << reply.status().message();
-  } else if (reply->stop()) {
-    Stop("the head stopped the job");
-  }
-}
-
 absl::Status StageActor::Run() {
   const JobSpec& spec = config_.spec;
   const ActorRecord& me = config_.actor;
@@ -116,20 +100,31 @@ absl::Status StageActor::Run() {
   ASSIGN_OR_RETURN(std::unique_ptr<StageTrainer> trainer,
                    StageTrainer::Create(spec, ranks, config_.peers, services_.collectives.get(), config_.device,
                                         config_.device_index));
+  int64_t first_step = 1;
+  if (!config_.resume_from.empty()) {
+    // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part).
+    ASSIGN_OR_RETURN(model::CheckpointInfo info,
+                     model::LoadCheckpoint(config_.resume_from, trainer->stage(), trainer->optimizer()));
+    if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
+    first_step = info.step + 1;
+    GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
+  }
   SetState(ACTOR_ALIVE, "training");
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << ranks.replica << ", stage " << ranks.stage << " of "
-               << ranks.pp << ", tp rank " << ranks.tp_rank << ") " << trainer->Describe();
+               << ranks.pp << ", tp rank " << ranks.tp_rank << ", run " << config_.attempt << ") "
+               << trainer->Describe();
 
-  for (int step = 1; step <= spec.train().steps(); ++step) {
+  const int64_t steps = spec.train().steps();
+  for (int64_t step = first_step; step <= steps; ++step) {
     const auto step_start = Clock::now();
     ASSIGN_OR_RETURN(StepStats stats, trainer->Step(step, stop_));
     StepReport report;
     report.set_job_id(me.job_id());
     report.set_actor_id(me.actor_id());
+    report.set_attempt(config_.attempt);
     report.set_step(step);
     report.set_loss(stats.loss);
     report.set_carries_loss(stats.carries_loss && ranks.replica == 0);
-    report.set_step_seconds(SecondsSince(step_start));
     report.set_compute_seconds(stats.compute_seconds);
     report.set_comm_wait_seconds(stats.wait_seconds);
     report.set_bubble_seconds(stats.bubble_seconds);
@@ -139,20 +134,38 @@ absl::Status StageActor::Run() {
     if (stats.traffic.encoded_wan_bytes > 0) {
       report.set_compression_ratio(stats.traffic.raw_wan_bytes / stats.traffic.encoded_wan_bytes);
     }
-    report.set_done(step == spec.train().steps());
-    // Checkpoints: replica 0 writes each stage's shard (weights, AdamW moments, data position); the head
-    // writes the job's manifest once every shard of the step is in, so a checkpoint is complete or absent.
+    report.set_done(step == steps);
+    // Checkpoints: replica 0's actors snapshot their stage (weights, AdamW moments: full tensors, gathered
+    // across the tensor-parallel group) into host memory; tensor rank 0 writes it in the background. The
+    // head commits the checkpoint once every stage's shard of the step is in.
     const int every = spec.checkpoint().every_steps();
     if (!spec.checkpoint().dir().empty() && ranks.replica == 0 && ((every > 0 && step % every == 0) || report.done())) {
-      const std::string dir = absl::StrCat(spec.checkpoint().dir(), "/stage_", ranks.stage,
-                                           ranks.tp > 1 ? absl::StrCat("_tp", ranks.tp_rank) : "");
-      model::DataPosition position = trainer->loader() ? trainer->loader()->position() : model::DataPosition{};
-      RETURN_IF_ERROR(model::SaveCheckpoint(dir, step, trainer->stage(), trainer->optimizer(), position));
-      char step_dir[32];
-      std::snprintf(step_dir, sizeof(step_dir), "/step_%08d", step);
-      report.set_checkpoint(dir + step_dir);
+      const auto snapshot_start = Clock::now();
+      ASSIGN_OR_RETURN(model::CheckpointSnapshot snapshot,
+                       model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0));
+      double seconds = SecondsSince(snapshot_start);
+      if (ranks.tp_rank == 0) {
+        CheckpointShard shard;
+        shard.set_step(step);
+        shard.set_actor_id(me.actor_id());
+        shard.set_stage(ranks.stage);
+        shard.set_optimizer_step(snapshot.optimizer_step);
+        shard.set_snapshot_seconds(seconds);
+        if (const model::DataLoader* loader = trainer->loader(); loader != nullptr) {
+          shard.mutable_data_position()->set_shard(loader->position().shard);
+          shard.mutable_data_position()->set_offset(loader->position().offset);
+          shard.mutable_data_position()->set_epoch(loader->position().epoch);
+        }
+        const std::string suffix = ranks.pp > 1 ? absl::StrCat("-s", ranks.stage) : "";
+        seconds += absl::ToDoubleSeconds(checkpoint_writer_.Write(
+            std::move(shard), model::StepDirectory(spec.checkpoint().dir(), step), suffix, std::move(snapshot)));
+      }
+      report.set_checkpoint_seconds(seconds);
     }
-    Report(report);
+    if (report.done()) checkpoint_writer_.WaitIdle();  // the last checkpoint goes with the last report
+    for (CheckpointShard& shard : checkpoint_writer_.TakeFinished()) *report.add_checkpoints() = std::move(shard);
+    report.set_step_seconds(SecondsSince(step_start));
+    reporter_->Enqueue(report);
     if (stop_) return absl::CancelledError("stop requested");
   }
   SetState(ACTOR_DEAD, "finished");

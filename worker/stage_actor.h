@@ -12,7 +12,9 @@
 //   worker/stage_trainer.h        the stage, optimizer and data, and one step: forward, backward, the
 //                                 schedule as data (worker/pipeline_schedule.h), gradient sync, AdamW;
 //   worker/head_client.h          step reports to the head: injectable.
-// This file is the actor's life: its thread, its state, the step loop, checkpoints and reports.
+//   worker/step_reporter.h        reports delivered in the background, retried while the head is away;
+//   worker/checkpoint_writer.h    checkpoint shards written in the background from a host snapshot.
+// This file is the actor's life: its thread, its state, the step loop, resume, checkpoints and reports.
 //
 // Threads: Start() runs the whole job on one thread that owns the trainer. Stop() and the accessors may be
 // called from any thread (state_ and message_ are guarded by mu_; the stop flag is atomic and checked
@@ -32,8 +34,11 @@
 #include "comm/tensor_stream.h"
 #include "common/rpc.h"
 #include "control.grpc.pb.h"
+#include "worker/actor_ranks.h"
+#include "worker/checkpoint_writer.h"
 #include "worker/head_client.h"
 #include "worker/stage_collectives.h"
+#include "worker/step_reporter.h"
 
 namespace geotrain::worker {
 
@@ -49,7 +54,8 @@ struct StageActorConfig {
   // Where the stage runs: "cpu", or "cuda:N" on a worker whose device N is a CUDA GPU.
   std::string device = "cpu";
   int device_index = 0;
-  int64_t attempt = 0;  // which run of the job this actor belongs to (0 first; raised by each restart)
+  int64_t attempt = 0;      // which run of the job this actor belongs to (0 first; raised by each restart)
+  std::string resume_from;  // a checkpoint step directory to start from; empty: fresh weights, step 1
 };
 
 // What an actor uses from its host. Null members are made from the config: a GrpcHeadClient to
@@ -73,16 +79,21 @@ class StageActor {
 
   // Tells whether the actor's thread has finished (after the last step, an error, or a stop).
   bool finished() const;
+  // The key of this run of the job in the tensor-stream mailbox (worker/actor_ranks.h CommJobId).
+  std::string comm_job_id() const { return CommJobId(config_.actor.job_id(), config_.attempt); }
+  // Waits until the head has taken every report queued so far, or `timeout`; true when none is left.
+  bool DrainReports(absl::Duration timeout) { return reporter_->Drain(timeout); }
 
  private:
   absl::Status Run();
   void SetState(ActorState state, const std::string& message);
-  void Report(const StepReport& report);
 
   const StageActorConfig config_;
   ActorServices services_;
+  std::unique_ptr<StepReporter> reporter_;  // uses services_.head
+  CheckpointWriter checkpoint_writer_;
   std::atomic<bool> stop_{false};
-  std::thread thread_;
+  std::thread thread_;  // joined by the destructor before the members it uses go
 
   mutable absl::Mutex mu_;
   ActorState state_ ABSL_GUARDED_BY(mu_) = ACTOR_PENDING_CREATION;

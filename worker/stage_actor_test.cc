@@ -250,7 +250,10 @@ class StageActorTest : public ::testing::Test {
     while (std::chrono::steady_clock::now() < deadline) {
       bool all = true;
       for (auto& a : actors_) all = all && a->finished();
-      if (all) return true;
+      if (all) {
+        for (auto& a : actors_) all = all && a->DrainReports(absl::Seconds(10));
+        return all;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return false;

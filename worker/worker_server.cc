@@ -80,6 +80,9 @@ class WorkerServer::Service final : public Worker::Service {
     config.token = worker_->options_.token;
     config.head_address = request->head_address().empty() ? worker_->options_.head_address : request->head_address();
     config.tls = worker_->options_.tls;
+    if (request->attempt() < 0) return invalid("attempt must not be negative");
+    config.attempt = request->attempt();
+    config.resume_from = request->resume_from();
     const Device& device = worker_->devices_[a.device_index()];
     if (device.kind() == DEVICE_KIND_CUDA) {
       config.device = absl::StrCat("cuda:", device.index());
@@ -292,7 +295,7 @@ void WorkerServer::JoinLoop() {
       std::map<std::string, bool> job_finished;  // job -> every actor of it here has finished
       for (const auto& [id, a] : actors_) {
         *beat.add_actors() = a->Record();
-        auto [it, inserted] = job_finished.emplace(a->Record().job_id(), a->finished());
+        auto [it, inserted] = job_finished.emplace(a->comm_job_id(), a->finished());
         if (!inserted) it->second = it->second && a->finished();
       }
       // A job that is over on this worker leaves nothing in the mailbox (late or orphaned tensors).

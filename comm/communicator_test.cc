@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "absl/synchronization/mutex.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -212,8 +213,8 @@ TEST(Collectives, ReduceScatterAllGatherBroadcastSendRecv) {
   ExpectAllOk(cluster.Run([&](int r) -> absl::Status {
     for (int round = 0; round < 2; ++round) {
       std::vector<float> mine(10, static_cast<float>(r * 10 + round));
-      if (absl::Status s = cluster.comm(r).Send((r + 1) % 4, mine, "p"); !s.ok()) return s;
-      if (absl::Status s = cluster.comm(r).Recv((r + 3) % 4, absl::MakeSpan(received[r]), "p"); !s.ok()) return s;
+      RETURN_IF_ERROR(cluster.comm(r).Send((r + 1) % 4, mine, "p"));
+      RETURN_IF_ERROR(cluster.comm(r).Recv((r + 3) % 4, absl::MakeSpan(received[r]), "p"));
       if (received[r][0] != static_cast<float>(((r + 3) % 4) * 10 + round)) return absl::InternalError("wrong value");
     }
     return absl::OkStatus();
@@ -264,7 +265,7 @@ TEST(Collectives, ConcurrentBucketsOverlapAndSum) {
       futures.push_back(bucketed.Start(b, absl::MakeSpan(buckets[r][b])));
       absl::SleepFor(absl::Milliseconds(2));  // "backward" keeps computing
     }
-    if (absl::Status s = futures.front().get(); !s.ok()) return s;
+    RETURN_IF_ERROR(futures.front().get());
     return bucketed.WaitAll();
   }));
   for (int r = 0; r < 4; ++r) {

@@ -7,10 +7,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
-#include <random>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
+#include "comm/tensor_stream_testing.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "gtest/gtest.h"
@@ -21,39 +21,13 @@ namespace {
 
 constexpr char kToken[] = "test-token-123";
 
-std::vector<float> RandomTensor(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
-
 TensorKey Key(const std::string& tensor, int64_t step = 1, const std::string& src = "sender") {
   return TensorKey{"job-1", step, 0, tensor, src};
 }
 
-class Endpoint {
+class Endpoint : public LoopbackEndpoint {
  public:
-  explicit Endpoint(TensorStreamOptions options = {}) : streams_(kToken, options) {
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    streams_.Register(&builder);
-    server_ = builder.BuildAndStart();
-    address_ = "127.0.0.1:" + std::to_string(port);
-  }
-  ~Endpoint() {
-    streams_.Shutdown();
-    server_->Shutdown();
-  }
-  TensorStreamServer& streams() { return streams_; }
-  const std::string& address() const { return address_; }
-
- private:
-  TensorStreamServer streams_;
-  std::unique_ptr<grpc::Server> server_;
-  std::string address_;
+  explicit Endpoint(TensorStreamOptions options = {}) : LoopbackEndpoint(kToken, options) {}
 };
 
 absl::Time Soon(int seconds = 20) { return absl::Now() + absl::Seconds(seconds); }
@@ -158,54 +132,13 @@ TEST(TensorStream, WrongOrMissingTokenIsUnauthenticated) {
   EXPECT_FALSE(TokenMatches("", ""));
 }
 
-// Sends hand-made chunks through the generated (protobuf) stub and returns the final status.
-grpc::Status SendRaw(const std::string& address, const std::vector<geotrain::TensorChunk>& chunks,
-                     bool half_close = true) {
-  auto stub = geotrain::TensorStream::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext context;
-  context.AddMetadata(kTokenMetadataKey, kToken);
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  auto stream = stub->Stream(&context);
-  for (const auto& c : chunks) {
-    if (!stream->Write(c)) break;
-  }
-  if (half_close) stream->WritesDone();
-  geotrain::TensorAck ack;
-  while (stream->Read(&ack)) {
-  }
-  return stream->Finish();
+grpc::Status SendRaw(const std::string& address, const std::vector<geotrain::TensorChunk>& chunks) {
+  return SendRawChunks(address, kToken, chunks);
 }
 
 // A valid two-chunk tensor of 1000 floats ("none"), chunk size 2048 bytes.
 std::vector<geotrain::TensorChunk> ValidChunks(const std::string& id) {
-  std::vector<float> data = RandomTensor(1000, 9);
-  Bytes encoded;
-  EXPECT_TRUE(EncodeTensor(Codec{}, data, &encoded).ok());
-  const uint32_t crc = InspectEncoded(encoded.span()).value().payload_crc;
-  std::vector<geotrain::TensorChunk> chunks;
-  for (uint64_t offset = 0; offset < encoded.size(); offset += 2048) {
-    geotrain::TensorChunk c;
-    const uint64_t len = std::min<uint64_t>(2048, encoded.size() - offset);
-    if (offset == 0) {
-      auto* h = c.mutable_header();
-      h->mutable_key()->set_job_id("job-1");
-      h->mutable_key()->set_step(1);
-      h->mutable_key()->set_tensor_id(id);
-      h->mutable_key()->set_src("sender");
-      h->set_dtype(geotrain::TENSOR_DTYPE_F32);
-      h->add_shape(10);
-      h->add_shape(100);
-      h->set_codec("none");
-      h->set_total_bytes(encoded.size());
-      h->set_checksum(crc);
-      h->set_chunk_bytes(2048);
-    }
-    c.set_offset(offset);
-    c.set_last(offset + len == encoded.size());
-    c.set_payload(std::string(reinterpret_cast<const char*>(encoded.data()) + offset, len));
-    chunks.push_back(c);
-  }
-  return chunks;
+  return RawChunks(Key(id), {10, 100}, RandomTensor(1000, 9), 2048, /*crc_in_trailer=*/false);
 }
 
 TEST(TensorStream, RawValidChunksFromTheGeneratedStubAreAccepted) {

@@ -14,6 +14,7 @@
 #include <functional>
 #include <thread>
 
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -97,9 +98,8 @@ class Ranks {
       : devices_(std::move(devices)), comms_(devices_.size()) {
     const std::string id = NewNcclUniqueId().value();
     std::vector<absl::Status> created = Run([&](int r) -> absl::Status {
-      auto comm = NcclCommunicator::Create(r, size(), id, devices_[r], timeout);
-      if (!comm.ok()) return comm.status();
-      comms_[r] = std::move(*comm);
+      ASSIGN_OR_RETURN(auto comm, NcclCommunicator::Create(r, size(), id, devices_[r], timeout));
+      comms_[r] = std::move(comm);
       return absl::OkStatus();
     });
     for (const absl::Status& s : created) EXPECT_TRUE(s.ok()) << s;
@@ -219,22 +219,22 @@ TEST(NcclCommunicator, CollectivesMatchTheCpuReference) {
     const std::vector<float> sum = SumOverRanks(n, count);
     ExpectAllOk(ranks.Run([&](int r) -> absl::Status {
       DeviceBuffer data(ranks.device(r), RankValues(r, count));
-      if (absl::Status s = ranks.comm(r).AllReduceSum(data.span(), "ar"); !s.ok()) return s;
+      RETURN_IF_ERROR(ranks.comm(r).AllReduceSum(data.span(), "ar"));
       const std::string rank = "rank " + std::to_string(r);
       ExpectSameFloats(data.Read(), sum, rank + " all-reduce");
 
       DeviceBuffer reduced(ranks.device(r), RankValues(r, count));
-      if (absl::Status s = ranks.comm(r).Reduce(reduced.span(), n - 1, "rd"); !s.ok()) return s;
+      RETURN_IF_ERROR(ranks.comm(r).Reduce(reduced.span(), n - 1, "rd"));
       ExpectSameFloats(reduced.Read(), r == n - 1 ? sum : RankValues(r, count), rank + " reduce");
 
       DeviceBuffer broadcast(ranks.device(r), RankValues(r, count));
-      if (absl::Status s = ranks.comm(r).Broadcast(broadcast.span(), 1, "bc"); !s.ok()) return s;
+      RETURN_IF_ERROR(ranks.comm(r).Broadcast(broadcast.span(), 1, "bc"));
       ExpectSameFloats(broadcast.Read(), RankValues(1, count), rank + " broadcast");
 
       // Reduce-scatter of n * count: rank r gets the sum of block r.
       DeviceBuffer input(ranks.device(r), RankValues(r, n * count));
       DeviceBuffer block(ranks.device(r), count);
-      if (absl::Status s = ranks.comm(r).ReduceScatter(input.span(), block.span(), "rs"); !s.ok()) return s;
+      RETURN_IF_ERROR(ranks.comm(r).ReduceScatter(input.span(), block.span(), "rs"));
       const std::vector<float> full_sum = SumOverRanks(n, n * count);
       ExpectSameFloats(block.Read(),
                        std::vector<float>(full_sum.begin() + r * count, full_sum.begin() + (r + 1) * count),
@@ -243,7 +243,7 @@ TEST(NcclCommunicator, CollectivesMatchTheCpuReference) {
       // All-gather: block q of the output is rank q's input.
       DeviceBuffer mine(ranks.device(r), RankValues(r, count));
       DeviceBuffer all(ranks.device(r), n * count);
-      if (absl::Status s = ranks.comm(r).AllGather(mine.span(), all.span(), "ag"); !s.ok()) return s;
+      RETURN_IF_ERROR(ranks.comm(r).AllGather(mine.span(), all.span(), "ag"));
       std::vector<float> expected;
       for (int q = 0; q < n; ++q) {
         std::vector<float> v = RankValues(q, count);
@@ -277,12 +277,12 @@ TEST(NcclCommunicator, SendRecvAroundARing) {
     if (r < 2) {
       DeviceBuffer buffer(ranks.device(r), RankValues(r, count));
       if (r == 0) {
-        if (absl::Status s = ranks.comm(0).Send(1, buffer.span(), "p2p"); !s.ok()) return s;
-        if (absl::Status s = ranks.comm(0).Recv(1, buffer.span(), "p2p"); !s.ok()) return s;
+        RETURN_IF_ERROR(ranks.comm(0).Send(1, buffer.span(), "p2p"));
+        RETURN_IF_ERROR(ranks.comm(0).Recv(1, buffer.span(), "p2p"));
         ExpectSameFloats(buffer.Read(), RankValues(0, count), "rank 1 returned what it received");
       } else {
-        if (absl::Status s = ranks.comm(1).Recv(0, buffer.span(), "p2p"); !s.ok()) return s;
-        if (absl::Status s = ranks.comm(1).Send(0, buffer.span(), "p2p"); !s.ok()) return s;
+        RETURN_IF_ERROR(ranks.comm(1).Recv(0, buffer.span(), "p2p"));
+        RETURN_IF_ERROR(ranks.comm(1).Send(0, buffer.span(), "p2p"));
       }
     }
     return absl::OkStatus();

@@ -1,9 +1,11 @@
-// Placement of a job's actors: order, pins, TP groups inside a site, memory refusal with the numbers.
-#include "head/job_runner.h"
+// Placement of a job's actors: order, pins, TP groups inside a site, memory refusal with the numbers; and the
+// planning of `plan: auto` jobs with the job's WAN codec.
+#include "head/placement.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_join.h"
 #include "common/spec.h"
 
 namespace geotrain::head {
@@ -88,6 +90,38 @@ TEST(PlaceActorsTest, PlanThatDoesNotFitIsRefusedWithTheNumbers) {
   EXPECT_THAT(placed.status().message(), HasSubstr("does not fit"));
   EXPECT_THAT(placed.status().message(), HasSubstr("GB"));
   EXPECT_GT(EstimateActorMemory(Job(1, 1, 1).spec(), 0), 16u * 100000);  // at least its parameters x 16
+}
+
+// A `plan: auto` job on two sites one slow link apart, with slow devices, so that the plan spreads over
+// both sites and its WAN traffic counts.
+JobSpec AutoSpec(const std::string& wan_codec) {
+  JobSpec spec;
+  spec.mutable_model()->set_preset("gpt2-small-test");
+  spec.mutable_train()->set_global_batch(16);
+  spec.mutable_train()->set_seq_len(64);
+  spec.mutable_parallel()->set_plan("auto");
+  spec.mutable_comm()->set_wan_codec(wan_codec);
+  ApplyJobDefaults(&spec);
+  return spec;
+}
+
+TEST(PlanAutoJobTest, PlansTheWanTrafficWithTheJobsCodecZstdIncluded) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "b", 16)};
+  for (WorkerInfo& w : workers) w.mutable_devices(0)->set_tflops(0.001);
+  std::vector<SiteLink> links(1);
+  links[0].set_a("a");
+  links[0].set_b("b");
+  links[0].set_latency_ms(20);
+  links[0].set_bandwidth_mbps(100);
+  auto none = PlanAutoJob(AutoSpec("none"), workers, links);
+  ASSERT_TRUE(none.ok()) << none.status();
+  auto zstd = PlanAutoJob(AutoSpec("bf16+zstd"), workers, links);
+  ASSERT_TRUE(zstd.ok()) << zstd.status();
+  // Both sites are used, so the plan's traffic crosses the link: with bf16+zstd it is compressed (the head
+  // used to drop a codec it could not parse and plan this job as if its traffic were uncompressed).
+  EXPECT_EQ(zstd->parallel.dp() * zstd->parallel.pp(), 2);
+  EXPECT_LT(zstd->predicted_step_seconds, none->predicted_step_seconds);
+  EXPECT_THAT(absl::StrJoin(zstd->explanation, "\n"), HasSubstr("bf16+zstd"));
 }
 
 }  // namespace

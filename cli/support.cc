@@ -1,0 +1,43 @@
+// What every verb shares (see support.h).
+#include "cli/support.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace geotrain::cli {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "geotrain: %s\n", std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kUnauthenticated ? 3 : 1;
+}
+
+grpc::ClientContext* HeadClient::Prepare(grpc::ClientContext* ctx, int64_t deadline_ms) const {
+  AttachToken(ctx, endpoint.token);
+  if (deadline_ms > 0) SetDeadlineMillis(ctx, deadline_ms);
+  return ctx;
+}
+
+absl::StatusOr<HeadClient> ConnectToHead(const std::string& head, const std::string& token, const TlsFiles& tls) {
+  ASSIGN_OR_RETURN(HeadEndpoint endpoint, ResolveHead(head, token));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(endpoint.address, tls));
+  return HeadClient{Head::NewStub(channel), std::move(endpoint)};
+}
+
+absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& address) {
+  switch (status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return absl::UnavailableError(
+          absl::StrCat("cannot reach the head at ", address, " (", status.error_message(),
+                       "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return absl::UnauthenticatedError(
+          absl::StrCat("the head at ", address, " refused the call: ", status.error_message()));
+    default:
+      return FromGrpc(status);
+  }
+}
+
+}  // namespace geotrain::cli

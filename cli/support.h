@@ -1,0 +1,47 @@
+// What every `geotrain` verb shares: how it reports an error, and how it reaches the head.
+//
+//   absl::StatusOr<HeadClient> client = ConnectToHead(flags.head, flags.token, tls);
+//   if (!client.ok()) return Fail(client.status());
+//   grpc::ClientContext ctx;
+//   grpc::Status s = client->stub->ListJobs(client->Prepare(&ctx), ListJobsRequest(), &reply);
+//   if (!s.ok()) return Fail(ExplainRpcFailure(s, client->endpoint.address));
+//
+// Thread safety: Fail writes to stderr; a HeadClient is used by one thread at a time (its stub is
+// thread-safe, as gRPC stubs are).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/rpc.h"
+#include "control.grpc.pb.h"
+
+namespace geotrain::cli {
+
+// Prints "geotrain: <message>" to stderr and returns the verb's exit code for it: 3 when the head refused
+// the token (UNAUTHENTICATED), 1 otherwise.
+int Fail(const absl::Status& status);
+
+// A stub connected to the head and the endpoint (address, token) it was resolved to.
+struct HeadClient {
+  std::unique_ptr<Head::Stub> stub;
+  HeadEndpoint endpoint;
+  // Attaches the token and, when deadline_ms > 0, a deadline; returns ctx.
+  grpc::ClientContext* Prepare(grpc::ClientContext* ctx, int64_t deadline_ms = 10000) const;
+};
+
+// Resolves the head from `head` and `token` (flags; empty: GEOTRAIN_HEAD and GEOTRAIN_TOKEN, then the
+// record a head on this machine leaves, see common/rpc.h ResolveHead) and opens a channel to it (TLS when
+// `tls` names a CA). Errors say which flag or variable to set.
+absl::StatusOr<HeadClient> ConnectToHead(const std::string& head, const std::string& token, const TlsFiles& tls = {});
+
+// An RPC failure in terms of what the user can do: an unreachable head (start it, or pass --head), a
+// refused token, else the status as is.
+absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& address);
+
+}  // namespace geotrain::cli

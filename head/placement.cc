@@ -1,0 +1,224 @@
+// Placement of a job's actors and the planning of `plan: auto` jobs (see placement.h).
+#include "head/placement.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/spec.h"
+#include "common/status.h"
+#include "model/config.h"
+#include "scheduler/planner.h"
+#include "scheduler/spec_planning.h"
+
+namespace geotrain::head {
+namespace {
+
+std::string ActorId(const std::string& job_id, int r, int s, int t) {
+  return absl::StrCat(job_id, "-r", r, "s", s, "t", t);
+}
+
+}  // namespace
+
+uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
+  absl::StatusOr<double> bytes = scheduler::SpecStageMemoryBytes(spec, stage);
+  return bytes.ok() ? static_cast<uint64_t>(std::ceil(*bytes)) : 0;
+}
+
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers) {
+  const JobSpec& spec = job.spec();
+  const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
+  ASSIGN_OR_RETURN(const GPT2Config config, GPT2Config::FromSpec(spec.model()));
+  if (pp > config.n_layer) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.pp (", pp, ") exceeds the model's ", config.n_layer, " layers"));
+  }
+  if (config.n_head % tp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.tp (", tp, ") must divide the model's n_head (", config.n_head, ")"));
+  }
+  // What each stage needs and what a device may give, as the planner counts them.
+  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
+  std::vector<uint64_t> stage_bytes(pp);
+  for (int s = 0; s < pp; ++s) {
+    ASSIGN_OR_RETURN(const double bytes, scheduler::SpecStageMemoryBytes(spec, s));
+    stage_bytes[s] = static_cast<uint64_t>(std::ceil(bytes));
+  }
+  struct Slot {
+    const WorkerInfo* worker;
+    int device;
+    bool used = false;
+  };
+  std::vector<const WorkerInfo*> alive;
+  for (const WorkerInfo& w : workers) {
+    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+  }
+  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
+    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
+  });
+  std::vector<Slot> slots;
+  for (const WorkerInfo* w : alive) {
+    for (int d = 0; d < w->devices_size(); ++d) slots.push_back({w, d});
+  }
+  const int needed = dp * pp * tp;
+  if (static_cast<int>(slots.size()) < needed) {
+    return absl::UnavailableError(
+        absl::StrCat("needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp, "); ", slots.size(), " alive"));
+  }
+  std::map<std::tuple<int, int, int>, const PlacementSpec*> pinned;
+  for (const PlacementSpec& p : spec.parallel().placement()) {
+    if (p.replica() < 0 || p.replica() >= dp || p.stage() < 0 || p.stage() >= pp || p.tp_rank() < 0 ||
+        p.tp_rank() >= tp) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.placement names replica ", p.replica(), ", stage ",
+                                                     p.stage(), ", tp rank ", p.tp_rank(), " outside the plan"));
+    }
+    pinned[{p.replica(), p.stage(), p.tp_rank()}] = &p;
+  }
+  std::vector<ActorPlacement> out;
+  auto take = [&](const PlacementSpec* pin) -> Slot* {
+    for (Slot& slot : slots) {
+      if (slot.used) continue;
+      if (pin != nullptr && !pin->worker().empty() && slot.worker->worker_id() != pin->worker()) continue;
+      if (pin != nullptr && !pin->site().empty() && slot.worker->site() != pin->site()) continue;
+      slot.used = true;
+      return &slot;
+    }
+    return nullptr;
+  };
+  // Pinned actors first, then the rest in order.
+  std::map<std::tuple<int, int, int>, Slot*> chosen;
+  // Pins to a worker first, then pins to a site, so that a site pin never takes the device a worker
+  // pin needs.
+  std::vector<std::pair<std::tuple<int, int, int>, const PlacementSpec*>> ordered(pinned.begin(), pinned.end());
+  std::stable_sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
+    return !a.second->worker().empty() && b.second->worker().empty();
+  });
+  for (const auto& [key, pin] : ordered) {
+    Slot* slot = take(pin);
+    if (slot == nullptr) {
+      return absl::UnavailableError(absl::StrCat("no free device on ", pin->worker().empty() ? "site " : "worker ",
+                                                 pin->worker().empty() ? pin->site() : pin->worker(), " for replica ",
+                                                 std::get<0>(key), ", stage ", std::get<1>(key)));
+    }
+    chosen[key] = slot;
+  }
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) {
+      for (int t = 0; t < tp; ++t) {
+        if (chosen.count({r, s, t})) continue;
+        chosen[{r, s, t}] = take(nullptr);
+      }
+    }
+  }
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) {
+      for (int t = 0; t < tp; ++t) {
+        Slot* slot = chosen[{r, s, t}];
+        if (t > 0 && slot->worker->site() != chosen[{r, s, 0}]->worker->site()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("the tensor-parallel group of replica ", r, ", stage ", s, " would span sites ",
+                           chosen[{r, s, 0}]->worker->site(), " and ", slot->worker->site(),
+                           "; tensor parallelism stays inside a site: pin the group with parallel.placement"));
+        }
+        ActorPlacement p;
+        p.actor.set_actor_id(ActorId(job.job_id(), r, s, t));
+        p.actor.set_job_id(job.job_id());
+        p.actor.set_worker_id(slot->worker->worker_id());
+        p.actor.set_replica(r);
+        p.actor.set_stage(s);
+        p.actor.set_tp_rank(t);
+        p.actor.set_device_index(slot->device);
+        p.actor.set_state(ACTOR_PENDING_CREATION);
+        p.site = slot->worker->site();
+        p.memory_bytes = stage_bytes[s];
+        p.device_memory_bytes = slot->worker->devices(slot->device).memory_bytes();
+        const double usable = scheduler::UsableMemoryBytes(planning.job, static_cast<double>(p.device_memory_bytes));
+        if (p.device_memory_bytes > 0 && static_cast<double>(p.memory_bytes) > usable) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "the plan does not fit: stage %d needs about %.2f GB (parameters, gradients and AdamW at 16 bytes per "
+              "parameter, 20 with data parallelism, the activations its schedule holds, boundary buffers and "
+              "%.2f GB fixed, as the planner counts them) but device %d of worker %s has %.2f GB usable (%.2f GB "
+              "less %.0f%% headroom); use more pipeline stages, more tensor parallelism, or smaller microbatches",
+              s, p.memory_bytes / 1e9, planning.job.fixed_memory_bytes / 1e9, slot->device, slot->worker->worker_id(),
+              usable / 1e9, p.device_memory_bytes / 1e9, 100 * planning.job.memory_headroom));
+        }
+        out.push_back(std::move(p));
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                     const std::vector<SiteLink>& links) {
+  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
+  scheduler::Cluster cluster;
+  std::map<std::string, int> site_index;
+  std::map<std::string, int> workers_in_site;
+  std::vector<const WorkerInfo*> alive;
+  for (const WorkerInfo& w : workers) {
+    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+  }
+  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
+    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
+  });
+  if (alive.empty()) return absl::UnavailableError("no alive workers to plan for");
+  for (const WorkerInfo* w : alive) {
+    if (!site_index.count(w->site())) {
+      site_index[w->site()] = static_cast<int>(cluster.site_names.size());
+      cluster.site_names.push_back(w->site());
+    }
+    const int worker = workers_in_site[w->site()]++;
+    for (int d = 0; d < w->devices_size(); ++d) {
+      scheduler::Device device;
+      device.site = site_index[w->site()];
+      device.worker = worker;
+      device.slot = d;
+      device.name = w->devices(d).name();
+      device.tflops = std::max(1e-3, w->devices(d).tflops());
+      device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
+      cluster.devices.push_back(device);
+    }
+  }
+  const int n = cluster.num_sites();
+  const scheduler::ClusterOptions defaults;
+  cluster.links.assign(n, std::vector<scheduler::LinkSpec>(n, scheduler::LinkSpec{1e-3, 1e9 / 8}));
+  for (int a = 0; a < n; ++a) cluster.links[a][a] = defaults.intra_site;
+  for (const SiteLink& l : links) {
+    if (l.a() == l.b() || !site_index.count(l.a()) || !site_index.count(l.b()) || l.bandwidth_mbps() <= 0) continue;
+    const scheduler::LinkSpec measured{std::max(1e-6, l.latency_ms() / 1e3), l.bandwidth_mbps() * 1e6 / 8};
+    cluster.links[site_index[l.a()]][site_index[l.b()]] = measured;
+    cluster.links[site_index[l.b()]][site_index[l.a()]] = measured;
+  }
+  const scheduler::ModelCosts& model = planning.model;
+  ASSIGN_OR_RETURN(const scheduler::PlanResult result,
+                   scheduler::PlanJob(cluster, model, planning.job, planning.options));
+  for (const scheduler::PlanCandidate& candidate : result.ranked) {
+    const scheduler::ManualPlan manual = scheduler::ToManualPlan(cluster, model, candidate.plan);
+    if (std::adjacent_find(manual.microbatches.begin(), manual.microbatches.end(), std::not_equal_to<>()) !=
+        manual.microbatches.end()) {
+      continue;  // unequal replica shares: not what the runtime does
+    }
+    AutoPlan out;
+    scheduler::FillParallelSpec(manual, &out.parallel);
+    JobSpec check = spec;
+    *check.mutable_parallel() = out.parallel;
+    if (!ValidateJobSpec(check).ok()) continue;
+    out.predicted_step_seconds = candidate.prediction.step_time_s;
+    out.explanation = result.explanation;
+    if (&candidate != &result.ranked.front()) {
+      out.explanation.push_back(
+          "(the top plan splits the batch unevenly across replicas; geotrain's runtime "
+          "splits it evenly, so the best even plan was taken)");
+    }
+    return out;
+  }
+  return absl::FailedPreconditionError(
+      "the planner found no plan that splits the global batch evenly across replicas; give a manual plan");
+}
+
+}  // namespace geotrain::head

@@ -1,0 +1,60 @@
+// Where a job's actors run: the placement of a manual plan on the alive workers, and the planning of a
+// `parallel: {plan: auto}` job into a manual plan. Pure functions of the job and the registry's view of the
+// workers (no RPC, no locks), so they are tested without processes; JobRunner (job_runner.h) calls them.
+//
+//   ASSIGN_OR_RETURN(AutoPlan plan, PlanAutoJob(job.spec(), registry.Workers(), registry.SiteLinks()));
+//   *job.mutable_spec()->mutable_parallel() = plan.parallel;
+//   ASSIGN_OR_RETURN(std::vector<ActorPlacement> actors, PlaceActors(job, registry.Workers()));
+//
+// Placement (manual plans): an explicit `parallel.placement` entry pins (replica, stage, tp rank) to a
+// worker or a site; the others take the free devices in site order, replica by replica, stage by stage.
+// Tensor-parallel groups must sit inside one site. An actor whose stage does not fit its device's memory
+// is refused before anything starts, with the numbers. Memory is counted as the planner counts it
+// (scheduler::SpecStageMemoryBytes), so the head refuses exactly the plans the planner calls too large.
+// Thread safety: pure functions; any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "control.pb.h"
+
+namespace geotrain::head {
+
+// One actor's placement and its estimated memory.
+struct ActorPlacement {
+  ActorRecord actor;
+  std::string site;
+  uint64_t memory_bytes = 0;         // estimated need
+  uint64_t device_memory_bytes = 0;  // what its device has
+};
+
+// Places the actors of a manual plan on `workers` (alive ones are used). Errors: not enough devices
+// (UNAVAILABLE: the job waits), a TP group across sites or a plan that does not fit in memory
+// (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused).
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers);
+
+// Estimated bytes an actor of stage `stage` of the spec's manual plan needs, as the planner's simulator counts
+// them (scheduler::SpecStageMemoryBytes): parameters, gradients and AdamW state (16 bytes per parameter, 20
+// with data parallelism for the gradient buckets' copy), the activations of the microbatches its schedule
+// holds (the logits included on the last stage), boundary buffers, and 1 GB fixed (runtime, workspace). 0 when
+// the spec cannot be planned (a bad model or codec).
+uint64_t EstimateActorMemory(const JobSpec& spec, int stage);
+
+// Chooses a plan for a `plan: auto` job with the planner (scheduler/) on the alive workers, their
+// devices and the site links the workers measured (1 Gbit/s and 1 ms where nothing was measured yet),
+// with the planner's inputs for the spec (scheduler::PlanningForSpec: its WAN codec, +zstd included).
+// Returns the job with its parallel section filled (manual form, placement by site) and the predicted
+// step time, plus the planner's explanation lines. The runtime splits layers evenly across stages and
+// the batch evenly across replicas, so only plans with equal replica shares are taken.
+struct AutoPlan {
+  ParallelSpec parallel;
+  double predicted_step_seconds = 0;
+  std::vector<std::string> explanation;
+};
+absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                     const std::vector<SiteLink>& links);
+
+}  // namespace geotrain::head

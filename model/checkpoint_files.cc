@@ -1,0 +1,187 @@
+// Checkpoint files: shards, manifests, verification, pruning (see checkpoint_files.h).
+#include "model/checkpoint_files.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace geotrain::model {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string Crc32Hex(const std::string& bytes) { return absl::StrFormat("%08x", Crc32(bytes.data(), bytes.size())); }
+
+absl::StatusOr<WrittenShard::File> WriteTensorsFile(const std::string& dir, const std::string& name,
+                                                    const std::vector<NamedTensor>& tensors,
+                                                    const std::map<std::string, std::string>& metadata) {
+  const std::string path = absl::StrCat(dir, "/", name);
+  RETURN_IF_ERROR(WithContext(WriteSafetensorsAtomically(path, tensors, metadata), "writing checkpoint file"));
+  // The CRC is of the bytes on disk, read back: what a later reader will verify.
+  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+  return WrittenShard::File{name, bytes.size(), Crc32Hex(bytes)};
+}
+
+std::string ManifestToJson(const CheckpointManifest& manifest) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(manifest, &json, options);
+  return json;
+}
+
+// Step directories under `dir`, newest first.
+std::vector<std::pair<int64_t, std::string>> StepDirectories(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    int64_t step = 0;
+    if (!e.is_directory(ec) || !absl::StartsWith(name, "step_") || !absl::SimpleAtoi(name.substr(5), &step)) continue;
+    out.push_back({step, e.path().string()});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+}  // namespace
+
+std::string OptimizerFileFor(const std::string& model_file) {
+  return absl::StrCat("optimizer", absl::StripPrefix(model_file, "model"));
+}
+
+std::string StepDirectory(const std::string& dir, int64_t step) { return absl::StrFormat("%s/step_%08d", dir, step); }
+
+absl::StatusOr<WrittenShard> WriteCheckpointShard(const std::string& step_dir, const std::string& suffix,
+                                                  const CheckpointSnapshot& snapshot) {
+  std::error_code ec;
+  fs::create_directories(step_dir, ec);
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot create checkpoint directory ", step_dir, ": ", ec.message()));
+  }
+  WrittenShard shard;
+  shard.model_file = absl::StrCat("model", suffix, ".safetensors");
+  ASSIGN_OR_RETURN(WrittenShard::File model,
+                   WriteTensorsFile(step_dir, shard.model_file, snapshot.weights, {{"format", "pt"}}));
+  ASSIGN_OR_RETURN(WrittenShard::File optimizer,
+                   WriteTensorsFile(step_dir, OptimizerFileFor(shard.model_file), snapshot.moments,
+                                    {{"step", absl::StrCat(snapshot.optimizer_step)}}));
+  shard.files = {model, optimizer};
+  for (const NamedTensor& t : snapshot.weights) shard.tensors.push_back(t.name);
+  return shard;
+}
+
+absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest) {
+  const std::string step_dir = StepDirectory(dir, manifest.step());
+  std::set<std::string> model_files;
+  for (const auto& [name, file] : manifest.tensors()) model_files.insert(file);
+  if (model_files.size() > 1) {
+    // HF transformers' sharded-checkpoint index: from_pretrained(step_dir) then finds every tensor.
+    std::string index = "{\n  \"metadata\": {},\n  \"weight_map\": {";
+    bool first = true;
+    std::map<std::string, std::string> sorted(manifest.tensors().begin(), manifest.tensors().end());
+    for (const auto& [name, file] : sorted) {
+      absl::StrAppend(&index, first ? "\n" : ",\n", "    \"", name, "\": \"", file, "\"");
+      first = false;
+    }
+    index += "\n  }\n}\n";
+    RETURN_IF_ERROR(WriteFileAtomically(step_dir + "/model.safetensors.index.json", index));
+  }
+  RETURN_IF_ERROR(WriteFileAtomically(step_dir + "/manifest.json", ManifestToJson(manifest)));
+  return WriteFileAtomically(dir + "/latest", fs::path(step_dir).filename().string() + "\n");
+}
+
+absl::StatusOr<CheckpointManifest> VerifyCheckpoint(const std::string& step_dir) {
+  const std::string manifest_path = step_dir + "/manifest.json";
+  std::error_code ec;
+  if (!fs::exists(manifest_path, ec)) {
+    return absl::NotFoundError(absl::StrCat(step_dir, " has no manifest.json: the checkpoint is incomplete"));
+  }
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(manifest_path));
+  CheckpointManifest manifest;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;  // later versions may add fields
+  if (auto parsed = google::protobuf::util::JsonStringToMessage(text, &manifest, options); !parsed.ok()) {
+    return absl::DataLossError(absl::StrCat(manifest_path, ": not a valid checkpoint manifest: ", parsed.ToString()));
+  }
+  if (manifest.format() != kCheckpointFormat && manifest.format() != "geotrain-checkpoint-1") {
+    return absl::DataLossError(
+        absl::StrCat(manifest_path, ": unknown format '", manifest.format(), "' (expected ", kCheckpointFormat, ")"));
+  }
+  if (manifest.files().empty()) return absl::DataLossError(absl::StrCat(manifest_path, ": lists no files"));
+  for (const auto& [name, entry] : manifest.files()) {
+    if (name.empty() || name.find('/') != std::string::npos || name == "..") {
+      return absl::DataLossError(absl::StrCat(manifest_path, ": bad file name '", name, "'"));
+    }
+    const std::string path = absl::StrCat(step_dir, "/", name);
+    absl::StatusOr<std::string> bytes = ReadFileToString(path);
+    if (!bytes.ok())
+      return absl::DataLossError(absl::StrCat(path, ": listed in the manifest but ", bytes.status().message()));
+    const std::string crc = Crc32Hex(*bytes);
+    if (entry.bytes() != bytes->size() || crc != entry.crc32()) {
+      return absl::DataLossError(absl::StrCat(path, ": ", bytes->size(), " bytes with CRC-32 ", crc,
+                                              " but the manifest records ", entry.bytes(), " bytes with ",
+                                              entry.crc32(), "; the file is truncated or corrupt"));
+    }
+  }
+  for (const auto& [tensor, file] : manifest.tensors()) {
+    if (!manifest.files().contains(file) || !manifest.files().contains(OptimizerFileFor(file))) {
+      return absl::DataLossError(absl::StrCat(manifest_path, ": tensor ", tensor, " is in ", file,
+                                              ", which the manifest does not list with its optimizer file"));
+    }
+  }
+  return manifest;
+}
+
+absl::StatusOr<std::string> FindNewestCheckpoint(const std::string& dir, std::vector<std::string>* skipped) {
+  std::vector<std::string> reasons;
+  for (const auto& [step, step_dir] : StepDirectories(dir)) {
+    absl::StatusOr<CheckpointManifest> manifest = VerifyCheckpoint(step_dir);
+    if (manifest.ok()) {
+      if (skipped != nullptr) skipped->insert(skipped->end(), reasons.begin(), reasons.end());
+      return step_dir;
+    }
+    reasons.push_back(std::string(manifest.status().message()));
+  }
+  if (skipped != nullptr) skipped->insert(skipped->end(), reasons.begin(), reasons.end());
+  if (!reasons.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("no complete checkpoint in ", dir, ": ", reasons.front(),
+                     reasons.size() > 1 ? absl::StrCat(" (and ", reasons.size() - 1, " more step directories)") : ""));
+  }
+  return absl::NotFoundError(absl::StrCat("no checkpoint in ", dir, " (no step_NNNNNNNN directory)"));
+}
+
+absl::Status PruneCheckpoints(const std::string& dir, int keep) {
+  int complete = 0;
+  bool seen_complete = false;
+  for (const auto& [step, step_dir] : StepDirectories(dir)) {
+    std::error_code ec;
+    const bool has_manifest = fs::exists(step_dir + "/manifest.json", ec);
+    bool remove = false;
+    if (has_manifest) {
+      seen_complete = true;
+      remove = keep >= 0 && ++complete > keep;
+    } else {
+      remove = seen_complete;  // an abandoned write older than a complete checkpoint
+    }
+    if (!remove) continue;
+    fs::remove_all(step_dir, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot delete old checkpoint ", step_dir, ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+int CheckpointsKept(const CheckpointSpec& spec) { return spec.keep() == 0 ? 3 : spec.keep(); }
+
+}  // namespace geotrain::model

@@ -1,0 +1,72 @@
+// Checkpoint files without the model: writing a shard from a host snapshot, committing a step directory
+// (manifest, HF index, `latest`), verifying one, finding the newest complete one and pruning old ones.
+// The head uses these to commit and choose checkpoints; it needs no GPT-2 code for it. The format is
+// described in model/checkpoint.h.
+//
+//   ASSIGN_OR_RETURN(std::string step_dir, FindNewestCheckpoint("ckpt/run1", &skipped));
+//   ASSIGN_OR_RETURN(CheckpointManifest manifest, VerifyCheckpoint(step_dir));
+//
+// Thread-safety: the functions are independent and keep no state.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "model/safetensors.h"
+#include "spec.pb.h"
+
+namespace geotrain::model {
+
+inline constexpr char kCheckpointFormat[] = "geotrain-checkpoint-2";
+
+// The optimizer file that goes with a model file: "model-s1.safetensors" -> "optimizer-s1.safetensors".
+std::string OptimizerFileFor(const std::string& model_file);
+
+// A stage's weights and AdamW moments copied to host memory (model/checkpoint.h SnapshotStage), so that
+// they can be written while training goes on.
+struct CheckpointSnapshot {
+  std::vector<NamedTensor> weights;  // HF names, full tensors
+  std::vector<NamedTensor> moments;  // m.<name> and v.<name>
+  int64_t optimizer_step = 0;
+};
+
+// What WriteCheckpointShard wrote: each file's name (in the step directory), size and CRC-32 (8 hex
+// digits), and the tensors of the model file.
+struct WrittenShard {
+  struct File {
+    std::string name;
+    uint64_t bytes = 0;
+    std::string crc32;
+  };
+  std::vector<File> files;  // the model file, then the optimizer file
+  std::string model_file;
+  std::vector<std::string> tensors;
+};
+
+// <dir>/step_NNNNNNNN.
+std::string StepDirectory(const std::string& dir, int64_t step);
+// Writes model<suffix>.safetensors and optimizer<suffix>.safetensors into `step_dir` (created if needed),
+// each atomically. Errors (e.g. a full disk) name the file; nothing is left half-written under its name.
+absl::StatusOr<WrittenShard> WriteCheckpointShard(const std::string& step_dir, const std::string& suffix,
+                                                  const CheckpointSnapshot& snapshot);
+// Completes the checkpoint of manifest.step() under `dir`: writes the HF index when the weights span several
+// files, then manifest.json (format and files must be filled in), then points <dir>/latest at it.
+absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& manifest);
+
+// Reads and verifies a step directory: the manifest parses, names a known format, and every file it lists
+// exists with its recorded size and CRC. DATA_LOSS naming the file otherwise; NOT_FOUND without a manifest.
+absl::StatusOr<CheckpointManifest> VerifyCheckpoint(const std::string& step_dir);
+// The newest step directory under `dir` that verifies. Each newer one that does not is skipped, with the
+// reason appended to `skipped` (may be null). NOT_FOUND when there is none (saying why, if some were skipped).
+absl::StatusOr<std::string> FindNewestCheckpoint(const std::string& dir, std::vector<std::string>* skipped);
+// Deletes all but the newest `keep` complete checkpoints under `dir`, and the incomplete step directories
+// older than the newest complete one (abandoned writes). keep < 0 keeps every complete one.
+absl::Status PruneCheckpoints(const std::string& dir, int keep);
+
+// How many complete checkpoints checkpoint.keep asks to keep (0 or absent: 3; -1: all).
+int CheckpointsKept(const CheckpointSpec& spec);
+
+}  // namespace geotrain::model

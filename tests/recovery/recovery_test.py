@@ -1,0 +1,326 @@
+"""Jobs that survive failures, with real processes on a `geotrain cluster up` cluster (two sites, a spare
+worker, the WAN emulator between the sites).
+
+- kill -9 of a worker hosting an actor of a DP2 x PP2 two-site job: the job restarts from its newest
+  checkpoint on the workers alive (the spare) and ends SUCCEEDED with the parameters of an uninterrupted
+  `train --local`;
+- a checkpoint written under DP2 x PP2 resumes under TP2 and under DP2 (and in `train --local`), and a
+  `train --local` checkpoint resumes on the cluster: every run ends equal to the uninterrupted one;
+- kill -9 of the head mid-run and a restart on the same state dir: the job goes on to SUCCEEDED, no restart;
+- a 5 s cross-site outage mid-run (the emulator's link down): SUCCEEDED with no restart;
+- a corrupted newest checkpoint: `resume: auto` skips it (a log line says why) and resumes from the older one.
+
+Usage: recovery_test.py PATH/TO/geotrain TOPOLOGY.yaml
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
+from cluster_lib import wait_for  # noqa: E402
+
+GEOTRAIN = sys.argv.pop(1)
+TOPOLOGY = sys.argv.pop(1)
+VOCAB = 512
+STEPS = 24
+
+
+def write_shard(path, tokens):
+    header = np.zeros(256, dtype=np.int32)
+    header[0], header[1], header[2] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(data[start:end], dtype=np.float32).reshape(info["shape"])
+    return out
+
+
+def read_step_dir(step_dir):
+    """The weights of a checkpoint step directory (every model file its manifest lists)."""
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    params = {}
+    for name in sorted(manifest["files"]):
+        if name.startswith("model"):
+            params.update(read_safetensors(os.path.join(step_dir, name)))
+    return int(manifest["step"]), params
+
+
+def newest(ckpt):
+    with open(os.path.join(ckpt, "latest")) as f:
+        return os.path.join(ckpt, f.read().strip())
+
+
+class Cluster:
+    """A `cluster up` cluster whose processes the test can kill -9 and start again with the same command."""
+
+    def __init__(self):
+        self.home = tempfile.mkdtemp(prefix="geotrain_recovery_")
+        self.env = dict(os.environ, GEOTRAIN_HOME=self.home)
+        self.env.pop("GEOTRAIN_HEAD", None)
+        self.env.pop("GEOTRAIN_TOKEN", None)
+        self.state = os.path.join(self.home, "cluster")
+        self.restarted = {}  # name -> Popen of a process the test started again
+        self.killed = {}     # name -> (argv, env) to start it again
+        out = self.cli(["cluster", "up", TOPOLOGY]).stdout
+        assert "5 workers in 2 sites" in out, out
+
+    def cli(self, args, check=True, timeout=120):
+        r = subprocess.run([GEOTRAIN] + args, capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"geotrain {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def pids(self):
+        with open(os.path.join(self.state, "cluster.json")) as f:
+            record = f.read()
+        pids = {name: int(pid) for name, pid in re.findall(r'"name": "([^"]+)", "pid": "(\d+)"', record)}
+        for name, p in self.restarted.items():
+            pids[name] = p.pid
+        return pids
+
+    def netem_port(self):
+        with open(os.path.join(self.state, "cluster.json")) as f:
+            return int(re.search(r'"netem_control_port": "(\d+)"', f.read()).group(1))
+
+    def kill(self, name):
+        pid = self.pids()[name]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0") if a]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        os.kill(pid, signal.SIGKILL)
+        if name in self.restarted:
+            self.restarted.pop(name).wait()
+        self.killed[name] = (argv, env)
+        return time.monotonic()
+
+    def restart(self, name):
+        argv, env = self.killed.pop(name)
+        with open(os.path.join(self.state, "logs", name.replace(" ", "-") + "-again.log"), "ab") as log:
+            self.restarted[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                    start_new_session=True)
+
+    def netem(self, command):
+        with socket.create_connection(("127.0.0.1", self.netem_port()), timeout=5) as s:
+            s.sendall((command + "\n").encode())
+            reply = b""
+            while not reply.endswith(b"ok\n") and b"error" not in reply:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.endswith(b"ok\n"), reply
+
+    def job(self, job_id):
+        return json.loads(self.cli(["job", "status", job_id, "--json"]).stdout)
+
+    def logs(self, job_id):
+        return self.cli(["job", "logs", job_id]).stdout
+
+    def wait_job(self, job_id, timeout=300):
+        def ended():
+            r = self.cli(["job", "status", job_id, "--json"], check=False)
+            if r.returncode != 0:
+                return None  # the head is restarting
+            j = json.loads(r.stdout)
+            return j if j["state"] in ("JOB_SUCCEEDED", "JOB_FAILED", "JOB_CANCELLED") else None
+        return wait_for(ended, timeout, f"{job_id} to end", 0.3)
+
+    def wait_log(self, job_id, pattern, timeout=120):
+        return wait_for(lambda: re.search(pattern, self.logs(job_id)), timeout, f"'{pattern}' in {job_id}'s log", 0.2)
+
+    def process_logs(self):
+        out = []
+        logs = os.path.join(self.state, "logs")
+        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                out.append(f"==== {name}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    def close(self):
+        for p in self.restarted.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.cli(["cluster", "down"], check=False)
+        if os.environ.get("GEOTRAIN_KEEP_TEST_DIR"):
+            print(f"kept {self.home}")
+        else:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+def spec_text(name, data, ckpt, parallel, steps=STEPS, extra=""):
+    return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"
+            f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: 1.0e-3, warmup_steps: 2, "
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11}}\n"
+            f"parallel: {parallel}\ncomm: {{wan_codec: none, grad_bucket_mb: 0.002}}\n"
+            f"checkpoint: {{dir: '{ckpt}', every_steps: 2, keep: -1}}\n{extra}")
+
+
+DP2_PP2 = "{plan: manual, dp: 2, pp: 2, microbatches: 2, schedule: 1f1b}"
+
+
+class RecoveryTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Cluster()
+        cls.dir = os.path.join(cls.c.home, "work")
+        os.makedirs(cls.dir)
+        rng = np.random.default_rng(5)
+        base = rng.integers(0, VOCAB, size=97)
+        tokens = np.concatenate([np.where(rng.random(97) < 0.1, rng.integers(0, VOCAB, 97), base) for _ in range(400)])
+        write_shard(os.path.join(cls.dir, "train_000000.bin"), tokens)
+        cls.data = os.path.join(cls.dir, "train_*.bin")
+        # The reference: one uninterrupted process, 4 microbatches of 2 sequences (as DP2 x 2 microbatches).
+        cls.local_ckpt = os.path.join(cls.dir, "local")
+        path = cls.write_spec("local", cls.local_ckpt, "{plan: manual, microbatches: 4}")
+        out = subprocess.run([GEOTRAIN, "train", "--local", path], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr + out.stdout
+        cls.reference = read_step_dir(newest(cls.local_ckpt))[1]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+
+    @classmethod
+    def write_spec(cls, name, ckpt, parallel, steps=STEPS, extra=""):
+        path = os.path.join(cls.dir, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(spec_text(name, cls.data, ckpt, parallel, steps, extra))
+        return path
+
+    def submit(self, name, parallel, extra="", args=()):
+        ckpt = os.path.join(self.dir, f"ckpt-{name}")
+        out = self.c.cli(["job", "submit", self.write_spec(name, ckpt, parallel, extra=extra)] + list(args)).stdout
+        return out.split()[1], ckpt
+
+    def expect_equal_to_reference(self, params, what):
+        self.assertEqual(sorted(params), sorted(self.reference), what)
+        worst = 0.0
+        for k, ref in self.reference.items():
+            scale = max(1.0, float(np.max(np.abs(ref))))
+            diff = float(np.max(np.abs(params[k] - ref)))
+            worst = max(worst, diff / scale)
+            self.assertLessEqual(diff, 1e-5 * scale, f"{what}: {k} differs by {diff}")
+        print(f"{what}: equal to the uninterrupted local run (worst relative difference {worst:.1e})")
+
+    def expect_succeeded(self, job_id, restarts):
+        job = self.c.wait_job(job_id)
+        if job["state"] != "JOB_SUCCEEDED":
+            self.fail(f"{job_id}: {job['state']}: {job['message']}\n{self.c.logs(job_id)}\n{self.c.process_logs()}")
+        self.assertEqual(job["restarts"], restarts, self.c.logs(job_id))
+        return job
+
+    def test_1_worker_killed_mid_run_recovers_from_its_checkpoint(self):
+        job_id, ckpt = self.submit("worker-kill", DP2_PP2)
+        self.c.wait_log(job_id, r"checkpoint of step 8 complete")
+        victim = next(a["worker_id"] for a in self.c.job(job_id)["actors"] if a["worker_id"].startswith("site-b"))
+        self.c.kill(f"worker {victim}")
+        killed = time.time()
+        job = self.expect_succeeded(job_id, 1)
+        fault = job["faults"][0]
+        detected = int(fault["detected_unix_ms"]) / 1000.0 - killed
+        print(f"worker kill: fault detected {detected:.2f} s after the kill; {fault['cause']}; resumed from step "
+              f"{fault['resumed_step']}, {fault['steps_lost']} step(s) lost, training again after "
+              f"{fault['recovery_seconds']:.1f} s")
+        self.assertLessEqual(detected, 6.0)
+        self.assertTrue(victim in fault["cause"] or "actor" in fault["cause"], fault["cause"])
+        self.assertGreaterEqual(int(fault["resumed_step"]), 8)
+        self.assertGreater(fault["recovery_seconds"], 0)
+        logs = self.c.logs(job_id)
+        self.assertIn("RESTARTING", logs)
+        self.assertRegex(logs, r"restarted \(run 1\) from .*step_000000\d\d at step \d+")
+        self.assertIn("recovered: training again", logs)
+        step, params = read_step_dir(newest(ckpt))
+        self.assertEqual(step, STEPS)
+        self.expect_equal_to_reference(params, "DP2 x PP2 after a worker kill")
+        self.c.restart(f"worker {victim}")  # the next tests want every worker
+        wait_for(lambda: all(w["state"] == "WORKER_ALIVE" for w in json.loads(
+            self.c.cli(["status", "--json"]).stdout)["workers"]), 30, "every worker alive again", 0.3)
+
+    def test_2_resume_under_other_plans(self):
+        # A DP2 x PP2 run whose checkpoints the other runs start from (step 12 of 24).
+        source_id, source = self.submit("source", DP2_PP2)
+        self.expect_succeeded(source_id, 0)
+        middle = os.path.join(source, "step_00000012")
+        for name, parallel in (("tp2", "{plan: manual, tp: 2, microbatches: 4}"),
+                               ("dp2", "{plan: manual, dp: 2, microbatches: 2}")):
+            job_id, ckpt = self.submit(f"resume-{name}", parallel, args=["--resume-from", middle])
+            self.expect_succeeded(job_id, 0)
+            self.assertIn("resuming from", self.c.logs(job_id))
+            self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], f"DP2 x PP2 step 12 resumed under {name}")
+        # train --local reads the cluster's checkpoint ...
+        local_ckpt = os.path.join(self.dir, "local-from-cluster")
+        path = self.write_spec("local-from-cluster", local_ckpt, "{plan: manual, microbatches: 4}")
+        spec = open(path).read().replace("keep: -1}", f"keep: -1, resume_from: '{middle}'}}")
+        with open(path, "w") as f:
+            f.write(spec)
+        out = subprocess.run([GEOTRAIN, "train", "--local", path], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
+        self.assertIn("resumed from", out.stdout)
+        self.expect_equal_to_reference(read_step_dir(newest(local_ckpt))[1], "the cluster's step 12 in train --local")
+        # ... and a cluster job reads train --local's.
+        job_id, ckpt = self.submit("resume-local", DP2_PP2,
+                                   args=["--resume-from", os.path.join(self.local_ckpt, "step_00000012")])
+        self.expect_succeeded(job_id, 0)
+        self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "train --local's step 12 on DP2 x PP2")
+        # A corrupted newest checkpoint: `resume: auto` takes the older one and says why.
+        with open(os.path.join(self.dir, "ckpt-resume-local", "step_00000024", "model-s0.safetensors"), "r+b") as f:
+            f.truncate(100)
+        spec = open(self.write_spec("corrupt", ckpt, DP2_PP2)).read().replace("keep: -1}", "keep: -1, resume: auto}")
+        path = os.path.join(self.dir, "corrupt.yaml")
+        with open(path, "w") as f:
+            f.write(spec)
+        job_id = self.c.cli(["job", "submit", path]).stdout.split()[1]
+        self.expect_succeeded(job_id, 0)
+        logs = self.c.logs(job_id)
+        self.assertRegex(logs, r"skipped a checkpoint that does not verify: .*step_00000024/model-s0.safetensors")
+        self.assertIn("step_00000022 (step 22)", logs)
+        self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "resumed past a corrupted checkpoint")
+
+    def test_3_head_killed_mid_run(self):
+        job_id, ckpt = self.submit("head-kill", DP2_PP2)
+        self.c.wait_log(job_id, r"step 6 loss")
+        self.c.kill("head")
+        time.sleep(1.0)
+        self.c.restart("head")
+        self.expect_succeeded(job_id, 0)
+        self.assertIn("the head restarted: it takes the job over", self.c.logs(job_id))
+        self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "DP2 x PP2 across a head restart")
+
+    def test_4_cross_site_outage(self):
+        job_id, ckpt = self.submit("outage", DP2_PP2)
+        self.c.wait_log(job_id, r"step 4 loss")
+        self.c.netem("link down site-a site-b")
+        time.sleep(5.0)
+        self.c.netem("link up site-a site-b")
+        self.expect_succeeded(job_id, 0)
+        self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "DP2 x PP2 across a 5 s outage")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
