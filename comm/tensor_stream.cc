@@ -140,8 +140,12 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     }
     StartRead(&request_);
     // Registered only now: until then nothing else knows of this reactor. Once registered, Shutdown may Close it.
-    registered_ = owner_->AddReactor(this);
-    if (!registered_) Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensor stream endpoint is shutting down"));
+    const absl::Status added = owner_->AddReactor(this);
+    registered_ = added.ok();
+    if (!registered_) {
+      owner_->CountRejected();
+      Close(ToGrpc(added));
+    }
   }
 
   ~Reactor() override { assembler_.Abandon(); }
@@ -203,12 +207,13 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
   }
 
   // TensorSink: the server's mailbox and RecvInto buffers (called by assembler_, under mu_).
-  absl::Status Reserve(const TensorKey& key, uint64_t bytes) override { return owner_->Reserve(bytes); }
-  void Release(const TensorKey& key, uint64_t bytes) override { owner_->Release(bytes); }
+  absl::Status Reserve(const TensorKey& key, uint64_t bytes) override { return owner_->Reserve(key, bytes); }
+  void Release(const TensorKey& key, uint64_t bytes) override { owner_->Release(key, bytes); }
   absl::Status Deliver(ReceivedTensor tensor) override {
+    const TensorKey key = tensor.key;
     const uint64_t bytes = tensor.encoded.size();
     absl::Status delivered = owner_->Deliver(std::move(tensor));
-    if (!delivered.ok()) owner_->Release(bytes);
+    if (!delivered.ok()) owner_->Release(key, bytes);
     return delivered;
   }
   std::shared_ptr<TensorDestination> Claim(const TensorKey& key, uint64_t elements) override {
@@ -262,9 +267,36 @@ class TensorStreamServer::Service
 TensorStreamServer::TensorStreamServer(std::string token, TensorStreamOptions options)
     : token_(std::move(token)), options_(options), service_(std::make_unique<Service>(this)) {
   RetainFreedMemory();
+  janitor_ = std::thread([this] { DropOrphansLoop(); });
 }
 
-TensorStreamServer::~TensorStreamServer() { Shutdown(); }
+TensorStreamServer::~TensorStreamServer() {
+  Shutdown();
+  janitor_.join();
+}
+
+void TensorStreamServer::DropOrphansLoop() {
+  const absl::Duration period = std::clamp(options_.orphan_timeout / 4, absl::Milliseconds(10), absl::Seconds(30));
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&shutdown_), period)) {
+    const absl::Time now = absl::Now();
+    for (auto it = mailbox_.begin(); it != mailbox_.end();) {
+      auto next = std::next(it);
+      if (now - it->second.arrived >= options_.orphan_timeout) {
+        ++stats_.orphans_dropped;
+        TakeLocked(it);
+      }
+      it = next;
+    }
+  }
+}
+
+ReceivedTensor TensorStreamServer::TakeLocked(absl::flat_hash_map<TensorKey, Waiting>::iterator it) {
+  ReceivedTensor tensor = std::move(it->second.tensor);
+  mailbox_.erase(it);
+  ReleaseLocked(tensor.key, tensor.encoded.size());
+  return tensor;
+}
 
 namespace {
 template <typename Args>
@@ -290,26 +322,51 @@ struct BuilderArgs {
 void TensorStreamServer::Register(grpc::ServerBuilder* builder) {
   BuilderArgs args{builder};
   ApplyTransportOptions(options_, &args);
+  args.SetInt(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams);
   builder->RegisterService(service_.get());
 }
 
 bool TensorStreamServer::Authorized(std::string_view presented) const { return TokenMatches(presented, token_); }
 
-absl::Status TensorStreamServer::Reserve(uint64_t bytes) {
+absl::Status TensorStreamServer::Reserve(const TensorKey& key, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
-  if (reserved_bytes_ + bytes > options_.max_mailbox_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("receiver mailbox full: ", reserved_bytes_, " bytes held, ", bytes,
-                                                     " more would pass max_mailbox_bytes=", options_.max_mailbox_bytes,
-                                                     "; the receiver is not calling Recv"));
+  const uint64_t job = job_bytes_.contains(key.job_id) ? job_bytes_[key.job_id] : 0;
+  const uint64_t peer = peer_bytes_.contains(key.src) ? peer_bytes_[key.src] : 0;
+  const struct {
+    uint64_t held, limit;
+    const char* name;
+    std::string whose;
+  } budgets[] = {{reserved_bytes_, options_.max_mailbox_bytes, "max_mailbox_bytes", "all jobs"},
+                 {job, options_.max_job_bytes, "max_job_bytes", absl::StrCat("job ", key.job_id)},
+                 {peer, options_.max_peer_bytes, "max_peer_bytes", absl::StrCat("sender ", key.src)}};
+  for (const auto& b : budgets) {
+    if (bytes > b.limit || b.held > b.limit - bytes) {
+      ++stats_.over_budget;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "receiver mailbox over budget: ", b.whose, " holds ", b.held, " bytes, tensor ", key.ToString(), " of ",
+          bytes, " more would pass ", b.name, "=", b.limit, "; the receiver is not calling Recv for them"));
+    }
   }
   reserved_bytes_ += bytes;
+  job_bytes_[key.job_id] += bytes;
+  peer_bytes_[key.src] += bytes;
   return absl::OkStatus();
 }
 
-void TensorStreamServer::Release(uint64_t bytes) {
+void TensorStreamServer::Release(const TensorKey& key, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
+  ReleaseLocked(key, bytes);
+}
+
+void TensorStreamServer::ReleaseLocked(const TensorKey& key, uint64_t bytes) {
   reserved_bytes_ -= std::min(bytes, reserved_bytes_);
+  for (auto [held, name] : {std::pair{&job_bytes_, &key.job_id}, std::pair{&peer_bytes_, &key.src}}) {
+    auto h = held->find(*name);
+    if (h == held->end()) continue;
+    h->second -= std::min(bytes, h->second);
+    if (h->second == 0) held->erase(h);
+  }
 }
 
 absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
@@ -320,7 +377,8 @@ absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
         absl::StrCat("job ", tensor.key.job_id, " was stopped on the receiver; its tensors are no longer taken"));
   }
   const uint64_t bytes = tensor.encoded.size();
-  auto [it, inserted] = mailbox_.try_emplace(tensor.key, std::move(tensor));
+  const TensorKey key = tensor.key;
+  auto [it, inserted] = mailbox_.try_emplace(key, Waiting{std::move(tensor), absl::Now()});
   if (!inserted) {
     return absl::AlreadyExistsError(
         absl::StrCat("tensor ", it->first.ToString(), " is already waiting in the receiver's mailbox"));
@@ -344,10 +402,9 @@ absl::StatusOr<ReceivedTensor> TensorStreamServer::Recv(const TensorKey& key, ab
   if (cancelled_jobs_.contains(key.job_id)) {
     return absl::CancelledError(absl::StrCat("receives of job ", key.job_id, " were cancelled (the job is stopping)"));
   }
-  auto node = mailbox_.extract(key);
-  if (node.empty()) return absl::CancelledError("tensor stream endpoint shut down");
-  reserved_bytes_ -= std::min<uint64_t>(node.mapped().encoded.size(), reserved_bytes_);
-  return std::move(node.mapped());
+  auto it = mailbox_.find(key);
+  if (it == mailbox_.end()) return absl::CancelledError("tensor stream endpoint shut down");
+  return TakeLocked(it);
 }
 
 void TensorStreamServer::CancelJob(const std::string& job_id) {
@@ -364,13 +421,12 @@ size_t TensorStreamServer::DiscardJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   size_t dropped = 0;
   for (auto it = mailbox_.begin(); it != mailbox_.end();) {
+    auto next = std::next(it);
     if (it->first.job_id == job_id) {
-      reserved_bytes_ -= std::min<uint64_t>(it->second.encoded.size(), reserved_bytes_);
-      mailbox_.erase(it++);
+      TakeLocked(it);
       ++dropped;
-    } else {
-      ++it;
     }
+    it = next;
   }
   return dropped;
 }
@@ -408,9 +464,7 @@ absl::Status TensorStreamServer::RecvInto(const TensorKey& key, absl::Span<float
     }
     destinations_.erase(key);
     if (d->done) return absl::OkStatus();
-    auto node = mailbox_.extract(key);
-    reserved_bytes_ -= std::min<uint64_t>(node.mapped().encoded.size(), reserved_bytes_);
-    tensor = std::move(node.mapped());
+    tensor = TakeLocked(mailbox_.find(key));
   }
   if (tensor.num_elements() != static_cast<int64_t>(out.size())) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", key.ToString(), " has ", tensor.num_elements(),
@@ -470,19 +524,24 @@ void TensorStreamServer::Unclaim(TensorDestination* destination) {
   destination->writing = false;
 }
 
-bool TensorStreamServer::AddReactor(Reactor* reactor) {
+absl::Status TensorStreamServer::AddReactor(Reactor* reactor) {
   absl::MutexLock lock(&reactors_mu_);
-  {
-    absl::MutexLock state_lock(&mu_);
-    if (shutdown_) return false;
+  absl::MutexLock state_lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
+  if (reactors_.size() >= static_cast<size_t>(options_.max_streams)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("receiver has ", reactors_.size(), " tensor streams open, its limit (max_streams); retry later"));
   }
   reactors_.insert(reactor);
-  return true;
+  stats_.streams_open = reactors_.size();
+  return absl::OkStatus();
 }
 
 void TensorStreamServer::RemoveReactor(Reactor* reactor) {
   absl::MutexLock lock(&reactors_mu_);
   reactors_.erase(reactor);
+  absl::MutexLock state_lock(&mu_);
+  stats_.streams_open = reactors_.size();
 }
 
 void TensorStreamServer::Shutdown() {
@@ -628,7 +687,7 @@ std::unique_ptr<TensorStreamClient::Stream> TensorStreamClient::TakeStream(const
   }
   if (peer.channel == nullptr) {
     grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxReceiveMessageSize(64 << 10);  // acks only
     args.SetMaxSendMessageSize(-1);
     // A separate connection per client object (not shared through gRPC's global subchannel pool), so that
     // benchmarks and tests with several endpoints in one process behave like separate processes.
