@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
   t.token = argc > 5 ? argv[5] : "";
   if (t.kind != "metrics") {
     // Links control.proto's descriptors (a static library's object is linked only when referenced).
-    (void)geotrain::RegisterWorkerRequest::default_instance();
+    if (geotrain::RegisterWorkerRequest::descriptor() == nullptr) return 2;
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
