@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "cli/registry.h"
@@ -148,8 +149,8 @@ int DataPrepare(const std::vector<std::string>& inputs, const std::string& out, 
 void AddModelCommands(CLI::App& app, Context& context) {
   // geotrain train --local SPEC.yaml [--resume]
   auto* train = app.add_subcommand("train", "Train a job spec in this process (--local): the reference run");
-  auto* train_spec = new std::string();
-  auto* resume = new bool(false);
+  auto train_spec = std::make_shared<std::string>();
+  auto resume = std::make_shared<bool>(false);
   train->add_option("--local", *train_spec, "Job spec (YAML or JSON) to train in this process")->required();
   train->add_flag("--resume", *resume, "Continue from the latest checkpoint in checkpoint.dir");
   train->callback([&context, train_spec, resume]() {
@@ -169,9 +170,9 @@ void AddModelCommands(CLI::App& app, Context& context) {
   auto* data = app.add_subcommand("data", "Token data: prepare shards from text");
   data->require_subcommand(1);
   auto* prepare = data->add_subcommand("prepare", "Tokenize text files or directories into .bin shards");
-  auto* inputs = new std::vector<std::string>();
-  auto* out_dir = new std::string();
-  auto* val_fraction = new double(0.01);
+  auto inputs = std::make_shared<std::vector<std::string>>();
+  auto out_dir = std::make_shared<std::string>();
+  auto val_fraction = std::make_shared<double>(0.01);
   prepare->add_option("inputs", *inputs, "Text files or directories (fortune files split on '%' lines)")->required();
   prepare->add_option("--out", *out_dir, "Output directory for train_NNNNNN.bin and val_000000.bin")->required();
   prepare->add_option("--val-fraction", *val_fraction, "Fraction of documents for validation (default 0.01)");
@@ -186,7 +187,7 @@ void AddModelCommands(CLI::App& app, Context& context) {
     std::string config, weights, tokens, out;
     uint64_t seed = 0;
   };
-  auto* args = new Args();
+  auto args = std::make_shared<Args>();
   auto* init = model_cmd->add_subcommand("init", "Write GPT-2-initialised weights for the spec's model");
   init->add_option("--config", args->config, "Job spec giving the model shape")->required();
   init->add_option("--out", args->out, "Output safetensors file")->required();

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "comm/codec_kernels.h"
@@ -155,7 +156,9 @@ absl::StatusOr<const uint8_t*> RawPayload(const Header& h, absl::Span<const uint
     return absl::DataLossError(absl::StrCat("zstd frame does not declare the expected ", h.raw_bytes, " bytes"));
   }
   uint8_t* raw = ScratchBytes(0, h.raw_bytes + 1);
-  thread_local ZSTD_DCtx* dctx = ZSTD_createDCtx();
+  // One context per thread, freed when the thread ends (gRPC's threads come and go).
+  thread_local const std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> context(ZSTD_createDCtx(), ZSTD_freeDCtx);
+  ZSTD_DCtx* dctx = context.get();
   const size_t got = ZSTD_decompressDCtx(dctx, raw, h.raw_bytes, payload, h.payload_bytes);
   if (ZSTD_isError(got) || got != h.raw_bytes) {
     return absl::DataLossError(
@@ -194,6 +197,7 @@ absl::Status CheckInt8Scales(const uint8_t* raw, uint64_t count) {
 
 // Decodes elements [begin, begin + n) of a validated fixed-size raw payload.
 void DecodeRange(CodecKind kind, const uint8_t* raw, uint64_t count, size_t begin, size_t n, float* out) {
+  if (n == 0) return;  // an empty output may be a null pointer, which memcpy must not get even for 0 bytes
   const Kernels* k = K();
   switch (kind) {
     case CodecKind::kNone:
@@ -382,7 +386,8 @@ absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Byt
     h.flags = kFlagZstd;
     const size_t bound = ZSTD_compressBound(raw_bytes);
     result = Bytes(kCodecHeaderBytes + bound);
-    thread_local ZSTD_CCtx* cctx = ZSTD_createCCtx();
+    thread_local const std::unique_ptr<ZSTD_CCtx, size_t (*)(ZSTD_CCtx*)> context(ZSTD_createCCtx(), ZSTD_freeCCtx);
+    ZSTD_CCtx* cctx = context.get();
     const size_t compressed =
         ZSTD_compressCCtx(cctx, result.data() + kCodecHeaderBytes, bound, raw, raw_bytes, codec.zstd_level);
     if (ZSTD_isError(compressed)) {

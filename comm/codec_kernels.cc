@@ -10,9 +10,11 @@
 #include <atomic>
 #include <bit>
 #include <cstring>
+#include <limits>
 #include <string_view>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -125,7 +127,9 @@ GT_INLINE bool Int8EncodeBody(const float* in, size_t n, float* scales, int8_t* 
     }
     const float max_abs = BitsFloat(max_bits);
     const float scale = max_abs / 127.0f;
-    const float inverse = max_abs > 0.0f ? 127.0f / max_abs : 0.0f;
+    // A block of tiny values (max below ~3.7e-37) would make the inverse overflow to infinity, and 0 x inf is
+    // NaN, whose conversion to an integer is undefined; the largest float quantizes such a block to zeros.
+    const float inverse = max_abs > 0.0f ? std::min(127.0f / max_abs, std::numeric_limits<float>::max()) : 0.0f;
     std::memcpy(scales + block, &scale, sizeof(float));
     QuantizeInt8Body(in + begin, inverse, q + begin, len);
   }
@@ -212,14 +216,22 @@ constexpr Kernels kKernels = {"avx512", F32ToBf16, Bf16ToF32, F32ToF16, F16ToF32
 }  // namespace avx512
 #endif
 
+#if defined(__x86_64__)
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports does not know "f16c".
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
 const Kernels* DetectKernels() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+      __builtin_cpu_supports("avx512dq") && HasF16c() && __builtin_cpu_supports("fma")) {
     return &avx512::kKernels;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+  if (__builtin_cpu_supports("avx2") && HasF16c() && __builtin_cpu_supports("fma")) {
     return &avx2::kKernels;
   }
 #endif

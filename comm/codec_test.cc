@@ -168,6 +168,41 @@ TEST_P(CodecTest, Int8RefusesNonFiniteInput) {
   EXPECT_EQ(EncodeTensor(MustParse("int8"), input, &wire).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Found by fuzz/codec_fuzzer.cc (UBSan): decoding an empty tensor into an empty span (whose data() is null)
+// passed the null pointer to memcpy.
+TEST_P(CodecTest, EmptyTensorsRoundTrip) {
+  for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.5", "bf16+zstd", "none+zstd"}) {
+    const std::vector<float> input;
+    Bytes wire;
+    std::vector<float> residual;
+    ASSERT_TRUE(EncodeTensor(MustParse(name), input, &wire, &residual).ok()) << name;
+    std::vector<float> out;
+    EXPECT_TRUE(DecodeTensor(wire.span(), absl::MakeSpan(out)).ok()) << name;
+    EXPECT_TRUE(DecodeTensorAdd(wire.span(), absl::MakeSpan(out)).ok()) << name;
+  }
+}
+
+// Found by fuzz/codec_fuzzer.cc (UBSan): a block whose largest magnitude is tiny (below ~3.7e-37) made the int8
+// inverse scale infinite, and a zero in it became 0 x inf = NaN before the conversion to an integer (undefined
+// behaviour). Such blocks now quantize with the largest finite inverse: zeros stay zero, values stay finite and
+// within their own magnitude.
+TEST_P(CodecTest, Int8BlocksOfTinyValuesStayFinite) {
+  std::vector<float> input(600, 0.0f);
+  input[1] = 1.4e-44f;   // a denormal: 127 / it overflows
+  input[2] = -3.0e-39f;  // a denormal too
+  input[300] = 2.0f;     // another block, normal
+  Bytes wire;
+  ASSERT_TRUE(EncodeTensor(MustParse("int8"), input, &wire).ok());
+  std::vector<float> out(input.size(), 1.0f);
+  ASSERT_TRUE(DecodeTensor(wire.span(), absl::MakeSpan(out)).ok());
+  for (size_t i = 0; i < 256; ++i) {
+    ASSERT_TRUE(std::isfinite(out[i])) << i;
+    EXPECT_LE(std::fabs(out[i] - input[i]), std::fabs(input[i])) << i;
+  }
+  EXPECT_EQ(out[0], 0.0f);
+  EXPECT_NEAR(out[300], 2.0f, 2.0f / 254);
+}
+
 TEST_P(CodecTest, TopKKeepsLargestExactlyAndConservesTheSum) {
   const size_t n = 10000;
   const Codec codec = MustParse("topk:0.01");

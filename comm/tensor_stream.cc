@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "comm/tensor_chunks.h"
 #include "common/rpc.h"  // FromGrpc, ToGrpc
 #include "common/status.h"
 #include "tensor.grpc.pb.h"
@@ -34,9 +35,6 @@ namespace geotrain::comm {
 namespace {
 
 constexpr char kStreamMethod[] = "/geotrain.TensorStream/Stream";
-constexpr size_t kMaxHeaderBytes = 64 * 1024;
-// Encode + CRC and copy + CRC work in blocks of this size so the second pass reads from L1/L2.
-constexpr size_t kCacheBlockBytes = 64 * 1024;
 
 // --- Protobuf wire helpers ----------------------------------------------------------------------------
 
@@ -48,188 +46,12 @@ void PutVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
-// Reads a message spread over several slices without copying it.
-class SliceReader {
- public:
-  explicit SliceReader(const std::vector<grpc::Slice>* slices) : slices_(slices) {
-    if (slices != nullptr) {
-      for (const grpc::Slice& s : *slices) remaining_ += s.size();
-    }
-  }
-  uint64_t remaining() const { return remaining_; }
-
-  bool ReadByte(uint8_t* b) {
-    if (remaining_ == 0) return false;
-    Normalize();
-    *b = (*slices_)[index_].begin()[offset_];
-    Advance(1);
-    return true;
-  }
-  bool ReadVarint(uint64_t* v) {
-    uint64_t result = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      uint8_t b;
-      if (!ReadByte(&b)) return false;
-      result |= static_cast<uint64_t>(b & 0x7F) << shift;
-      if ((b & 0x80) == 0) {
-        *v = result;
-        return true;
-      }
-    }
-    return false;  // more than 10 bytes
-  }
-  // Copies n bytes out (n <= remaining()).
-  bool Copy(uint8_t* dst, uint64_t n) {
-    if (n > remaining_) return false;
-    while (n > 0) {
-      Normalize();
-      const grpc::Slice& s = (*slices_)[index_];
-      const size_t take = static_cast<size_t>(std::min<uint64_t>(n, s.size() - offset_));
-      std::memcpy(dst, s.begin() + offset_, take);
-      dst += take;
-      n -= take;
-      Advance(take);
-    }
-    return true;
-  }
-  bool Skip(uint64_t n) {
-    if (n > remaining_) return false;
-    while (n > 0) {
-      Normalize();
-      const size_t take = static_cast<size_t>(std::min<uint64_t>(n, (*slices_)[index_].size() - offset_));
-      n -= take;
-      Advance(take);
-    }
-    return true;
-  }
-
- private:
-  void Normalize() {
-    while (offset_ == (*slices_)[index_].size()) {
-      ++index_;
-      offset_ = 0;
-    }
-  }
-  void Advance(size_t n) {
-    offset_ += n;
-    remaining_ -= n;
-  }
-  const std::vector<grpc::Slice>* slices_;
-  size_t index_ = 0;
-  size_t offset_ = 0;
-  uint64_t remaining_ = 0;
-};
-
-// A parsed chunk: small fields decoded, the payload located (a reader positioned at it) but not copied.
-struct ParsedChunk {
-  bool has_header = false;
-  TensorHeader header;
-  uint64_t offset = 0;
-  bool last = false;
-  bool has_payload = false;
-  uint64_t payload_bytes = 0;
-  bool has_trailer = false;  // field 5: the codec header's two CRCs, on the last chunk of a streamed encode
-  uint64_t trailer = 0;
-  SliceReader payload_at{nullptr};
-};
-
-absl::Status ParseChunk(const std::vector<grpc::Slice>* slices, ParsedChunk* chunk) {
-  SliceReader reader(slices);
-  bool seen[6] = {false, false, false, false, false, false};
-  while (reader.remaining() > 0) {
-    uint64_t tag;
-    if (!reader.ReadVarint(&tag)) return absl::InvalidArgumentError("chunk: truncated field tag");
-    const uint64_t field = tag >> 3;
-    const int wire_type = static_cast<int>(tag & 7);
-    if (field >= 1 && field <= 5) {
-      if (seen[field]) return absl::InvalidArgumentError(absl::StrCat("chunk: field ", field, " repeated"));
-      seen[field] = true;
-    }
-    if (field == 2 || field == 3) {
-      uint64_t v;
-      if (wire_type != 0 || !reader.ReadVarint(&v)) return absl::InvalidArgumentError("chunk: bad offset/last field");
-      if (field == 2) chunk->offset = v;
-      if (field == 3) {
-        if (v > 1) return absl::InvalidArgumentError("chunk: bad 'last' value");
-        chunk->last = v == 1;
-      }
-      continue;
-    }
-    if (field == 5) {
-      uint8_t bytes[8];
-      if (wire_type != 1 || !reader.Copy(bytes, 8)) return absl::InvalidArgumentError("chunk: bad trailer field");
-      std::memcpy(&chunk->trailer, bytes, 8);
-      chunk->has_trailer = true;
-      continue;
-    }
-    if (field == 1 || field == 4) {
-      uint64_t len;
-      if (wire_type != 2 || !reader.ReadVarint(&len) || len > reader.remaining()) {
-        return absl::InvalidArgumentError(absl::StrCat("chunk: field ", field, " length exceeds the message"));
-      }
-      if (field == 1) {
-        if (len > kMaxHeaderBytes) return absl::InvalidArgumentError("chunk: tensor header too large");
-        std::string bytes(len, '\0');
-        reader.Copy(reinterpret_cast<uint8_t*>(bytes.data()), len);
-        if (!chunk->header.ParseFromString(bytes)) return absl::InvalidArgumentError("chunk: unparsable header");
-        chunk->has_header = true;
-      } else {
-        chunk->has_payload = true;
-        chunk->payload_bytes = len;
-        chunk->payload_at = reader;
-        reader.Skip(len);
-      }
-      continue;
-    }
-    // Unknown field: skip it by wire type (forward compatibility).
-    uint64_t skip = 0;
-    switch (wire_type) {
-      case 0:
-        if (!reader.ReadVarint(&skip)) return absl::InvalidArgumentError("chunk: truncated varint");
-        skip = 0;
-        break;
-      case 1:
-        skip = 8;
-        break;
-      case 2:
-        if (!reader.ReadVarint(&skip)) return absl::InvalidArgumentError("chunk: truncated length");
-        break;
-      case 5:
-        skip = 4;
-        break;
-      default:
-        return absl::InvalidArgumentError(absl::StrCat("chunk: unsupported wire type ", wire_type));
-    }
-    if (!reader.Skip(skip)) return absl::InvalidArgumentError("chunk: unknown field exceeds the message");
-  }
-  return absl::OkStatus();
-}
-
-TensorKey KeyFromProto(const geotrain::TensorKey& k) {
-  return TensorKey{k.job_id(), k.step(), k.microbatch(), k.tensor_id(), k.src()};
-}
-
 void KeyToProto(const TensorKey& k, geotrain::TensorKey* out) {
   out->set_job_id(k.job_id);
   out->set_step(k.step);
   out->set_microbatch(k.microbatch);
   out->set_tensor_id(k.tensor_id);
   out->set_src(k.src);
-}
-
-absl::StatusOr<uint64_t> ShapeElements(absl::Span<const int64_t> shape, int max_rank) {
-  if (static_cast<int>(shape.size()) > max_rank) {
-    return absl::InvalidArgumentError(absl::StrCat("shape has ", shape.size(), " dimensions, at most ", max_rank));
-  }
-  uint64_t product = 1;
-  for (int64_t d : shape) {
-    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("shape has a negative dimension ", d));
-    if (d != 0 && product > kMaxCodecElements / static_cast<uint64_t>(d)) {
-      return absl::InvalidArgumentError("shape's element count is too large");
-    }
-    product *= static_cast<uint64_t>(d);
-  }
-  return product;
 }
 
 // gRPC reads the socket into 64 KiB buffers that it frees on another thread once the message is consumed.
@@ -294,13 +116,17 @@ absl::StatusOr<std::vector<float>> ReceivedTensor::Decode() const {
 
 // --- Server ----------------------------------------------------------------------------------------------
 
-// One TensorStream call: reads chunks, validates each tensor and assembles it (into a mailbox buffer, or decoded
-// straight into a waiting RecvInto's buffer), acknowledges it, then reads the next tensor's chunks, until the
-// client ends the call. Reactions run one at a time on gRPC's threads and hold mu_ throughout; Close() comes
-// from TensorStreamServer::Shutdown on another thread.
-class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+// One TensorStream call: reads chunks and hands each to the stream's TensorChunkAssembler (tensor_chunks.h: the
+// parsing, validation and assembly, into a mailbox buffer or decoded straight into a waiting RecvInto's buffer),
+// acknowledges each tensor it delivers, then reads the next tensor's chunks, until the client ends the call.
+// The reactor is the assembler's sink: it forwards to the server with this stream's peer. Reactions run one at
+// a time on gRPC's threads and hold mu_ throughout; Close() comes from TensorStreamServer::Shutdown on another
+// thread.
+class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                                    public TensorSink {
  public:
-  Reactor(TensorStreamServer* owner, grpc::CallbackServerContext* context) : owner_(owner) {
+  Reactor(TensorStreamServer* owner, grpc::CallbackServerContext* context)
+      : owner_(owner), assembler_(owner->options_, this) {
     const auto& metadata = context->client_metadata();
     auto it = metadata.find(kTokenMetadataKey);
     const std::string_view presented =
@@ -314,11 +140,15 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     }
     StartRead(&request_);
     // Registered only now: until then nothing else knows of this reactor. Once registered, Shutdown may Close it.
-    registered_ = owner_->AddReactor(this);
-    if (!registered_) Close(grpc::Status(grpc::StatusCode::UNAVAILABLE, "tensor stream endpoint is shutting down"));
+    const absl::Status added = owner_->AddReactor(this);
+    registered_ = added.ok();
+    if (!registered_) {
+      owner_->CountRejected();
+      Close(ToGrpc(added));
+    }
   }
 
-  ~Reactor() override { AbandonTensor(); }
+  ~Reactor() override { assembler_.Abandon(); }
 
   // Ends the call with `status` unless it has ended already (a pending read then fails).
   void Close(const grpc::Status& status) {
@@ -330,26 +160,31 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     absl::MutexLock lock(&mu_);
     if (finished_) return;  // closed by Shutdown
     if (!ok) {              // the client ended the call or it was cancelled
-      if (in_progress_) {
-        AbandonTensor();
+      if (assembler_.in_progress()) {
+        const std::string key = assembler_.current_key().ToString();
+        assembler_.Abandon();
         owner_->CountRejected();
-        FinishOnce(grpc::Status(grpc::StatusCode::DATA_LOSS,
-                                absl::StrCat("stream ended inside tensor ", tensor_.key.ToString())));
+        FinishOnce(grpc::Status(grpc::StatusCode::DATA_LOSS, absl::StrCat("stream ended inside tensor ", key)));
       } else {
         FinishOnce(grpc::Status::OK);
       }
       return;
     }
-    absl::Status s = HandleChunk();
+    absl::StatusOr<bool> delivered = HandleChunk();
     request_.Clear();
-    if (!s.ok()) {
-      AbandonTensor();  // before the status reaches the sender
+    if (!delivered.ok()) {
+      assembler_.Abandon();  // before the status reaches the sender
       owner_->CountRejected();
-      FinishOnce(ToGrpc(s));
+      FinishOnce(ToGrpc(delivered.status()));
       return;
     }
-    if (ack_ready_) {
-      ack_ready_ = false;
+    if (*delivered) {
+      geotrain::TensorAck ack;
+      KeyToProto(assembler_.delivered_key(), ack.mutable_key());
+      ack.set_bytes(assembler_.delivered_bytes());
+      const std::string serialized = ack.SerializeAsString();
+      grpc::Slice slice(serialized);
+      ack_ = grpc::ByteBuffer(&slice, 1);
       StartWrite(&ack_);
     } else {
       StartRead(&request_);
@@ -371,6 +206,26 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     delete this;
   }
 
+  // TensorSink: the server's mailbox and RecvInto buffers (called by assembler_, under mu_).
+  absl::Status Reserve(const TensorKey& key, uint64_t bytes) override { return owner_->Reserve(key, bytes); }
+  void Release(const TensorKey& key, uint64_t bytes) override { owner_->Release(key, bytes); }
+  absl::Status Deliver(ReceivedTensor tensor) override {
+    const TensorKey key = tensor.key;
+    const uint64_t bytes = tensor.encoded.size();
+    absl::Status delivered = owner_->Deliver(std::move(tensor));
+    if (!delivered.ok()) owner_->Release(key, bytes);
+    return delivered;
+  }
+  std::shared_ptr<TensorDestination> Claim(const TensorKey& key, uint64_t elements) override {
+    return owner_->Claim(key, elements);
+  }
+  absl::Status BeginWrite(TensorDestination* d, const TensorKey& key) override { return owner_->BeginWrite(d, key); }
+  void EndWrite(TensorDestination* d) override { owner_->EndWrite(d); }
+  absl::Status CompleteClaim(TensorDestination* d, const TensorKey& key, uint64_t bytes) override {
+    return owner_->CompleteClaim(d, key, bytes);
+  }
+  void Unclaim(TensorDestination* d) override { owner_->Unclaim(d); }
+
  private:
   void FinishOnce(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return;
@@ -378,212 +233,12 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
     Finish(status);
   }
 
-  // Gives back what the tensor in progress holds: its mailbox reservation, or its claim on a RecvInto's buffer.
-  void AbandonTensor() {
-    if (reserved_ > 0) owner_->Release(reserved_);
-    reserved_ = 0;
-    if (destination_ != nullptr) owner_->Unclaim(destination_.get());
-    destination_.reset();
-  }
-
-  absl::Status BeginTensor(const ParsedChunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const TensorStreamOptions& o = owner_->options_;
-    const TensorHeader& h = chunk.header;
-    const geotrain::TensorKey& k = h.key();
-    if (k.job_id().size() > o.max_name_bytes || k.tensor_id().size() > o.max_name_bytes ||
-        k.src().size() > o.max_name_bytes) {
-      return absl::InvalidArgumentError("tensor key names are too long");
-    }
-    if (k.tensor_id().empty()) return absl::InvalidArgumentError("tensor header has an empty tensor id");
-    if (h.dtype() != TENSOR_DTYPE_F32) {
-      return absl::InvalidArgumentError(absl::StrCat("unsupported tensor dtype ", h.dtype()));
-    }
-    std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
-    ASSIGN_OR_RETURN(const uint64_t elements, ShapeElements(shape, o.max_rank));
-    ASSIGN_OR_RETURN(const Codec codec, ParseCodec(h.codec()));
-    if (h.total_bytes() > o.max_tensor_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat("tensor of ", h.total_bytes(), " bytes exceeds the receiver's ",
-                                                       "limit of ", o.max_tensor_bytes, " (max_tensor_bytes)"));
-    }
-    RETURN_IF_ERROR(CheckEncodedSize(codec, elements, h.total_bytes()));
-    if (h.chunk_bytes() == 0 || h.chunk_bytes() > o.max_chunk_bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk size ", h.chunk_bytes(), " outside (0, ", o.max_chunk_bytes, "]"));
-    }
-    if (chunk.offset != 0) return absl::InvalidArgumentError("first chunk of a tensor has a non-zero offset");
-    tensor_ = ReceivedTensor{};
-    tensor_.key = KeyFromProto(k);
-    tensor_.shape = std::move(shape);
-    tensor_.codec = h.codec();
-    codec_ = codec;
-    element_bytes_ = codec.zstd ? 0 : EncodedElementBytes(codec);
-    elements_ = elements;
-    total_ = h.total_bytes();
-    chunk_bytes_ = h.chunk_bytes();
-    expected_crc_ = h.checksum();
-    crc_ = 0;
-    received_ = 0;
-    decoded_ = 0;
-    carry_ = 0;
-    // Element-wise codecs go straight into a waiting RecvInto's buffer if there is one; otherwise (and for the
-    // other codecs) into a mailbox buffer, reserved against max_mailbox_bytes before it is allocated.
-    if (element_bytes_ > 0) destination_ = owner_->Claim(tensor_.key, elements_);
-    if (destination_ == nullptr) {
-      RETURN_IF_ERROR(owner_->Reserve(total_));
-      reserved_ = total_;
-      tensor_.encoded = Bytes(total_);
-    }
-    in_progress_ = true;
-    return absl::OkStatus();
-  }
-
-  absl::Status HandleChunk() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    std::vector<grpc::Slice> slices;
-    if (!request_.Dump(&slices).ok()) return absl::InvalidArgumentError("chunk: unreadable message");
-    ParsedChunk chunk;
-    RETURN_IF_ERROR(ParseChunk(&slices, &chunk));
-    if (!in_progress_) {
-      if (!chunk.has_header) return absl::InvalidArgumentError("first chunk of a tensor has no header");
-      RETURN_IF_ERROR(BeginTensor(chunk));
-    } else if (chunk.has_header) {
-      return absl::InvalidArgumentError("chunk carries a header in the middle of a tensor");
-    }
-    const uint64_t expected_len = std::min<uint64_t>(chunk_bytes_, total_ - received_);
-    if (chunk.offset != received_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk offset ", chunk.offset, " is not contiguous (expected ", received_, ")"));
-    }
-    if (chunk.payload_bytes != expected_len) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk carries ", chunk.payload_bytes, " bytes, expected ", expected_len));
-    }
-    const bool last = received_ + expected_len == total_;
-    if (chunk.last != last) return absl::InvalidArgumentError("chunk 'last' flag disagrees with the sizes");
-    if (chunk.has_trailer && !last) return absl::InvalidArgumentError("chunk carries a trailer before the last chunk");
-    if (chunk.has_trailer && expected_crc_ != 0) {
-      return absl::InvalidArgumentError("chunk carries a trailer but the stream header has a checksum");
-    }
-    if (destination_ != nullptr) {
-      RETURN_IF_ERROR(owner_->BeginWrite(destination_.get(), tensor_.key));
-      const absl::Status decoded = DecodeChunk(&chunk.payload_at, expected_len);
-      owner_->EndWrite(destination_.get());
-      RETURN_IF_ERROR(decoded);
-    } else {
-      CopyChunk(&chunk.payload_at, expected_len);
-    }
-    if (!last) return absl::OkStatus();
-    return FinishTensor(chunk.has_trailer ? &chunk.trailer : nullptr);
-  }
-
-  // Mailbox: copies a cache-sized block at a time into the tensor's buffer and takes the CRC of the bytes after
-  // the codec header on the data just copied (still in cache).
-  void CopyChunk(SliceReader* payload, uint64_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const uint64_t end = received_ + len;
-    while (received_ < end) {
-      const uint64_t n = std::min<uint64_t>(end - received_, kCacheBlockBytes);
-      uint8_t* dst = tensor_.encoded.data() + received_;
-      payload->Copy(dst, n);
-      const uint64_t crc_begin = std::max<uint64_t>(received_, kCodecHeaderBytes);
-      if (received_ + n > crc_begin) crc_ = Crc32c(tensor_.encoded.data() + crc_begin, received_ + n - crc_begin, crc_);
-      received_ += n;
-    }
-  }
-
-  // RecvInto's buffer: keeps the codec header (checked at the end) and decodes the payload into place, a
-  // cache-sized block at a time, with the CRC on the same block. "none" is fp32 little endian on the wire, so
-  // its bytes are copied straight into place; fp16 and bf16 blocks are staged behind a codec header of their own
-  // and decoded by the codec (a partial element at a block's end waits for the next block).
-  absl::Status DecodeChunk(SliceReader* payload, uint64_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const uint64_t end = received_ + len;
-    if (received_ < kCodecHeaderBytes && received_ < end) {
-      const uint64_t n = std::min<uint64_t>(end, kCodecHeaderBytes) - received_;
-      payload->Copy(codec_header_ + received_, n);
-      received_ += n;
-    }
-    const absl::Span<float> out = destination_->out;
-    if (codec_.kind == CodecKind::kNone) {
-      uint8_t* const base = reinterpret_cast<uint8_t*>(out.data()) - kCodecHeaderBytes;  // indexed from 40 on
-      while (received_ < end) {
-        const uint64_t n = std::min<uint64_t>(end - received_, kCacheBlockBytes);
-        payload->Copy(base + received_, n);
-        crc_ = Crc32c(base + received_, n, crc_);
-        received_ += n;
-      }
-      return absl::OkStatus();
-    }
-    if (staging_.size() < kCodecHeaderBytes + kCacheBlockBytes + element_bytes_) {
-      staging_.resize(kCodecHeaderBytes + kCacheBlockBytes + element_bytes_);
-    }
-    uint8_t* const block = staging_.data() + kCodecHeaderBytes;
-    DecodeOptions options;
-    options.verify_checksum = false;  // the CRC is taken here, over the whole payload
-    while (received_ < end) {
-      const uint64_t n = std::min<uint64_t>(end - received_, kCacheBlockBytes);
-      payload->Copy(block + carry_, n);
-      crc_ = Crc32c(block + carry_, n, crc_);
-      received_ += n;
-      const uint64_t bytes = carry_ + n;
-      const uint64_t whole = bytes / element_bytes_;
-      if (decoded_ + whole > out.size()) return absl::InternalError("tensor stream: decoded past the buffer");
-      WriteCodecHeader(codec_, whole, 0, staging_.data());
-      RETURN_IF_ERROR(DecodeTensor(absl::MakeConstSpan(staging_.data(), kCodecHeaderBytes + whole * element_bytes_),
-                                   out.subspan(decoded_, whole), options));
-      decoded_ += whole;
-      carry_ = bytes - whole * element_bytes_;
-      std::memmove(block, block + whole * element_bytes_, carry_);
-    }
-    return absl::OkStatus();
-  }
-
-  // `trailer`: the last 8 bytes of the codec header (payload CRC, header CRC) when the sender encoded while
-  // sending; the first chunk carried zeros in their place. Both CRCs are checked below before delivery.
-  absl::Status FinishTensor(const uint64_t* trailer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    in_progress_ = false;
-    uint8_t* const codec_header = destination_ != nullptr ? codec_header_ : tensor_.encoded.data();
-    if (trailer != nullptr) {
-      std::memcpy(codec_header + kCodecHeaderBytes - 8, trailer, 8);
-      expected_crc_ = static_cast<uint32_t>(*trailer);
-    }
-    if (crc_ != expected_crc_) {
-      return absl::DataLossError(absl::StrCat("tensor ", tensor_.key.ToString(), " checksum mismatch"));
-    }
-    geotrain::TensorAck ack;
-    KeyToProto(tensor_.key, ack.mutable_key());
-    ack.set_bytes(total_);
-    if (destination_ != nullptr) {
-      // The header of a whole-tensor encode with this payload, byte for byte: magic, version, kind, flags,
-      // element count, sizes, payload CRC and header CRC all as expected.
-      uint8_t expected[kCodecHeaderBytes];
-      WriteCodecHeader(codec_, elements_, crc_, expected);
-      if (codec_.kind != CodecKind::kNone && (carry_ != 0 || decoded_ != elements_)) {
-        return absl::InternalError("tensor stream: payload not fully decoded");
-      }
-      if (std::memcmp(codec_header, expected, kCodecHeaderBytes) != 0) {
-        uint32_t stored_header_crc;
-        std::memcpy(&stored_header_crc, codec_header + kCodecHeaderBytes - 4, 4);
-        if (Crc32c(codec_header, kCodecHeaderBytes - 4) != stored_header_crc) {
-          return absl::DataLossError(absl::StrCat("tensor ", tensor_.key.ToString(), ": codec header corrupted"));
-        }
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor ", tensor_.key.ToString(), ": codec header disagrees with the stream header"));
-      }
-      RETURN_IF_ERROR(owner_->CompleteClaim(destination_.get(), tensor_.key, total_));
-      destination_.reset();
-    } else {
-      ASSIGN_OR_RETURN(const EncodedInfo info, InspectEncoded(tensor_.encoded.span(), /*verify_checksum=*/false));
-      if (info.element_count != elements_ || info.codec.kind != codec_.kind || info.codec.zstd != codec_.zstd ||
-          info.payload_crc != expected_crc_) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor ", tensor_.key.ToString(), ": codec header disagrees with the stream header"));
-      }
-      RETURN_IF_ERROR(owner_->Deliver(std::move(tensor_)));
-      reserved_ = 0;  // the mailbox owns the reservation now
-    }
-    const std::string serialized = ack.SerializeAsString();
-    grpc::Slice slice(serialized);
-    ack_ = grpc::ByteBuffer(&slice, 1);
-    ack_ready_ = true;
-    return absl::OkStatus();
+  absl::StatusOr<bool> HandleChunk() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    slices_.clear();
+    if (!request_.Dump(&slices_).ok()) return absl::InvalidArgumentError("chunk: unreadable message");
+    pieces_.clear();
+    for (const grpc::Slice& slice : slices_) pieces_.emplace_back(slice.begin(), slice.size());
+    return assembler_.AddChunk(pieces_);
   }
 
   TensorStreamServer* const owner_;
@@ -592,24 +247,9 @@ class TensorStreamServer::Reactor : public grpc::ServerBidiReactor<grpc::ByteBuf
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer ack_;
-  bool ack_ready_ = false;
-  // The tensor being received.
-  bool in_progress_ = false;
-  ReceivedTensor tensor_;  // key, shape and codec name; `encoded` holds the bytes on the mailbox path
-  std::shared_ptr<Destination> destination_;      // or: the RecvInto buffer the chunks are decoded into
-  uint8_t codec_header_[kCodecHeaderBytes] = {};  // the codec header as received (RecvInto path)
-  std::vector<uint8_t> staging_;                  // fp16/bf16 blocks being decoded (RecvInto path)
-  uint64_t carry_ = 0;                            // bytes of a partial element at the start of staging_'s block
-  uint64_t decoded_ = 0;                          // elements written into destination_->out
-  Codec codec_;
-  size_t element_bytes_ = 0;  // of the element-wise codecs; 0 for the others
-  uint64_t elements_ = 0;
-  uint64_t total_ = 0;
-  uint64_t chunk_bytes_ = 0;
-  uint64_t received_ = 0;
-  uint64_t reserved_ = 0;
-  uint32_t expected_crc_ = 0;
-  uint32_t crc_ = 0;
+  std::vector<grpc::Slice> slices_;                // the message being handled, as gRPC's slices
+  std::vector<absl::Span<const uint8_t>> pieces_;  // the same, as the assembler takes them
+  TensorChunkAssembler assembler_;
 };
 
 class TensorStreamServer::Service
@@ -627,9 +267,36 @@ class TensorStreamServer::Service
 TensorStreamServer::TensorStreamServer(std::string token, TensorStreamOptions options)
     : token_(std::move(token)), options_(options), service_(std::make_unique<Service>(this)) {
   RetainFreedMemory();
+  janitor_ = std::thread([this] { DropOrphansLoop(); });
 }
 
-TensorStreamServer::~TensorStreamServer() { Shutdown(); }
+TensorStreamServer::~TensorStreamServer() {
+  Shutdown();
+  janitor_.join();
+}
+
+void TensorStreamServer::DropOrphansLoop() {
+  const absl::Duration period = std::clamp(options_.orphan_timeout / 4, absl::Milliseconds(10), absl::Seconds(30));
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&shutdown_), period)) {
+    const absl::Time now = absl::Now();
+    for (auto it = mailbox_.begin(); it != mailbox_.end();) {
+      auto next = std::next(it);
+      if (now - it->second.arrived >= options_.orphan_timeout) {
+        ++stats_.orphans_dropped;
+        TakeLocked(it);
+      }
+      it = next;
+    }
+  }
+}
+
+ReceivedTensor TensorStreamServer::TakeLocked(absl::flat_hash_map<TensorKey, Waiting>::iterator it) {
+  ReceivedTensor tensor = std::move(it->second.tensor);
+  mailbox_.erase(it);
+  ReleaseLocked(tensor.key, tensor.encoded.size());
+  return tensor;
+}
 
 namespace {
 template <typename Args>
@@ -655,26 +322,51 @@ struct BuilderArgs {
 void TensorStreamServer::Register(grpc::ServerBuilder* builder) {
   BuilderArgs args{builder};
   ApplyTransportOptions(options_, &args);
+  args.SetInt(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams);
   builder->RegisterService(service_.get());
 }
 
 bool TensorStreamServer::Authorized(std::string_view presented) const { return TokenMatches(presented, token_); }
 
-absl::Status TensorStreamServer::Reserve(uint64_t bytes) {
+absl::Status TensorStreamServer::Reserve(const TensorKey& key, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
-  if (reserved_bytes_ + bytes > options_.max_mailbox_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("receiver mailbox full: ", reserved_bytes_, " bytes held, ", bytes,
-                                                     " more would pass max_mailbox_bytes=", options_.max_mailbox_bytes,
-                                                     "; the receiver is not calling Recv"));
+  const uint64_t job = job_bytes_.contains(key.job_id) ? job_bytes_[key.job_id] : 0;
+  const uint64_t peer = peer_bytes_.contains(key.src) ? peer_bytes_[key.src] : 0;
+  const struct {
+    uint64_t held, limit;
+    const char* name;
+    std::string whose;
+  } budgets[] = {{reserved_bytes_, options_.max_mailbox_bytes, "max_mailbox_bytes", "all jobs"},
+                 {job, options_.max_job_bytes, "max_job_bytes", absl::StrCat("job ", key.job_id)},
+                 {peer, options_.max_peer_bytes, "max_peer_bytes", absl::StrCat("sender ", key.src)}};
+  for (const auto& b : budgets) {
+    if (bytes > b.limit || b.held > b.limit - bytes) {
+      ++stats_.over_budget;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "receiver mailbox over budget: ", b.whose, " holds ", b.held, " bytes, tensor ", key.ToString(), " of ",
+          bytes, " more would pass ", b.name, "=", b.limit, "; the receiver is not calling Recv for them"));
+    }
   }
   reserved_bytes_ += bytes;
+  job_bytes_[key.job_id] += bytes;
+  peer_bytes_[key.src] += bytes;
   return absl::OkStatus();
 }
 
-void TensorStreamServer::Release(uint64_t bytes) {
+void TensorStreamServer::Release(const TensorKey& key, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
+  ReleaseLocked(key, bytes);
+}
+
+void TensorStreamServer::ReleaseLocked(const TensorKey& key, uint64_t bytes) {
   reserved_bytes_ -= std::min(bytes, reserved_bytes_);
+  for (auto [held, name] : {std::pair{&job_bytes_, &key.job_id}, std::pair{&peer_bytes_, &key.src}}) {
+    auto h = held->find(*name);
+    if (h == held->end()) continue;
+    h->second -= std::min(bytes, h->second);
+    if (h->second == 0) held->erase(h);
+  }
 }
 
 absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
@@ -685,7 +377,8 @@ absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
         absl::StrCat("job ", tensor.key.job_id, " was stopped on the receiver; its tensors are no longer taken"));
   }
   const uint64_t bytes = tensor.encoded.size();
-  auto [it, inserted] = mailbox_.try_emplace(tensor.key, std::move(tensor));
+  const TensorKey key = tensor.key;
+  auto [it, inserted] = mailbox_.try_emplace(key, Waiting{std::move(tensor), absl::Now()});
   if (!inserted) {
     return absl::AlreadyExistsError(
         absl::StrCat("tensor ", it->first.ToString(), " is already waiting in the receiver's mailbox"));
@@ -709,10 +402,9 @@ absl::StatusOr<ReceivedTensor> TensorStreamServer::Recv(const TensorKey& key, ab
   if (cancelled_jobs_.contains(key.job_id)) {
     return absl::CancelledError(absl::StrCat("receives of job ", key.job_id, " were cancelled (the job is stopping)"));
   }
-  auto node = mailbox_.extract(key);
-  if (node.empty()) return absl::CancelledError("tensor stream endpoint shut down");
-  reserved_bytes_ -= std::min<uint64_t>(node.mapped().encoded.size(), reserved_bytes_);
-  return std::move(node.mapped());
+  auto it = mailbox_.find(key);
+  if (it == mailbox_.end()) return absl::CancelledError("tensor stream endpoint shut down");
+  return TakeLocked(it);
 }
 
 void TensorStreamServer::CancelJob(const std::string& job_id) {
@@ -729,21 +421,20 @@ size_t TensorStreamServer::DiscardJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   size_t dropped = 0;
   for (auto it = mailbox_.begin(); it != mailbox_.end();) {
+    auto next = std::next(it);
     if (it->first.job_id == job_id) {
-      reserved_bytes_ -= std::min<uint64_t>(it->second.encoded.size(), reserved_bytes_);
-      mailbox_.erase(it++);
+      TakeLocked(it);
       ++dropped;
-    } else {
-      ++it;
     }
+    it = next;
   }
   return dropped;
 }
 
 absl::Status TensorStreamServer::RecvInto(const TensorKey& key, absl::Span<float> out, absl::Time deadline) {
-  auto destination = std::make_shared<Destination>();
+  auto destination = std::make_shared<TensorDestination>();
   destination->out = out;
-  Destination* const d = destination.get();
+  TensorDestination* const d = destination.get();
   ReceivedTensor tensor;
   {
     absl::MutexLock lock(&mu_);
@@ -773,9 +464,7 @@ absl::Status TensorStreamServer::RecvInto(const TensorKey& key, absl::Span<float
     }
     destinations_.erase(key);
     if (d->done) return absl::OkStatus();
-    auto node = mailbox_.extract(key);
-    reserved_bytes_ -= std::min<uint64_t>(node.mapped().encoded.size(), reserved_bytes_);
-    tensor = std::move(node.mapped());
+    tensor = TakeLocked(mailbox_.find(key));
   }
   if (tensor.num_elements() != static_cast<int64_t>(out.size())) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", key.ToString(), " has ", tensor.num_elements(),
@@ -784,12 +473,12 @@ absl::Status TensorStreamServer::RecvInto(const TensorKey& key, absl::Span<float
   return tensor.DecodeInto(out);
 }
 
-std::shared_ptr<TensorStreamServer::Destination> TensorStreamServer::Claim(const TensorKey& key, uint64_t elements) {
+std::shared_ptr<TensorDestination> TensorStreamServer::Claim(const TensorKey& key, uint64_t elements) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return nullptr;
   auto it = destinations_.find(key);
   if (it == destinations_.end()) return nullptr;
-  Destination* d = it->second.get();
+  TensorDestination* d = it->second.get();
   if (d->claimed || d->withdrawn || d->done || d->out.size() != elements || cancelled_jobs_.contains(key.job_id)) {
     return nullptr;
   }
@@ -797,7 +486,7 @@ std::shared_ptr<TensorStreamServer::Destination> TensorStreamServer::Claim(const
   return it->second;
 }
 
-absl::Status TensorStreamServer::BeginWrite(Destination* destination, const TensorKey& key) {
+absl::Status TensorStreamServer::BeginWrite(TensorDestination* destination, const TensorKey& key) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
   if (destination->withdrawn) {
@@ -808,12 +497,12 @@ absl::Status TensorStreamServer::BeginWrite(Destination* destination, const Tens
   return absl::OkStatus();
 }
 
-void TensorStreamServer::EndWrite(Destination* destination) {
+void TensorStreamServer::EndWrite(TensorDestination* destination) {
   absl::MutexLock lock(&mu_);
   destination->writing = false;
 }
 
-absl::Status TensorStreamServer::CompleteClaim(Destination* destination, const TensorKey& key,
+absl::Status TensorStreamServer::CompleteClaim(TensorDestination* destination, const TensorKey& key,
                                                uint64_t delivered_bytes) {
   absl::MutexLock lock(&mu_);
   destination->claimed = false;
@@ -829,25 +518,30 @@ absl::Status TensorStreamServer::CompleteClaim(Destination* destination, const T
   return absl::OkStatus();
 }
 
-void TensorStreamServer::Unclaim(Destination* destination) {
+void TensorStreamServer::Unclaim(TensorDestination* destination) {
   absl::MutexLock lock(&mu_);
   destination->claimed = false;
   destination->writing = false;
 }
 
-bool TensorStreamServer::AddReactor(Reactor* reactor) {
+absl::Status TensorStreamServer::AddReactor(Reactor* reactor) {
   absl::MutexLock lock(&reactors_mu_);
-  {
-    absl::MutexLock state_lock(&mu_);
-    if (shutdown_) return false;
+  absl::MutexLock state_lock(&mu_);
+  if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
+  if (reactors_.size() >= static_cast<size_t>(options_.max_streams)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("receiver has ", reactors_.size(), " tensor streams open, its limit (max_streams); retry later"));
   }
   reactors_.insert(reactor);
-  return true;
+  stats_.streams_open = reactors_.size();
+  return absl::OkStatus();
 }
 
 void TensorStreamServer::RemoveReactor(Reactor* reactor) {
   absl::MutexLock lock(&reactors_mu_);
   reactors_.erase(reactor);
+  absl::MutexLock state_lock(&mu_);
+  stats_.streams_open = reactors_.size();
 }
 
 void TensorStreamServer::Shutdown() {
@@ -993,7 +687,7 @@ std::unique_ptr<TensorStreamClient::Stream> TensorStreamClient::TakeStream(const
   }
   if (peer.channel == nullptr) {
     grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxReceiveMessageSize(64 << 10);  // acks only
     args.SetMaxSendMessageSize(-1);
     // A separate connection per client object (not shared through gRPC's global subchannel pool), so that
     // benchmarks and tests with several endpoints in one process behave like separate processes.
@@ -1039,7 +733,7 @@ class TensorStreamClient::ChunkEncoder {
         std::min<uint64_t>(data_.size(), (end - kCodecHeaderBytes + element_bytes_ - 1) / element_bytes_);
     // A cache-sized block at a time, so that the CRC reads what the encode has just written.
     while (done_ < target) {
-      const uint64_t n = std::min<uint64_t>(target - done_, kCacheBlockBytes / element_bytes_);
+      const uint64_t n = std::min<uint64_t>(target - done_, kStreamCacheBlockBytes / element_bytes_);
       uint8_t* out = buffer_->data() + kCodecHeaderBytes + done_ * element_bytes_;
       EncodeElements(codec_, data_.subspan(done_, n), out);
       crc_ = Crc32c(out, n * element_bytes_, crc_);

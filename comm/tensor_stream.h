@@ -26,9 +26,12 @@
 // key is already waiting and the codec is element-wise, straight into RecvInto's buffer: each chunk is decoded
 // there as it arrives, so no reassembly buffer and no decode pass after the last byte.
 // Back-pressure: the sender has one write outstanding at a time (and one more chunk encoded), and gRPC's HTTP/2
-// flow control holds it when the receiver does not read; the receiver reads one chunk at a time per stream and holds at most
-// options.max_mailbox_bytes of complete or partly received tensors in the mailbox (beyond that a Send is refused
-// with RESOURCE_EXHAUSTED rather than buffered).
+// flow control holds it when the receiver does not read; the receiver reads one chunk at a time per stream.
+// Limits (docs/architecture.md, "Limits"): the mailbox holds at most options.max_mailbox_bytes of complete or
+// partly received tensors, max_job_bytes per job and max_peer_bytes per sender (beyond them a Send is refused
+// with RESOURCE_EXHAUSTED naming the budget, rather than buffered); a tensor left in the mailbox for
+// options.orphan_timeout is dropped; at most options.max_streams streams are open at once; a chunk message is at
+// most gRPC's receive cap (4 MiB unless the server sets more) and its payload at most max_chunk_bytes.
 // Validation: every header field and size is checked before anything is allocated or written: token, key field
 // sizes, dtype, shape (rank, non-negative dims, product without overflow), codec name, total size against the
 // codec's size for that element count and options.max_tensor_bytes, chunk size, contiguous offsets, the last
@@ -58,6 +61,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -76,6 +80,8 @@ class Channel;
 }  // namespace grpc
 
 namespace geotrain::comm {
+
+struct TensorDestination;  // tensor_chunks.h
 
 // The cluster token's key and check are common/token.h's (kTokenMetadataKey, TokenMatches): one rule for
 // every service.
@@ -105,7 +111,17 @@ struct TensorStreamOptions {
   // Receiving limits.
   size_t max_chunk_bytes = (size_t{4} << 20) - (size_t{64} << 10);  // below gRPC's default 4 MiB message cap
   uint64_t max_tensor_bytes = uint64_t{4} << 30;
-  uint64_t max_mailbox_bytes = uint64_t{16} << 30;
+  // Memory budgets of the mailbox: tensors complete or being received, counted from their header until a
+  // Recv takes them (or they are dropped). Over any of them a Send is refused with RESOURCE_EXHAUSTED naming the
+  // budget; the receiver lives on. A peer is the sender named in the key (TensorKey::src).
+  uint64_t max_mailbox_bytes = uint64_t{16} << 30;  // all jobs and peers together
+  uint64_t max_job_bytes = uint64_t{8} << 30;       // per job id
+  uint64_t max_peer_bytes = uint64_t{4} << 30;      // per sender
+  // A tensor nobody took from the mailbox for this long is dropped (its job has no receiver here, or it gave up).
+  absl::Duration orphan_timeout = absl::Minutes(10);
+  // Open streams at once (all peers); one more is refused with RESOURCE_EXHAUSTED when it opens. Register() also
+  // caps gRPC's concurrent streams per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS) at this.
+  int max_streams = 1024;
   size_t max_name_bytes = 512;  // job id, tensor id, sender
   int max_rank = 8;             // dimensions of a shape
   // HTTP/2 transport tuning, applied by Register() to the server builder and by the client to its channels
@@ -185,6 +201,9 @@ class TensorStreamServer {
     uint64_t mailbox_tensors = 0;
     uint64_t mailbox_bytes = 0;      // complete plus reserved for tensors being received
     uint64_t receivers_waiting = 0;  // RecvInto calls waiting for their tensor
+    uint64_t over_budget = 0;        // tensors refused for a memory budget (mailbox, job or peer)
+    uint64_t orphans_dropped = 0;    // tensors dropped after options.orphan_timeout in the mailbox
+    uint64_t streams_open = 0;
   };
   Stats stats() const;
 
@@ -194,33 +213,26 @@ class TensorStreamServer {
   class Service;
   class Reactor;
   friend class Reactor;
-  // A RecvInto waiting for its tensor: the buffer a reactor may decode that tensor's chunks into.
-  struct Destination {
-    absl::Span<float> out;
-    bool claimed = false;    // a reactor is receiving the tensor into `out`
-    bool writing = false;    // that reactor is writing into `out` now (outside mu_)
-    bool withdrawn = false;  // RecvInto stopped waiting: nothing may be written into `out` any more
-    bool done = false;       // the tensor is in `out` and passed every check
-  };
-
   // Called by reactors.
   bool Authorized(std::string_view presented) const;
-  absl::Status Reserve(uint64_t bytes);
-  void Release(uint64_t bytes);
+  absl::Status Reserve(const TensorKey& key, uint64_t bytes);
+  void Release(const TensorKey& key, uint64_t bytes);
+  void ReleaseLocked(const TensorKey& key, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes over the reservation of `tensor.encoded.size()` bytes.
   absl::Status Deliver(ReceivedTensor tensor);
   void CountRejected();
   // The waiting RecvInto's buffer for `key` if it takes `elements` elements and no other reactor holds it.
-  std::shared_ptr<Destination> Claim(const TensorKey& key, uint64_t elements);
+  std::shared_ptr<TensorDestination> Claim(const TensorKey& key, uint64_t elements);
   // Brackets each write into a claimed destination; BeginWrite fails once RecvInto gave up or on Shutdown.
-  absl::Status BeginWrite(Destination* destination, const TensorKey& key);
-  void EndWrite(Destination* destination);
+  absl::Status BeginWrite(TensorDestination* destination, const TensorKey& key);
+  void EndWrite(TensorDestination* destination);
   // Ends a claim: with the tensor complete and valid (`delivered_bytes` encoded bytes), or without (the
   // destination waits for another sender).
-  absl::Status CompleteClaim(Destination* destination, const TensorKey& key, uint64_t delivered_bytes);
-  void Unclaim(Destination* destination);
-  // Open streams, so that Shutdown can end them. AddReactor returns false after Shutdown.
-  bool AddReactor(Reactor* reactor);
+  absl::Status CompleteClaim(TensorDestination* destination, const TensorKey& key, uint64_t delivered_bytes);
+  void Unclaim(TensorDestination* destination);
+  // Open streams, so that Shutdown can end them. AddReactor fails after Shutdown (UNAVAILABLE) and beyond
+  // options.max_streams (RESOURCE_EXHAUSTED).
+  absl::Status AddReactor(Reactor* reactor);
   void RemoveReactor(Reactor* reactor);
 
   const std::string token_;
@@ -232,12 +244,24 @@ class TensorStreamServer {
   absl::flat_hash_set<Reactor*> reactors_ ABSL_GUARDED_BY(reactors_mu_);
 
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<TensorKey, ReceivedTensor> mailbox_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<TensorKey, std::shared_ptr<Destination>> destinations_ ABSL_GUARDED_BY(mu_);
-  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Waiting {
+    ReceivedTensor tensor;
+    absl::Time arrived;
+  };
+  // Removes `it`'s tensor from the mailbox and gives back its reservation.
+  ReceivedTensor TakeLocked(absl::flat_hash_map<TensorKey, Waiting>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops tensors older than options.orphan_timeout, every quarter of it, until Shutdown.
+  void DropOrphansLoop();
+
+  absl::flat_hash_map<TensorKey, Waiting> mailbox_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<TensorKey, std::shared_ptr<TensorDestination>> destinations_ ABSL_GUARDED_BY(mu_);
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;                            // complete plus reserved, all jobs
+  absl::flat_hash_map<std::string, uint64_t> job_bytes_ ABSL_GUARDED_BY(mu_);   // the same by job id
+  absl::flat_hash_map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);  // and by sender
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<std::string> cancelled_jobs_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread janitor_;  // DropOrphansLoop; joined by the destructor
 };
 
 class TensorStreamClient {

@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -435,6 +436,92 @@ TEST(TensorStream, DeadlinesExpireCleanly) {
   });
   EXPECT_EQ(endpoint.streams().Recv(Key("never"), Soon()).status().code(), absl::StatusCode::kCancelled);
   waker.join();
+}
+
+// Polls `done` for up to 10 s (the server's own threads change what it reads).
+bool Eventually(const std::function<bool()>& done) {
+  for (absl::Time end = absl::Now() + absl::Seconds(10); absl::Now() < end; absl::SleepFor(absl::Milliseconds(10))) {
+    if (done()) return true;
+  }
+  return done();
+}
+
+TEST(TensorStreamLimits, JobAndPeerBudgetsRefuseWithResourceExhaustedAndTheReceiverGoesOn) {
+  TensorStreamOptions options;
+  options.max_job_bytes = 100000;
+  options.max_peer_bytes = 60000;
+  Endpoint endpoint(options);
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(10000, 2.0f);  // 40,040 bytes encoded
+  auto send = [&](const TensorKey& key) {
+    return client.Send(endpoint.address(), key, {10000}, data, Codec{}, Soon());
+  };
+  auto key = [](const std::string& job, const std::string& tensor, const std::string& src) {
+    return TensorKey{job, 1, 0, tensor, src};
+  };
+  ASSERT_TRUE(send(key("job-1", "a", "p1")).ok());
+  // p1 holds 40,040 bytes: one more tensor passes its 60,000.
+  absl::Status over = send(key("job-1", "b", "p1"));
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  EXPECT_THAT(over.message(), ::testing::HasSubstr("max_peer_bytes"));
+  ASSERT_TRUE(send(key("job-1", "c", "p2")).ok());
+  // job-1 holds 80,080 bytes: a third tensor from a third sender passes its 100,000.
+  over = send(key("job-1", "d", "p3"));
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  EXPECT_THAT(over.message(), ::testing::HasSubstr("max_job_bytes"));
+  // Another job has a budget of its own.
+  ASSERT_TRUE(send(key("job-2", "d", "p3")).ok());
+  EXPECT_EQ(endpoint.streams().stats().over_budget, 2u);
+  // Taking a tensor frees its budgets.
+  ASSERT_TRUE(endpoint.streams().Recv(key("job-1", "a", "p1"), Soon()).ok());
+  ASSERT_TRUE(send(key("job-1", "b", "p1")).ok());
+  EXPECT_EQ(send(key("job-1", "e", "p4")).code(), absl::StatusCode::kResourceExhausted);  // job-1 holds b and c
+  EXPECT_EQ(endpoint.streams().DiscardJob("job-1"), 2u);
+  EXPECT_EQ(endpoint.streams().DiscardJob("job-2"), 1u);
+  EXPECT_EQ(endpoint.streams().stats().mailbox_bytes, 0u);
+  // Every budget is whole again: a tensor as big as a peer's budget allows fits.
+  const std::vector<float> big(14990, 1.0f);  // 60,000 bytes encoded
+  EXPECT_TRUE(client.Send(endpoint.address(), key("job-1", "big", "p1"), {14990}, big, Codec{}, Soon()).ok());
+}
+
+TEST(TensorStreamLimits, OrphanTensorsAreDroppedAfterTheirTimeout) {
+  TensorStreamOptions options;
+  options.orphan_timeout = absl::Milliseconds(300);
+  Endpoint endpoint(options);
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(1000, 1.0f);
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("orphan"), {1000}, data, Codec{}, Soon()).ok());
+  EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 1u);
+  ASSERT_TRUE(Eventually([&] { return endpoint.streams().stats().orphans_dropped == 1; }));
+  EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 0u);
+  EXPECT_EQ(endpoint.streams().stats().mailbox_bytes, 0u);
+  EXPECT_EQ(endpoint.streams().Recv(Key("orphan"), absl::Now() + absl::Milliseconds(50)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // A tensor taken in time is not an orphan.
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("taken"), {1000}, data, Codec{}, Soon()).ok());
+  EXPECT_TRUE(endpoint.streams().Recv(Key("taken"), Soon()).ok());
+  EXPECT_EQ(endpoint.streams().stats().orphans_dropped, 1u);
+}
+
+TEST(TensorStreamLimits, OpenStreamsAreCapped) {
+  TensorStreamOptions options;
+  options.max_streams = 2;
+  Endpoint endpoint(options);
+  const std::vector<float> data(100, 1.0f);
+  // Each client keeps its stream open (idle, pooled) after its Send.
+  auto first = std::make_unique<TensorStreamClient>(kToken);
+  TensorStreamClient second(kToken), third(kToken);
+  ASSERT_TRUE(first->Send(endpoint.address(), Key("1"), {100}, data, Codec{}, Soon()).ok());
+  ASSERT_TRUE(second.Send(endpoint.address(), Key("2"), {100}, data, Codec{}, Soon()).ok());
+  EXPECT_EQ(endpoint.streams().stats().streams_open, 2u);
+  const absl::Status refused = third.Send(endpoint.address(), Key("3"), {100}, data, Codec{}, Soon(5));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("max_streams"));
+  // A closed stream frees its place.
+  first.reset();
+  ASSERT_TRUE(Eventually([&] { return endpoint.streams().stats().streams_open < 2; }));
+  EXPECT_TRUE(third.Send(endpoint.address(), Key("3"), {100}, data, Codec{}, Soon()).ok());
+  EXPECT_TRUE(endpoint.streams().Recv(Key("3"), Soon()).ok());
 }
 
 }  // namespace

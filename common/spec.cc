@@ -242,18 +242,50 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (f->wait_for_workers_s() == 0) f->set_wait_for_workers_s(300);
 }
 
+namespace {
+
+// An error naming the key, its allowed range and the value given, when `value` is outside [lo, hi] (NaN too).
+template <typename T>
+absl::Status CheckRange(absl::string_view what, absl::string_view key, T value, T lo, T hi) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": ", key, " must be in [", lo, ", ", hi, "] (got ", value, ")"));
+}
+
+}  // namespace
+
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   const TrainSpec& t = spec.train();
   auto bad = [](absl::string_view key, absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat("job spec: ", key, " ", what));
   };
-  if (t.global_batch() <= 0) return bad("train.global_batch", "must be positive");
-  if (t.seq_len() <= 0) return bad("train.seq_len", "must be positive");
-  if (t.steps() <= 0) return bad("train.steps", "must be positive");
+  auto range = [](absl::string_view key, auto value, decltype(value) lo, decltype(value) hi) {
+    return CheckRange("job spec", key, value, lo, hi);
+  };
+  const SpecLimits& l = kSpecLimits;
+  RETURN_IF_ERROR(range("name (bytes)", static_cast<int64_t>(spec.name().size()), int64_t{0}, l.max_name_bytes));
+  const ModelSpec& m = spec.model();
+  RETURN_IF_ERROR(range("model.n_layer", m.n_layer(), 0, l.max_layers));
+  RETURN_IF_ERROR(range("model.n_head", m.n_head(), 0, l.max_heads));
+  RETURN_IF_ERROR(range("model.n_embd", m.n_embd(), 0, l.max_embd));
+  RETURN_IF_ERROR(range("model.block_size", m.block_size(), 0, l.max_seq_len));
+  RETURN_IF_ERROR(range("model.vocab_size", m.vocab_size(), 0, l.max_vocab));
+  RETURN_IF_ERROR(range("train.global_batch", t.global_batch(), 1, l.max_global_batch));
+  RETURN_IF_ERROR(range("train.seq_len", t.seq_len(), 1, l.max_seq_len));
+  RETURN_IF_ERROR(range("train.steps", t.steps(), 1, l.max_steps));
   if (t.lr() <= 0) return bad("train.lr", "must be positive");
+  RETURN_IF_ERROR(range("train.lr", t.lr(), 0.0, l.max_lr));
+  RETURN_IF_ERROR(range("train.min_lr", t.min_lr(), 0.0, l.max_lr));
   if (t.warmup_steps() < 0) return bad("train.warmup_steps", "must not be negative");
+  RETURN_IF_ERROR(range("train.warmup_steps", t.warmup_steps(), 0, l.max_steps));
   if (t.weight_decay() < 0) return bad("train.weight_decay", "must not be negative");
+  RETURN_IF_ERROR(range("train.weight_decay", t.weight_decay(), 0.0, 1e3));
   if (t.grad_clip() < 0) return bad("train.grad_clip", "must not be negative (0 disables clipping)");
+  RETURN_IF_ERROR(range("train.grad_clip", t.grad_clip(), 0.0, 1e12));
+  RETURN_IF_ERROR(range("train.beta1", t.beta1(), 0.0, 1.0));
+  RETURN_IF_ERROR(range("train.beta2", t.beta2(), 0.0, 1.0));
+  RETURN_IF_ERROR(range("train.eval_every", t.eval_every(), 0, l.max_steps));
+  RETURN_IF_ERROR(range("train.eval_batches", t.eval_batches(), 0, l.max_eval_batches));
   const ParallelSpec& p = spec.parallel();
   if (p.plan() != "auto" && p.plan() != "manual") {
     return bad("parallel.plan", absl::StrCat("must be auto or manual, got '", p.plan(), "'"));
@@ -261,6 +293,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (p.dp() <= 0 || p.pp() <= 0 || p.tp() <= 0 || p.microbatches() <= 0) {
     return bad("parallel", "dp, pp, tp and microbatches must be positive");
   }
+  RETURN_IF_ERROR(range("parallel.dp", p.dp(), 1, l.max_parallel));
+  RETURN_IF_ERROR(range("parallel.pp", p.pp(), 1, l.max_parallel));
+  RETURN_IF_ERROR(range("parallel.tp", p.tp(), 1, l.max_parallel));
+  RETURN_IF_ERROR(range("parallel.microbatches", p.microbatches(), 1, l.max_microbatches));
+  RETURN_IF_ERROR(range("parallel.dp x pp x tp", int64_t{p.dp()} * p.pp() * p.tp(), int64_t{1}, l.max_actors));
+  RETURN_IF_ERROR(range("parallel.placement (entries)", int64_t{p.placement_size()}, int64_t{0}, l.max_actors));
   if (p.schedule() != "1f1b" && p.schedule() != "gpipe") {
     return bad("parallel.schedule", absl::StrCat("must be 1f1b or gpipe, got '", p.schedule(), "'"));
   }
@@ -274,19 +312,32 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
     return bad("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
   }
+  if (spec.comm().chunk_bytes() != 0) {
+    RETURN_IF_ERROR(range("comm.chunk_bytes", spec.comm().chunk_bytes(), int64_t{1024}, l.max_chunk_bytes));
+  }
   const CheckpointSpec& k = spec.checkpoint();
   if (k.every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
+  RETURN_IF_ERROR(range("checkpoint.every_steps", k.every_steps(), 0, l.max_steps));
   if (k.keep() < -1) return bad("checkpoint.keep", "must be -1 (keep all) or a count of checkpoints to keep");
+  RETURN_IF_ERROR(range("checkpoint.keep", k.keep(), -1, l.max_checkpoints_kept));
   if (k.resume() != "" && k.resume() != "auto") {
     return bad("checkpoint.resume", absl::StrCat("must be auto (or absent), got '", k.resume(), "'"));
   }
   if (k.resume() == "auto" && k.dir().empty()) {
     return bad("checkpoint.resume", "auto needs checkpoint.dir: the directory to resume from");
   }
+  RETURN_IF_ERROR(range("checkpoint.dir (bytes)", static_cast<int64_t>(k.dir().size()), int64_t{0}, l.max_path_bytes));
+  RETURN_IF_ERROR(range("checkpoint.resume_from (bytes)", static_cast<int64_t>(k.resume_from().size()), int64_t{0},
+                        l.max_path_bytes));
+  RETURN_IF_ERROR(
+      range("data.train (bytes)", static_cast<int64_t>(spec.data().train().size()), int64_t{0}, l.max_path_bytes));
+  RETURN_IF_ERROR(
+      range("data.val (bytes)", static_cast<int64_t>(spec.data().val().size()), int64_t{0}, l.max_path_bytes));
   const FaultToleranceSpec& f = spec.fault_tolerance();
   if (f.has_max_restarts() && f.max_restarts() < -1) {
     return bad("fault_tolerance.max_restarts", "must be -1 (unlimited), 0 (fail on the first fault) or a count");
   }
+  RETURN_IF_ERROR(range("fault_tolerance.max_restarts", f.max_restarts(), -1, l.max_restarts));
   if (!(f.wait_for_workers_s() >= 0 && f.wait_for_workers_s() <= 7 * 24 * 3600)) {
     return bad("fault_tolerance.wait_for_workers_s", "must be between 0 and 604800 (a week)");
   }
@@ -297,9 +348,16 @@ absl::Status ValidateTopology(Topology* topology) {
   if (topology->sites_size() == 0) {
     return absl::InvalidArgumentError("topology: no sites; list at least one under 'sites'");
   }
+  const SpecLimits& l = kSpecLimits;
+  RETURN_IF_ERROR(CheckRange("topology", "sites (entries)", topology->sites_size(), 1, l.max_sites));
+  RETURN_IF_ERROR(CheckRange("topology", "links (entries)", topology->links_size(), 0, l.max_sites * l.max_sites));
   std::set<std::string> names;
   for (TopologySite& site : *topology->mutable_sites()) {
     if (site.name().empty()) return absl::InvalidArgumentError("topology: a site has no name");
+    RETURN_IF_ERROR(CheckRange("topology", "site name (bytes)", static_cast<int64_t>(site.name().size()), int64_t{1},
+                               l.max_name_bytes));
+    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat("site '", site.name(), "': workers (entries)"),
+                               site.workers_size(), 0, l.max_workers_per_site));
     if (!names.insert(site.name()).second) {
       return absl::InvalidArgumentError(absl::StrCat("topology: site '", site.name(), "' appears twice"));
     }
@@ -309,6 +367,10 @@ absl::Status ValidateTopology(Topology* topology) {
             absl::StrCat("topology: site '", site.name(), "': worker count must not be negative"));
       }
       if (w.count() == 0) w.set_count(1);
+      RETURN_IF_ERROR(CheckRange("topology", absl::StrCat("site '", site.name(), "': worker count"), w.count(), 1,
+                                 l.max_devices_per_worker));
+      RETURN_IF_ERROR(CheckRange("topology", absl::StrCat("site '", site.name(), "': tflops"), w.tflops(), -1e9, 1e6));
+      RETURN_IF_ERROR(CheckRange("topology", absl::StrCat("site '", site.name(), "': mem_gb"), w.mem_gb(), -1e9, 1e6));
       const KnownDevice* known = FindKnownDevice(w.device());
       if (w.tflops() <= 0 || w.mem_gb() <= 0) {
         if (known == nullptr) {
@@ -338,6 +400,10 @@ absl::Status ValidateTopology(Topology* topology) {
       return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(),
                                                      ": latency, bandwidth and jitter must not be negative"));
     }
+    const std::string name = absl::StrCat("link ", link.a(), "-", link.b());
+    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat(name, ": latency_ms"), link.latency_ms(), 0.0, 1e5));
+    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat(name, ": bandwidth_mbps"), link.bandwidth_mbps(), 0.0, 1e9));
+    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat(name, ": jitter_ms"), link.jitter_ms(), 0.0, 1e5));
     auto key = std::minmax(link.a(), link.b());
     if (!seen.insert({key.first, key.second}).second) {
       return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(), " appears twice"));

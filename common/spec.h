@@ -9,6 +9,7 @@
 // JSON and parsed with protobuf's JSON mapping, so files and the wire agree on one mapping.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -26,6 +27,33 @@ absl::Status LoadMessageFile(const std::string& path, google::protobuf::Message*
 // Loads, fills defaults and validates.
 absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path);
 absl::StatusOr<Topology> LoadTopologyFile(const std::string& path);
+
+// Upper bounds on spec values, so that a spec the head accepts cannot make an actor fail to allocate or loop
+// for ever (docs/architecture.md, "Limits"). ValidateJobSpec and ValidateTopology refuse values outside them
+// with INVALID_ARGUMENT naming the key, the range and the value.
+struct SpecLimits {
+  int64_t max_name_bytes = 256;        // job and site names
+  int64_t max_path_bytes = 4096;       // data globs, checkpoint directories
+  int32_t max_layers = 1024;           // model.n_layer
+  int32_t max_heads = 1024;            // model.n_head
+  int32_t max_embd = 65536;            // model.n_embd
+  int32_t max_vocab = 1 << 22;         // model.vocab_size
+  int32_t max_seq_len = 1 << 17;       // train.seq_len, model.block_size
+  int32_t max_global_batch = 1 << 20;  // train.global_batch
+  int32_t max_steps = 1000000000;      // train.steps, warmup_steps, eval_every, checkpoint.every_steps
+  int32_t max_eval_batches = 1 << 20;
+  double max_lr = 10.0;         // train.lr, train.min_lr
+  int32_t max_parallel = 4096;  // each of dp, pp, tp
+  int32_t max_microbatches = 1 << 16;
+  int64_t max_actors = 1 << 16;        // dp x pp x tp, and placement entries
+  int64_t max_chunk_bytes = 64 << 20;  // comm.chunk_bytes
+  int32_t max_checkpoints_kept = 1 << 20;
+  int32_t max_restarts = 1 << 20;  // fault_tolerance.max_restarts
+  int32_t max_sites = 1024;        // topology
+  int32_t max_workers_per_site = 1 << 16;
+  int32_t max_devices_per_worker = 1024;
+};
+inline constexpr SpecLimits kSpecLimits;
 
 // Fills fields the user left out with geotrain's defaults (lr 6e-4, plan auto, codec bf16, ...).
 void ApplyJobDefaults(JobSpec* spec);

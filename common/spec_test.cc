@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 namespace geotrain {
 namespace {
 
@@ -80,6 +82,60 @@ TEST(SpecTest, ValidationNamesTheKey) {
   spec.mutable_parallel()->set_schedule("zigzag");
   spec.mutable_train()->set_global_batch(9);
   EXPECT_THAT(ValidateJobSpec(spec).message(), HasSubstr("parallel.schedule"));
+}
+
+TEST(SpecTest, ValuesAreBoundedAndTheErrorNamesTheLimit) {
+  // Each spec parses and has the right types; a value past its bound is refused naming the key, the range and
+  // the value, whether it came from YAML or JSON.
+  const struct {
+    const char* text;
+    const char* key;
+  } cases[] = {
+      {"train: {steps: 2000000000}", "train.steps must be in [1, 1000000000] (got 2000000000)"},
+      {"train: {global_batch: 100000000}", "train.global_batch must be in [1, 1048576]"},
+      {"train: {seq_len: 1000000}", "train.seq_len"},
+      {"train: {lr: 100}", "train.lr must be in [0, 10] (got 100)"},
+      {"train: {beta2: 1.5}", "train.beta2"},
+      {"model: {n_layer: 100000, n_head: 1, n_embd: 8, block_size: 8, vocab_size: 8}", "model.n_layer"},
+      {"model: {n_layer: 1, n_head: 1, n_embd: 8, block_size: 8, vocab_size: 2000000000}", "model.vocab_size"},
+      {"parallel: {dp: 100000}", "parallel.dp must be in [1, 4096]"},
+      {"parallel: {dp: 4096, pp: 4096}", "parallel.dp x pp x tp"},
+      {"parallel: {microbatches: 1000000}", "parallel.microbatches"},
+      {"comm: {chunk_bytes: 1000000000000}", "comm.chunk_bytes"},
+      {"checkpoint: {every_steps: 2000000000}", "checkpoint.every_steps"},
+      {"fault_tolerance: {max_restarts: 2000000000}", "fault_tolerance.max_restarts"},
+      {"{\"name\": \"x\", \"train\": {\"steps\": 2000000000}}", "train.steps"},
+  };
+  for (const auto& c : cases) {
+    JobSpec spec;
+    ASSERT_TRUE(ParseYamlOrJson(c.text, "spec.yaml", &spec).ok()) << c.text;
+    ApplyJobDefaults(&spec);
+    const absl::Status s = ValidateJobSpec(spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(s.message(), HasSubstr(c.key)) << c.text;
+  }
+  JobSpec long_name;
+  long_name.set_name(std::string(kSpecLimits.max_name_bytes + 1, 'j'));
+  ApplyJobDefaults(&long_name);
+  EXPECT_THAT(ValidateJobSpec(long_name).message(), HasSubstr("name (bytes) must be in [0, 256]"));
+  // The bounds themselves are accepted.
+  JobSpec edge;
+  edge.mutable_train()->set_steps(kSpecLimits.max_steps);
+  edge.mutable_parallel()->set_dp(kSpecLimits.max_parallel);
+  ApplyJobDefaults(&edge);
+  edge.mutable_train()->set_global_batch(kSpecLimits.max_parallel * 2);
+  EXPECT_TRUE(ValidateJobSpec(edge).ok()) << ValidateJobSpec(edge);
+
+  Topology t;
+  ASSERT_TRUE(ParseYamlOrJson("sites: [{name: a, workers: [{device: T4, count: 100000}]}]", "t.yaml", &t).ok());
+  EXPECT_THAT(ValidateTopology(&t).message(), HasSubstr("worker count must be in [1, 1024]"));
+  ASSERT_TRUE(ParseYamlOrJson("sites: [{name: a}, {name: b}]\nlinks: [{a: a, b: b}]", "t.yaml", &t).ok());
+  t.mutable_links(0)->set_bandwidth_mbps(std::numeric_limits<double>::infinity());  // JSON's "Infinity"
+  EXPECT_THAT(ValidateTopology(&t).message(), HasSubstr("bandwidth_mbps"));
+  JobSpec nan_lr;
+  ApplyJobDefaults(&nan_lr);
+  nan_lr.mutable_train()->set_lr(std::numeric_limits<double>::quiet_NaN());
+  EXPECT_THAT(ValidateJobSpec(nan_lr).message(), HasSubstr("train.lr"));
 }
 
 TEST(SpecTest, TopologyFillsKnownDevicesAndRejectsBadLinks) {

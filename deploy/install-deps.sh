@@ -16,6 +16,7 @@ packages=(
   prometheus curl procps iproute2 openssl
   python3-torch python3-numpy python3-matplotlib
   fortunes libcli11-dev clang-format nlohmann-json3-dev
+  clang libclang-rt-14-dev llvm libomp-14-dev
 )
 # node and npm: the machine's own when present (a NodeSource build conflicts with Debian's nodejs).
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then

@@ -36,30 +36,14 @@ absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t
   return WriteFileAtomically(path, bytes);
 }
 
-absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& path, int vocab_size) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open token shard ", path, ": ", std::strerror(errno)));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("cannot stat ", path));
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
+absl::StatusOr<int64_t> ValidateTokenShard(const void* bytes, size_t size, int vocab_size, const std::string& path) {
   const size_t header_bytes = kShardHeaderInts * 4;
   if (size < header_bytes) {
-    ::close(fd);
     return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes is shorter than the ", header_bytes,
                                             "-byte shard header; the file is truncated or not a token shard"));
   }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot mmap ", path, ": ", std::strerror(errno)));
-  std::unique_ptr<TokenShard> shard(new TokenShard());
-  shard->path_ = path;
-  shard->map_ = map;
-  shard->map_size_ = size;
   int32_t header[3];
-  std::memcpy(header, map, sizeof(header));
+  std::memcpy(header, bytes, sizeof(header));
   if (header[0] != kShardMagic) {
     return absl::DataLossError(absl::StrCat(path, ": bad magic ", header[0], " (expected ", kShardMagic,
                                             "); not an llm.c token shard; write shards with `geotrain data prepare`"));
@@ -73,15 +57,41 @@ absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& 
     return absl::DataLossError(absl::StrCat(path, ": header says ", count, " tokens (", header_bytes + count * 2,
                                             " bytes) but the file has ", size, " bytes; it is truncated or corrupt"));
   }
-  shard->count_ = count;
-  shard->tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(map) + header_bytes);
+  const char* tokens = static_cast<const char*>(bytes) + header_bytes;
   for (int64_t i = 0; i < count; ++i) {
-    if (shard->tokens_[i] >= vocab_size) {
-      return absl::DataLossError(absl::StrCat(path, ": token ", shard->tokens_[i], " at index ", i,
+    uint16_t token;
+    std::memcpy(&token, tokens + 2 * i, 2);
+    if (token >= vocab_size) {
+      return absl::DataLossError(absl::StrCat(path, ": token ", token, " at index ", i,
                                               " is outside the model's vocabulary of ", vocab_size,
                                               "; the shard was made with another tokenizer or model"));
     }
   }
+  return count;
+}
+
+absl::StatusOr<std::unique_ptr<TokenShard>> TokenShard::Open(const std::string& path, int vocab_size) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open token shard ", path, ": ", std::strerror(errno)));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("cannot stat ", path));
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < kShardHeaderInts * 4) {
+    ::close(fd);
+    return ValidateTokenShard(nullptr, size, vocab_size, path).status();  // the "too short" error
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot mmap ", path, ": ", std::strerror(errno)));
+  std::unique_ptr<TokenShard> shard(new TokenShard());
+  shard->path_ = path;
+  shard->map_ = map;
+  shard->map_size_ = size;
+  ASSIGN_OR_RETURN(shard->count_, ValidateTokenShard(map, size, vocab_size, path));
+  shard->tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(map) + kShardHeaderInts * 4);
   return shard;
 }
 

@@ -30,6 +30,11 @@ inline constexpr int kShardHeaderInts = 256;
 
 absl::Status WriteTokenShard(const std::string& path, const std::vector<uint16_t>& tokens);
 
+// Checks the bytes of a whole shard (what TokenShard::Open maps): magic, version, size == header +
+// 2*count, every token < vocab_size. Returns the token count; `path` names the shard in errors. Pure and safe
+// on any bytes (fuzzed: fuzz/token_shard_fuzzer.cc).
+absl::StatusOr<int64_t> ValidateTokenShard(const void* bytes, size_t size, int vocab_size, const std::string& path);
+
 // A read-only memory-mapped shard, validated on open: magic, version, size == header + 2*count, and
 // every token < vocab_size.
 class TokenShard {

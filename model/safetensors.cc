@@ -99,8 +99,11 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
-  const std::string& b = bytes;
+  ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(path));
+  return ParseSafetensors(bytes, path);
+}
+
+absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view b, const std::string& path) {
   if (b.size() < 8) {
     return absl::DataLossError(absl::StrCat(path, ": ", b.size(), " bytes is too short for a safetensors file"));
   }
@@ -128,8 +131,9 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
       }
       continue;
     }
+    const std::string& tensor_name = name;  // lambdas cannot capture structured bindings before C++20 in clang 14
     auto bad = [&](const std::string& why) {
-      return absl::DataLossError(absl::StrCat(path, ": tensor '", name, "': ", why));
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", tensor_name, "': ", why));
     };
     if (!value.is_object()) return bad("entry is not an object");
     auto dtype_it = value.find("dtype"), shape_it = value.find("shape"), offsets_it = value.find("data_offsets");
@@ -146,20 +150,36 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
       return bad(absl::StrCat("dtype ", dtype, " is not supported (F32, F16, BF16)"));
     NamedTensor t;
     t.name = name;
+    // The element count, computed without overflow: a product above what the data section can hold is an
+    // error, unless a zero dimension makes it empty.
     uint64_t count = 1;
+    bool too_large = false;
     if (!shape_it->is_array()) return bad("shape is not a list");
     for (const nlohmann::json& d : *shape_it) {
       if (!d.is_number()) return bad("shape has a bad dimension");
       const double v = d.get<double>();
       if (v < 0 || v != std::floor(v) || v > 1e12) return bad("shape has a bad dimension");
       t.shape.push_back(static_cast<int64_t>(v));
-      count *= static_cast<uint64_t>(v);
+      const uint64_t dim = static_cast<uint64_t>(v);
+      if (dim == 0) {
+        count = 0;
+      } else if (count > data_size / elem / dim) {
+        too_large = true;
+      } else {
+        count *= dim;
+      }
+    }
+    if (count == 0) too_large = false;
+    if (too_large) {
+      return bad(absl::StrCat("shape holds more elements than the ", data_size,
+                              " data bytes; the file is truncated or corrupt"));
     }
     const nlohmann::json& offs = *offsets_it;
     if (!offs.is_array() || offs.size() != 2) return bad("data_offsets must have two entries");
     if (!offs[0].is_number() || !offs[1].is_number()) return bad("data_offsets must be numbers");
     const double begin_d = offs[0].get<double>(), end_d = offs[1].get<double>();
-    if (begin_d < 0 || end_d < begin_d || end_d > static_cast<double>(data_size)) {
+    if (begin_d < 0 || end_d < begin_d || end_d > static_cast<double>(data_size) || begin_d != std::floor(begin_d) ||
+        end_d != std::floor(end_d)) {
       return bad(absl::StrCat("data_offsets [", begin_d, ", ", end_d, "] lie outside the ", data_size,
                               " data bytes; the file is truncated or corrupt"));
     }
@@ -168,7 +188,9 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
       return bad(absl::StrCat("shape needs ", count * elem, " bytes but data_offsets give ", end - begin));
     }
     t.data.resize(count);
-    if (elem == 4) {
+    if (count == 0) {
+      // nothing to copy (and data() may be null)
+    } else if (elem == 4) {
       std::memcpy(t.data.data(), data + begin, count * 4);
     } else {
       for (uint64_t i = 0; i < count; ++i) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +40,9 @@ struct SafetensorsFile {
 absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vector<NamedTensor>& tensors,
                                         const std::map<std::string, std::string>& metadata);
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
+// Parses the bytes of a safetensors file; `source` names it in errors. ReadSafetensors is ReadFileToString
+// plus this. Never crashes and never allocates more than the bytes given allow: untrusted input is fine.
+absl::StatusOr<SafetensorsFile> ParseSafetensors(std::string_view bytes, const std::string& source);
 
 // Crash-safe writes and whole-file reads (common/files.h), used here and by checkpoints.
 using ::geotrain::ReadFileToString;

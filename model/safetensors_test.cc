@@ -1,6 +1,7 @@
 // safetensors round trip, HF-compatible header, and corruption errors.
 #include "model/safetensors.h"
 
+#include <cstring>
 #include <filesystem>
 
 #include "gtest/gtest.h"
@@ -68,6 +69,48 @@ TEST(SafetensorsTest, CorruptFilesAreClearErrors) {
 TEST(SafetensorsTest, Crc32MatchesZlib) {
   const std::string s = "123456789";
   EXPECT_EQ(Crc32(s.data(), s.size()), 0xCBF43926u);
+}
+
+// A safetensors file from its JSON header and data bytes.
+std::string Safetensors(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const uint64_t size = header.size();
+  std::memcpy(out.data(), &size, 8);
+  return out + header + data;
+}
+
+// Found by fuzz/safetensors_fuzzer.cc: an empty tensor (a zero dimension) copied from a null pointer.
+TEST(SafetensorsTest, EmptyTensorsParse) {
+  const std::string one("\0\0\x80\x3f", 4);
+  auto f = ParseSafetensors(Safetensors(R"({"e": {"dtype": "F32", "shape": [0, 5], "data_offsets": [0, 0]},
+                                             "s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}})",
+                                        one),
+                            "empty.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->Find("e")->data.empty());
+  EXPECT_EQ(f->Find("e")->shape, (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(f->Find("s")->data, std::vector<float>{1.0f});
+}
+
+// Found by fuzzing: a shape whose element count (2^62 + 1) wraps to 4 bytes when multiplied by the dtype's
+// size matched a 4-byte range, and the reader then tried to allocate 2^62 floats. Dimensions that are not
+// integers in data_offsets are refused too.
+TEST(SafetensorsTest, ShapesTooLargeForTheDataAreErrors) {
+  auto f = ParseSafetensors(
+      Safetensors(R"({"x": {"dtype": "F32", "shape": [27905, 429509837, 384773], "data_offsets": [0, 4]}})",
+                  std::string(4, '\0')),
+      "wrap.safetensors");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("more elements than the 4 data bytes"), std::string::npos) << f.status();
+  // A zero dimension makes any other dimensions empty, however large.
+  f = ParseSafetensors(
+      Safetensors(R"({"x": {"dtype": "F16", "shape": [1000000000000, 0, 1000000000000], "data_offsets": [0, 0]}})", ""),
+      "zero.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status();
+  f = ParseSafetensors(
+      Safetensors(R"({"x": {"dtype": "F16", "shape": [1], "data_offsets": [0.5, 2.5]}})", std::string(3, '\0')),
+      "fraction.safetensors");
+  EXPECT_FALSE(f.ok());
 }
 
 }  // namespace

@@ -76,10 +76,11 @@ bool IsSpace(uint32_t c) {
 bool IsLetter(uint32_t c) { return (U_GET_GC_MASK(static_cast<UChar32>(c)) & U_GC_L_MASK) != 0; }
 bool IsNumber(uint32_t c) { return (U_GET_GC_MASK(static_cast<UChar32>(c)) & U_GC_N_MASK) != 0; }
 
-absl::StatusOr<std::unordered_map<std::string, int32_t>> LoadEncoderJson(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+absl::StatusOr<std::unordered_map<std::string, int32_t>> ParseEncoderJson(std::string_view text,
+                                                                          const std::string& path) {
   google::protobuf::Struct root;
-  auto parsed = google::protobuf::util::JsonStringToMessage(text, &root);
+  auto parsed =
+      google::protobuf::util::JsonStringToMessage(google::protobuf::StringPiece(text.data(), text.size()), &root);
   if (!parsed.ok()) return absl::DataLossError(absl::StrCat(path, ": not valid JSON: ", parsed.ToString()));
   std::unordered_map<std::string, int32_t> encoder;
   for (const auto& [token, value] : root.fields()) {
@@ -177,17 +178,25 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& di
                                             " (encoder.json + vocab.bpe or vocab.json + merges.txt); run "
                                             "deploy/install-deps.sh or set GEOTRAIN_TOKENIZER_DIR"));
   }
+  ASSIGN_OR_RETURN(const std::string encoder_text, ReadFileToString(encoder_path));
+  ASSIGN_OR_RETURN(const std::string merges_text, ReadFileToString(merges_path));
+  return FromFileContents(encoder_text, merges_text, encoder_path, merges_path);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFileContents(std::string_view encoder_json,
+                                                                       std::string_view merges,
+                                                                       const std::string& encoder_path,
+                                                                       const std::string& merges_path) {
   std::unique_ptr<Tokenizer> t(new Tokenizer());
-  ASSIGN_OR_RETURN(t->encoder_, LoadEncoderJson(encoder_path));
+  ASSIGN_OR_RETURN(t->encoder_, ParseEncoderJson(encoder_json, encoder_path));
   int32_t max_id = -1;
   for (const auto& [token, id] : t->encoder_) max_id = std::max(max_id, id);
   t->decoder_.assign(max_id + 1, "");
   for (const auto& [token, id] : t->encoder_) t->decoder_[id] = token;
   if (auto it = t->encoder_.find("<|endoftext|>"); it != t->encoder_.end()) t->eot_ = it->second;
 
-  ASSIGN_OR_RETURN(std::string merges, ReadFileToString(merges_path));
   int32_t rank = 0;
-  for (absl::string_view line : absl::StrSplit(merges, '\n')) {
+  for (absl::string_view line : absl::StrSplit(absl::string_view(merges.data(), merges.size()), '\n')) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty() || line.substr(0, 8) == "#version") continue;
     std::vector<absl::string_view> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());

@@ -27,6 +27,12 @@ class Tokenizer {
  public:
   // Loads encoder.json + vocab.bpe from dir, or else vocab.json + merges.txt.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Load(const std::string& dir);
+  // Builds a tokenizer from the two files' contents (encoder.json / vocab.json text and vocab.bpe /
+  // merges.txt text); the paths name them in errors. Safe on any bytes (fuzzed: fuzz/tokenizer_files_fuzzer.cc).
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFileContents(std::string_view encoder_json,
+                                                                     std::string_view merges,
+                                                                     const std::string& encoder_path,
+                                                                     const std::string& merges_path);
 
   std::vector<int32_t> Encode(std::string_view text);
   std::string Decode(const std::vector<int32_t>& ids) const;

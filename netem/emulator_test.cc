@@ -164,8 +164,8 @@ TEST(EmulatorTest, TwoConnectionsShareTheLinksCap) {
   const auto bytes = static_cast<int64_t>(cap * 0.6);  // 1.2 s for both together
   double r1 = 0, r2 = 0;
   const int64_t start = NowNanos();
-  std::thread t1([&] { r1 = MeasureRate(c1, s1, bytes); });
-  std::thread t2([&] { r2 = MeasureRate(c2, s2, bytes); });
+  std::thread t1([&, c1 = c1, s1 = s1] { r1 = MeasureRate(c1, s1, bytes); });
+  std::thread t2([&, c2 = c2, s2 = s2] { r2 = MeasureRate(c2, s2, bytes); });
   t1.join();
   t2.join();
   const double seconds = (NowNanos() - start) / 1e9;
@@ -252,7 +252,7 @@ TEST(EmulatorTest, JitterNeverReordersTheBytesOfAConnection) {
   std::vector<uint8_t> sent(total);
   std::mt19937 gen(1234);
   for (uint8_t& b : sent) b = static_cast<uint8_t>(gen());
-  std::thread writer([&] {
+  std::thread writer([&, client = client] {
     std::mt19937 sizes(99);
     size_t off = 0;
     int i = 0;
@@ -332,7 +332,7 @@ TEST(EmulatorTest, BackPressureBoundsTheQueue) {
   Fixture f(1, 0, 0, options);
   auto [client, server] = f.Connect();
   std::atomic<int64_t> written{0};
-  std::thread writer([&] {
+  std::thread writer([&, client = client] {
     std::vector<char> block(64 * 1024, 'y');
     for (int i = 0; i < 2000; ++i) {  // up to 128 MiB
       if (!WriteAll(client, block.data(), block.size())) return;

@@ -202,9 +202,10 @@ absl::Status StageTrainer::Backward(int m) {
     dout = device_doutput_.as<float>();
   }
   absl::Status hook_status;
+  bool dp_on_device = false;  // outlives the hook below, which runs inside stage_->Backward
   if (grad_buckets_ && overlap_dp_ && m == ranks_.microbatches - 1) {
     // The step's gradients become final layer by layer.
-    const bool dp_on_device = collectives_->dp_on_device;
+    dp_on_device = collectives_->dp_on_device;
     stage_->set_layer_gradients_ready([&](int l) {
       if (l < 0 || !hook_status.ok()) return;
       if (!dp_on_device) hook_status = CopyOut(stage_->LayerGradientSpans(l));
