@@ -653,7 +653,9 @@ void JobRunner::Reconcile() {
           run.actor_seen_ms[id] = now;
           if (it->second.state() != ACTOR_DEAD) continue;
           if (it->second.message() == "finished") {
-            run.done.insert(id);
+            // Its last report is probably on its way: wait for it, so that the last step is recorded.
+            const int64_t first = run.finished_seen_ms.emplace(id, now).first->second;
+            if (now - first >= options_.final_report_grace_ms) run.done.insert(id);
           } else if (!absl::StartsWith(it->second.message(), "stopped")) {
             faults.push_back({job_id, run.attempt, absl::StrCat("actor ", id, " died: ", it->second.message())});
             break;

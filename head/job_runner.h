@@ -62,6 +62,9 @@ struct JobRunnerOptions {
   int rpc_threads = 8;                 // the executor's threads
   int64_t control_period_ms = 250;     // how often the control thread looks at the jobs, at most
   int64_t actor_lost_after_ms = 8000;  // an alive worker that stops listing an actor: lost after this long
+  // A heartbeat may say an actor finished before its last step report arrives (reports are sent in the
+  // background): the job ends on the reports, or on the heartbeats only after this long without them.
+  int64_t final_report_grace_ms = 10000;
   int64_t stop_deadline_ms = 3000;     // StopActor's deadline
   int64_t create_deadline_ms = 10000;  // CreateActor's deadline
 };
@@ -128,7 +131,8 @@ class JobRunner {
     bool recovery_measured = true;  // false until the first step after a restart completes
     std::string waiting_message;    // last "waiting for workers" line logged
     int64_t launched_ms = 0;
-    std::map<std::string, int64_t> actor_seen_ms;  // actor -> when a heartbeat last listed it
+    std::map<std::string, int64_t> actor_seen_ms;     // actor -> when a heartbeat last listed it
+    std::map<std::string, int64_t> finished_seen_ms;  // actor -> when a heartbeat first said it finished
   };
 
   void ControlLoop(std::function<void()> on_tick);
