@@ -56,21 +56,25 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     return absl::InvalidArgumentError("data.train is empty; give a glob of .bin shards from `geotrain data prepare`");
   }
   const int Bm = global_batch / micro;
-  // DiLoCo: parallel.dp replicas, grouped by the site of their placement (one group each without one), each
-  // taking its share of the global batch in microbatches of the cluster's size.
+  // parallel.dp replicas, each taking its share of the global batch in microbatches of the cluster's size
+  // (the rows the cluster's replicas take, and the validation rows each evaluates). Synchronous: one group
+  // holds them all. DiLoCo: grouped by the site of their placement (one group each without one).
   const bool diloco = DilocoOn(spec);
   const DilocoSpec d = EffectiveDiloco(spec);
-  const int dp = diloco ? std::max(1, spec.parallel().dp()) : 1;
-  if (diloco && global_batch % (dp * micro) != 0) {
+  const int dp = std::max(1, spec.parallel().dp());
+  if (global_batch % (dp * micro) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("train.global_batch ", global_batch,
                                                    " must be a multiple of parallel.dp x microbatches (", dp * micro,
-                                                   ") to simulate DiLoCo's replicas"));
+                                                   "): each replica takes microbatches of the same size"));
   }
   const int mb = Bm / dp;
   std::vector<std::string> replica_sites(dp);
-  for (int r = 0; r < dp; ++r) replica_sites[r] = absl::StrCat("replica ", r);
+  for (int r = 0; r < dp; ++r) replica_sites[r] = diloco ? absl::StrCat("replica ", r) : "";
   for (const PlacementSpec& p : spec.parallel().placement()) {
-    if (p.replica() >= 0 && p.replica() < dp && !p.site().empty()) replica_sites[p.replica()] = p.site();
+    const bool first_stage = p.stage() == 0 && p.tp_rank() == 0;  // a replica's site is its first stage's
+    if (diloco && first_stage && p.replica() >= 0 && p.replica() < dp && !p.site().empty()) {
+      replica_sites[p.replica()] = p.site();
+    }
   }
   const std::vector<int> group_of = DilocoGroups(replica_sites);
   const int num_groups = *std::max_element(group_of.begin(), group_of.end()) + 1;

@@ -124,12 +124,12 @@ absl::Status StageActor::Run() {
     report.set_attempt(config_.attempt);
     report.set_step(step);
     report.set_loss(stats.loss);
-    report.set_carries_loss(stats.carries_loss && ranks.replica == 0);
+    report.set_carries_loss(stats.carries_loss && (ranks.replica == 0 || stats.replica_loss));
     report.set_compute_seconds(stats.compute_seconds);
     report.set_comm_wait_seconds(stats.wait_seconds);
     report.set_bubble_seconds(stats.bubble_seconds);
     report.set_tokens(static_cast<int64_t>(spec.train().global_batch()) * ranks.seq_len);
-    report.set_val_loss(-1);
+    report.set_val_loss(stats.val_loss);
     for (const auto& [pair, bytes] : stats.traffic.wan_bytes) (*report.mutable_wan_bytes())[pair] = bytes;
     if (stats.traffic.encoded_wan_bytes > 0) {
       report.set_compression_ratio(stats.traffic.raw_wan_bytes / stats.traffic.encoded_wan_bytes);
