@@ -276,7 +276,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
     return bad("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
   }
-  if (p.pipeline_depth() < 0) return bad("parallel.pipeline_depth", "must not be negative (0 or absent: automatic)");
+  if (p.pipeline_depth() < 0) return bad("parallel.pipeline_depth", "must not be negative (0 or absent: pp)");
   if (p.sync() != "" && p.sync() != "sync" && p.sync() != "diloco") {
     return bad("parallel.sync", absl::StrCat("must be sync or diloco (or absent), got '", p.sync(), "'"));
   }
@@ -292,8 +292,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       return bad("diloco.outer_momentum", "must be in [0, 1) (0: no momentum)");
     }
     if (e.fragments() > e.inner_steps()) {
-      return bad("diloco.fragments", absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),
-                                                  "): each fragment syncs once every inner_steps steps"));
+      return bad("diloco.fragments",
+                 absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),
+                              "): each fragment syncs once every inner_steps steps"));
     }
     if (absl::StatusOr<CodecSpec> codec = ParseCodecSpec(e.codec()); !codec.ok()) {
       return bad("diloco.codec", codec.status().message());

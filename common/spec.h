@@ -14,8 +14,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "google/protobuf/message.h"
 #include "common/diloco_spec.h"  // DilocoOn, EffectiveDiloco
+#include "google/protobuf/message.h"
 #include "spec.pb.h"
 
 namespace geotrain {

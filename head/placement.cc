@@ -245,9 +245,9 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
           "splits it evenly, so the best even plan was taken)");
     }
     if (spec.parallel().allow_diloco()) {  // synchronous or DiLoCo: the faster predicted step (scheduler/diloco_plan.h)
-      ASSIGN_OR_RETURN(const scheduler::DilocoChoice choice,
-                       scheduler::ChooseSyncOrDiloco(cluster, model, planning.job, planning.options, result,
-                                                     EffectiveDiloco(spec)));
+      ASSIGN_OR_RETURN(
+          const scheduler::DilocoChoice choice,
+          scheduler::ChooseSyncOrDiloco(cluster, model, planning.job, planning.options, result, EffectiveDiloco(spec)));
       out.explanation.insert(out.explanation.end(), choice.explanation.begin(), choice.explanation.end());
       out.parallel.set_sync("sync");
       if (choice.diloco_chosen) {

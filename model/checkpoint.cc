@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -30,15 +31,14 @@ std::string CanonicalName(const std::string& file_name) {
   return name;
 }
 
-// DiLoCo's outer state: from the diloco files beside group 0's model files, or else the stage's (loaded)
-// weights with zero momentum. `by_file` lists the stage's tensors by the model file that holds them.
+// DiLoCo's outer state: from the diloco files beside group 0's model files (a simulation's checkpoint, or a
+// cluster job's, whose replica 0 writes them), or else the stage's (loaded) weights with zero momentum. `by_file` lists the stage's tensors by the model file that holds them.
 absl::Status LoadOuterState(const std::string& step_dir, const CheckpointManifest& manifest, GPT2Stage& stage,
                             const std::map<std::string, std::vector<std::string>>& by_file, OuterOptimizer& outer,
                             CheckpointInfo* info) {
   std::vector<float> params(static_cast<size_t>(stage.num_params()));
   RETURN_IF_ERROR(stage.backend().CopyToHost(params.data(), stage.params(), params.size() * sizeof(float)));
   outer.Initialize(params.data());  // padded rows and anything the files do not hold
-  if (manifest.diloco_groups() == 0) return absl::OkStatus();
   for (const auto& [group_file, names] : by_file) {
     // The group's file name back to group 0's ("model-g1-s0" -> "model-s0"), then its diloco twin.
     std::string model_file = group_file;
@@ -48,6 +48,8 @@ absl::Status LoadOuterState(const std::string& step_dir, const CheckpointManifes
     }
     const std::string file = DilocoFileFor(model_file);
     if (!manifest.files().contains(file)) {
+      // A synchronous job's checkpoint: the outer state starts from its weights.
+      if (manifest.diloco_groups() == 0) return absl::OkStatus();
       return absl::DataLossError(absl::StrCat(step_dir, ": a DiLoCo checkpoint without ", file));
     }
     ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadSafetensors(absl::StrCat(step_dir, "/", file)));
@@ -67,9 +69,10 @@ absl::Status LoadOuterState(const std::string& step_dir, const CheckpointManifes
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
+// The stage's tensors, full size, under HF names with `prefix`, each filled by export_one(name, data).
+absl::StatusOr<std::vector<NamedTensor>> ExportTensors(
+    GPT2Stage& stage, const std::string& prefix,
+    const std::function<absl::Status(const std::string& name, float* data)>& export_one) {
   std::vector<NamedTensor> out;
   for (const std::string& name : stage.TensorNames()) {
     NamedTensor t;
@@ -78,10 +81,17 @@ absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bo
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     t.data.resize(n);
-    RETURN_IF_ERROR(stage.ExportTensor(name, grads, t.data.data()));
+    RETURN_IF_ERROR(export_one(name, t.data.data()));
     out.push_back(std::move(t));
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
+  return ExportTensors(stage, prefix,
+                       [&](const std::string& name, float* data) { return stage.ExportTensor(name, grads, data); });
 }
 
 absl::Status LoadStageWeights(const SafetensorsFile& file, const std::string& source, GPT2Stage& stage) {
@@ -121,18 +131,9 @@ absl::Status SaveStageWeights(const std::string& path, GPT2Stage& stage) {
 
 absl::StatusOr<std::vector<NamedTensor>> ExportBufferTensors(GPT2Stage& stage, const float* buffer,
                                                              const std::string& prefix) {
-  std::vector<NamedTensor> out;
-  for (const std::string& name : stage.TensorNames()) {
-    NamedTensor t;
-    t.name = prefix + name;
-    ASSIGN_OR_RETURN(t.shape, stage.TensorShape(name));
-    int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    t.data.resize(n);
-    RETURN_IF_ERROR(stage.ExportTensorFromBuffer(name, buffer, t.data.data()));
-    out.push_back(std::move(t));
-  }
-  return out;
+  return ExportTensors(stage, prefix, [&](const std::string& name, float* data) {
+    return stage.ExportTensorFromBuffer(name, buffer, data);
+  });
 }
 
 absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep, OuterOptimizer* outer) {
@@ -140,7 +141,8 @@ absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, 
   ASSIGN_OR_RETURN(snapshot.weights, ExportStageTensors(stage, false));
   std::vector<float> host_m, host_v;
   RETURN_IF_ERROR(adam.CopyMomentsToHost(&host_m, &host_v));
-  for (const auto& [prefix, buffer] : {std::pair<const char*, const float*>{"m.", host_m.data()}, {"v.", host_v.data()}}) {
+  for (const auto& [prefix, buffer] :
+       {std::pair<const char*, const float*>{"m.", host_m.data()}, {"v.", host_v.data()}}) {
     ASSIGN_OR_RETURN(std::vector<NamedTensor> moments, ExportBufferTensors(stage, buffer, prefix));
     for (NamedTensor& t : moments) snapshot.moments.push_back(std::move(t));
   }
@@ -168,8 +170,8 @@ absl::Status SaveCheckpoint(const std::string& dir, int64_t step,
   for (size_t g = 0; g < groups.size(); ++g) {
     ASSIGN_OR_RETURN(CheckpointSnapshot snapshot,
                      SnapshotStage(*groups[g].first, *groups[g].second, /*keep=*/true, g == 0 ? outer : nullptr));
-    ASSIGN_OR_RETURN(WrittenShard shard, WriteCheckpointShard(StepDirectory(dir, step),
-                                                              g == 0 ? "" : absl::StrCat("-g", g), snapshot));
+    ASSIGN_OR_RETURN(WrittenShard shard,
+                     WriteCheckpointShard(StepDirectory(dir, step), g == 0 ? "" : absl::StrCat("-g", g), snapshot));
     for (const WrittenShard::File& f : shard.files) {
       CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name];
       entry.set_bytes(f.bytes);
@@ -273,7 +275,8 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage
     }
   }
   RETURN_IF_ERROR(adam.CopyMomentsFromHost(host_m, host_v));
-  if (options.outer != nullptr) RETURN_IF_ERROR(LoadOuterState(step_dir, manifest, stage, by_file, *options.outer, &info));
+  if (options.outer != nullptr)
+    RETURN_IF_ERROR(LoadOuterState(step_dir, manifest, stage, by_file, *options.outer, &info));
   int64_t optimizer_step = manifest.optimizer_step();
   if (manifest.format() == "geotrain-checkpoint-1") {  // format 1 kept it in the optimizer file's metadata
     const SafetensorsFile& opt = moments.begin()->second;

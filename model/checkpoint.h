@@ -59,8 +59,8 @@ absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, 
                                                  OuterOptimizer* outer = nullptr);
 
 struct CheckpointInfo {
-  int64_t step = 0;  // optimizer steps taken
-  int diloco_groups = 0;     // the checkpoint's (CheckpointManifest::diloco_groups)
+  int64_t step = 0;           // optimizer steps taken
+  int diloco_groups = 0;      // the checkpoint's (CheckpointManifest::diloco_groups)
   bool outer_loaded = false;  // DiLoCo's outer state came from the checkpoint (else: the loaded weights, no momentum)
   DataPosition data_position;
   std::string directory;             // the step directory loaded

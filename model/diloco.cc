@@ -46,8 +46,7 @@ std::vector<int> DilocoGroups(const std::vector<std::string>& replica_sites) {
 }
 
 int FragmentOfBlock(int block, int n_layer, int fragments) {
-  return std::clamp(static_cast<int>(static_cast<int64_t>(block) * fragments / std::max(1, n_layer)), 0,
-                    fragments - 1);
+  return std::clamp(static_cast<int>(static_cast<int64_t>(block) * fragments / std::max(1, n_layer)), 0, fragments - 1);
 }
 
 std::vector<std::vector<ParamRange>> FragmentRanges(GPT2Stage& stage, int fragments) {
@@ -74,13 +73,13 @@ std::vector<std::vector<ParamRange>> FragmentRanges(GPT2Stage& stage, int fragme
     for (absl::Span<float> span : stage.LayerGradientSpans(l)) add(f, span);
   }
   for (std::vector<ParamRange>& ranges : out) {
-    std::sort(ranges.begin(), ranges.end(), [](const ParamRange& a, const ParamRange& b) { return a.offset < b.offset; });
+    std::sort(ranges.begin(), ranges.end(),
+              [](const ParamRange& a, const ParamRange& b) { return a.offset < b.offset; });
   }
   return out;
 }
 
-OuterOptimizer::OuterOptimizer(std::vector<std::vector<ParamRange>> fragments, int64_t num_params,
-                               OuterOptions options)
+OuterOptimizer::OuterOptimizer(std::vector<std::vector<ParamRange>> fragments, int64_t num_params, OuterOptions options)
     : fragments_(std::move(fragments)),
       options_(options),
       outer_(static_cast<size_t>(num_params)),

@@ -68,9 +68,9 @@ TEST_P(FragmentsTest, CoverTheStageExactlyOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Splits, FragmentsTest,
-                         ::testing::Values(std::make_tuple(1, 0, 1), std::make_tuple(2, 0, 1),
-                                           std::make_tuple(4, 0, 1), std::make_tuple(3, 0, 2),
-                                           std::make_tuple(3, 1, 2), std::make_tuple(2, 1, 2)));
+                         ::testing::Values(std::make_tuple(1, 0, 1), std::make_tuple(2, 0, 1), std::make_tuple(4, 0, 1),
+                                           std::make_tuple(3, 0, 2), std::make_tuple(3, 1, 2),
+                                           std::make_tuple(2, 1, 2)));
 
 TEST(OuterOptimizerTest, NesterovMomentumStepByHand) {
   OuterOptimizer outer({{{0, 2}}}, 2, {.lr = 0.5, .momentum = 0.9, .nesterov = true});

@@ -1,8 +1,8 @@
 // The single-process training loop (see trainer.h).
 #include "model/trainer.h"
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -99,7 +99,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   }
   GPT2Stage& model = *groups[0].model;
   std::unique_ptr<OuterOptimizer> outer;
-  const DilocoSchedule outer_schedule{.inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = t.steps()};
+  const DilocoSchedule outer_schedule{
+      .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = t.steps()};
   if (diloco) {
     if (d.fragments() > config->n_layer) {
       return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",

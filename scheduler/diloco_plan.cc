@@ -80,7 +80,8 @@ absl::StatusOr<DilocoChoice> ChooseSyncOrDiloco(const Cluster& cluster, const Mo
       for (int b : best_sites) {
         if (a == b) continue;
         slowest.latency_s = std::max(slowest.latency_s, cluster.Link(a, b).latency_s);
-        slowest.bandwidth_bytes_per_s = std::min(slowest.bandwidth_bytes_per_s, cluster.Link(a, b).bandwidth_bytes_per_s);
+        slowest.bandwidth_bytes_per_s =
+            std::min(slowest.bandwidth_bytes_per_s, cluster.Link(a, b).bandwidth_bytes_per_s);
       }
     }
     double parameters = 0;
@@ -91,7 +92,8 @@ absl::StatusOr<DilocoChoice> ChooseSyncOrDiloco(const Cluster& cluster, const Mo
     const double codec_s = codec.throughput_bytes_per_s > 0 ? 2 * raw / codec.throughput_bytes_per_s : 0;
     choice.outer_exchange_s = RingAllReduceSeconds(raw * codec.ratio, S, slowest) + codec_s;
     const double fragment_s = RingAllReduceSeconds(raw * codec.ratio / F, S, slowest) + codec_s / F;
-    const double exposed_per_sync = F == 1 ? choice.outer_exchange_s : F * std::max(0.0, fragment_s - choice.inner_step_s);
+    const double exposed_per_sync =
+        F == 1 ? choice.outer_exchange_s : F * std::max(0.0, fragment_s - choice.inner_step_s);
     choice.diloco_step_s = choice.inner_step_s + exposed_per_sync / H;
     choice.diloco_wan_bytes_per_step = 2.0 * (S - 1) * raw * codec.ratio / H;
     choice.diloco_chosen = choice.diloco_step_s < choice.sync_step_s;

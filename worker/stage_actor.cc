@@ -103,8 +103,10 @@ absl::Status StageActor::Run() {
   int64_t first_step = 1;
   if (!config_.resume_from.empty()) {
     // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part).
+    // DiLoCo: the outer state too (the checkpoint's, or the loaded weights').
     ASSIGN_OR_RETURN(model::CheckpointInfo info,
-                     model::LoadCheckpoint(config_.resume_from, trainer->stage(), trainer->optimizer()));
+                     model::LoadCheckpoint(config_.resume_from, trainer->stage(), trainer->optimizer(),
+                                           {.group = 0, .outer = trainer->outer()}));
     if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
     first_step = info.step + 1;
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
@@ -141,8 +143,9 @@ absl::Status StageActor::Run() {
     const int every = spec.checkpoint().every_steps();
     if (!spec.checkpoint().dir().empty() && ranks.replica == 0 && ((every > 0 && step % every == 0) || report.done())) {
       const auto snapshot_start = Clock::now();
-      ASSIGN_OR_RETURN(model::CheckpointSnapshot snapshot,
-                       model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0));
+      ASSIGN_OR_RETURN(
+          model::CheckpointSnapshot snapshot,
+          model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0, trainer->outer()));
       double seconds = SecondsSince(snapshot_start);
       if (ranks.tp_rank == 0) {
         CheckpointShard shard;

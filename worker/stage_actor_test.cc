@@ -341,6 +341,20 @@ TEST(PipelineScheduleTest, GPipeAndOneFOneBOrders) {
   EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 8, 0, 2)), "F0 F1 B0 B1");
 }
 
+// A deeper pipeline (parallel.pipeline_depth) runs more warm-up forwards before the first backward, so that a
+// stage keeps computing while a microbatch crosses a slow link and its gradient comes back.
+TEST(PipelineScheduleTest, DepthAbovePipelineStagesAddsWarmUpForwards) {
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 6, 4)),
+            "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 3, 1, 6, 4)),
+            "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5");
+  // The last stage has no one downstream to wait for: no extra warm-up.
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 1, 3, 4)), "F0 B0 F1 B1 F2 B2");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 6, 1)),
+            ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 6)));  // never below pp
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 3, 8)), "F0 F1 F2 B0 B1 B2");
+}
+
 TEST(PipelineScheduleTest, EveryMicrobatchOnceForwardThenBackward) {
   for (PipelineKind kind : {PipelineKind::kGPipe, PipelineKind::k1F1B}) {
     for (int pp = 1; pp <= 5; ++pp) {
@@ -372,6 +386,12 @@ TEST(PipelineScheduleTest, EveryMicrobatchOnceForwardThenBackward) {
 TEST_F(StageActorTest, PipelineGPipeEqualsLocal) { ExpectEqualToLocal(Spec(1, 2, 1, 4, "gpipe", 4)); }
 
 TEST_F(StageActorTest, PipelineOneFOneBEqualsLocal) { ExpectEqualToLocal(Spec(1, 2, 1, 4, "1f1b", 4)); }
+
+TEST_F(StageActorTest, DeeperOneFOneBEqualsLocal) {
+  JobSpec spec = Spec(1, 2, 1, 4, "1f1b", 3);
+  spec.mutable_parallel()->set_pipeline_depth(4);
+  ExpectEqualToLocal(spec);
+}
 
 TEST_F(StageActorTest, DataParallelBucketsEqualLocal) { ExpectEqualToLocal(Spec(2, 1, 1, 2, "1f1b", 4)); }
 
@@ -410,8 +430,8 @@ TEST_F(StageActorTest, DilocoWithInt8PseudoGradientsStaysCloseToExact) {
   const JobSpec spec = WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2, 1, "int8");
   StartJob(spec, 30000);
   ASSERT_TRUE(WaitFinished(120));
-  const std::vector<float> losses = ReportedLosses(), exact = LocalLosses(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2,
-                                                                                      1, "none"));
+  const std::vector<float> losses = ReportedLosses(),
+                           exact = LocalLosses(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2, 1, "none"));
   ASSERT_EQ(losses.size(), exact.size());
   EXPECT_LT(losses.back(), losses.front());
   EXPECT_NEAR(losses.back(), exact.back(), 0.02 * exact.back());

@@ -89,8 +89,8 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   stage_inputs_.assign(first ? 0 : M, std::vector<float>(activation_floats_));
   doutput_.resize(last ? 0 : activation_floats_);
   loss_scale_ = 1.0f / static_cast<float>(M * collectives_->inner_replicas);
-  pipeline_ =
-      MakePipelineSchedule(ranks_.one_f_one_b ? PipelineKind::k1F1B : PipelineKind::kGPipe, ranks_.pp, ranks_.stage, M);
+  pipeline_ = MakePipelineSchedule(ranks_.one_f_one_b ? PipelineKind::k1F1B : PipelineKind::kGPipe, ranks_.pp,
+                                   ranks_.stage, M, spec_.parallel().pipeline_depth());
 
   const bool dp_on_device = collectives_->dp_on_device;
   if (on_device_) {
@@ -136,7 +136,8 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",
                                                      config_.n_layer, " blocks; use at most one fragment per block"));
     }
-    outer_schedule_ = {.inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec_.train().steps()};
+    outer_schedule_ = {
+        .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec_.train().steps()};
     outer_ = std::make_unique<model::OuterOptimizer>(
         model::FragmentRanges(*stage_, d.fragments()), stage_->num_params(),
         model::OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});

@@ -62,8 +62,8 @@ namespace geotrain::worker {
 struct StepStats {
   double loss = 0;  // the job's loss, on the loss carrier (last stage, tp rank 0)
   bool carries_loss = false;
-  bool replica_loss = false;  // DiLoCo: `loss` is this replica's own; the head averages the replicas'
-  double val_loss = -1;       // validation loss of this replica's slice (carrier, evaluated steps); else < 0
+  bool replica_loss = false;   // DiLoCo: `loss` is this replica's own; the head averages the replicas'
+  double val_loss = -1;        // validation loss of this replica's slice (carrier, evaluated steps); else < 0
   double compute_seconds = 0;  // forward, backward, optimizer
   double wait_seconds = 0;     // blocked on peers: activations, gradients, all-reduces
   double bubble_seconds = 0;   // waiting for the pipeline to fill
@@ -88,7 +88,7 @@ class StageTrainer {
 
   model::GPT2Stage& stage() { return *stage_; }
   model::AdamW& optimizer() { return *adam_; }
-  model::DataLoader* loader() { return loader_.get(); }  // null on middle stages
+  model::DataLoader* loader() { return loader_.get(); }    // null on middle stages
   model::OuterOptimizer* outer() { return outer_.get(); }  // DiLoCo's outer state; null when synchronous
   const ActorRanks& ranks() const { return ranks_; }
   // One line for the actor's log: parameters, layers, device, how gradients are all-reduced.
