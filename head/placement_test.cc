@@ -141,8 +141,8 @@ TEST(PlanAutoJobTest, AllowDilocoTakesDilocoAcrossASlowLinkAndExplains) {
   auto plan = PlanAutoJob(spec, workers, links);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->parallel.sync(), "diloco");
-  EXPECT_EQ(plan->parallel.dp() * plan->parallel.pp(), 4);
   const std::string why = absl::StrJoin(plan->explanation, "\n");
+  EXPECT_EQ(plan->parallel.dp() * plan->parallel.pp() * plan->parallel.tp(), 4) << why;  // both sites
   EXPECT_THAT(why, HasSubstr("chose DiLoCo"));
   EXPECT_THAT(why, HasSubstr("MB across sites per step"));
   JobSpec check = spec;
