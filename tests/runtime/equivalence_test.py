@@ -177,10 +177,12 @@ class EquivalenceTest(unittest.TestCase):
         text = text.replace(f"data: {{train: '{self.data}'}}", f"data: {{train: '{self.data}', val: '{self.val}'}}")
         text = text.replace("seed: 11}", "seed: 11, eval_every: 2, eval_batches: 2}")
         text += "diloco: {inner_steps: 2, outer_lr: 0.7, outer_momentum: 0.9, codec: none}\n"
-        path = os.path.join(self.c.dir, "diloco-val.yaml")
+        path, local_path = os.path.join(self.c.dir, "diloco-val.yaml"), os.path.join(self.c.dir, "diloco-local.yaml")
         with open(path, "w") as f:
             f.write(text)
-        local = subprocess.run([GEOTRAIN, "train", "--local", path], capture_output=True, text=True, timeout=300)
+        with open(local_path, "w") as f:  # its own checkpoints: the cluster job must not resume from them
+            f.write(text.replace("ckpt-diloco", "ckpt-diloco-local"))
+        local = subprocess.run([GEOTRAIN, "train", "--local", local_path], capture_output=True, text=True, timeout=300)
         self.assertEqual(local.returncode, 0, local.stderr + local.stdout)
         self.assertIn("DiLoCo simulated: 2 replicas in 2 groups", local.stdout)
         ref = {int(m.group(1)): (float(m.group(2)), m.group(3) and float(m.group(3)))
