@@ -12,6 +12,7 @@ namespace geotrain::head {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 WorkerInfo Worker(const std::string& id, const std::string& site, double mem_gb, int devices = 1) {
   WorkerInfo w;
@@ -156,6 +157,18 @@ TEST(PlanAutoJobTest, AllowDilocoTakesDilocoAcrossASlowLinkAndExplains) {
   ASSERT_TRUE(sync.ok()) << sync.status();
   EXPECT_EQ(sync->parallel.sync(), "");
   EXPECT_GT(sync->predicted_step_seconds, plan->predicted_step_seconds);
+}
+
+TEST(PlanAutoJobTest, SaysWhenThePredictionIsForEmulatedDevices) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16)};
+  auto real = PlanAutoJob(AutoSpec("none"), workers, {});
+  ASSERT_TRUE(real.ok()) << real.status();
+  EXPECT_THAT(absl::StrJoin(real->explanation, "\n"), Not(HasSubstr("emulated")));
+  for (WorkerInfo& w : workers) w.mutable_devices(0)->set_kind(DEVICE_KIND_EMULATED);
+  auto emulated = PlanAutoJob(AutoSpec("none"), workers, {});
+  ASSERT_TRUE(emulated.ok()) << emulated.status();
+  EXPECT_THAT(emulated->explanation.back(), HasSubstr("devices planned on are emulated (T4)"));
+  EXPECT_THAT(emulated->explanation.back(), HasSubstr("measured steps will take far longer"));
 }
 
 }  // namespace
