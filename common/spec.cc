@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/codec_spec.h"
 #include "common/status.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/util/json_util.h"
@@ -240,6 +241,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   FaultToleranceSpec* f = spec->mutable_fault_tolerance();
   if (!f->has_max_restarts()) f->set_max_restarts(3);
   if (f->wait_for_workers_s() == 0) f->set_wait_for_workers_s(300);
+  if (spec->diloco().inner_steps() > 0) *spec->mutable_diloco() = EffectiveDiloco(*spec);
 }
 
 namespace {
@@ -314,6 +316,33 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (spec.comm().chunk_bytes() != 0) {
     RETURN_IF_ERROR(range("comm.chunk_bytes", spec.comm().chunk_bytes(), int64_t{1024}, l.max_chunk_bytes));
+  }
+  if (p.pipeline_depth() < 0) return bad("parallel.pipeline_depth", "must not be negative (0 or absent: pp)");
+  RETURN_IF_ERROR(range("parallel.pipeline_depth", p.pipeline_depth(), 0, l.max_microbatches));
+  if (p.sync() != "" && p.sync() != "sync" && p.sync() != "diloco") {
+    return bad("parallel.sync", absl::StrCat("must be sync or diloco (or absent), got '", p.sync(), "'"));
+  }
+  if (p.allow_diloco() && p.plan() != "auto") {
+    return bad("parallel.allow_diloco", "applies to plan: auto only; with a manual plan, a diloco block turns it on");
+  }
+  const DilocoSpec& d = spec.diloco();
+  if (d.inner_steps() < 0) return bad("diloco.inner_steps", "must be positive");
+  RETURN_IF_ERROR(range("diloco.inner_steps", d.inner_steps(), 0, l.max_steps));
+  RETURN_IF_ERROR(range("diloco.fragments", d.fragments(), 0, l.max_microbatches));
+  if (DilocoOn(spec) || p.allow_diloco()) {
+    const DilocoSpec e = EffectiveDiloco(spec);
+    if (!(e.outer_lr() > 0 && e.outer_lr() <= 10)) return bad("diloco.outer_lr", "must be in (0, 10]");
+    if (!(e.outer_momentum() >= 0 && e.outer_momentum() < 1)) {
+      return bad("diloco.outer_momentum", "must be in [0, 1) (0: no momentum)");
+    }
+    if (e.fragments() > e.inner_steps()) {
+      return bad("diloco.fragments",
+                 absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),
+                              "): each fragment syncs once every inner_steps steps"));
+    }
+    if (absl::StatusOr<CodecSpec> codec = ParseCodecSpec(e.codec()); !codec.ok()) {
+      return bad("diloco.codec", codec.status().message());
+    }
   }
   const CheckpointSpec& k = spec.checkpoint();
   if (k.every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/diloco_spec.h"  // DilocoOn, EffectiveDiloco
 #include "google/protobuf/message.h"
 #include "spec.pb.h"
 

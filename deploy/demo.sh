@@ -36,7 +36,7 @@ cat >"$out/demo-job.yaml" <<SPEC
 name: fortunes-demo
 model: {preset: gpt2-demo}
 data: {train: $out/data/train_*.bin, val: $out/data/val_*.bin}
-train: {global_batch: 16, seq_len: 64, steps: 40, lr: 2.0e-3, warmup_steps: 5, weight_decay: 0.1, grad_clip: 1.0, seed: 1}
+train: {global_batch: 16, seq_len: 64, steps: 40, lr: 2.0e-3, warmup_steps: 5, weight_decay: 0.1, grad_clip: 1.0, seed: 1, eval_every: 10}
 parallel:
   plan: manual
   dp: 2
@@ -62,23 +62,30 @@ echo "== links as configured and as measured, and what crossed the emulated WAN"
 
 /usr/bin/python3 - "$out/demo-events.log" "$out/loss.png" <<'PY'
 import re, sys
-steps, losses, tokens, wan = [], [], [], 0
+steps, losses, tokens, wan, val_steps, val = [], [], [], 0, [], []
 for line in open(sys.argv[1]):
     m = re.search(r"step (\d+) loss ([0-9.]+) ([0-9.]+) tokens/s .* wan bytes (\d+)", line)
     if m:
         steps.append(int(m.group(1))); losses.append(float(m.group(2)))
         tokens.append(float(m.group(3))); wan += int(m.group(4))
+        v = re.search(r"val_loss ([0-9.]+)", line)
+        if v:
+            val_steps.append(int(m.group(1))); val.append(float(v.group(1)))
 if not steps:
     sys.exit("demo: no steps in the job's log")
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 plt.figure(figsize=(6, 3.5))
-plt.plot(steps, losses, marker=".")
-plt.xlabel("step"); plt.ylabel("training loss"); plt.title("geotrain demo: gpt2-demo on fortunes, DP2 x PP2, 2 sites", fontsize=10)
+plt.plot(steps, losses, marker=".", label="training")
+if val:
+    plt.plot(val_steps, val, marker="o", label="validation (mean over replicas)")
+plt.legend()
+plt.xlabel("step"); plt.ylabel("loss"); plt.title("geotrain demo: gpt2-demo on fortunes, DP2 x PP2, 2 sites", fontsize=10)
 plt.grid(alpha=0.3); plt.tight_layout(); plt.savefig(sys.argv[2], dpi=120)
 tokens.sort()
-print(f"\nsummary: {len(steps)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+print(f"\nsummary: {len(steps)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+      + (f", val loss {val[-1]:.3f}" if val else "") + ", "
       f"median {tokens[len(tokens)//2]:.0f} tokens/s, {wan/1e6:.1f} MB across the WAN (bf16)")
 print(f"loss plot: {sys.argv[2]}")
 PY

@@ -733,9 +733,11 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       agg.checkpoint = std::max(agg.checkpoint, report.checkpoint_seconds());
       agg.tokens = report.tokens();
       if (report.carries_loss()) {
-        agg.loss = report.loss();
+        agg.loss_sum += report.loss();
+        agg.loss = agg.loss_sum / ++agg.loss_reports;
         agg.have_loss = true;
       }
+      if (report.val_loss() >= 0) agg.val_sum += report.val_loss(), ++agg.val_reports;
       for (const auto& [pair, bytes] : report.wan_bytes()) agg.wan_bytes[pair] += bytes;
       if (report.compression_ratio() > 0) agg.compression_ratio = report.compression_ratio();
       if (agg.reports == actors) {
@@ -893,10 +895,11 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
     wan_total += bytes;
   }
   const std::string line = absl::StrFormat(
-      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s", step,
-      agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble,
+      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s%s",
+      step, agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble,
       agg.checkpoint > 0 ? absl::StrFormat(", checkpoint %.3f", agg.checkpoint) : "", wan_total,
-      wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"));
+      wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"),
+      agg.val_reports > 0 ? absl::StrFormat(" val_loss %.6f", agg.val_sum / agg.val_reports) : "");
   Check(jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line), job_id,
         "recording progress");
   if (metrics_ == nullptr) return;
@@ -921,6 +924,11 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
       .Set(tokens_per_second);
   if (agg.have_loss)
     metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job", job_id}}).Set(agg.loss);
+  if (agg.val_reports > 0) {
+    metrics_->Gauges("geotrain_val_loss", "Validation loss (mean over replicas), by job")
+        .Add({{"job", job_id}})
+        .Set(agg.val_sum / agg.val_reports);
+  }
   metrics_->Gauges("geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job")
       .Add({{"job", job_id}})
       .Set(agg.step_seconds > 0 ? agg.bubble / agg.step_seconds : 0);

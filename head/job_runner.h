@@ -99,6 +99,10 @@ class JobRunner {
     int reports = 0;
     double step_seconds = 0, compute = 0, wait = 0, bubble = 0, loss = 0, checkpoint = 0;
     bool have_loss = false;
+    // The mean over the loss carriers' reports (one per replica when each reports its own: DiLoCo), and
+    // over the replicas' validation losses (steps that evaluated).
+    double loss_sum = 0, val_sum = 0;
+    int loss_reports = 0, val_reports = 0;
     int64_t tokens = 0;
     std::map<std::string, int64_t> wan_bytes;
     double compression_ratio = 0;

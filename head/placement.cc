@@ -14,6 +14,7 @@
 #include "common/spec.h"
 #include "common/status.h"
 #include "model/config.h"
+#include "scheduler/diloco_plan.h"
 #include "scheduler/planner.h"
 #include "scheduler/spec_planning.h"
 
@@ -264,6 +265,23 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
       out.explanation.push_back(
           "(the top plan splits the batch unevenly across replicas; geotrain's runtime "
           "splits it evenly, so the best even plan was taken)");
+    }
+    if (spec.parallel().allow_diloco()) {  // synchronous or DiLoCo: the faster predicted step (scheduler/diloco_plan.h)
+      ASSIGN_OR_RETURN(
+          const scheduler::DilocoChoice choice,
+          scheduler::ChooseSyncOrDiloco(cluster, model, planning.job, planning.options, result, EffectiveDiloco(spec)));
+      out.explanation.insert(out.explanation.end(), choice.explanation.begin(), choice.explanation.end());
+      out.parallel.set_sync("sync");
+      if (choice.diloco_chosen) {
+        ParallelSpec diloco;
+        scheduler::FillParallelSpec(scheduler::ToManualPlan(cluster, model, choice.diloco.plan), &diloco);
+        diloco.set_sync("diloco");
+        *check.mutable_parallel() = diloco;
+        if (ValidateJobSpec(check).ok()) {
+          out.parallel = diloco;
+          out.predicted_step_seconds = choice.diloco_step_s;
+        }
+      }
     }
     return out;
   }

@@ -125,6 +125,40 @@ TEST(PlanAutoJobTest, PlansTheWanTrafficWithTheJobsCodecZstdIncluded) {
   EXPECT_THAT(absl::StrJoin(zstd->explanation, "\n"), HasSubstr("bf16+zstd"));
 }
 
+// allow_diloco: across a slow link the auto plan trains with DiLoCo on both sites and says why; without it,
+// the same job stays synchronous.
+TEST(PlanAutoJobTest, AllowDilocoTakesDilocoAcrossASlowLinkAndExplains) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16), Worker("w3", "b", 16),
+                                     Worker("w4", "b", 16)};
+  for (WorkerInfo& w : workers) w.mutable_devices(0)->set_tflops(0.001);
+  std::vector<SiteLink> links(1);
+  links[0].set_a("a");
+  links[0].set_b("b");
+  links[0].set_latency_ms(100);
+  links[0].set_bandwidth_mbps(10);
+  JobSpec spec = AutoSpec("bf16");
+  spec.mutable_parallel()->set_allow_diloco(true);
+  spec.mutable_diloco()->set_inner_steps(32);
+  auto plan = PlanAutoJob(spec, workers, links);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->parallel.sync(), "diloco");
+  const std::string why = absl::StrJoin(plan->explanation, "\n");
+  EXPECT_EQ(plan->parallel.dp() * plan->parallel.pp() * plan->parallel.tp(), 4) << why;  // both sites
+  EXPECT_THAT(why, HasSubstr("chose DiLoCo"));
+  EXPECT_THAT(why, HasSubstr("MB across sites per step"));
+  JobSpec check = spec;
+  *check.mutable_parallel() = plan->parallel;
+  EXPECT_TRUE(DilocoOn(check));
+  EXPECT_TRUE(ValidateJobSpec(check).ok()) << ValidateJobSpec(check);
+
+  spec.mutable_parallel()->set_allow_diloco(false);
+  spec.clear_diloco();
+  auto sync = PlanAutoJob(spec, workers, links);
+  ASSERT_TRUE(sync.ok()) << sync.status();
+  EXPECT_EQ(sync->parallel.sync(), "");
+  EXPECT_GT(sync->predicted_step_seconds, plan->predicted_step_seconds);
+}
+
 TEST(PlanAutoJobTest, SaysWhenThePredictionIsForEmulatedDevices) {
   std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16)};
   auto real = PlanAutoJob(AutoSpec("none"), workers, {});

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -30,9 +31,48 @@ std::string CanonicalName(const std::string& file_name) {
   return name;
 }
 
-}  // namespace
+// DiLoCo's outer state: from the diloco files beside group 0's model files (a simulation's checkpoint, or a
+// cluster job's, whose replica 0 writes them), or else the stage's (loaded) weights with zero momentum. `by_file` lists the stage's tensors by the model file that holds them.
+absl::Status LoadOuterState(const std::string& step_dir, const CheckpointManifest& manifest, GPT2Stage& stage,
+                            const std::map<std::string, std::vector<std::string>>& by_file, OuterOptimizer& outer,
+                            CheckpointInfo* info) {
+  std::vector<float> params(static_cast<size_t>(stage.num_params()));
+  RETURN_IF_ERROR(stage.backend().CopyToHost(params.data(), stage.params(), params.size() * sizeof(float)));
+  outer.Initialize(params.data());  // padded rows and anything the files do not hold
+  for (const auto& [group_file, names] : by_file) {
+    // The group's file name back to group 0's ("model-g1-s0" -> "model-s0"), then its diloco twin.
+    std::string model_file = group_file;
+    if (absl::StartsWith(group_file, "model-g")) {
+      const size_t dash = group_file.find_first_of("-.", strlen("model-g"));
+      model_file = absl::StrCat("model", group_file.substr(dash));
+    }
+    const std::string file = DilocoFileFor(model_file);
+    if (!manifest.files().contains(file)) {
+      // A synchronous job's checkpoint: the outer state starts from its weights.
+      if (manifest.diloco_groups() == 0) return absl::OkStatus();
+      return absl::DataLossError(absl::StrCat(step_dir, ": a DiLoCo checkpoint without ", file));
+    }
+    ASSIGN_OR_RETURN(SafetensorsFile tensors, ReadSafetensors(absl::StrCat(step_dir, "/", file)));
+    for (const std::string& name : names) {
+      for (const auto& [prefix, buffer] : {std::pair<const char*, float*>{"outer.", outer.outer_params().data()},
+                                           {"outer_m.", outer.momentum().data()}}) {
+        const NamedTensor* t = tensors.Find(prefix + name);
+        ASSIGN_OR_RETURN(std::vector<int64_t> shape, stage.TensorShape(name));
+        if (t == nullptr || t->shape != shape) {
+          return absl::DataLossError(absl::StrCat(step_dir, "/", file, ": missing or mis-shaped ", prefix, name));
+        }
+        RETURN_IF_ERROR(stage.ImportTensorToBuffer(name, t->data.data(), static_cast<int64_t>(t->data.size()), buffer));
+      }
+    }
+  }
+  info->outer_loaded = true;
+  return absl::OkStatus();
+}
 
-absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
+// The stage's tensors, full size, under HF names with `prefix`, each filled by export_one(name, data).
+absl::StatusOr<std::vector<NamedTensor>> ExportTensors(
+    GPT2Stage& stage, const std::string& prefix,
+    const std::function<absl::Status(const std::string& name, float* data)>& export_one) {
   std::vector<NamedTensor> out;
   for (const std::string& name : stage.TensorNames()) {
     NamedTensor t;
@@ -41,10 +81,17 @@ absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bo
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     t.data.resize(n);
-    RETURN_IF_ERROR(stage.ExportTensor(name, grads, t.data.data()));
+    RETURN_IF_ERROR(export_one(name, t.data.data()));
     out.push_back(std::move(t));
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
+  return ExportTensors(stage, prefix,
+                       [&](const std::string& name, float* data) { return stage.ExportTensor(name, grads, data); });
 }
 
 absl::Status LoadStageWeights(const SafetensorsFile& file, const std::string& source, GPT2Stage& stage) {
@@ -82,20 +129,28 @@ absl::Status SaveStageWeights(const std::string& path, GPT2Stage& stage) {
   return WriteSafetensorsAtomically(path, tensors, {{"format", "pt"}});
 }
 
-absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep) {
+absl::StatusOr<std::vector<NamedTensor>> ExportBufferTensors(GPT2Stage& stage, const float* buffer,
+                                                             const std::string& prefix) {
+  return ExportTensors(stage, prefix, [&](const std::string& name, float* data) {
+    return stage.ExportTensorFromBuffer(name, buffer, data);
+  });
+}
+
+absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep, OuterOptimizer* outer) {
   CheckpointSnapshot snapshot;
   ASSIGN_OR_RETURN(snapshot.weights, ExportStageTensors(stage, false));
   std::vector<float> host_m, host_v;
   RETURN_IF_ERROR(adam.CopyMomentsToHost(&host_m, &host_v));
-  for (const char* which : {"m.", "v."}) {
-    const float* buffer = which[0] == 'm' ? host_m.data() : host_v.data();
-    for (const NamedTensor& w : snapshot.weights) {
-      NamedTensor t;
-      t.name = which + w.name;
-      t.shape = w.shape;
-      t.data.resize(w.data.size());
-      RETURN_IF_ERROR(stage.ExportTensorFromBuffer(w.name, buffer, t.data.data()));
-      snapshot.moments.push_back(std::move(t));
+  for (const auto& [prefix, buffer] :
+       {std::pair<const char*, const float*>{"m.", host_m.data()}, {"v.", host_v.data()}}) {
+    ASSIGN_OR_RETURN(std::vector<NamedTensor> moments, ExportBufferTensors(stage, buffer, prefix));
+    for (NamedTensor& t : moments) snapshot.moments.push_back(std::move(t));
+  }
+  if (outer != nullptr) {
+    for (const auto& [prefix, buffer] : {std::pair<const char*, const float*>{"outer.", outer->outer_params().data()},
+                                         {"outer_m.", outer->momentum().data()}}) {
+      ASSIGN_OR_RETURN(std::vector<NamedTensor> tensors, ExportBufferTensors(stage, buffer, prefix));
+      for (NamedTensor& t : tensors) snapshot.outer.push_back(std::move(t));
     }
   }
   snapshot.optimizer_step = adam.step();
@@ -105,12 +160,31 @@ absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, 
 
 absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& stage, AdamW& adam,
                             const DataPosition& data_position) {
-  ASSIGN_OR_RETURN(CheckpointSnapshot snapshot, SnapshotStage(stage, adam, /*keep=*/true));
-  ASSIGN_OR_RETURN(WrittenShard shard, WriteCheckpointShard(StepDirectory(dir, step), "", snapshot));
+  return SaveCheckpoint(dir, step, {{&stage, &adam}}, nullptr, data_position);
+}
+
+absl::Status SaveCheckpoint(const std::string& dir, int64_t step,
+                            const std::vector<std::pair<GPT2Stage*, AdamW*>>& groups, OuterOptimizer* outer,
+                            const DataPosition& data_position) {
   CheckpointManifest manifest;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    ASSIGN_OR_RETURN(CheckpointSnapshot snapshot,
+                     SnapshotStage(*groups[g].first, *groups[g].second, /*keep=*/true, g == 0 ? outer : nullptr));
+    ASSIGN_OR_RETURN(WrittenShard shard,
+                     WriteCheckpointShard(StepDirectory(dir, step), g == 0 ? "" : absl::StrCat("-g", g), snapshot));
+    for (const WrittenShard::File& f : shard.files) {
+      CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name];
+      entry.set_bytes(f.bytes);
+      entry.set_crc32(f.crc32);
+    }
+    if (g == 0) {
+      for (const std::string& t : shard.tensors) (*manifest.mutable_tensors())[t] = shard.model_file;
+      manifest.set_optimizer_step(snapshot.optimizer_step);
+    }
+  }
   manifest.set_format(kCheckpointFormat);
   manifest.set_step(step);
-  const GPT2Config& c = stage.config();
+  const GPT2Config& c = groups.front().first->config();
   manifest.mutable_model()->set_n_layer(c.n_layer);
   manifest.mutable_model()->set_n_head(c.n_head);
   manifest.mutable_model()->set_n_embd(c.n_embd);
@@ -119,20 +193,19 @@ absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& sta
   manifest.mutable_data_position()->set_shard(data_position.shard);
   manifest.mutable_data_position()->set_offset(data_position.offset);
   manifest.mutable_data_position()->set_epoch(data_position.epoch);
-  manifest.set_optimizer_step(snapshot.optimizer_step);
   manifest.set_job("local");
   manifest.set_plan("dp 1 x pp 1 x tp 1");
   manifest.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
-  for (const WrittenShard::File& f : shard.files) {
-    CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name];
-    entry.set_bytes(f.bytes);
-    entry.set_crc32(f.crc32);
-  }
-  for (const std::string& t : shard.tensors) (*manifest.mutable_tensors())[t] = shard.model_file;
+  if (outer != nullptr) manifest.set_diloco_groups(static_cast<int>(groups.size()));
   return CommitCheckpoint(dir, manifest);
 }
 
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage& stage, AdamW& adam) {
+  return LoadCheckpoint(path, stage, adam, CheckpointLoadOptions{});
+}
+
+absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage& stage, AdamW& adam,
+                                              const CheckpointLoadOptions& options) {
   CheckpointInfo info;
   std::error_code ec;
   if (fs::exists(path + "/manifest.json", ec)) {
@@ -152,7 +225,10 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage
                                                    " channels); resume with the spec it "
                                                    "was trained with"));
   }
-  // Which model files hold the tensors this stage needs (format 1: model.safetensors holds all).
+  // Which model files hold the tensors this stage needs (format 1: model.safetensors holds all); a DiLoCo
+  // group's own files when the checkpoint holds that group.
+  info.diloco_groups = manifest.diloco_groups();
+  const int group = options.group < manifest.diloco_groups() ? options.group : 0;
   std::map<std::string, std::vector<std::string>> by_file;
   for (const std::string& name : stage.TensorNames()) {
     std::string file = "model.safetensors";
@@ -163,7 +239,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage
       }
       file = it->second;
     }
-    by_file[file].push_back(name);
+    by_file[GroupFileFor(file, group)].push_back(name);
   }
   // Read and check every file needed before changing the stage or the optimizer.
   std::map<std::string, SafetensorsFile> weights, moments;
@@ -199,6 +275,8 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage
     }
   }
   RETURN_IF_ERROR(adam.CopyMomentsFromHost(host_m, host_v));
+  if (options.outer != nullptr)
+    RETURN_IF_ERROR(LoadOuterState(step_dir, manifest, stage, by_file, *options.outer, &info));
   int64_t optimizer_step = manifest.optimizer_step();
   if (manifest.format() == "geotrain-checkpoint-1") {  // format 1 kept it in the optimizer file's metadata
     const SafetensorsFile& opt = moments.begin()->second;

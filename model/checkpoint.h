@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "model/checkpoint_files.h"
 #include "model/data.h"
+#include "model/diloco.h"
 #include "model/gpt2.h"
 #include "model/optimizer.h"
 #include "model/safetensors.h"
@@ -52,12 +53,15 @@ absl::Status LoadStageWeights(const SafetensorsFile& file, const std::string& so
 absl::Status SaveStageWeights(const std::string& path, GPT2Stage& stage);
 
 // Takes a stage's weights and AdamW moments into host memory (see CheckpointSnapshot in
-// model/checkpoint_files.h). Collective on a tensor-parallel stage: every rank calls it in the same order;
-// ranks with keep == false take part and return an empty snapshot.
-absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep);
+// model/checkpoint_files.h), and DiLoCo's outer state when `outer` is given. Collective on a tensor-parallel
+// stage: every rank calls it in the same order; ranks with keep == false take part and return an empty snapshot.
+absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, bool keep,
+                                                 OuterOptimizer* outer = nullptr);
 
 struct CheckpointInfo {
-  int64_t step = 0;  // optimizer steps taken
+  int64_t step = 0;           // optimizer steps taken
+  int diloco_groups = 0;      // the checkpoint's (CheckpointManifest::diloco_groups)
+  bool outer_loaded = false;  // DiLoCo's outer state came from the checkpoint (else: the loaded weights, no momentum)
   DataPosition data_position;
   std::string directory;             // the step directory loaded
   std::vector<std::string> skipped;  // newer step directories that did not verify, and why
@@ -67,10 +71,27 @@ struct CheckpointInfo {
 // optimizer.safetensors) and points <dir>/latest at it.
 absl::Status SaveCheckpoint(const std::string& dir, int64_t step, GPT2Stage& stage, AdamW& adam,
                             const DataPosition& data_position);
+// A DiLoCo simulation's: group 0 as above plus its outer state (diloco.safetensors), group g > 0 in
+// model-g<g>.safetensors and optimizer-g<g>.safetensors; the manifest records the number of groups.
+absl::Status SaveCheckpoint(const std::string& dir, int64_t step,
+                            const std::vector<std::pair<GPT2Stage*, AdamW*>>& groups, OuterOptimizer* outer,
+                            const DataPosition& data_position);
 // Loads a checkpoint into stage and adam after verifying it: `path` is a step directory, or a checkpoint
 // directory whose newest complete checkpoint is taken (newer corrupt or incomplete ones are skipped and
 // listed in `skipped`). Only the tensors the stage holds are read (its layers, or its tensor-parallel part
 // of them). NOT_FOUND when there is no checkpoint; INVALID_ARGUMENT for another model shape.
 absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage& stage, AdamW& adam);
+// DiLoCo: the weights and moments of group `group` (group 0's when the checkpoint holds fewer groups, e.g. one
+// of a synchronous job), and, when `outer` is given, its outer state: from the checkpoint's diloco files, or
+// else the loaded weights with zero momentum.
+struct CheckpointLoadOptions {
+  int group = 0;
+  OuterOptimizer* outer = nullptr;
+};
+absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage& stage, AdamW& adam,
+                                              const CheckpointLoadOptions& options);
+// The tensors `names` of a host buffer in the stage's parameter layout, under HF names with `prefix`.
+absl::StatusOr<std::vector<NamedTensor>> ExportBufferTensors(GPT2Stage& stage, const float* buffer,
+                                                             const std::string& prefix);
 
 }  // namespace geotrain::model

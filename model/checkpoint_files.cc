@@ -60,6 +60,15 @@ std::string OptimizerFileFor(const std::string& model_file) {
   return absl::StrCat("optimizer", absl::StripPrefix(model_file, "model"));
 }
 
+std::string GroupFileFor(const std::string& model_file, int group) {
+  if (group == 0) return model_file;
+  return absl::StrCat("model-g", group, absl::StripPrefix(model_file, "model"));
+}
+
+std::string DilocoFileFor(const std::string& model_file) {
+  return absl::StrCat("diloco", absl::StripPrefix(model_file, "model"));
+}
+
 std::string StepDirectory(const std::string& dir, int64_t step) { return absl::StrFormat("%s/step_%08d", dir, step); }
 
 absl::StatusOr<WrittenShard> WriteCheckpointShard(const std::string& step_dir, const std::string& suffix,
@@ -77,6 +86,11 @@ absl::StatusOr<WrittenShard> WriteCheckpointShard(const std::string& step_dir, c
                    WriteTensorsFile(step_dir, OptimizerFileFor(shard.model_file), snapshot.moments,
                                     {{"step", absl::StrCat(snapshot.optimizer_step)}}));
   shard.files = {model, optimizer};
+  if (!snapshot.outer.empty()) {
+    ASSIGN_OR_RETURN(WrittenShard::File outer,
+                     WriteTensorsFile(step_dir, DilocoFileFor(shard.model_file), snapshot.outer, {}));
+    shard.files.push_back(outer);
+  }
   for (const NamedTensor& t : snapshot.weights) shard.tensors.push_back(t.name);
   return shard;
 }

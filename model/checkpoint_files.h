@@ -24,12 +24,17 @@ inline constexpr char kCheckpointFormat[] = "geotrain-checkpoint-2";
 
 // The optimizer file that goes with a model file: "model-s1.safetensors" -> "optimizer-s1.safetensors".
 std::string OptimizerFileFor(const std::string& model_file);
+// DiLoCo checkpoints: the model file of group g ("model-s1.safetensors", 2 -> "model-g2-s1.safetensors"; group 0:
+// the file itself), and the file of the outer optimizer's state beside a model file ("diloco-s1.safetensors").
+std::string GroupFileFor(const std::string& model_file, int group);
+std::string DilocoFileFor(const std::string& model_file);
 
 // A stage's weights and AdamW moments copied to host memory (model/checkpoint.h SnapshotStage), so that
 // they can be written while training goes on.
 struct CheckpointSnapshot {
   std::vector<NamedTensor> weights;  // HF names, full tensors
   std::vector<NamedTensor> moments;  // m.<name> and v.<name>
+  std::vector<NamedTensor> outer;    // DiLoCo's outer state: outer.<name> and outer_m.<name>; empty otherwise
   int64_t optimizer_step = 0;
 };
 
@@ -41,15 +46,15 @@ struct WrittenShard {
     uint64_t bytes = 0;
     std::string crc32;
   };
-  std::vector<File> files;  // the model file, then the optimizer file
+  std::vector<File> files;  // the model file, the optimizer file, and the DiLoCo file when there is one
   std::string model_file;
   std::vector<std::string> tensors;
 };
 
 // <dir>/step_NNNNNNNN.
 std::string StepDirectory(const std::string& dir, int64_t step);
-// Writes model<suffix>.safetensors and optimizer<suffix>.safetensors into `step_dir` (created if needed),
-// each atomically. Errors (e.g. a full disk) name the file; nothing is left half-written under its name.
+// Writes model<suffix>.safetensors and optimizer<suffix>.safetensors (and diloco<suffix>.safetensors when the
+// snapshot has an outer state) into `step_dir` (created if needed), each atomically. Errors (e.g. a full disk) name the file; nothing is left half-written under its name.
 absl::StatusOr<WrittenShard> WriteCheckpointShard(const std::string& step_dir, const std::string& suffix,
                                                   const CheckpointSnapshot& snapshot);
 // Completes the checkpoint of manifest.step() under `dir`: writes the HF index when the weights span several

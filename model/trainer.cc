@@ -1,15 +1,18 @@
 // The single-process training loop (see trainer.h).
 #include "model/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/diloco_spec.h"
 #include "common/status.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/data.h"
+#include "model/diloco.h"
 #include "model/gpt2.h"
 #include "model/optimizer.h"
 
@@ -22,6 +25,16 @@ std::string ProgressBar(int done, int total, double seconds_left) {
   std::string bar = "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
   return absl::StrCat(bar, " ", done, "/", total, " eta ", static_cast<int>(seconds_left), "s");
 }
+
+// One simulated group of replicas (every replica when the job is synchronous): its model, its optimizer, and
+// the rows of the step's batch (and of each validation batch) it takes, as microbatches.
+struct Group {
+  std::unique_ptr<GPT2Stage> model;
+  std::unique_ptr<AdamW> adam;
+  std::vector<int> microbatch_rows;  // first row of each microbatch in the global batch
+  std::vector<int> val_rows;         // first row of each piece of a validation batch
+  float loss_scale = 1;
+};
 
 }  // namespace
 
@@ -43,18 +56,61 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     return absl::InvalidArgumentError("data.train is empty; give a glob of .bin shards from `geotrain data prepare`");
   }
   const int Bm = global_batch / micro;
+  // parallel.dp replicas, each taking its share of the global batch in microbatches of the cluster's size
+  // (the rows the cluster's replicas take, and the validation rows each evaluates). Synchronous: one group
+  // holds them all. DiLoCo: grouped by the site of their placement (one group each without one).
+  const bool diloco = DilocoOn(spec);
+  const DilocoSpec d = EffectiveDiloco(spec);
+  const int dp = std::max(1, spec.parallel().dp());
+  if (global_batch % (dp * micro) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("train.global_batch ", global_batch,
+                                                   " must be a multiple of parallel.dp x microbatches (", dp * micro,
+                                                   "): each replica takes microbatches of the same size"));
+  }
+  const int mb = Bm / dp;
+  std::vector<std::string> replica_sites(dp);
+  for (int r = 0; r < dp; ++r) replica_sites[r] = diloco ? absl::StrCat("replica ", r) : "";
+  for (const PlacementSpec& p : spec.parallel().placement()) {
+    const bool first_stage = p.stage() == 0 && p.tp_rank() == 0;  // a replica's site is its first stage's
+    if (diloco && first_stage && p.replica() >= 0 && p.replica() < dp && !p.site().empty()) {
+      replica_sites[p.replica()] = p.site();
+    }
+  }
+  const std::vector<int> group_of = DilocoGroups(replica_sites);
+  const int num_groups = *std::max_element(group_of.begin(), group_of.end()) + 1;
+  std::vector<Group> groups(num_groups);
   StageOptions stage_options;
-  stage_options.max_batch = Bm;
+  stage_options.max_batch = mb;
   stage_options.max_seq_len = T;
-  absl::StatusOr<std::unique_ptr<GPT2Stage>> model_or = GPT2Stage::Create(*config, stage_options);
-  if (!model_or.ok()) return model_or.status();
-  GPT2Stage& model = **model_or;
-  model.InitializeWeights(t.seed());
   AdamWOptions adam_options;
   adam_options.beta1 = static_cast<float>(t.beta1());
   adam_options.beta2 = static_cast<float>(t.beta2());
   adam_options.weight_decay = static_cast<float>(t.weight_decay());
-  AdamW adam(model.num_params(), model.segments(), adam_options);
+  for (int r = 0; r < dp; ++r) {
+    Group& g = groups[group_of[r]];
+    for (int m = 0; m < micro; ++m) g.microbatch_rows.push_back(r * micro * mb + m * mb);
+    g.val_rows.push_back(r * mb);
+  }
+  for (Group& g : groups) {
+    ASSIGN_OR_RETURN(g.model, GPT2Stage::Create(*config, stage_options));
+    g.model->InitializeWeights(t.seed());
+    g.adam = std::make_unique<AdamW>(g.model->num_params(), g.model->segments(), adam_options);
+    g.loss_scale = 1.0f / static_cast<float>(g.microbatch_rows.size());
+  }
+  GPT2Stage& model = *groups[0].model;
+  std::unique_ptr<OuterOptimizer> outer;
+  const DilocoSchedule outer_schedule{
+      .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = t.steps()};
+  if (diloco) {
+    if (d.fragments() > config->n_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",
+                                                     config->n_layer, " blocks; use at most one fragment per block"));
+    }
+    outer = std::make_unique<OuterOptimizer>(
+        FragmentRanges(model, d.fragments()), model.num_params(),
+        OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
+    outer->Initialize(model.params());
+  }
   LearningRateSchedule schedule{
       .max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(), .total_steps = t.steps()};
 
@@ -77,7 +133,11 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     return absl::InvalidArgumentError("--resume needs checkpoint.dir (or checkpoint.resume_from) in the spec");
   }
   if (!resume_from.empty()) {
-    absl::StatusOr<CheckpointInfo> info = LoadCheckpoint(resume_from, model, adam);
+    absl::StatusOr<CheckpointInfo> info;
+    for (int g = 0; g < num_groups && (g == 0 || info.ok()); ++g) {
+      info = LoadCheckpoint(resume_from, *groups[g].model, *groups[g].adam,
+                            {.group = g, .outer = g == 0 ? outer.get() : nullptr});
+    }
     const bool required = !spec.checkpoint().resume_from().empty();
     if (info.ok()) {
       for (const std::string& why : info->skipped) std::fprintf(options.out, "skipped a checkpoint: %s\n", why.c_str());
@@ -95,42 +155,96 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
                "in %d microbatches; %d steps\n",
                config->n_layer, config->n_head, config->n_embd, config->vocab_size,
                static_cast<long long>(config->NumParameters()), global_batch, T, micro, t.steps());
+  if (diloco) {
+    std::fprintf(options.out,
+                 "DiLoCo simulated: %d replicas in %d groups; outer step every %d steps (lr %g, momentum %g%s) in %d "
+                 "fragment(s)\n",
+                 dp, num_groups, d.inner_steps(), d.outer_lr(), d.outer_momentum(), d.nesterov() ? ", Nesterov" : "",
+                 d.fragments());
+  }
+
+  // DiLoCo's outer exchange of fragment f: every group's pseudo-gradient, averaged by the groups' shares.
+  auto average_delta = [&](int f) {
+    std::vector<float> sum(static_cast<size_t>(outer->FragmentSize(f))), delta;
+    for (int g = 0; g < num_groups; ++g) {
+      outer->PseudoGradient(f, groups[g].model->params(), &delta);
+      const float w = static_cast<float>(groups[g].microbatch_rows.size()) / static_cast<float>(dp * micro);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += w * delta[i];
+    }
+    return sum;
+  };
+  struct Pending {
+    int fragment;
+    std::vector<float> delta;
+    std::vector<std::vector<float>> snapshots;  // per group
+  };
 
   std::vector<int32_t> inputs(static_cast<size_t>(global_batch) * T), targets(inputs.size());
   const auto run_start = std::chrono::steady_clock::now();
   for (int step = start_step; step < t.steps(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    (*train)->Next(inputs.data(), targets.data());
-    model.ZeroGrad();
-    double loss_sum = 0.0;
-    for (int m = 0; m < micro; ++m) {
-      const int64_t off = static_cast<int64_t>(m) * Bm * T;
-      if (absl::Status s = model.Forward(Bm, T, inputs.data() + off, nullptr, targets.data() + off); !s.ok()) return s;
-      loss_sum += model.loss();
-      if (absl::Status s = model.Backward(nullptr, 1.0f / micro); !s.ok()) return s;
+    std::vector<Pending> pending;
+    if (diloco) {
+      for (int f : outer_schedule.StartAtBeginning(step + 1)) {
+        Pending p{f, average_delta(f), std::vector<std::vector<float>>(num_groups)};
+        for (int g = 0; g < num_groups; ++g) outer->Pack(f, groups[g].model->params(), &p.snapshots[g]);
+        pending.push_back(std::move(p));
+      }
     }
-    const double norm = std::sqrt(model.GradSquaredNormShare());
+    (*train)->Next(inputs.data(), targets.data());
     const double lr = schedule.At(step);
-    adam.Step(model.params(), model.grads(), static_cast<float>(lr), ClipScale(norm, t.grad_clip()));
+    double loss_sum = 0.0, norm = 0.0;
+    for (Group& g : groups) {
+      g.model->ZeroGrad();
+      const int rows = static_cast<int>(stage_options.max_batch);
+      for (int first : g.microbatch_rows) {
+        const int64_t off = static_cast<int64_t>(first) * T;
+        RETURN_IF_ERROR(g.model->Forward(rows, T, inputs.data() + off, nullptr, targets.data() + off));
+        loss_sum += g.model->loss();
+        RETURN_IF_ERROR(g.model->Backward(nullptr, g.loss_scale));
+      }
+      const double group_norm = std::sqrt(g.model->GradSquaredNormShare());
+      if (&g == &groups.front()) norm = group_norm;
+      g.adam->Step(g.model->params(), g.model->grads(), static_cast<float>(lr), ClipScale(group_norm, t.grad_clip()));
+    }
+    if (diloco) {
+      for (const Pending& p : pending) {
+        outer->Step(p.fragment, p.delta.data());
+        for (int g = 0; g < num_groups; ++g) outer->Apply(p.fragment, groups[g].model->params(), p.snapshots[g].data());
+      }
+      for (int f : outer_schedule.BlockingAfter(step + 1)) {
+        const std::vector<float> delta = average_delta(f);
+        outer->Step(f, delta.data());
+        for (Group& g : groups) outer->Apply(f, g.model->params(), nullptr);
+      }
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     StepRecord rec;
     rec.step = step + 1;
-    rec.loss = static_cast<float>(loss_sum / micro);
+    rec.loss = static_cast<float>(loss_sum / (micro * dp));
     rec.lr = lr;
     rec.grad_norm = norm;
     rec.tokens_per_second = static_cast<double>(global_batch) * T / seconds;
     const bool last = step + 1 == t.steps();
     if (val != nullptr && ((step + 1) % t.eval_every() == 0 || last)) {
+      // The mean over every group's pieces of eval_batches validation batches (equal sizes).
       val->Reset();
       std::vector<int32_t> vx(static_cast<size_t>(Bm) * T), vy(vx.size());
       double vsum = 0.0;
+      int pieces = 0;
       const int batches = std::max(1, t.eval_batches());
       for (int k = 0; k < batches; ++k) {
         val->Next(vx.data(), vy.data());
-        if (absl::Status s = model.Forward(Bm, T, vx.data(), nullptr, vy.data()); !s.ok()) return s;
-        vsum += model.loss();
+        for (Group& g : groups) {
+          for (int first : g.val_rows) {
+            const int64_t off = static_cast<int64_t>(first) * T;
+            RETURN_IF_ERROR(g.model->Forward(mb, T, vx.data() + off, nullptr, vy.data() + off));
+            vsum += g.model->loss();
+            ++pieces;
+          }
+        }
       }
-      rec.val_loss = static_cast<float>(vsum / batches);
+      rec.val_loss = static_cast<float>(vsum / pieces);
     }
     history_.push_back(rec);
     std::string line = absl::StrCat("step ", rec.step, "/", t.steps(), " | loss ", absl::StrFormat("%.4f", rec.loss));
@@ -147,7 +261,9 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     std::fflush(options.out);
     if (!ckpt_dir.empty() &&
         ((spec.checkpoint().every_steps() > 0 && (step + 1) % spec.checkpoint().every_steps() == 0) || last)) {
-      RETURN_IF_ERROR(SaveCheckpoint(ckpt_dir, step + 1, model, adam, (*train)->position()));
+      std::vector<std::pair<GPT2Stage*, AdamW*>> states;
+      for (Group& g : groups) states.push_back({g.model.get(), g.adam.get()});
+      RETURN_IF_ERROR(SaveCheckpoint(ckpt_dir, step + 1, states, outer.get(), (*train)->position()));
       RETURN_IF_ERROR(PruneCheckpoints(ckpt_dir, CheckpointsKept(spec.checkpoint())));
     }
     if (options.stop_after_step > 0 && step + 1 >= options.stop_after_step) break;

@@ -7,9 +7,11 @@
 
 namespace geotrain::worker {
 
-std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches) {
+std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches, int depth) {
   const int M = std::max(0, microbatches);
-  const int warmup = kind == PipelineKind::k1F1B ? std::clamp(pp - stage - 1, 0, M) : M;
+  // The last stage waits on no one downstream: extra depth would only cost it recomputation.
+  const int deepest = stage == pp - 1 ? pp : std::max(pp, depth);
+  const int warmup = kind == PipelineKind::k1F1B ? std::clamp(deepest - stage - 1, 0, M) : M;
   std::vector<PipelineOp> out;
   out.reserve(2 * static_cast<size_t>(M));
   int next_forward = 0, next_backward = 0;

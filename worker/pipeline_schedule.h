@@ -5,8 +5,13 @@
 //     op.forward ? Forward(op.microbatch) : Backward(op.microbatch);
 //   }
 //
-// GPipe: every forward, then every backward, in microbatch order. 1F1B: min(pp - stage - 1, M) warm-up
-// forwards, then one forward and one backward in turn while forwards remain, then the remaining backwards.
+// GPipe: every forward, then every backward, in microbatch order. 1F1B: min(D - stage - 1, M) warm-up
+// forwards, then one forward and one backward in turn while forwards remain, then the remaining backwards;
+// D, the pipeline's depth, is max(pp, depth) (pp on the last stage): the microbatches in flight at the
+// first stage. A depth above
+// pp keeps a stage busy while a microbatch crosses a slow link and its gradient comes back
+// (parallel.pipeline_depth); the extra microbatches in flight cost no memory here, the stage recomputes
+// their forward before their backward (worker/stage_trainer.h).
 // Every microbatch appears once as a forward and once as a backward, each backward after its forward, and
 // backwards in microbatch order (so the last stage's backwards can start as soon as their forward is done).
 #pragma once
@@ -24,7 +29,7 @@ struct PipelineOp {
   bool operator==(const PipelineOp&) const = default;
 };
 
-std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches);
+std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches, int depth = 0);
 
 // "F0 F1 B0 F2 B1 B2", for logs and test messages.
 std::string ScheduleToString(const std::vector<PipelineOp>& schedule);

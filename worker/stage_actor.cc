@@ -118,8 +118,10 @@ absl::Status StageActor::Run() {
   int64_t first_step = 1;
   if (!config_.resume_from.empty()) {
     // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part).
+    // DiLoCo: the outer state too (the checkpoint's, or the loaded weights').
     ASSIGN_OR_RETURN(model::CheckpointInfo info,
-                     model::LoadCheckpoint(config_.resume_from, trainer->stage(), trainer->optimizer()));
+                     model::LoadCheckpoint(config_.resume_from, trainer->stage(), trainer->optimizer(),
+                                           {.group = 0, .outer = trainer->outer()}));
     if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
     first_step = info.step + 1;
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
@@ -140,12 +142,12 @@ absl::Status StageActor::Run() {
     report.set_attempt(config_.attempt);
     report.set_step(step);
     report.set_loss(stats.loss);
-    report.set_carries_loss(stats.carries_loss && ranks.replica == 0);
+    report.set_carries_loss(stats.carries_loss && (ranks.replica == 0 || stats.replica_loss));
     report.set_compute_seconds(stats.compute_seconds);
     report.set_comm_wait_seconds(stats.wait_seconds);
     report.set_bubble_seconds(stats.bubble_seconds);
     report.set_tokens(static_cast<int64_t>(spec.train().global_batch()) * ranks.seq_len);
-    report.set_val_loss(-1);
+    report.set_val_loss(stats.val_loss);
     for (const auto& [pair, bytes] : stats.traffic.wan_bytes) (*report.mutable_wan_bytes())[pair] = bytes;
     if (stats.traffic.encoded_wan_bytes > 0) {
       report.set_compression_ratio(stats.traffic.raw_wan_bytes / stats.traffic.encoded_wan_bytes);
@@ -157,8 +159,9 @@ absl::Status StageActor::Run() {
     const int every = spec.checkpoint().every_steps();
     if (!spec.checkpoint().dir().empty() && ranks.replica == 0 && ((every > 0 && step % every == 0) || report.done())) {
       const auto snapshot_start = Clock::now();
-      ASSIGN_OR_RETURN(model::CheckpointSnapshot snapshot,
-                       model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0));
+      ASSIGN_OR_RETURN(
+          model::CheckpointSnapshot snapshot,
+          model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0, trainer->outer()));
       double seconds = SecondsSince(snapshot_start);
       if (ranks.tp_rank == 0) {
         CheckpointShard shard;

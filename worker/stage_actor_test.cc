@@ -140,6 +140,9 @@ class StageActorTest : public ::testing::Test {
     std::vector<uint16_t> tokens;
     for (int i = 0; i < 20000; ++i) tokens.push_back(rng() % 10 == 0 ? rng() % 512 : (i * 7) % 97);
     ASSERT_TRUE(model::WriteTokenShard(dir_ + "/train_000000.bin", tokens).ok());
+    std::vector<uint16_t> val;
+    for (int i = 0; i < 4000; ++i) val.push_back(rng() % 10 == 0 ? rng() % 512 : (i * 5) % 89);
+    ASSERT_TRUE(model::WriteTokenShard(dir_ + "/val_000000.bin", val).ok());
   }
   void TearDown() override {
     actors_.clear();
@@ -175,10 +178,32 @@ class StageActorTest : public ::testing::Test {
     return spec;
   }
 
-  // The reference: the same spec in one process, with dp x microbatches microbatches of the same size.
-  std::vector<float> LocalLosses(JobSpec spec) {
-    spec.mutable_parallel()->set_microbatches(spec.parallel().microbatches() * spec.parallel().dp());
-    spec.mutable_parallel()->set_dp(1);
+  // With validation every `every` steps (and at the last) over `batches` batches of data.val.
+  JobSpec WithValidation(JobSpec spec, int every, int batches) {
+    spec.mutable_data()->set_val(dir_ + "/val_*.bin");
+    spec.mutable_train()->set_eval_every(every);
+    spec.mutable_train()->set_eval_batches(batches);
+    return spec;
+  }
+
+  // DiLoCo over the test's two sites (replicas alternate between them, as StartJob places them).
+  JobSpec WithDiloco(JobSpec spec, int inner_steps, int fragments, const std::string& codec) {
+    DilocoSpec* d = spec.mutable_diloco();
+    d->set_inner_steps(inner_steps);
+    d->set_fragments(fragments);
+    d->set_codec(codec);
+    for (int r = 0; r < spec.parallel().dp(); ++r) {
+      PlacementSpec* p = spec.mutable_parallel()->add_placement();
+      p->set_replica(r);
+      p->set_site(r % 2 == 0 ? "site-a" : "site-b");
+    }
+    ApplyJobDefaults(&spec);
+    EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+    return spec;
+  }
+
+  // The reference: the same spec in one process (dp replicas' microbatches of the same size, simulated).
+  std::vector<model::StepRecord> LocalHistory(JobSpec spec) {
     spec.mutable_parallel()->set_pp(1);
     spec.mutable_parallel()->set_tp(1);
     model::LocalTrainer trainer;
@@ -187,8 +212,11 @@ class StageActorTest : public ::testing::Test {
     absl::Status s = trainer.Run(spec, options);
     std::fclose(options.out);
     EXPECT_TRUE(s.ok()) << s;
+    return trainer.history();
+  }
+  std::vector<float> LocalLosses(const JobSpec& spec) {
     std::vector<float> out;
-    for (const model::StepRecord& r : trainer.history()) out.push_back(r.loss);
+    for (const model::StepRecord& r : LocalHistory(spec)) out.push_back(r.loss);
     return out;
   }
 
@@ -259,28 +287,43 @@ class StageActorTest : public ::testing::Test {
     return false;
   }
 
-  // The job's loss per step, from the reports of the loss carrier.
-  std::vector<float> ReportedLosses() const {
-    std::map<int64_t, float> by_step;
+  // The job's loss per step as the head computes it: the mean over the loss carriers' reports (one, or one
+  // per replica with DiLoCo); the validation loss: the mean over the reports that have one (-1: none).
+  std::vector<float> ReportedLosses(bool validation = false) const {
+    std::map<int64_t, std::pair<double, int>> by_step;
     for (const StepReport& r : head_.reports()) {
-      if (r.carries_loss() && r.error().empty()) by_step[r.step()] = static_cast<float>(r.loss());
+      if (!r.error().empty() || r.step() == 0) continue;
+      auto& [sum, n] = by_step[r.step()];
+      if (!validation && r.carries_loss()) sum += r.loss(), ++n;
+      if (validation && r.val_loss() >= 0) sum += r.val_loss(), ++n;
     }
     std::vector<float> out;
-    for (const auto& [step, loss] : by_step) out.push_back(loss);
+    for (const auto& [step, agg] : by_step) out.push_back(agg.second > 0 ? agg.first / agg.second : -1.0f);
     return out;
   }
 
-  void ExpectEqualToLocal(const JobSpec& spec) {
+  // The job's losses (and validation losses) equal `train --local`'s on the same spec, to `relative`.
+  void ExpectEqualToLocal(const JobSpec& spec, double relative = 1e-5) {
     StartJob(spec, 30000);
     ASSERT_TRUE(WaitFinished(120));
     for (const StepReport& r : head_.reports()) EXPECT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
     for (auto& a : actors_) EXPECT_EQ(a->Record().message(), "finished");
-    const std::vector<float> reference = LocalLosses(spec);
-    const std::vector<float> losses = ReportedLosses();
+    const std::vector<model::StepRecord> reference = LocalHistory(spec);
+    const std::vector<float> losses = ReportedLosses(), val = ReportedLosses(/*validation=*/true);
     ASSERT_EQ(losses.size(), reference.size());
+    ASSERT_EQ(val.size(), reference.size());
+    int evaluated = 0;
     for (size_t i = 0; i < losses.size(); ++i) {
-      EXPECT_NEAR(losses[i], reference[i], std::max(1e-5 * std::abs(reference[i]), 1e-6)) << "step " << i + 1;
+      const float want = reference[i].loss, want_val = reference[i].val_loss;
+      EXPECT_NEAR(losses[i], want, std::max(relative * std::abs(want), 1e-6)) << "step " << i + 1;
+      if (want_val < 0) {
+        EXPECT_LT(val[i], 0) << "step " << i + 1 << ": evaluated on the cluster only";
+        continue;
+      }
+      ++evaluated;
+      EXPECT_NEAR(val[i], want_val, std::max(relative * std::abs(want_val), 1e-6)) << "validation, step " << i + 1;
     }
+    if (!spec.data().val().empty()) EXPECT_GT(evaluated, 0);
   }
 
   std::string dir_;
@@ -296,6 +339,20 @@ TEST(PipelineScheduleTest, GPipeAndOneFOneBOrders) {
             "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
   EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 4, 3, 3)), "F0 B0 F1 B1 F2 B2");
   EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 8, 0, 2)), "F0 F1 B0 B1");
+}
+
+// A deeper pipeline (parallel.pipeline_depth) runs more warm-up forwards before the first backward, so that a
+// stage keeps computing while a microbatch crosses a slow link and its gradient comes back.
+TEST(PipelineScheduleTest, DepthAbovePipelineStagesAddsWarmUpForwards) {
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 6, 4)),
+            "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 3, 1, 6, 4)),
+            "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5");
+  // The last stage has no one downstream to wait for: no extra warm-up.
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 1, 3, 4)), "F0 B0 F1 B1 F2 B2");
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 6, 1)),
+            ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 6)));  // never below pp
+  EXPECT_EQ(ScheduleToString(MakePipelineSchedule(PipelineKind::k1F1B, 2, 0, 3, 8)), "F0 F1 F2 B0 B1 B2");
 }
 
 TEST(PipelineScheduleTest, EveryMicrobatchOnceForwardThenBackward) {
@@ -330,11 +387,60 @@ TEST_F(StageActorTest, PipelineGPipeEqualsLocal) { ExpectEqualToLocal(Spec(1, 2,
 
 TEST_F(StageActorTest, PipelineOneFOneBEqualsLocal) { ExpectEqualToLocal(Spec(1, 2, 1, 4, "1f1b", 4)); }
 
+TEST_F(StageActorTest, DeeperOneFOneBEqualsLocal) {
+  JobSpec spec = Spec(1, 2, 1, 4, "1f1b", 3);
+  spec.mutable_parallel()->set_pipeline_depth(4);
+  ExpectEqualToLocal(spec);
+}
+
 TEST_F(StageActorTest, DataParallelBucketsEqualLocal) { ExpectEqualToLocal(Spec(2, 1, 1, 2, "1f1b", 4)); }
 
 TEST_F(StageActorTest, DataAndPipelineAcrossTwoSitesEqualLocal) { ExpectEqualToLocal(Spec(2, 2, 1, 2, "1f1b", 3)); }
 
 TEST_F(StageActorTest, TensorParallelEqualsLocal) { ExpectEqualToLocal(Spec(1, 1, 2, 2, "1f1b", 3)); }
+
+// Validation on the cluster: each replica's last stage evaluates its slice of data.val through the
+// pipeline; the mean over replicas equals `train --local`'s validation loss.
+TEST_F(StageActorTest, ValidationLossOfDataAndPipelineEqualsLocal) {
+  ExpectEqualToLocal(WithValidation(Spec(2, 2, 1, 2, "1f1b", 4), 2, 3));
+}
+
+TEST_F(StageActorTest, ValidationLossWithTensorParallelEqualsLocal) {
+  ExpectEqualToLocal(WithValidation(Spec(1, 1, 2, 2, "1f1b", 3), 3, 2));
+}
+
+// DiLoCo across the two sites equals the one-process simulation of the same algorithm (train --local with
+// the same diloco block): one replica per site (exact up to summation order), with momentum and Nesterov.
+TEST_F(StageActorTest, DilocoAcrossTwoSitesEqualsLocalSimulation) {
+  ExpectEqualToLocal(WithValidation(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 7), 3, 1, "none"), 2, 2));
+}
+
+// Two replicas per site: synchronous inside each site, outer steps across; pipelines of two stages.
+TEST_F(StageActorTest, DilocoGroupsOfTwoPipelinedEqualLocalSimulation) {
+  ExpectEqualToLocal(WithDiloco(Spec(4, 2, 1, 1, "1f1b", 4), 2, 1, "none"), 1e-4);
+}
+
+// Streaming DiLoCo: two fragments synced in turn, each exchange overlapped with the next step.
+TEST_F(StageActorTest, DilocoFragmentsOverlappedEqualLocalSimulation) {
+  ExpectEqualToLocal(WithValidation(WithDiloco(Spec(2, 2, 1, 2, "1f1b", 8), 4, 2, "none"), 4, 1));
+}
+
+// A lossy codec for the pseudo-gradients (int8): the job trains (loss falls) and stays near the exact run.
+TEST_F(StageActorTest, DilocoWithInt8PseudoGradientsStaysCloseToExact) {
+  const JobSpec spec = WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2, 1, "int8");
+  StartJob(spec, 30000);
+  ASSERT_TRUE(WaitFinished(120));
+  const std::vector<float> losses = ReportedLosses(),
+                           exact = LocalLosses(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2, 1, "none"));
+  ASSERT_EQ(losses.size(), exact.size());
+  EXPECT_LT(losses.back(), losses.front());
+  EXPECT_NEAR(losses.back(), exact.back(), 0.02 * exact.back());
+  uint64_t outer_bytes = 0;
+  for (const StepReport& r : head_.reports()) {
+    for (const auto& [pair, bytes] : r.wan_bytes()) outer_bytes += bytes;
+  }
+  EXPECT_GT(outer_bytes, 0u);  // the outer exchanges cross the sites, and are counted
+}
 
 TEST_F(StageActorTest, AStopInTheMiddleEndsEveryActorWithoutAnError) {
   head_.StopFromStep(2);  // the head answers step 2's reports with stop

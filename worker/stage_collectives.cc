@@ -5,7 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/codec.h"
+#include "common/diloco_spec.h"
 #include "common/status.h"
+#include "model/diloco.h"
 #include "worker/collectives.h"
 
 #ifdef GEOTRAIN_HAVE_CUDA
@@ -67,6 +69,7 @@ class GrpcStageCollectives : public StageCollectives {
       : pipeline_client_(token),
         dp_client_(token),
         other_client_(token),
+        outer_client_(token),
         mailbox_(mailbox),
         comm_job_id_(std::move(comm_job_id)) {}
 
@@ -80,15 +83,17 @@ class GrpcStageCollectives : public StageCollectives {
         return dp_client_.stats().bytes_sent;
       case TrafficClass::kOther:
         return other_client_.stats().bytes_sent;
+      case TrafficClass::kOuter:
+        return outer_client_.stats().bytes_sent;
     }
     return 0;
   }
 
-  comm::TensorStreamClient pipeline_client_, dp_client_, other_client_;
+  comm::TensorStreamClient pipeline_client_, dp_client_, other_client_, outer_client_;
   comm::TensorStreamServer* const mailbox_;
   const std::string comm_job_id_;
   std::unique_ptr<comm::GrpcCommunicator> pipeline_comm_, dp_comm_, dp_scalars_comm_, replica_comm_, tp_comm_,
-      tied_comm_, dp_leaders_;
+      tied_comm_, dp_leaders_, outer_comm_, group_comm_;
   std::unique_ptr<CommunicatorTensorParallel> tp_adapter_;
   std::unique_ptr<comm::BucketMemory> bucket_memory_;
 #ifdef GEOTRAIN_HAVE_CUDA
@@ -153,17 +158,50 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   c.replica = c.replica_comm_.get();
   c.tied = c.tied_comm_.get();
   c.tp = ranks.tp > 1 ? c.tp_adapter_.get() : nullptr;
-  if (ranks.dp > 1) {
+  c.inner_replicas = ranks.dp;
+  std::vector<int> inner_group = dp_group;
+  const bool diloco = DilocoOn(spec) && ranks.dp > 1;
+  if (diloco) {
+    // DiLoCo groups: the replicas whose first stage shares a site (model/diloco.h DilocoGroups).
+    std::vector<std::string> replica_sites;
+    for (int r = 0; r < ranks.dp; ++r) replica_sites.push_back(ranks.peers[ranks.WorldRank(r, 0, 0)].site);
+    const std::vector<int> group_of = model::DilocoGroups(replica_sites);
+    std::vector<int> leaders;  // world ranks of each group's lowest replica at this stage and tensor rank
+    inner_group.clear();
+    for (int r = 0; r < ranks.dp; ++r) {
+      if (group_of[r] == group_of[ranks.replica]) inner_group.push_back(dp_group[r]);
+      if (group_of[r] == static_cast<int>(leaders.size())) leaders.push_back(dp_group[r]);
+    }
+    ASSIGN_OR_RETURN(comm::Codec outer_codec, comm::ParseCodec(EffectiveDiloco(spec).codec()));
+    comm::CommunicatorOptions outer_options = exact_options;
+    outer_options.wan_codec = outer_codec;
+    c.inner_replicas = static_cast<int>(inner_group.size());
+    c.outer_weight = static_cast<float>(c.inner_replicas) / static_cast<float>(ranks.dp);
+    c.dp_comm_ = group(inner_group, &c.dp_client_, options);
+    if (inner_group.size() > 1) {
+      c.group_comm_ = group(inner_group, &c.other_client_, exact_options);
+      c.group = c.group_comm_.get();
+    }
+    const auto me = std::find(leaders.begin(), leaders.end(), ranks.my_rank);
+    if (leaders.size() > 1 && me != leaders.end()) {
+      c.outer_comm_ = group(leaders, &c.outer_client_, outer_options);
+      c.outer = c.outer_comm_.get();
+      c.outer_successor_rank = leaders[(me - leaders.begin() + 1) % leaders.size()];
+    }
+  }
+  if (inner_group.size() > 1) {
     c.dp_all_reduce = [comm = c.dp_comm_.get()](absl::Span<float> data, std::string_view tag) {
       return comm->AllReduceSum(data, tag);
     };
-    c.dp_successor_rank = dp_group[(ranks.replica + 1) % ranks.dp];
-    c.dp_ring_size = ranks.dp;
+    const auto me = std::find(inner_group.begin(), inner_group.end(), ranks.my_rank) - inner_group.begin();
+    c.dp_successor_rank = inner_group[(me + 1) % inner_group.size()];
+    c.dp_ring_size = static_cast<int>(inner_group.size());
   }
 
   // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
   ASSIGN_OR_RETURN(CollectivePlan plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica,
                                                         ranks.stage, ranks.tp_rank, kNcclBuilt));
+  if (diloco) plan.dp.use = false;  // DiLoCo's groups run on the gRPC rings above
   c.notes = plan.notes;
   if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
     return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),

@@ -7,7 +7,10 @@
 //   tied            the tied-embedding gradient sum of the replica's first and last stage;
 //   tp              the tensor-parallel all-reduces of the stage (gRPC, or NCCL on device memory);
 //   replica         the global gradient norm over the replica's stages and ranks (exact, never lossy);
-//   dp_scalars      the loss average across replicas (exact).
+//   dp_scalars      the loss average across replicas (exact);
+//   DiLoCo (the spec's diloco block on): dp_all_reduce sums only over this actor's group (the replicas whose
+//   first stage shares its site); `outer` carries the groups' pseudo-gradients between the group leaders
+//   across sites (diloco.codec), and `group` hands the result to the rest of the group (model/diloco.h).
 //
 // A CollectivesFactory makes them; the worker uses GrpcCollectivesFactory (tensor streams through the
 // worker's mailbox, NCCL where the build has it), and tests inject their own factory (e.g. one that wraps
@@ -34,7 +37,7 @@
 namespace geotrain::worker {
 
 // Traffic classes, counted apart so that each step's bytes can be attributed to site pairs.
-enum class TrafficClass { kPipeline, kDataParallel, kOther };
+enum class TrafficClass { kPipeline, kDataParallel, kOther, kOuter };
 
 class StageCollectives {
  public:
@@ -53,6 +56,16 @@ class StageCollectives {
   // leaders' ring with NCCL), for attributing its traffic to a site pair.
   int dp_successor_rank = -1;
   int dp_ring_size = 1;
+  // The replicas whose gradients dp_all_reduce sums: dp, or with DiLoCo the size of this actor's group.
+  int inner_replicas = 1;
+  // DiLoCo: `outer` (group leaders only; null elsewhere and with one group) is this stage of every group's
+  // leader, ring order by group, with diloco.codec across sites; outer_successor_rank is its ring successor
+  // (world rank). `group` is this stage in the replicas of this actor's group, leader (rank 0) first; null
+  // when the group has one replica. outer_weight: this group's share of the batch (its replicas / dp).
+  comm::Communicator* outer = nullptr;
+  comm::Communicator* group = nullptr;
+  int outer_successor_rank = -1;
+  float outer_weight = 1;
   std::vector<std::string> notes;  // why groups of CUDA stages stay on gRPC, for the actor's log
 
   // Encoded bytes acknowledged by peers so far, per traffic class.

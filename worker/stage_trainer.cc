@@ -1,10 +1,12 @@
 // One stage actor's training step: schedule, gradient synchronisation and optimizer (see stage_trainer.h).
 #include "worker/stage_trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/diloco_spec.h"
 #include "common/status.h"
 
 namespace geotrain::worker {
@@ -19,7 +21,10 @@ double SecondsSince(Clock::time_point start) { return std::chrono::duration<doub
 StageTrainer::StageTrainer(const JobSpec& spec, ActorRanks ranks) : spec_(spec), ranks_(std::move(ranks)) {}
 
 StageTrainer::~StageTrainer() {
-  // The sender and the buckets' threads use the collectives: they go first.
+  // The sender, the buckets' and the outer exchanges' threads use the collectives: they go first (an
+  // exchange in flight ends at its deadline, or at once when the receives are cancelled).
+  if (!outer_in_flight_.empty()) collectives_->CancelReceives();
+  for (auto& x : outer_in_flight_) x->thread.join();
   sender_.reset();
   grad_buckets_.reset();
 }
@@ -69,15 +74,23 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   if (first || last) {
     ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(spec_.data().train(), ranks_.replica_batch, T, ranks_.replica,
                                                         ranks_.dp, config_.vocab_size));
+    // Validation: replica r takes rows [r Bm, (r + 1) Bm) of each (dp Bm)-row batch of data.val, the batch
+    // `train --local` evaluates on.
+    if (!spec_.data().val().empty() && spec_.train().eval_every() > 0) {
+      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(spec_.data().val(), Bm, T, ranks_.replica, ranks_.dp,
+                                                              config_.vocab_size));
+      val_inputs_.resize(static_cast<size_t>(Bm) * T);
+      val_targets_.resize(val_inputs_.size());
+    }
   }
   inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
   targets_.resize(inputs_.size());
   activation_floats_ = static_cast<size_t>(Bm) * T * config_.n_embd;
   stage_inputs_.assign(first ? 0 : M, std::vector<float>(activation_floats_));
   doutput_.resize(last ? 0 : activation_floats_);
-  loss_scale_ = 1.0f / static_cast<float>(M * ranks_.dp);
-  pipeline_ =
-      MakePipelineSchedule(ranks_.one_f_one_b ? PipelineKind::k1F1B : PipelineKind::kGPipe, ranks_.pp, ranks_.stage, M);
+  loss_scale_ = 1.0f / static_cast<float>(M * collectives_->inner_replicas);
+  pipeline_ = MakePipelineSchedule(ranks_.one_f_one_b ? PipelineKind::k1F1B : PipelineKind::kGPipe, ranks_.pp,
+                                   ranks_.stage, M, spec_.parallel().pipeline_depth());
 
   const bool dp_on_device = collectives_->dp_on_device;
   if (on_device_) {
@@ -90,7 +103,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       ASSIGN_OR_RETURN(device_doutput_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
       host_output_.resize(activation_floats_);
     }
-    if ((ranks_.dp > 1 && !dp_on_device) || collectives_->tied != nullptr) {
+    if ((collectives_->dp_all_reduce && !dp_on_device) || collectives_->tied != nullptr || DilocoOn(spec_)) {
       host_grads_.resize(static_cast<size_t>(stage_->num_params()));
     }
   }
@@ -102,7 +115,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   // them to as each layer finishes.
   num_layers_ = stage_->last_layer() - stage_->first_layer();
   overlap_dp_ = !(dp_on_device && collectives_->tp_nccl);
-  if (ranks_.dp > 1) {
+  if (collectives_->dp_all_reduce) {
     auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : HostView(g); };
     std::vector<std::vector<absl::Span<float>>> groups;
     for (int l = num_layers_ - 1; l >= 0; --l) {
@@ -116,6 +129,20 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
         std::make_unique<comm::GradientBuckets>(collectives_->dp_all_reduce, collectives_->dp_bucket_memory,
                                                 std::move(groups), static_cast<int64_t>(bucket_mb * (1 << 20)));
     RETURN_IF_ERROR(grad_buckets_->status());
+  }
+  if (DilocoOn(spec_)) {
+    const DilocoSpec d = EffectiveDiloco(spec_);
+    if (d.fragments() > config_.n_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",
+                                                     config_.n_layer, " blocks; use at most one fragment per block"));
+    }
+    outer_schedule_ = {
+        .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec_.train().steps()};
+    outer_ = std::make_unique<model::OuterOptimizer>(
+        model::FragmentRanges(*stage_, d.fragments()), stage_->num_params(),
+        model::OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
+    ASSIGN_OR_RETURN(float* params, HostParams());
+    outer_->Initialize(params);
   }
   // A failed send ends the receives this actor waits in, so that it reports the failure at once.
   sender_ = std::make_unique<AsyncSender>(
@@ -270,6 +297,7 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
   first_op_ = true;
   const uint64_t dp_bytes_before = collectives_->BytesSent(TrafficClass::kDataParallel);
   if (loader_) loader_->Next(inputs_.data(), targets_.data());
+  RETURN_IF_ERROR(StartOuterExchanges(step));
   stage_->ZeroGrad();
 
   for (const PipelineOp& op : pipeline_) {
@@ -297,17 +325,153 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
   adam_->Step(stage_->params(), stage_->grads(), static_cast<float>(schedule_.At(static_cast<int>(step) - 1)),
               model::ClipScale(norm, spec_.train().grad_clip()));
   stats_.compute_seconds += SecondsSince(t0);
+  RETURN_IF_ERROR(FinishOuterExchanges(step));
 
-  // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages).
+  // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages). With DiLoCo
+  // the head averages the replicas' losses: no collective across sites every step.
   double loss = norm_share[1];
-  if (carrier && ranks_.dp > 1) {
+  stats_.replica_loss = outer_ != nullptr;
+  if (carrier && ranks_.dp > 1 && outer_ == nullptr) {
     float l = static_cast<float>(loss);
     RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"));
     loss = l / ranks_.dp;
   }
   stats_.loss = loss;
   stats_.carries_loss = carrier;
+  const int every = spec_.train().eval_every();
+  if (!spec_.data().val().empty() && every > 0 && (step % every == 0 || step == spec_.train().steps())) {
+    RETURN_IF_ERROR(Evaluate(stop));
+  }
   return stats_;
+}
+
+absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
+  const int T = ranks_.seq_len, Bm = ranks_.microbatch_size;
+  const bool first = ranks_.first_stage, last = ranks_.last_stage;
+  if (val_loader_) val_loader_->Reset();
+  const int batches = std::max(1, spec_.train().eval_batches());
+  double sum = 0;
+  for (int k = 0; k < batches; ++k) {
+    if (stop) return absl::CancelledError("stop requested");
+    if (val_loader_) val_loader_->Next(val_inputs_.data(), val_targets_.data());
+    const float* in = nullptr;
+    if (!first) {
+      const auto t0 = Clock::now();
+      RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.prev_rank, absl::MakeSpan(stage_inputs_[0]), "val"));
+      stats_.wait_seconds += SecondsSince(t0);
+      in = stage_inputs_[0].data();
+      if (on_device_) {
+        RETURN_IF_ERROR(backend_->CopyToDevice(device_input_.as<float>(), in, activation_floats_ * sizeof(float)));
+        in = device_input_.as<float>();
+      }
+    }
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(
+        stage_->Forward(Bm, T, first ? val_inputs_.data() : nullptr, in, last ? val_targets_.data() : nullptr));
+    stats_.compute_seconds += SecondsSince(t0);
+    if (last) {
+      sum += stage_->loss();
+      continue;
+    }
+    const float* out = stage_->output();
+    if (on_device_) {
+      RETURN_IF_ERROR(backend_->CopyToHost(host_output_.data(), out, activation_floats_ * sizeof(float)));
+      out = host_output_.data();
+    }
+    sender_->Send(ranks_.next_rank, ranks_.peers[ranks_.next_rank].site, out, activation_floats_, "val");
+  }
+  latest_forward_ = -1;
+  RETURN_IF_ERROR(sender_->Flush(&stats_.traffic));
+  if (last && ranks_.tp_rank == 0) stats_.val_loss = sum / batches;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float*> StageTrainer::HostParams() {
+  if (!on_device_) return stage_->params();
+  host_params_.resize(static_cast<size_t>(stage_->num_params()));
+  RETURN_IF_ERROR(backend_->CopyToHost(host_params_.data(), stage_->params(), host_params_.size() * sizeof(float)));
+  return host_params_.data();
+}
+
+absl::Status StageTrainer::ParamsToDevice() {
+  if (!on_device_) return absl::OkStatus();
+  return backend_->CopyToDevice(stage_->params(), host_params_.data(), host_params_.size() * sizeof(float));
+}
+
+absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta) {
+  const absl::Span<float> data = absl::MakeSpan(*delta);
+  if (collectives_->outer != nullptr) {
+    // The group's share of the batch: sum_g (n_g / dp) delta_g over the group leaders.
+    for (float& x : data) x *= collectives_->outer_weight;
+    RETURN_IF_ERROR(collectives_->outer->AllReduceSum(data, absl::StrCat("outer", f)));
+  }
+  if (collectives_->group != nullptr) {
+    RETURN_IF_ERROR(collectives_->group->Broadcast(data, 0, absl::StrCat("outer-group", f)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::StartOuterExchanges(int64_t step) {
+  if (outer_ == nullptr) return absl::OkStatus();
+  const std::vector<int> due = outer_schedule_.StartAtBeginning(step);
+  if (due.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(float* params, HostParams());
+  for (int f : due) {
+    auto x = std::make_unique<OuterExchange>();
+    x->fragment = f;
+    outer_->PseudoGradient(f, params, &x->delta);
+    outer_->Pack(f, params, &x->snapshot);
+    outer_in_flight_.push_back(std::move(x));
+  }
+  // One thread runs this step's exchanges in turn (every rank starts them in the same order).
+  auto* exchanges = &outer_in_flight_;
+  const size_t from = outer_in_flight_.size() - due.size();
+  outer_in_flight_[from]->thread = std::thread([this, exchanges, from] {
+    for (size_t i = from; i < exchanges->size(); ++i) {
+      OuterExchange& x = *(*exchanges)[i];
+      x.status = ExchangeOuter(x.fragment, &x.delta);
+      if (!x.status.ok()) break;
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::FinishOuterExchanges(int64_t step) {
+  if (outer_ == nullptr) return absl::OkStatus();
+  const std::vector<int> blocking = outer_schedule_.BlockingAfter(step);
+  if (outer_in_flight_.empty() && blocking.empty()) return absl::OkStatus();
+  const auto t0 = Clock::now();
+  for (auto& x : outer_in_flight_) {
+    if (x->thread.joinable()) x->thread.join();
+  }
+  std::vector<std::unique_ptr<OuterExchange>> finished = std::move(outer_in_flight_);
+  outer_in_flight_.clear();
+  ASSIGN_OR_RETURN(float* params, HostParams());
+  double raw = 0;
+  for (auto& x : finished) {
+    RETURN_IF_ERROR(x->status);
+    outer_->Step(x->fragment, x->delta.data());
+    outer_->Apply(x->fragment, params, x->snapshot.data());
+    raw += 4.0 * static_cast<double>(x->delta.size());
+  }
+  std::vector<float> delta;
+  for (int f : blocking) {
+    outer_->PseudoGradient(f, params, &delta);
+    RETURN_IF_ERROR(ExchangeOuter(f, &delta));
+    outer_->Step(f, delta.data());
+    outer_->Apply(f, params, nullptr);
+    raw += 4.0 * static_cast<double>(delta.size());
+  }
+  RETURN_IF_ERROR(ParamsToDevice());
+  stats_.wait_seconds += SecondsSince(t0);
+  if (collectives_->outer != nullptr) {
+    const double ring = collectives_->outer->size();
+    const uint64_t sent = collectives_->BytesSent(TrafficClass::kOuter);
+    stats_.traffic.Add(ranks_.site, ranks_.peers[collectives_->outer_successor_rank].site, sent - outer_bytes_counted_,
+                       2.0 * (ring - 1) / ring * raw);
+    outer_bytes_counted_ = sent;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace geotrain::worker

@@ -19,7 +19,15 @@
 //      go last, after the tied-embedding sum of the first and last stage;
 //   3. the global gradient norm over the replica's stages and ranks (exact), clipping and the AdamW step:
 //      every replica takes the same step;
-//   4. the job's loss: the mean over replicas of each replica's mean (loss carriers: last stage, tp rank 0).
+//   4. the job's loss: the mean over replicas of each replica's mean (loss carriers: last stage, tp rank 0);
+//   5. DiLoCo (the spec's diloco block on): the all-reduce of step 2 stays inside this actor's group (the
+//      replicas whose first stage shares its site), and at the schedule's sync points the groups' pseudo-
+//      gradients are averaged across sites and the outer optimizer steps (model/diloco.h: the same
+//      algorithm as `train --local`'s simulation). With fragments > 1 a fragment's exchange runs on a
+//      background thread during the next step. Each replica's loss goes to the head, which averages;
+//   6. validation, every train.eval_every steps and at the last: eval_batches forward passes through the
+//      pipeline of the replica's slice of data.val (a microbatch each); the carrier's mean goes to the head,
+//      which averages over replicas (the same tokens as `train --local`'s validation batches).
 // On a CUDA worker the stage lives on the GPU; activations and gradients bound for other actors cross
 // through host buffers.
 //
@@ -32,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -39,6 +48,7 @@
 #include "model/backend.h"
 #include "model/config.h"
 #include "model/data.h"
+#include "model/diloco.h"
 #include "model/gpt2.h"
 #include "model/optimizer.h"
 #include "worker/actor_ranks.h"
@@ -52,6 +62,8 @@ namespace geotrain::worker {
 struct StepStats {
   double loss = 0;  // the job's loss, on the loss carrier (last stage, tp rank 0)
   bool carries_loss = false;
+  bool replica_loss = false;   // DiLoCo: `loss` is this replica's own; the head averages the replicas'
+  double val_loss = -1;        // validation loss of this replica's slice (carrier, evaluated steps); else < 0
   double compute_seconds = 0;  // forward, backward, optimizer
   double wait_seconds = 0;     // blocked on peers: activations, gradients, all-reduces
   double bubble_seconds = 0;   // waiting for the pipeline to fill
@@ -76,7 +88,8 @@ class StageTrainer {
 
   model::GPT2Stage& stage() { return *stage_; }
   model::AdamW& optimizer() { return *adam_; }
-  model::DataLoader* loader() { return loader_.get(); }  // null on middle stages
+  model::DataLoader* loader() { return loader_.get(); }    // null on middle stages
+  model::OuterOptimizer* outer() { return outer_.get(); }  // DiLoCo's outer state; null when synchronous
   const ActorRanks& ranks() const { return ranks_; }
   // One line for the actor's log: parameters, layers, device, how gradients are all-reduced.
   std::string Describe() const;
@@ -88,6 +101,17 @@ class StageTrainer {
   absl::Status Forward(int m, bool recompute);
   absl::Status Backward(int m);
   absl::Status SynchronizeGradients(SiteTraffic* traffic, uint64_t dp_bytes_before);
+  // Validation of this replica's slice of data.val: stats_.val_loss on the carrier.
+  absl::Status Evaluate(const std::atomic<bool>& stop);
+  // DiLoCo: the outer exchanges the schedule starts at the beginning of `step` (on a background thread),
+  // and at its end those finished and applied, then the blocking ones.
+  absl::Status StartOuterExchanges(int64_t step);
+  absl::Status FinishOuterExchanges(int64_t step);
+  // The averaged pseudo-gradient of fragment f (in place): a sum over the group leaders, handed to the group.
+  absl::Status ExchangeOuter(int f, std::vector<float>* delta);
+  // The stage's parameters in host memory (itself on the CPU, a copy on a device), and back after a change.
+  absl::StatusOr<float*> HostParams();
+  absl::Status ParamsToDevice();
   // The host span standing for a span of the stage's gradients: itself on the CPU, its place in the host
   // mirror on a device.
   absl::Span<float> HostView(absl::Span<float> grads);
@@ -122,6 +146,21 @@ class StageTrainer {
   bool overlap_dp_ = true;
   std::unique_ptr<comm::GradientBuckets> grad_buckets_;
   std::unique_ptr<AsyncSender> sender_;
+  // Validation (first and last stage): the replica's slice of data.val, a microbatch at a time.
+  std::unique_ptr<model::DataLoader> val_loader_;
+  std::vector<int32_t> val_inputs_, val_targets_;
+  // DiLoCo.
+  std::unique_ptr<model::OuterOptimizer> outer_;
+  model::DilocoSchedule outer_schedule_;
+  std::vector<float> host_params_;  // on a device: the parameters' host copy for the outer step
+  struct OuterExchange {
+    int fragment = 0;
+    std::vector<float> delta, snapshot;  // packed; snapshot: the parameters when the exchange started
+    absl::Status status;
+    std::thread thread;
+  };
+  std::vector<std::unique_ptr<OuterExchange>> outer_in_flight_;
+  uint64_t outer_bytes_counted_ = 0;  // the outer client's bytes already in a step's traffic
   // Per step.
   StepStats stats_;
   double loss_sum_ = 0;

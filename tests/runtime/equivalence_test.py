@@ -82,6 +82,8 @@ class EquivalenceTest(unittest.TestCase):
         tokens = np.concatenate([np.where(rng.random(97) < 0.1, rng.integers(0, VOCAB, 97), base) for _ in range(400)])
         write_shard(os.path.join(data_dir, "train_000000.bin"), tokens)
         cls.data = os.path.join(data_dir, "train_*.bin")
+        write_shard(os.path.join(data_dir, "val_000000.bin"), tokens[:3000])
+        cls.val = os.path.join(data_dir, "val_*.bin")
         c.start_head()
         for name, site in (("a0", "site-a"), ("a1", "site-a"), ("b0", "site-b"), ("b1", "site-b")):
             c.start_worker(name, site, ["T4"])
@@ -163,6 +165,42 @@ class EquivalenceTest(unittest.TestCase):
 
     def test_dp2_pp2_two_sites(self):
         self.check_equal("dp2pp2", "{plan: manual, dp: 2, pp: 2, microbatches: 2, schedule: 1f1b}", 4)
+
+    def test_validation_loss_and_diloco_across_sites(self):
+        # Real head and workers: DiLoCo with one replica per site (inner_steps 2, Nesterov momentum, exact
+        # pseudo-gradients) and validation every 2 steps. The head's log (mean of the replicas' losses and
+        # validation losses) equals `train --local`'s simulation of the same spec.
+        steps = 6
+        text = spec_text("diloco-val", self.data, os.path.join(self.c.dir, "ckpt-diloco"), steps,
+                         "{plan: manual, dp: 2, microbatches: 2, "
+                         "placement: [{replica: 0, site: site-a}, {replica: 1, site: site-b}]}")
+        text = text.replace(f"data: {{train: '{self.data}'}}", f"data: {{train: '{self.data}', val: '{self.val}'}}")
+        text = text.replace("seed: 11}", "seed: 11, eval_every: 2, eval_batches: 2}")
+        text += "diloco: {inner_steps: 2, outer_lr: 0.7, outer_momentum: 0.9, codec: none}\n"
+        path, local_path = os.path.join(self.c.dir, "diloco-val.yaml"), os.path.join(self.c.dir, "diloco-local.yaml")
+        with open(path, "w") as f:
+            f.write(text)
+        with open(local_path, "w") as f:  # its own checkpoints: the cluster job must not resume from them
+            f.write(text.replace("ckpt-diloco", "ckpt-diloco-local"))
+        local = subprocess.run([GEOTRAIN, "train", "--local", local_path], capture_output=True, text=True, timeout=300)
+        self.assertEqual(local.returncode, 0, local.stderr + local.stdout)
+        self.assertIn("DiLoCo simulated: 2 replicas in 2 groups", local.stdout)
+        ref = {int(m.group(1)): (float(m.group(2)), m.group(3) and float(m.group(3)))
+               for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", local.stdout)}
+        out = self.c.cli(["job", "submit", path, "--follow"], check=False)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr + self.c.logs())
+        got = {int(m.group(1)): (float(m.group(2)), m.group(4) and float(m.group(4)))
+               for m in re.finditer(r"step (\d+) loss ([0-9.]+) .* wan bytes (\d+)[^\n]*?(?:val_loss ([0-9.]+))?$",
+                                    out.stdout, re.M)}
+        self.assertEqual(sorted(got), list(range(1, steps + 1)), out.stdout)
+        for step, (loss, val) in got.items():
+            want_loss, want_val = ref[step]
+            # train --local prints 4 decimals: the bound is 1e-5 relative or that precision.
+            self.assertLessEqual(abs(loss - want_loss), max(1e-5 * want_loss, 5.1e-5), f"step {step}")
+            self.assertEqual(val is None, want_val is None, f"step {step}: validation on one side only")
+            if val is not None:
+                self.assertLessEqual(abs(val - want_val), max(1e-5 * want_val, 5.1e-5), f"validation, step {step}")
+        print(f"diloco-val: {steps} steps, losses and validation losses equal to the simulation's")
 
     def test_lossy_wan_codecs(self):
         steps = 100

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""DiLoCo vs synchronous data parallelism across two sites: quality, WAN bytes and step time.
+
+Two parts, both on the same tokens for every run:
+
+quality  `geotrain train --local` of the same job (4 replicas, two per site: sites a a b b), synchronous DP and
+         DiLoCo with inner_steps 8, 32 and 128 (outer lr 0.7, Nesterov momentum 0.9, int8 pseudo-gradients are
+         a cluster matter: the simulation averages exactly). The simulation is the cluster's algorithm (the
+         stage-actor tests check that a two-site cluster run equals it); validation loss every --eval-every
+         steps. Writes diloco_quality.csv and diloco_val_loss.png.
+cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
+         --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
+         (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients): median step time after the
+         first step and WAN bytes per step from the head's step log. Writes diloco_cluster.csv.
+
+Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
+           [--data DIR (train_*.bin, val_*.bin from `geotrain data prepare`; default: synthetic tokens)]
+           [--steps 256] [--parts quality,cluster]
+"""
+import argparse
+import csv
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_study import private_cluster_env, run, write_tokens  # noqa: E402
+
+SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
+        "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
+
+
+def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16"):
+    text = (f"name: {name}\nmodel: {model}\n"
+            f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
+            f"train: {{global_batch: 16, seq_len: 64, steps: {steps}, lr: 2.0e-3, warmup_steps: 10, "
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: 1, eval_every: {eval_every}, eval_batches: 4}}\n"
+            f"parallel: {{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}\n"
+            f"comm: {{wan_codec: {wan_codec}}}\n")
+    if sync == "diloco":
+        text += f"diloco: {{inner_steps: {inner_steps}, outer_lr: 0.7, outer_momentum: 0.9, codec: {codec}}}\n"
+    return text
+
+
+def quality(args, geotrain, data, work):
+    rows = []
+    runs = [("sync-dp", "sync", 0)] + [(f"diloco-h{h}", "diloco", h) for h in args.inner_steps]
+    for name, sync, h in runs:
+        path = os.path.join(work, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h))
+        out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
+        for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
+            if m.group(3):
+                rows.append({"run": name, "inner_steps": h, "step": int(m.group(1)), "train_loss": float(m.group(2)),
+                             "val_loss": float(m.group(3))})
+        final = [r for r in rows if r["run"] == name][-1]
+        print(f"quality {name}: final val loss {final['val_loss']:.4f} at step {final['step']}", flush=True)
+    with open(os.path.join(args.out, "diloco_quality.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
+def cluster(args, geotrain, data, work, env):
+    rows = []
+    for lat in (0.0, args.latency_ms):
+        topo = os.path.join(work, f"topo-{lat}.yaml")
+        with open(topo, "w") as f:
+            f.write("sites:\n  - {name: a, workers: [{device: RTX6000}, {device: RTX6000}]}\n"
+                    "  - {name: b, workers: [{device: RTX6000}, {device: RTX6000}]}\n"
+                    f"links:\n  - {{a: a, b: b, latency_ms: {lat}, bandwidth_mbps: {args.bandwidth_mbps}, "
+                    "jitter_ms: 0}\n")
+        run([geotrain, "cluster", "up", topo], env)
+        try:
+            for name, sync, h in [("sync-dp", "sync", 0), (f"diloco-h{args.cluster_inner_steps}", "diloco",
+                                                           args.cluster_inner_steps)]:
+                path = os.path.join(work, f"cluster-{name}-{lat}.yaml")
+                with open(path, "w") as f:
+                    f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h))
+                out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
+                steps = [(float(m.group(1)), int(m.group(2))) for m in
+                         re.finditer(r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
+                if len(steps) != args.cluster_steps:
+                    raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps:\n{out[-3000:]}")
+                later = steps[1:]
+                row = {"latency_ms": lat, "bandwidth_mbps": args.bandwidth_mbps, "run": name, "inner_steps": h,
+                       "steps": len(steps), "step_s_median": statistics.median(s[0] for s in later),
+                       "wan_bytes_per_step": sum(s[1] for s in steps) / len(steps)}
+                rows.append(row)
+                print("cluster " + ",".join(str(v) for v in row.values()), flush=True)
+        finally:
+            subprocess.run([geotrain, "cluster", "down"], env=env, capture_output=True)
+    with open(os.path.join(args.out, "diloco_cluster.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
+def plot(rows, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.figure(figsize=(7, 4))
+    for name in dict.fromkeys(r["run"] for r in rows):
+        pts = [(r["step"], r["val_loss"]) for r in rows if r["run"] == name]
+        plt.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name)
+    plt.xlabel("step")
+    plt.ylabel("validation loss")
+    plt.title("4 replicas in 2 sites: synchronous DP vs DiLoCo (same tokens)", fontsize=10)
+    plt.grid(alpha=0.3)
+    plt.legend(fontsize=8)
+    plt.tight_layout()
+    plt.savefig(os.path.join(out, "diloco_val_loss.png"), dpi=120)
+    plt.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geotrain", default="build/bin/geotrain")
+    ap.add_argument("--out", default="docs/geo")
+    ap.add_argument("--data", default="", help="a directory of train_*.bin and val_*.bin; default: synthetic")
+    ap.add_argument("--model", default="{preset: gpt2-demo}")
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--eval-every", type=int, default=16)
+    ap.add_argument("--inner-steps", default="8,32,128")
+    ap.add_argument("--parts", default="quality,cluster")
+    ap.add_argument("--latency-ms", type=float, default=100)
+    ap.add_argument("--bandwidth-mbps", type=float, default=100)
+    ap.add_argument("--cluster-steps", type=int, default=17)
+    ap.add_argument("--cluster-inner-steps", type=int, default=8)
+    args = ap.parse_args()
+    args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
+    geotrain = os.path.abspath(args.geotrain)
+    os.makedirs(args.out, exist_ok=True)
+    work, env = private_cluster_env("geotrain_diloco_")
+    try:
+        data = os.path.abspath(args.data) if args.data else os.path.join(work, "data")
+        if not args.data:
+            os.makedirs(data)
+            write_tokens(os.path.join(data, "train_000000.bin"), 400000, 512, seed=3)
+            write_tokens(os.path.join(data, "val_000000.bin"), 20000, 512, seed=3)
+            if args.model == "{preset: gpt2-demo}":
+                args.model = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
+        parts = args.parts.split(",")
+        if "quality" in parts:
+            plot(quality(args, geotrain, data, work), args.out)
+        if "cluster" in parts:
+            cluster(args, geotrain, data, work, env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+// The `diloco` block of a job spec (proto/spec.proto DilocoSpec): whether a job trains with DiLoCo and the
+// block with its defaults. No gRPC: the planner (scheduler/) and the model's local trainer link it too.
+//
+//   if (DilocoOn(spec)) { const DilocoSpec d = EffectiveDiloco(spec); ... d.inner_steps() ... }
+//
+// Thread safety: pure functions.
+#pragma once
+
+#include "spec.pb.h"
+
+namespace geotrain {
+
+// Whether the job trains with DiLoCo: parallel.sync "diloco", or a diloco block that sets inner_steps and no
+// parallel.sync "sync".
+bool DilocoOn(const JobSpec& spec);
+// The diloco block with every default filled in: inner_steps 32, outer_lr 0.7, outer_momentum 0.9, nesterov,
+// codec int8, fragments 1.
+DilocoSpec EffectiveDiloco(const JobSpec& spec);
+
+}  // namespace geotrain

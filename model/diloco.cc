@@ -1,0 +1,136 @@
+// DiLoCo's outer loop (see diloco.h).
+#include "model/diloco.h"
+
+#include <algorithm>
+
+namespace geotrain::model {
+
+int64_t DilocoSchedule::Offset(int fragment) const {
+  return static_cast<int64_t>(fragment + 1) * inner_steps / std::max(1, fragments);
+}
+
+std::vector<int> DilocoSchedule::DueAfter(int64_t step) const {
+  std::vector<int> out;
+  for (int f = 0; f < fragments; ++f) {
+    const int64_t off = Offset(f);
+    if (step >= off && (step - off) % inner_steps == 0) out.push_back(f);
+  }
+  return out;
+}
+
+std::vector<int> DilocoSchedule::StartAtBeginning(int64_t step) const {
+  if (!overlapped() || step < 2 || step > total_steps) return {};
+  return DueAfter(step - 1);
+}
+
+std::vector<int> DilocoSchedule::BlockingAfter(int64_t step) const {
+  if (step == total_steps) {
+    std::vector<int> all(fragments);
+    for (int f = 0; f < fragments; ++f) all[f] = f;
+    return all;
+  }
+  if (overlapped()) return {};
+  return DueAfter(step);
+}
+
+std::vector<int> DilocoGroups(const std::vector<std::string>& replica_sites) {
+  std::vector<int> out;
+  std::vector<std::string> seen;
+  for (const std::string& site : replica_sites) {
+    auto it = std::find(seen.begin(), seen.end(), site);
+    out.push_back(static_cast<int>(it - seen.begin()));
+    if (it == seen.end()) seen.push_back(site);
+  }
+  if (out.empty()) out.push_back(0);
+  return out;
+}
+
+int FragmentOfBlock(int block, int n_layer, int fragments) {
+  return std::clamp(static_cast<int>(static_cast<int64_t>(block) * fragments / std::max(1, n_layer)), 0, fragments - 1);
+}
+
+std::vector<std::vector<ParamRange>> FragmentRanges(GPT2Stage& stage, int fragments) {
+  std::vector<std::vector<ParamRange>> out(std::max(1, fragments));
+  const float* base = stage.grads();
+  auto add = [&](int f, absl::Span<float> span) {
+    if (span.empty()) return;
+    std::vector<ParamRange>& ranges = out[f];
+    const int64_t offset = span.data() - base;
+    const int64_t count = static_cast<int64_t>(span.size());
+    if (!ranges.empty() && ranges.back().offset + ranges.back().count == offset) {
+      ranges.back().count += count;  // adjacent: merge
+    } else {
+      ranges.push_back({offset, count});
+    }
+  };
+  const ParameterTensors& g = stage.grad_tensors();
+  for (absl::Span<float> span : stage.NonLayerGradientSpans()) {
+    const bool final_norm = span.data() == g.lnfw || span.data() == g.lnfb;
+    add(final_norm ? static_cast<int>(out.size()) - 1 : 0, span);
+  }
+  for (int l = 0; l < stage.num_layers(); ++l) {
+    const int f = FragmentOfBlock(stage.first_layer() + l, stage.config().n_layer, static_cast<int>(out.size()));
+    for (absl::Span<float> span : stage.LayerGradientSpans(l)) add(f, span);
+  }
+  for (std::vector<ParamRange>& ranges : out) {
+    std::sort(ranges.begin(), ranges.end(),
+              [](const ParamRange& a, const ParamRange& b) { return a.offset < b.offset; });
+  }
+  return out;
+}
+
+OuterOptimizer::OuterOptimizer(std::vector<std::vector<ParamRange>> fragments, int64_t num_params, OuterOptions options)
+    : fragments_(std::move(fragments)),
+      options_(options),
+      outer_(static_cast<size_t>(num_params)),
+      momentum_(static_cast<size_t>(num_params)) {}
+
+int64_t OuterOptimizer::FragmentSize(int f) const {
+  int64_t n = 0;
+  for (const ParamRange& r : fragments_[f]) n += r.count;
+  return n;
+}
+
+void OuterOptimizer::Initialize(const float* params) {
+  std::copy(params, params + outer_.size(), outer_.begin());
+  std::fill(momentum_.begin(), momentum_.end(), 0.0f);
+}
+
+void OuterOptimizer::PseudoGradient(int f, const float* params, std::vector<float>* delta) const {
+  delta->resize(static_cast<size_t>(FragmentSize(f)));
+  float* out = delta->data();
+  for (const ParamRange& r : fragments_[f]) {
+    for (int64_t i = 0; i < r.count; ++i) *out++ = outer_[r.offset + i] - params[r.offset + i];
+  }
+}
+
+void OuterOptimizer::Pack(int f, const float* params, std::vector<float>* out) const {
+  out->resize(static_cast<size_t>(FragmentSize(f)));
+  float* o = out->data();
+  for (const ParamRange& r : fragments_[f]) o = std::copy(params + r.offset, params + r.offset + r.count, o);
+}
+
+void OuterOptimizer::Step(int f, const float* delta) {
+  const float lr = static_cast<float>(options_.lr), mu = static_cast<float>(options_.momentum);
+  for (const ParamRange& r : fragments_[f]) {
+    float* theta = outer_.data() + r.offset;
+    float* v = momentum_.data() + r.offset;
+    for (int64_t i = 0; i < r.count; ++i) {
+      const float d = *delta++;
+      v[i] = mu * v[i] + d;
+      const float u = options_.nesterov ? d + mu * v[i] : v[i];
+      theta[i] -= lr * u;
+    }
+  }
+}
+
+void OuterOptimizer::Apply(int f, float* params, const float* snapshot) const {
+  for (const ParamRange& r : fragments_[f]) {
+    for (int64_t i = 0; i < r.count; ++i) {
+      float& p = params[r.offset + i];
+      p = snapshot != nullptr ? outer_[r.offset + i] + (p - *snapshot++) : outer_[r.offset + i];
+    }
+  }
+}
+
+}  // namespace geotrain::model
