@@ -41,7 +41,8 @@ absl::Status JobManager::Restore() {
   return absl::OkStatus();
 }
 
-absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line) {
+absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line,
+                                           const StepFigures* figures) {
   JobEvent event;
   event.set_seq(last_seq_ + 1);
   event.set_unix_ms(clock_->UnixMillis());
@@ -49,6 +50,7 @@ absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind
   event.set_state(job.state());
   event.set_kind(kind);
   event.set_line(line);
+  if (figures != nullptr) *event.mutable_step() = *figures;
   if (absl::Status s = store_->AppendEvent(event); !s.ok()) return s;
   ++last_seq_;
   return absl::OkStatus();
@@ -167,20 +169,19 @@ absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<
   return absl::OkStatus();
 }
 
-absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
-                                        double measured_step_seconds, const std::string& line) {
+absl::Status JobManager::UpdateProgress(const std::string& job_id, const StepFigures& figures, const std::string& line) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
   JobInfo updated = it->second;
-  updated.set_step(step);
-  updated.set_loss(loss);
-  updated.set_tokens_per_second(tokens_per_second);
-  updated.set_measured_step_seconds(measured_step_seconds);
+  updated.set_step(figures.step());
+  updated.set_loss(figures.loss());
+  updated.set_tokens_per_second(figures.tokens_per_second());
+  updated.set_measured_step_seconds(figures.step_seconds());
   updated.set_updated_unix_ms(clock_->UnixMillis());
   if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
   it->second = std::move(updated);
-  return AppendEventLocked(it->second, "step", line);
+  return AppendEventLocked(it->second, "step", line, &figures);
 }
 
 absl::Status JobManager::Log(const std::string& job_id, const std::string& line) {

@@ -51,8 +51,8 @@ class JobManager {
   absl::StatusOr<JobInfo> Update(const std::string& job_id, const std::function<void(JobInfo&)>& mutate);
   // Records the job's actors (placement) and its progress after a step; both persisted.
   absl::Status SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors);
-  absl::Status UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
-                              double measured_step_seconds, const std::string& line);
+  // A step event carries `figures` (its step, loss, tokens/s and step time become the job's progress).
+  absl::Status UpdateProgress(const std::string& job_id, const StepFigures& figures, const std::string& line);
   // Appends a log line to the job's event stream.
   absl::Status Log(const std::string& job_id, const std::string& line);
 
@@ -64,8 +64,8 @@ class JobManager {
   std::map<JobState, int> CountByState() const;
 
  private:
-  absl::Status AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line,
+                                 const StepFigures* figures = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* clock_;
   HeadStore* store_;

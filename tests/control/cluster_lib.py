@@ -105,3 +105,58 @@ class LocalCluster:
                     pass
                 p.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def write_token_shard(path, tokens):
+    """A token shard in llm.c's .bin layout (256 int32 header: magic 20240520, version 1, count; then uint16)."""
+    import struct
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)))
+        f.write(struct.pack(f"<{len(tokens)}H", *tokens))
+
+
+def write_tiny_corpus(directory, vocab=512, length=97, repeats=200, seed=5):
+    """A small learnable corpus (a sequence repeated with 10% noise) as one train shard; returns its glob."""
+    import random
+    rng = random.Random(seed)
+    base = [rng.randrange(vocab) for _ in range(length)]
+    tokens = [rng.randrange(vocab) if rng.random() < 0.1 else t for _ in range(repeats) for t in base]
+    os.makedirs(directory, exist_ok=True)
+    write_token_shard(os.path.join(directory, "train_000000.bin"), tokens)
+    return os.path.join(directory, "train_*.bin")
+
+
+class ClusterUp:
+    """`geotrain cluster up TOPOLOGY` in a temporary GEOTRAIN_HOME (so a client on this machine finds its head
+    with no arguments, through the cluster record), and `cluster down` with everything removed on close()."""
+
+    def __init__(self, geotrain, topology):
+        self.geotrain = geotrain
+        self.home = tempfile.mkdtemp(prefix="geotrain_up_")
+        self.env = dict(os.environ, GEOTRAIN_HOME=self.home)
+        for name in ("GEOTRAIN_HEAD", "GEOTRAIN_TOKEN", "GEOTRAIN_TOKEN_FILE"):
+            self.env.pop(name, None)
+        self.state = os.path.join(self.home, "cluster")
+        try:
+            self.cli(["cluster", "up", topology])
+        except Exception:
+            self.close()
+            raise
+
+    def cli(self, args, check=True, timeout=120):
+        r = subprocess.run([self.geotrain] + args, capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"geotrain {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def logs(self):
+        out = []
+        directory = os.path.join(self.state, "logs")
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            with open(os.path.join(directory, name), errors="replace") as f:
+                out.append(f"==== {name}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    def close(self):
+        self.cli(["cluster", "down"], check=False)
+        shutil.rmtree(self.home, ignore_errors=True)
