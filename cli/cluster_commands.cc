@@ -176,8 +176,7 @@ absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address) {
   ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, ""));
   grpc::ClientContext ctx;
   v1::ClusterStatus status;
-  grpc::Status s =
-      client.cluster->GetClusterStatus(client.Prepare(&ctx, 3000), v1::GetClusterStatusRequest(), &status);
+  grpc::Status s = client.cluster->GetClusterStatus(client.Prepare(&ctx, 3000), v1::GetClusterStatusRequest(), &status);
   if (!s.ok()) return FromGrpc(s);
   return status;
 }

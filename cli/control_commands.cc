@@ -458,8 +458,8 @@ void AddJobCommands(CLI::App& app, Context& context) {
     std::printf("submitted %s (%s): %s\n", reply.job_id().c_str(), reply.name().c_str(), StateName(reply.state()));
     std::fflush(stdout);
     if (*follow) {
-      context.exit_code = StreamLogs(*client, reply.job_id(), true, *progress || isatty(STDOUT_FILENO),
-                                     reply.spec().train().steps());
+      context.exit_code =
+          StreamLogs(*client, reply.job_id(), true, *progress || isatty(STDOUT_FILENO), reply.spec().train().steps());
     }
   });
 
@@ -558,7 +558,8 @@ void AddJobCommands(CLI::App& app, Context& context) {
   });
 
   CLI::App* plan = job->add_subcommand(
-      "plan", "rank plans for a job spec on the cluster as it is (the head's planner, as for `plan: auto`); submits nothing");
+      "plan",
+      "rank plans for a job spec on the cluster as it is (the head's planner, as for `plan: auto`); submits nothing");
   plan->add_option("spec", *spec_path, "job spec file")->required();
   auto top = std::make_shared<int>(5);
   plan->add_option("--top", *top, "how many ranked plans to show")->capture_default_str()->check(CLI::Range(1, 100));

@@ -28,8 +28,9 @@ namespace geotrain::comm {
 // (UNAUTHENTICATED for a wrong token, INVALID_ARGUMENT for an oversize value, NOT_FOUND for an unknown
 // job, FAILED_PRECONDITION for an ended one), or DEADLINE_EXCEEDED naming the key and the job.
 // Thread-safe (the stub is).
-absl::StatusOr<std::string> ExchangeRendezvous(geotrain::internal::HeadControl::StubInterface* head, const std::string& token,
-                                               const std::string& job_id, const std::string& key, bool publisher,
-                                               const std::string& value, absl::Duration timeout);
+absl::StatusOr<std::string> ExchangeRendezvous(geotrain::internal::HeadControl::StubInterface* head,
+                                               const std::string& token, const std::string& job_id,
+                                               const std::string& key, bool publisher, const std::string& value,
+                                               absl::Duration timeout);
 
 }  // namespace geotrain::comm

@@ -95,7 +95,7 @@ class HeadServer {
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<JobRunner> runner_;
   std::unique_ptr<RendezvousTable> rendezvous_;  // values a job's actors exchange (NCCL unique ids)
-  std::unique_ptr<Service> service_;  // internal.proto's HeadControl
+  std::unique_ptr<Service> service_;             // internal.proto's HeadControl
   std::unique_ptr<PublicApi> public_api_;
   std::unique_ptr<grpc::Server> server_;
 

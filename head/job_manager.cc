@@ -180,7 +180,8 @@ absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<
       .status();
 }
 
-absl::Status JobManager::UpdateProgress(const std::string& job_id, const StepFigures& figures, const std::string& line) {
+absl::Status JobManager::UpdateProgress(const std::string& job_id, const StepFigures& figures,
+                                        const std::string& line) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));

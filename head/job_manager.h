@@ -70,16 +70,14 @@ class JobManager {
 
  private:
   JobEvent MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line,
-                           const StepFigures* figures = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                           const StepFigures* figures = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs a store write with retries (50 ms, 250 ms); UNAVAILABLE naming the cause and the fix when every try
   // failed (e.g. a full disk). Nothing in memory changes unless it succeeded.
   absl::Status Persist(const std::function<absl::Status()>& write) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Persists `updated` and a new event about it (with `figures` on step events) in one transaction, then makes
   // both visible.
   absl::StatusOr<JobInfo> CommitLocked(JobInfo updated, const std::string& kind, const std::string& line,
-                                       const StepFigures* figures = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                       const StepFigures* figures = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* clock_;
   HeadStore* store_;

@@ -78,8 +78,8 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   // `mailbox` receives this worker's tensors; `head` (may be null: then NCCL groups cannot form) serves the
   // NCCL rendezvous; `timeout` is the deadline of each receive and collective. Not owned; they must outlive
   // the collectives made.
-  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token, internal::HeadControl::StubInterface* head,
-                         absl::Duration timeout);
+  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
+                         internal::HeadControl::StubInterface* head, absl::Duration timeout);
 
   absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
                                                            const std::vector<ActorPeer>& actors,

@@ -9,8 +9,8 @@
 #include <thread>
 
 #include "common/rpc.h"
-#include "internal.grpc.pb.h"
 #include "head/head_server.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain {
 namespace {

@@ -190,7 +190,8 @@ TEST_F(RendezvousTest, WrongTokenIsRefused) {
 }
 
 TEST_F(RendezvousTest, UnreachableHeadEndsByTheDeadline) {
-  auto unreachable = internal::HeadControl::NewStub(grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+  auto unreachable =
+      internal::HeadControl::NewStub(grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
   const absl::Time start = absl::Now();
   auto fetched = comm::ExchangeRendezvous(unreachable.get(), kToken, job_id_, "k", false, "", absl::Milliseconds(800));
   EXPECT_EQ(fetched.status().code(), absl::StatusCode::kDeadlineExceeded) << fetched.status();
