@@ -133,3 +133,42 @@ def test_plan_ranks_plans_on_the_cluster_as_it_is(cluster, corpus, tmp_path):
     shown = json.loads(cluster.cli(["job", "plan", str(path), "--top", "3", "--json"]).stdout)
     assert [p["rank"] for p in shown["plans"]] == list(range(1, len(shown["plans"]) + 1))
     assert shown["alive_workers"] == 4 and shown["explanation"]
+
+
+def test_tls_head_with_the_ca(tmp_path):
+    """A head serving TLS: the client verifies it with tls_ca=, as the CLI with --tls-ca; a plaintext client gets
+    UnavailableError. Same token rule: the token file of the head's state dir."""
+    import subprocess
+    import sys
+    from conftest import SOURCE_DIR
+    from cluster_lib import LocalCluster, wait_for
+
+    c = LocalCluster(os.environ["GEOTRAIN_BIN"])
+    try:
+        certs = os.path.join(c.dir, "certs")
+        subprocess.run(["bash", os.path.join(SOURCE_DIR, "deploy", "make-certs.sh"), certs], check=True,
+                       capture_output=True)
+        c.head = c._spawn(["head", "start", "--port", str(c.port), "--metrics-port", "-1", "--state-dir",
+                           c.state_dir, "--tls-cert", os.path.join(certs, "server.pem"), "--tls-key",
+                           os.path.join(certs, "server.key")], "head.log")
+        address = f"127.0.0.1:{c.port}"
+        token_file = os.path.join(c.state_dir, "token")
+        wait_for(lambda: os.path.exists(token_file), 15, "the TLS head's token")
+        client = geotrain.Client(head=address, token_file=token_file, tls_ca=os.path.join(certs, "ca.pem"))
+
+        def answers():
+            try:
+                return client.cluster().head_id != ""
+            except geotrain.UnavailableError:
+                return False
+        wait_for(answers, 15, "the TLS head")
+        assert client.jobs() == []
+        with pytest.raises(geotrain.UnavailableError):
+            geotrain.Client(head=address, token_file=token_file, timeout=3).jobs()
+        with pytest.raises(geotrain.UnauthenticatedError):
+            geotrain.Client(head=address, token="wrong", tls_ca=os.path.join(certs, "ca.pem")).jobs()
+    except BaseException:
+        print(c.logs(), file=sys.stderr)
+        raise
+    finally:
+        c.close()
