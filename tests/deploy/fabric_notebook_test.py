@@ -66,7 +66,7 @@ class StudyNotebookTest(unittest.TestCase):
             try:
                 client.execute()
             except nbclient.exceptions.CellExecutionError as e:
-                self.fail(f"a cell failed: {e}\n{self.up.logs()}")
+                self.fail(f"a cell failed: {e}\n{self.up.process_logs()}")
         finally:
             for name, value in saved.items():
                 if value is None:

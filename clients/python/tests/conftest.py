@@ -29,7 +29,7 @@ def cluster():
     try:
         yield up
     except BaseException:
-        print(up.logs())
+        print(up.process_logs())
         raise
     finally:
         for name, value in saved.items():
