@@ -5,10 +5,12 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "model/config.h"
@@ -20,6 +22,23 @@ namespace {
 
 std::string ActorId(const std::string& job_id, int r, int s, int t) {
   return absl::StrCat(job_id, "-r", r, "s", s, "t", t);
+}
+
+// Emulated devices (--emulate-device) carry a GPU's figures while the CPU computes: a plan's predicted step
+// time is the GPU's and the measured one the CPU's. Says so, so that nobody reads the gap as a planner error.
+std::string EmulatedDevicesNote(const std::vector<WorkerInfo>& workers, double predicted_step_seconds) {
+  std::set<std::string> names;
+  for (const WorkerInfo& w : workers) {
+    for (const Device& d : w.devices()) {
+      if (d.kind() == DEVICE_KIND_EMULATED) names.insert(d.name());
+    }
+  }
+  if (names.empty()) return "";
+  return absl::StrFormat(
+      "note: the devices planned on are emulated (%s): the predicted %.3f s per step is for those GPUs, while this "
+      "cluster computes on its CPUs, so measured steps will take far longer; compare plans with each other, not "
+      "with the measured time",
+      absl::StrJoin(names, ", "), predicted_step_seconds);
 }
 
 }  // namespace
@@ -243,6 +262,11 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
     JobSpec check = spec;
     *check.mutable_parallel() = plan.parallel;
     if (!ValidateJobSpec(check).ok()) continue;
+    if (out.plans.empty()) {  // the plan a `plan: auto` job gets
+      if (const std::string note = EmulatedDevicesNote(workers, candidate.prediction.step_time_s); !note.empty()) {
+        out.explanation.push_back(note);
+      }
+    }
     if (out.plans.empty() && &candidate != &result.ranked.front()) {
       out.explanation.push_back(
           "(the top plan splits the batch unevenly across replicas; geotrain's runtime "

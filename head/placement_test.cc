@@ -12,6 +12,7 @@ namespace geotrain::head {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 WorkerInfo Worker(const std::string& id, const std::string& site, double mem_gb, int devices = 1) {
   WorkerInfo w;
@@ -122,6 +123,18 @@ TEST(PlanAutoJobTest, PlansTheWanTrafficWithTheJobsCodecZstdIncluded) {
   EXPECT_EQ(zstd->parallel.dp() * zstd->parallel.pp(), 2);
   EXPECT_LT(zstd->predicted_step_seconds, none->predicted_step_seconds);
   EXPECT_THAT(absl::StrJoin(zstd->explanation, "\n"), HasSubstr("bf16+zstd"));
+}
+
+TEST(PlanAutoJobTest, SaysWhenThePredictionIsForEmulatedDevices) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16)};
+  auto real = PlanAutoJob(AutoSpec("none"), workers, {});
+  ASSERT_TRUE(real.ok()) << real.status();
+  EXPECT_THAT(absl::StrJoin(real->explanation, "\n"), Not(HasSubstr("emulated")));
+  for (WorkerInfo& w : workers) w.mutable_devices(0)->set_kind(DEVICE_KIND_EMULATED);
+  auto emulated = PlanAutoJob(AutoSpec("none"), workers, {});
+  ASSERT_TRUE(emulated.ok()) << emulated.status();
+  EXPECT_THAT(emulated->explanation.back(), HasSubstr("devices planned on are emulated (T4)"));
+  EXPECT_THAT(emulated->explanation.back(), HasSubstr("measured steps will take far longer"));
 }
 
 }  // namespace
