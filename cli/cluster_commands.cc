@@ -28,7 +28,6 @@
 #include "common/rpc.h"
 #include "common/spec.h"
 #include "common/status.h"
-#include "control.grpc.pb.h"
 #include "netem/control_client.h"
 #include "netem/process.h"
 #include "yaml-cpp/yaml.h"
@@ -173,11 +172,11 @@ int StopProcesses(const std::vector<Started>& processes) {
   return running;
 }
 
-absl::StatusOr<ClusterStatus> HeadStatus(const std::string& address) {
+absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address) {
   ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, ""));
   grpc::ClientContext ctx;
-  ClusterStatus status;
-  grpc::Status s = client.stub->GetClusterStatus(client.Prepare(&ctx, 3000), ClusterStatusRequest(), &status);
+  v1::ClusterStatus status;
+  grpc::Status s = client.cluster->GetClusterStatus(client.Prepare(&ctx, 3000), v1::GetClusterStatusRequest(), &status);
   if (!s.ok()) return FromGrpc(s);
   return status;
 }
@@ -300,7 +299,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     auto status = HeadStatus(file.head_address);
     alive = 0;
     if (status.ok()) {
-      for (const WorkerInfo& w : status->workers()) alive += w.state() == WORKER_ALIVE;
+      for (const v1::Worker& w : status->workers()) alive += w.state() == v1::WORKER_ALIVE;
     }
     if (alive == static_cast<int>(workers.size())) break;
     if (std::chrono::steady_clock::now() > deadline) {
@@ -337,8 +336,8 @@ absl::Status ClusterShow(const std::string& state_dir) {
   ASSIGN_OR_RETURN(auto file, ReadClusterFile(state_dir));
   ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(file.topology));
   ASSIGN_OR_RETURN(auto status, HeadStatus(file.head_address));
-  std::map<std::pair<std::string, std::string>, SiteLink> measured;
-  for (const SiteLink& l : status.site_links()) measured[{l.a(), l.b()}] = l;
+  std::map<std::pair<std::string, std::string>, v1::SiteLink> measured;
+  for (const v1::SiteLink& l : status.site_links()) measured[{l.a(), l.b()}] = l;
   std::printf("head %s; WAN emulator control port %d\n\n", file.head_address.c_str(), file.netem_control_port);
   std::printf("%-12s %-12s %10s %10s %12s %12s\n", "SITE A", "SITE B", "CONF MS", "MEAS MS", "CONF MBIT/S",
               "MEAS MBIT/S");
@@ -359,7 +358,7 @@ absl::Status ClusterShow(const std::string& state_dir) {
     }
   }
   int alive = 0;
-  for (const WorkerInfo& w : status.workers()) alive += w.state() == WORKER_ALIVE;
+  for (const v1::Worker& w : status.workers()) alive += w.state() == v1::WORKER_ALIVE;
   std::printf("\n%d of %d workers alive\n", alive, status.workers_size());
   return absl::OkStatus();
 }

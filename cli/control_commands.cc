@@ -1,5 +1,5 @@
 // CLI verbs of the control plane: `head start`, `worker start`, `status`, and `job submit|list|status|
-// cancel|logs`. Every verb that talks to a head resolves it from --head/--token/--token-file, GEOTRAIN_HEAD/
+// cancel|logs|plan`. Every verb that talks to a head uses the public API (proto/geotrain/v1) and resolves it from --head/--token/--token-file, GEOTRAIN_HEAD/
 // GEOTRAIN_TOKEN/GEOTRAIN_TOKEN_FILE, or the record a head on this machine leaves (see common/rpc.h).
 #include <fcntl.h>
 #include <signal.h>
@@ -23,7 +23,6 @@
 #include "common/rpc.h"
 #include "common/spec.h"
 #include "common/status.h"
-#include "control.grpc.pb.h"
 #include "head/head_server.h"
 #include "head/job_manager.h"
 #include "worker/devices.h"
@@ -94,6 +93,11 @@ absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
   tls.ca = flags.tls_ca;
   return ConnectToHead(flags.head, token, tls);
 }
+
+// The public enums mirror the internal ones value for value (head/public_api_test.cc checks it), so their display
+// names are common/names.h's.
+const char* StateName(v1::JobState state) { return JobStateName(static_cast<JobState>(state)); }
+std::string StateName(v1::ActorState state) { return ActorStateName(static_cast<ActorState>(state)); }
 
 std::string FormatTime(int64_t unix_ms) {
   if (unix_ms <= 0) return "-";
@@ -244,38 +248,38 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
 }
 
 // ---- status ----
-void PrintStatus(const ClusterStatus& status, const std::string& address) {
+void PrintStatus(const v1::ClusterStatus& status, const std::string& address) {
   std::printf("head %s at %s, up since %s\n", status.head_id().c_str(), address.c_str(),
               FormatTime(status.head_started_unix_ms()).c_str());
   std::printf("\n%-14s %6s %6s %8s %10s\n", "SITE", "ALIVE", "DEAD", "DEVICES", "TFLOP/S");
-  for (const SiteStatus& s : status.sites()) {
+  for (const v1::Site& s : status.sites()) {
     std::printf("%-14s %6d %6d %8d %10.1f\n", s.name().c_str(), s.alive_workers(), s.dead_workers(), s.devices(),
                 s.tflops());
   }
   std::printf("\n%-12s %-10s %-6s %-22s %-34s %s\n", "WORKER", "SITE", "STATE", "ADDRESS", "DEVICES", "LAST HEARTBEAT");
-  for (const WorkerInfo& w : status.workers()) {
+  for (const v1::Worker& w : status.workers()) {
     std::string devices;
-    for (const Device& d : w.devices()) {
+    for (const v1::Device& d : w.devices()) {
       if (!devices.empty()) devices += ", ";
       devices += absl::StrFormat("%s %.1fTF %.0fGB", d.name(), d.tflops(), d.memory_bytes() / 1e9);
     }
     std::printf("%-12s %-10s %-6s %-22s %-34s %s%s\n", w.worker_id().c_str(), w.site().c_str(),
-                w.state() == WORKER_ALIVE ? "ALIVE" : "DEAD", w.address().c_str(), devices.c_str(),
+                w.state() == v1::WORKER_ALIVE ? "ALIVE" : "DEAD", w.address().c_str(), devices.c_str(),
                 FormatTime(w.last_heartbeat_unix_ms()).c_str(),
                 w.dead_reason().empty() ? "" : absl::StrCat("  (", w.dead_reason(), ")").c_str());
   }
   if (status.site_links_size() > 0) {
     std::printf("\n%-14s %-14s %12s %16s %8s\n", "SITE A", "SITE B", "LATENCY MS", "BANDWIDTH MBIT/S", "SAMPLES");
-    for (const SiteLink& l : status.site_links()) {
+    for (const v1::SiteLink& l : status.site_links()) {
       std::printf("%-14s %-14s %12.2f %16.0f %8d\n", l.a().c_str(), l.b().c_str(), l.latency_ms(), l.bandwidth_mbps(),
                   l.samples());
     }
   }
   if (status.actors_size() > 0) {
     std::printf("\n%-16s %-12s %-12s %4s %5s %3s %s\n", "ACTOR", "JOB", "WORKER", "REPL", "STAGE", "TP", "STATE");
-    for (const ActorRecord& a : status.actors()) {
+    for (const v1::Actor& a : status.actors()) {
       std::printf("%-16s %-12s %-12s %4d %5d %3d %s\n", a.actor_id().c_str(), a.job_id().c_str(), a.worker_id().c_str(),
-                  a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str());
+                  a.replica(), a.stage(), a.tp_rank(), StateName(a.state()).c_str());
     }
   }
   std::printf("\njobs:");
@@ -299,8 +303,8 @@ void AddStatusCommand(CLI::App& app, Context& context) {
       return;
     }
     grpc::ClientContext ctx;
-    ClusterStatus status;
-    grpc::Status s = client->stub->GetClusterStatus(client->Prepare(&ctx), ClusterStatusRequest(), &status);
+    v1::ClusterStatus status;
+    grpc::Status s = client->cluster->GetClusterStatus(client->Prepare(&ctx), v1::GetClusterStatusRequest(), &status);
     if (!s.ok()) {
       context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
@@ -315,8 +319,8 @@ void AddStatusCommand(CLI::App& app, Context& context) {
 }
 
 // ---- job ... ----
-void PrintJob(const JobInfo& job) {
-  std::printf("job %s (%s): %s\n", job.job_id().c_str(), job.name().c_str(), JobStateName(job.state()));
+void PrintJob(const v1::Job& job) {
+  std::printf("job %s (%s): %s\n", job.job_id().c_str(), job.name().c_str(), StateName(job.state()));
   if (!job.message().empty()) std::printf("  %s\n", job.message().c_str());
   std::printf("  submitted %s, updated %s\n", FormatTime(job.submitted_unix_ms()).c_str(),
               FormatTime(job.updated_unix_ms()).c_str());
@@ -338,7 +342,7 @@ void PrintJob(const JobInfo& job) {
                 job.resumed_from().empty() ? "" : "; this run resumed from ", job.resumed_from().c_str());
   }
   if (job.restarts() > 0) std::printf("  restarts: %d (run %ld)\n", job.restarts(), static_cast<long>(job.attempt()));
-  for (const FaultRecord& f : job.faults()) {
+  for (const v1::Fault& f : job.faults()) {
     std::printf("  fault at %s, step %ld: %s\n    -> %s, %ld step(s) lost, %s\n",
                 FormatTime(f.detected_unix_ms()).c_str(), static_cast<long>(f.step()), f.cause().c_str(),
                 f.resumed_from().empty() ? "restarted from the beginning"
@@ -347,9 +351,9 @@ void PrintJob(const JobInfo& job) {
                 f.recovery_seconds() > 0 ? absl::StrFormat("training again after %.1f s", f.recovery_seconds()).c_str()
                                          : "recovering");
   }
-  for (const ActorRecord& a : job.actors()) {
+  for (const v1::Actor& a : job.actors()) {
     std::printf("  actor %s on %s: replica %d stage %d tp %d %s %s\n", a.actor_id().c_str(), a.worker_id().c_str(),
-                a.replica(), a.stage(), a.tp_rank(), ActorStateName(a.state()).c_str(), a.message().c_str());
+                a.replica(), a.stage(), a.tp_rank(), StateName(a.state()).c_str(), a.message().c_str());
   }
 }
 
@@ -358,23 +362,17 @@ class ProgressLine {
  public:
   explicit ProgressLine(int total_steps) : total_(std::max(1, total_steps)) {}
   // Returns true when the event was a step event and was drawn.
-  bool Draw(const JobEvent& event) {
-    if (event.kind() != "step") return false;
-    long step = 0, wan = 0;
-    double loss = 0, tokens = 0, seconds = 0;
-    if (std::sscanf(event.line().c_str(), "step %ld loss %lf %lf tokens/s step %lf", &step, &loss, &tokens, &seconds) !=
-        4) {
-      return false;
-    }
-    const size_t at = event.line().find("wan bytes ");
-    if (at != std::string::npos) wan = std::atol(event.line().c_str() + at + 10);
-    wan_total_ += wan;
+  bool Draw(const v1::JobEvent& event) {
+    if (event.kind() != "step" || !event.has_step()) return false;
+    const v1::StepFigures& figures = event.step();
+    const long step = static_cast<long>(figures.step());
+    wan_total_ += figures.wan_bytes();
     constexpr int kWidth = 28;
     const int filled = static_cast<int>(kWidth * std::min<long>(step, total_) / total_);
     std::string bar(filled, '=');
     if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
     std::fprintf(stdout, "\r[%s] step %ld/%d | loss %.4f | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(), step,
-                 total_, loss, tokens, seconds, wan_total_ / 1e6);
+                 total_, figures.loss(), figures.tokens_per_second(), figures.step_seconds(), wan_total_ / 1e6);
     std::fflush(stdout);
     drawn_ = true;
     return true;
@@ -396,12 +394,12 @@ int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow,
                int total_steps = 0) {
   grpc::ClientContext ctx;
   client.Prepare(&ctx, follow ? 0 : 30000);
-  WatchJobRequest request;
+  v1::WatchJobRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
-  auto reader = client.stub->WatchJob(&ctx, request);
-  JobEvent event;
-  JobState last = JOB_STATE_UNSPECIFIED;
+  auto reader = client.jobs->WatchJob(&ctx, request);
+  v1::JobEvent event;
+  v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
   ProgressLine line(total_steps);
   while (reader->Read(&event)) {
     last = event.state();
@@ -413,7 +411,7 @@ int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow,
   line.Break();
   grpc::Status s = reader->Finish();
   if (!s.ok()) return Fail(ExplainRpcFailure(s, client.endpoint.address));
-  if (follow && (last == JOB_FAILED || last == JOB_CANCELLED)) return 1;
+  if (follow && (last == v1::JOB_FAILED || last == v1::JOB_CANCELLED)) return 1;
   return 0;
 }
 
@@ -441,35 +439,27 @@ void AddJobCommands(CLI::App& app, Context& context) {
       return;
     }
     if (!resume_from->empty()) spec->mutable_checkpoint()->set_resume_from(*resume_from);
-    // Workers may run elsewhere with another working directory: paths travel absolute.
-    auto absolute = [](std::string* path) {
-      if (!path->empty() && (*path)[0] != '/') *path = (std::filesystem::current_path() / *path).string();
-    };
-    absolute(spec->mutable_data()->mutable_train());
-    absolute(spec->mutable_data()->mutable_val());
-    absolute(spec->mutable_checkpoint()->mutable_dir());
-    absolute(spec->mutable_checkpoint()->mutable_resume_from());
     auto client = Connect(*flags);
     if (!client.ok()) {
       context.exit_code = Fail(client.status());
       return;
     }
     grpc::ClientContext ctx;
-    SubmitJobRequest request;
+    v1::SubmitJobRequest request;
     *request.mutable_spec() = *spec;
     request.set_spec_source(*spec_path);
-    SubmitJobReply reply;
-    grpc::Status s = client->stub->SubmitJob(client->Prepare(&ctx), request, &reply);
+    request.set_base_dir(std::filesystem::current_path().string());  // workers may run elsewhere: paths go absolute
+    v1::Job reply;
+    grpc::Status s = client->jobs->SubmitJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
       context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
-    std::printf("submitted %s (%s): %s\n", reply.job().job_id().c_str(), reply.job().name().c_str(),
-                JobStateName(reply.job().state()));
+    std::printf("submitted %s (%s): %s\n", reply.job_id().c_str(), reply.name().c_str(), StateName(reply.state()));
     std::fflush(stdout);
     if (*follow) {
-      context.exit_code = StreamLogs(*client, reply.job().job_id(), true, *progress || isatty(STDOUT_FILENO),
-                                     reply.job().spec().train().steps());
+      context.exit_code =
+          StreamLogs(*client, reply.job_id(), true, *progress || isatty(STDOUT_FILENO), reply.spec().train().steps());
     }
   });
 
@@ -484,8 +474,8 @@ void AddJobCommands(CLI::App& app, Context& context) {
       return;
     }
     grpc::ClientContext ctx;
-    ListJobsReply reply;
-    grpc::Status s = client->stub->ListJobs(client->Prepare(&ctx), ListJobsRequest(), &reply);
+    v1::ListJobsReply reply;
+    grpc::Status s = client->jobs->ListJobs(client->Prepare(&ctx), v1::ListJobsRequest(), &reply);
     if (!s.ok()) {
       context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
@@ -497,9 +487,9 @@ void AddJobCommands(CLI::App& app, Context& context) {
     // The queue: pending jobs in the order the head tries them (submission order).
     std::printf("%-12s %-24s %-11s %-6s %-20s %s\n", "JOB", "NAME", "STATE", "QUEUE", "SUBMITTED", "MESSAGE");
     int queued = 0;
-    for (const JobInfo& j : reply.jobs()) {
-      const std::string queue = j.state() == JOB_PENDING ? absl::StrCat("#", ++queued) : "";
-      std::printf("%-12s %-24s %-11s %-6s %-20s %s\n", j.job_id().c_str(), j.name().c_str(), JobStateName(j.state()),
+    for (const v1::Job& j : reply.jobs()) {
+      const std::string queue = j.state() == v1::JOB_PENDING ? absl::StrCat("#", ++queued) : "";
+      std::printf("%-12s %-24s %-11s %-6s %-20s %s\n", j.job_id().c_str(), j.name().c_str(), StateName(j.state()),
                   queue.c_str(), FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
     }
   });
@@ -517,10 +507,10 @@ void AddJobCommands(CLI::App& app, Context& context) {
       return;
     }
     grpc::ClientContext ctx;
-    GetJobRequest request;
+    v1::GetJobRequest request;
     request.set_job_id(*job_id);
-    JobInfo reply;
-    grpc::Status s = client->stub->GetJob(client->Prepare(&ctx), request, &reply);
+    v1::Job reply;
+    grpc::Status s = client->jobs->GetJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
       context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
@@ -542,15 +532,15 @@ void AddJobCommands(CLI::App& app, Context& context) {
       return;
     }
     grpc::ClientContext ctx;
-    CancelJobRequest request;
+    v1::CancelJobRequest request;
     request.set_job_id(*job_id);
-    JobInfo reply;
-    grpc::Status s = client->stub->CancelJob(client->Prepare(&ctx), request, &reply);
+    v1::Job reply;
+    grpc::Status s = client->jobs->CancelJob(client->Prepare(&ctx), request, &reply);
     if (!s.ok()) {
       context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
       return;
     }
-    std::printf("job %s: %s\n", reply.job_id().c_str(), JobStateName(reply.state()));
+    std::printf("job %s: %s\n", reply.job_id().c_str(), StateName(reply.state()));
   });
 
   CLI::App* logs = job->add_subcommand("logs", "print a job's log; --follow streams it until the job ends");
@@ -565,6 +555,49 @@ void AddJobCommands(CLI::App& app, Context& context) {
       return;
     }
     context.exit_code = StreamLogs(*client, *job_id, *logs_follow);
+  });
+
+  CLI::App* plan = job->add_subcommand(
+      "plan",
+      "rank plans for a job spec on the cluster as it is (the head's planner, as for `plan: auto`); submits nothing");
+  plan->add_option("spec", *spec_path, "job spec file")->required();
+  auto top = std::make_shared<int>(5);
+  plan->add_option("--top", *top, "how many ranked plans to show")->capture_default_str()->check(CLI::Range(1, 100));
+  auto plan_json = std::make_shared<bool>(false);
+  plan->add_flag("--json", *plan_json, "print JSON");
+  flags->Add(plan);
+  plan->callback([flags, spec_path, top, plan_json, &context] {
+    auto spec = LoadJobSpecFile(*spec_path);
+    if (!spec.ok()) {
+      context.exit_code = Fail(spec.status());
+      return;
+    }
+    auto client = Connect(*flags);
+    if (!client.ok()) {
+      context.exit_code = Fail(client.status());
+      return;
+    }
+    grpc::ClientContext ctx;
+    v1::PlanJobRequest request;
+    *request.mutable_spec() = *spec;
+    request.set_spec_source(*spec_path);
+    request.set_base_dir(std::filesystem::current_path().string());
+    request.set_max_plans(*top);
+    v1::PlanJobReply reply;
+    grpc::Status s = client->planner->PlanJob(client->Prepare(&ctx, 60000), request, &reply);
+    if (!s.ok()) {
+      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
+      return;
+    }
+    if (*plan_json) {
+      std::printf("%s\n", ToJson(reply, true).c_str());
+      return;
+    }
+    std::printf("%s on %d alive worker(s), %d device(s): %ld plans simulated in %.2f s\n", spec_path->c_str(),
+                reply.alive_workers(), reply.devices(), static_cast<long>(reply.plans_simulated()),
+                reply.planning_seconds());
+    for (const v1::RankedPlan& p : reply.plans()) std::printf("  %d. %s\n", p.rank(), p.summary().c_str());
+    for (const std::string& line : reply.explanation()) std::printf("%s\n", line.c_str());
   });
 }
 

@@ -22,7 +22,8 @@ grpc::ClientContext* HeadClient::Prepare(grpc::ClientContext* ctx, int64_t deadl
 absl::StatusOr<HeadClient> ConnectToHead(const std::string& head, const std::string& token, const TlsFiles& tls) {
   ASSIGN_OR_RETURN(HeadEndpoint endpoint, ResolveHead(head, token));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(endpoint.address, tls));
-  return HeadClient{Head::NewStub(channel), std::move(endpoint)};
+  return HeadClient{v1::Jobs::NewStub(channel), v1::Cluster::NewStub(channel), v1::Planner::NewStub(channel),
+                    std::move(endpoint)};
 }
 
 absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& address) {

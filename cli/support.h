@@ -3,10 +3,11 @@
 //   absl::StatusOr<HeadClient> client = ConnectToHead(flags.head, flags.token, tls);
 //   if (!client.ok()) return Fail(client.status());
 //   grpc::ClientContext ctx;
-//   grpc::Status s = client->stub->ListJobs(client->Prepare(&ctx), ListJobsRequest(), &reply);
+//   grpc::Status s = client->jobs->ListJobs(client->Prepare(&ctx), v1::ListJobsRequest(), &reply);
 //   if (!s.ok()) return Fail(ExplainRpcFailure(s, client->endpoint.address));
 //
-// Thread safety: Fail writes to stderr; a HeadClient is used by one thread at a time (its stub is
+// The CLI talks to the head through the public API only (proto/geotrain/v1, docs/api.md).
+// Thread safety: Fail writes to stderr; a HeadClient is used by one thread at a time (its stubs are
 // thread-safe, as gRPC stubs are).
 #pragma once
 
@@ -19,7 +20,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/rpc.h"
-#include "control.grpc.pb.h"
+#include "geotrain/v1/cluster.grpc.pb.h"
+#include "geotrain/v1/jobs.grpc.pb.h"
+#include "geotrain/v1/planner.grpc.pb.h"
 
 namespace geotrain::cli {
 
@@ -27,9 +30,11 @@ namespace geotrain::cli {
 // the token (UNAUTHENTICATED), 1 otherwise.
 int Fail(const absl::Status& status);
 
-// A stub connected to the head and the endpoint (address, token) it was resolved to.
+// Stubs of the public services on one channel to the head, and the endpoint (address, token) it was resolved to.
 struct HeadClient {
-  std::unique_ptr<Head::Stub> stub;
+  std::unique_ptr<v1::Jobs::Stub> jobs;
+  std::unique_ptr<v1::Cluster::Stub> cluster;
+  std::unique_ptr<v1::Planner::Stub> planner;
   HeadEndpoint endpoint;
   // Attaches the token and, when deadline_ms > 0, a deadline; returns ctx.
   grpc::ClientContext* Prepare(grpc::ClientContext* ctx, int64_t deadline_ms = 10000) const;

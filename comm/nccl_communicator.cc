@@ -360,8 +360,8 @@ absl::Status NcclCommunicator::CopyFromHost(const float* host, absl::Span<float>
 }
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorWithRendezvous(
-    Head::StubInterface* head, const std::string& token, const std::string& job_id, const std::string& key, int rank,
-    int size, int device, absl::Duration timeout) {
+    geotrain::internal::HeadControl::StubInterface* head, const std::string& token, const std::string& job_id,
+    const std::string& key, int rank, int size, int device, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   std::string id;
   if (rank == 0) {

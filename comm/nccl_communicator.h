@@ -46,7 +46,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "comm/communicator.h"
-#include "control.grpc.pb.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain::comm {
 
@@ -130,8 +130,8 @@ class NcclCommunicator : public Communicator {
 // attempt number in it when a communicator is made again); the other ranks fetch it; then every rank
 // joins. `timeout` bounds the rendezvous and the join together, and each later call.
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> CreateNcclCommunicatorWithRendezvous(
-    Head::StubInterface* head, const std::string& token, const std::string& job_id, const std::string& key, int rank,
-    int size, int device, absl::Duration timeout = absl::Seconds(120));
+    geotrain::internal::HeadControl::StubInterface* head, const std::string& token, const std::string& job_id,
+    const std::string& key, int rank, int size, int device, absl::Duration timeout = absl::Seconds(120));
 
 // The hierarchical all-reduce for GPUs in several sites: reduce inside the site with NCCL to the site's
 // leader (NCCL rank 0), all-reduce among the site leaders through a host-memory communicator (e.g. a

@@ -30,9 +30,10 @@ absl::Status GaveUp(const std::string& job_id, const std::string& key, absl::Dur
 
 }  // namespace
 
-absl::StatusOr<std::string> ExchangeRendezvous(Head::StubInterface* head, const std::string& token,
-                                               const std::string& job_id, const std::string& key, bool publisher,
-                                               const std::string& value, absl::Duration timeout) {
+absl::StatusOr<std::string> ExchangeRendezvous(geotrain::internal::HeadControl::StubInterface* head,
+                                               const std::string& token, const std::string& job_id,
+                                               const std::string& key, bool publisher, const std::string& value,
+                                               absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   absl::Duration backoff = absl::Milliseconds(100);
   absl::Status last;

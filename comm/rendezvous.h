@@ -2,7 +2,7 @@
 // publishes a small value under a key of its job, the others fetch it. Used to hand an NCCL unique id,
 // which must be made in the process of the communicator's rank 0, to the other ranks of a site.
 //
-//   auto stub = geotrain::Head::NewStub(channel_to_head);
+//   auto stub = geotrain::internal::HeadControl::NewStub(channel_to_head);
 //   std::string id = rank == 0 ? NewNcclUniqueId().value() : "";
 //   absl::StatusOr<std::string> shared = ExchangeRendezvous(stub.get(), token, job_id, "nccl/site-a/attempt1",
 //                                                           /*publisher=*/rank == 0, id, absl::Seconds(60));
@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "control.grpc.pb.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain::comm {
 
@@ -28,8 +28,9 @@ namespace geotrain::comm {
 // (UNAUTHENTICATED for a wrong token, INVALID_ARGUMENT for an oversize value, NOT_FOUND for an unknown
 // job, FAILED_PRECONDITION for an ended one), or DEADLINE_EXCEEDED naming the key and the job.
 // Thread-safe (the stub is).
-absl::StatusOr<std::string> ExchangeRendezvous(Head::StubInterface* head, const std::string& token,
-                                               const std::string& job_id, const std::string& key, bool publisher,
-                                               const std::string& value, absl::Duration timeout);
+absl::StatusOr<std::string> ExchangeRendezvous(geotrain::internal::HeadControl::StubInterface* head,
+                                               const std::string& token, const std::string& job_id,
+                                               const std::string& key, bool publisher, const std::string& value,
+                                               absl::Duration timeout);
 
 }  // namespace geotrain::comm

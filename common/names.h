@@ -2,11 +2,12 @@
 // the head's metrics labels and the CLI's tables, and the Ping echo that every service offers.
 #pragma once
 
+#include <grpcpp/impl/codegen/proto_utils.h>  // serialization of the Ping messages
 #include <grpcpp/support/sync_stream.h>
 
 #include <string>
 
-#include "control.grpc.pb.h"
+#include "control.pb.h"
 
 namespace geotrain {
 

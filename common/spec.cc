@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -439,6 +440,16 @@ absl::Status ValidateTopology(Topology* topology) {
     }
   }
   return absl::OkStatus();
+}
+
+void MakeSpecPathsAbsolute(JobSpec* spec, const std::string& base_dir) {
+  auto absolute = [&](std::string* path) {
+    if (!path->empty() && (*path)[0] != '/') *path = (std::filesystem::path(base_dir) / *path).lexically_normal();
+  };
+  absolute(spec->mutable_data()->mutable_train());
+  absolute(spec->mutable_data()->mutable_val());
+  absolute(spec->mutable_checkpoint()->mutable_dir());
+  absolute(spec->mutable_checkpoint()->mutable_resume_from());
 }
 
 absl::StatusOr<JobSpec> LoadJobSpecFile(const std::string& path) {

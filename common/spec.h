@@ -56,6 +56,11 @@ struct SpecLimits {
 };
 inline constexpr SpecLimits kSpecLimits;
 
+// Makes the spec's relative paths (data.train, data.val, checkpoint.dir, checkpoint.resume_from) absolute
+// against `base_dir`, an absolute directory (the submitting client's working directory): workers may run
+// elsewhere, in another directory, so paths travel absolute. Empty paths stay empty.
+void MakeSpecPathsAbsolute(JobSpec* spec, const std::string& base_dir);
+
 // Fills fields the user left out with geotrain's defaults (lr 6e-4, plan auto, codec bf16, ...).
 void ApplyJobDefaults(JobSpec* spec);
 // Checks the values of a (defaulted) job spec; errors name the key and the fix.

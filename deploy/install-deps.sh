@@ -15,6 +15,7 @@ packages=(
   libopenblas-dev libzstd-dev libyaml-cpp-dev libsqlite3-dev libicu-dev
   prometheus curl procps iproute2 openssl
   python3-torch python3-numpy python3-matplotlib
+  python3-grpcio python3-protobuf python3-yaml python3-pytest python3-nbclient python3-nbformat python3-ipykernel
   fortunes libcli11-dev clang-format nlohmann-json3-dev
   clang libclang-rt-14-dev llvm libomp-14-dev
 )

@@ -11,33 +11,28 @@
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/names.h"
-#include "control.grpc.pb.h"
+#include "head/rpc_call.h"
 #include "head/scrape_targets.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain::head {
 
-// The thin gRPC adapter: checks the token, times the call, and forwards to the components.
-class HeadServer::Service final : public Head::Service {
+// The internal service (workers and actors): checks the token, times the call, and forwards to the components.
+// The public services (Jobs, Cluster, Planner) are head/public_api.h's.
+class HeadServer::Service final : public internal::HeadControl::Service {
  public:
   explicit Service(HeadServer* head) : head_(head), auth_(head->token_) {}
 
-#define GT_HEAD_RPC_PROLOGUE(method)                                          \
-  RpcTimer timer(head_->metrics_ ? head_->metrics_->rpc() : nullptr, method); \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {                       \
-    timer.set_code(s.error_code());                                           \
-    return s;                                                                 \
-  }
-
   grpc::Status RegisterWorker(grpc::ServerContext* context, const RegisterWorkerRequest* request,
                               RegisterWorkerReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("RegisterWorker");
+    RpcCall call(head_->metrics_.get(), auth_, context, "RegisterWorker");
+    if (!call.authorized()) return call.status();
     if (request->site().empty() || request->address().empty()) {
-      return Fail(timer,
-                  absl::InvalidArgumentError("RegisterWorker: site and address are required; start the worker with "
-                                             "--site NAME"));
+      return call.Fail(absl::InvalidArgumentError(
+          "RegisterWorker: site and address are required; start the worker with --site NAME"));
     }
     if (request->devices_size() > 1024) {
-      return Fail(timer, absl::InvalidArgumentError("RegisterWorker: more than 1024 devices"));
+      return call.Fail(absl::InvalidArgumentError("RegisterWorker: more than 1024 devices"));
     }
     WorkerInfo stored;
     *reply = head_->registry_->Register(*request, &stored);
@@ -51,149 +46,59 @@ class HeadServer::Service final : public Head::Service {
 
   grpc::Status Heartbeat(grpc::ServerContext* context, const HeartbeatRequest* request,
                          HeartbeatReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("Heartbeat");
+    RpcCall call(head_->metrics_.get(), auth_, context, "Heartbeat");
+    if (!call.authorized()) return call.status();
     *reply = head_->registry_->Heartbeat(*request);
     return grpc::Status::OK;
   }
 
-  grpc::Status GetClusterStatus(grpc::ServerContext* context, const ClusterStatusRequest*,
-                                ClusterStatus* reply) override {
-    GT_HEAD_RPC_PROLOGUE("GetClusterStatus");
-    reply->set_head_id(head_->head_id_);
-    reply->set_head_started_unix_ms(head_->started_unix_ms_);
-    std::map<std::string, SiteStatus> sites;
-    for (const WorkerInfo& w : head_->registry_->Workers()) {
-      SiteStatus& site = sites[w.site()];
-      site.set_name(w.site());
-      if (w.state() == WORKER_ALIVE) {
-        site.set_alive_workers(site.alive_workers() + 1);
-        site.set_devices(site.devices() + w.devices_size());
-        for (const Device& d : w.devices()) site.set_tflops(site.tflops() + d.tflops());
-      } else {
-        site.set_dead_workers(site.dead_workers() + 1);
-      }
-      *reply->add_workers() = w;
-    }
-    for (auto& [name, site] : sites) *reply->add_sites() = site;
-    for (const ActorRecord& a : head_->registry_->Actors()) *reply->add_actors() = a;
-    for (const SiteLink& link : head_->registry_->SiteLinks()) *reply->add_site_links() = link;
-    for (const auto& [state, count] : head_->jobs_->CountByState()) {
-      (*reply->mutable_jobs_by_state())[JobStateName(state)] = count;
-    }
-    return grpc::Status::OK;
-  }
-
-  grpc::Status SubmitJob(grpc::ServerContext* context, const SubmitJobRequest* request,
-                         SubmitJobReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("SubmitJob");
-    auto job = head_->jobs_->Submit(request->spec(), request->spec_source());
-    if (!job.ok()) return Fail(timer, job.status());
-    *reply->mutable_job() = *job;
-    head_->runner_->Kick();
-    head_->RefreshMetrics();
-    return grpc::Status::OK;
-  }
-
-  grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request, JobInfo* reply) override {
-    GT_HEAD_RPC_PROLOGUE("GetJob");
-    auto job = head_->jobs_->Get(request->job_id());
-    if (!job.ok()) return Fail(timer, job.status());
-    *reply = *job;
-    // The workers' latest reports win over the placement records.
-    std::map<std::string, ActorRecord> actors;
-    for (const ActorRecord& a : reply->actors()) actors[a.actor_id()] = a;
-    for (const ActorRecord& a : head_->registry_->Actors()) {
-      if (a.job_id() == reply->job_id()) actors[a.actor_id()] = a;
-    }
-    reply->clear_actors();
-    for (const auto& [id, a] : actors) *reply->add_actors() = a;
-    return grpc::Status::OK;
-  }
-
-  grpc::Status ListJobs(grpc::ServerContext* context, const ListJobsRequest*, ListJobsReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("ListJobs");
-    for (JobInfo& job : head_->jobs_->List()) *reply->add_jobs() = std::move(job);
-    return grpc::Status::OK;
-  }
-
-  grpc::Status CancelJob(grpc::ServerContext* context, const CancelJobRequest* request, JobInfo* reply) override {
-    GT_HEAD_RPC_PROLOGUE("CancelJob");
-    auto job = head_->jobs_->Cancel(request->job_id());
-    if (!job.ok()) return Fail(timer, job.status());
-    head_->runner_->StopJob(request->job_id(), "job cancelled by the user");
-    *reply = *job;
-    head_->RefreshMetrics();
-    return grpc::Status::OK;
-  }
-
-  grpc::Status WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
-                        grpc::ServerWriter<JobEvent>* writer) override {
-    GT_HEAD_RPC_PROLOGUE("WatchJob");
-    int64_t after = request->after_seq();
-    while (!context->IsCancelled()) {
-      bool ended = false;
-      auto events = head_->jobs_->WaitEvents(request->job_id(), after, 500, &ended);
-      if (!events.ok()) return Fail(timer, events.status());
-      for (const JobEvent& e : *events) {
-        if (!writer->Write(e)) return grpc::Status::OK;  // the client went away
-        after = e.seq();
-      }
-      if (!request->follow() || (ended && events->empty())) break;
-      if (head_->IsStopping()) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the head is shutting down; watch again");
-      }
-    }
-    return grpc::Status::OK;
-  }
-
   grpc::Status ReportStep(grpc::ServerContext* context, const StepReport* request, ReportStepReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("ReportStep");
+    RpcCall call(head_->metrics_.get(), auth_, context, "ReportStep");
+    if (!call.authorized()) return call.status();
     if (request->job_id().empty() || request->actor_id().empty()) {
-      return Fail(timer, absl::InvalidArgumentError("ReportStep: job_id and actor_id are required"));
+      return call.Fail(absl::InvalidArgumentError("ReportStep: job_id and actor_id are required"));
     }
     reply->set_stop(head_->runner_->OnStepReport(*request));
     return grpc::Status::OK;
   }
 
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("Ping");
+    RpcCall call(head_->metrics_.get(), auth_, context, "Ping");
+    if (!call.authorized()) return call.status();
     EchoPing(*request, reply);
     return grpc::Status::OK;
   }
 
   grpc::Status PingStream(grpc::ServerContext* context,
                           grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
-    GT_HEAD_RPC_PROLOGUE("PingStream");
+    RpcCall call(head_->metrics_.get(), auth_, context, "PingStream");
+    if (!call.authorized()) return call.status();
     EchoPingStream(stream);
     return grpc::Status::OK;
   }
+
   grpc::Status PublishRendezvous(grpc::ServerContext* context, const PublishRendezvousRequest* request,
                                  PublishRendezvousReply*) override {
-    GT_HEAD_RPC_PROLOGUE("PublishRendezvous");
+    RpcCall call(head_->metrics_.get(), auth_, context, "PublishRendezvous");
+    if (!call.authorized()) return call.status();
     if (absl::Status s = head_->rendezvous_->Publish(request->job_id(), request->key(), request->value()); !s.ok()) {
-      return Fail(timer, s);
+      return call.Fail(s);
     }
     return grpc::Status::OK;
   }
 
   grpc::Status FetchRendezvous(grpc::ServerContext* context, const FetchRendezvousRequest* request,
                                FetchRendezvousReply* reply) override {
-    GT_HEAD_RPC_PROLOGUE("FetchRendezvous");
+    RpcCall call(head_->metrics_.get(), auth_, context, "FetchRendezvous");
+    if (!call.authorized()) return call.status();
     auto value = head_->rendezvous_->Fetch(request->job_id(), request->key(), absl::Milliseconds(request->timeout_ms()),
                                            [context] { return context->IsCancelled(); });
-    if (!value.ok()) return Fail(timer, value.status());
+    if (!value.ok()) return call.Fail(value.status());
     reply->set_value(std::move(*value));
     return grpc::Status::OK;
   }
-#undef GT_HEAD_RPC_PROLOGUE
 
  private:
-  static grpc::Status Fail(RpcTimer& timer, const absl::Status& status) {
-    grpc::Status s = ToGrpc(status);
-    timer.set_code(s.error_code());
-    return s;
-  }
-
   HeadServer* head_;
   TokenAuth auth_;
 };
@@ -279,10 +184,21 @@ absl::Status HeadServer::Start() {
   auto creds = MakeServerCredentials(options_.tls);
   if (!creds.ok()) return creds.status();
   service_ = std::make_unique<Service>(this);
+  PublicApi::Components components;
+  components.registry = registry_.get();
+  components.jobs = jobs_.get();
+  components.runner = runner_.get();
+  components.metrics = metrics_.get();
+  components.head_id = head_id_;
+  components.started_unix_ms = started_unix_ms_;
+  components.stopping = [this] { return IsStopping(); };
+  components.changed = [this] { RefreshMetrics(); };
+  public_api_ = std::make_unique<PublicApi>(std::move(components), token_);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use must fail, not be shared
   builder.RegisterService(service_.get());
+  public_api_->RegisterWith(&builder);
   builder.SetMaxReceiveMessageSize(16 << 20);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {

@@ -1,5 +1,7 @@
-// The head daemon: one per cluster. It serves the Head gRPC service (workers register and heartbeat;
-// the CLI submits and follows jobs; actors exchange NCCL unique ids through its rendezvous), runs the failure detector, keeps the job table, persists its state
+// The head daemon: one per cluster. On one port it serves the public API (head/public_api.h: geotrain.v1 Jobs,
+// Cluster and Planner, what the CLI and clients call) and the internal HeadControl service (workers register and
+// heartbeat, actors report steps and exchange NCCL unique ids through its rendezvous); it runs the failure
+// detector, keeps the job table, persists its state
 // under the state dir, serves Prometheus metrics, and records its address and token so that the CLI on
 // this machine finds it with no flags.
 //
@@ -28,6 +30,7 @@
 #include "common/rpc.h"
 #include "head/job_manager.h"
 #include "head/job_runner.h"
+#include "head/public_api.h"
 #include "head/registry.h"
 #include "head/rendezvous.h"
 #include "head/store.h"
@@ -92,7 +95,8 @@ class HeadServer {
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<JobRunner> runner_;
   std::unique_ptr<RendezvousTable> rendezvous_;  // values a job's actors exchange (NCCL unique ids)
-  std::unique_ptr<Service> service_;
+  std::unique_ptr<Service> service_;             // internal.proto's HeadControl
+  std::unique_ptr<PublicApi> public_api_;
   std::unique_ptr<grpc::Server> server_;
 
   absl::Mutex targets_mu_;  // RefreshMetrics runs on handler threads and the detector thread

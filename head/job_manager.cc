@@ -42,7 +42,8 @@ absl::Status JobManager::Restore() {
   return absl::OkStatus();
 }
 
-JobEvent JobManager::MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line) {
+JobEvent JobManager::MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line,
+                                     const StepFigures* figures) {
   JobEvent event;
   event.set_seq(last_seq_ + 1);
   event.set_unix_ms(clock_->UnixMillis());
@@ -50,6 +51,7 @@ JobEvent JobManager::MakeEventLocked(const JobInfo& job, const std::string& kind
   event.set_state(job.state());
   event.set_kind(kind);
   event.set_line(line);
+  if (figures != nullptr) *event.mutable_step() = *figures;
   return event;
 }
 
@@ -71,8 +73,9 @@ absl::Status JobManager::Persist(const std::function<absl::Status()>& write) {
       "the state it had"));
 }
 
-absl::StatusOr<JobInfo> JobManager::CommitLocked(JobInfo updated, const std::string& kind, const std::string& line) {
-  const JobEvent event = MakeEventLocked(updated, kind, line);
+absl::StatusOr<JobInfo> JobManager::CommitLocked(JobInfo updated, const std::string& kind, const std::string& line,
+                                                 const StepFigures* figures) {
+  const JobEvent event = MakeEventLocked(updated, kind, line, figures);
   RETURN_IF_ERROR(Persist([&] { return store_->PutJobWithEvent(updated, event); }));
   ++last_seq_;
   JobInfo& stored = jobs_[updated.job_id()];
@@ -177,18 +180,18 @@ absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<
       .status();
 }
 
-absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
-                                        double measured_step_seconds, const std::string& line) {
+absl::Status JobManager::UpdateProgress(const std::string& job_id, const StepFigures& figures,
+                                        const std::string& line) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
   JobInfo updated = it->second;
-  updated.set_step(step);
-  updated.set_loss(loss);
-  updated.set_tokens_per_second(tokens_per_second);
-  updated.set_measured_step_seconds(measured_step_seconds);
+  updated.set_step(figures.step());
+  updated.set_loss(figures.loss());
+  updated.set_tokens_per_second(figures.tokens_per_second());
+  updated.set_measured_step_seconds(figures.step_seconds());
   updated.set_updated_unix_ms(clock_->UnixMillis());
-  return CommitLocked(std::move(updated), "step", line).status();
+  return CommitLocked(std::move(updated), "step", line, &figures).status();
 }
 
 absl::Status JobManager::Log(const std::string& job_id, const std::string& line) {

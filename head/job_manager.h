@@ -53,8 +53,8 @@ class JobManager {
   absl::StatusOr<JobInfo> Update(const std::string& job_id, const std::function<void(JobInfo&)>& mutate);
   // Records the job's actors (placement) and its progress after a step; both persisted.
   absl::Status SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors);
-  absl::Status UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
-                              double measured_step_seconds, const std::string& line);
+  // A step event carries `figures` (its step, loss, tokens/s and step time become the job's progress).
+  absl::Status UpdateProgress(const std::string& job_id, const StepFigures& figures, const std::string& line);
   // Appends a log line to the job's event stream.
   absl::Status Log(const std::string& job_id, const std::string& line);
 
@@ -69,14 +69,15 @@ class JobManager {
   absl::Status store_error() const;
 
  private:
-  JobEvent MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  JobEvent MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line,
+                           const StepFigures* figures = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs a store write with retries (50 ms, 250 ms); UNAVAILABLE naming the cause and the fix when every try
   // failed (e.g. a full disk). Nothing in memory changes unless it succeeded.
   absl::Status Persist(const std::function<absl::Status()>& write) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Persists `updated` and a new event about it in one transaction, then makes both visible.
-  absl::StatusOr<JobInfo> CommitLocked(JobInfo updated, const std::string& kind, const std::string& line)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Persists `updated` and a new event about it (with `figures` on step events) in one transaction, then makes
+  // both visible.
+  absl::StatusOr<JobInfo> CommitLocked(JobInfo updated, const std::string& kind, const std::string& line,
+                                       const StepFigures* figures = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* clock_;
   HeadStore* store_;

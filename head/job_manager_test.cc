@@ -88,6 +88,36 @@ TEST_F(JobManagerTest, JobsAndEventsSurviveAReopen) {
   EXPECT_EQ(jobs.Submit(spec, "")->job_id(), "job-000002");
 }
 
+// A step event carries the step's figures, which also become the job's progress.
+TEST_F(JobManagerTest, StepEventsCarryTheirFigures) {
+  auto store = HeadStore::Open(dir_);
+  JobManager jobs(&clock_, store->get());
+  ASSERT_TRUE(jobs.Restore().ok());
+  JobSpec spec;
+  const std::string id = jobs.Submit(spec, "")->job_id();
+  StepFigures figures;
+  figures.set_step(3);
+  figures.set_loss(5.25);
+  figures.set_tokens_per_second(1200);
+  figures.set_step_seconds(0.5);
+  figures.set_wan_bytes(4096);
+  (*figures.mutable_wan_bytes_by_pair())["site-a>site-b"] = 4096;
+  ASSERT_TRUE(jobs.UpdateProgress(id, figures, "step 3").ok());
+  auto job = jobs.Get(id);
+  EXPECT_EQ(job->step(), 3);
+  EXPECT_EQ(job->loss(), 5.25);
+  EXPECT_EQ(job->tokens_per_second(), 1200);
+  EXPECT_EQ(job->measured_step_seconds(), 0.5);
+  bool ended = false;
+  auto events = jobs.WaitEvents(id, 0, 10, &ended);
+  ASSERT_TRUE(events.ok());
+  const JobEvent& step = events->back();
+  EXPECT_EQ(step.kind(), "step");
+  EXPECT_EQ(step.line(), "step 3");
+  EXPECT_EQ(step.step().SerializeAsString(), figures.SerializeAsString());
+  EXPECT_FALSE(events->front().has_step());
+}
+
 // A full disk: SQLite refuses to grow the database (max_page_count stands for the disk). A state change
 // that cannot be written fails with the cause and the fix, changes nothing in memory or on disk (the state
 // and its event go together), new jobs are refused, and all works again once the store takes writes.

@@ -515,7 +515,7 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     const ActorPlacement& p = placement[i];
     const WorkerInfo& w = workers[p.actor.worker_id()];
     ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(w.address(), options_.tls));
-    auto stub = Worker::NewStub(channel);
+    auto stub = internal::Worker::NewStub(channel);
     grpc::ClientContext ctx;
     AttachToken(&ctx, options_.token);
     SetDeadlineMillis(&ctx, options_.create_deadline_ms);
@@ -584,7 +584,7 @@ void JobRunner::StopActors(const std::vector<ActorPlacement>& actors, const std:
   auto stop_one = [targets, reason, options = options_](int i) -> absl::Status {
     const auto& [worker, actor_id] = (*targets)[i];
     ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(worker.address(), options.tls));
-    auto stub = Worker::NewStub(channel);
+    auto stub = internal::Worker::NewStub(channel);
     grpc::ClientContext ctx;
     AttachToken(&ctx, options.token);
     SetDeadlineMillis(&ctx, options.stop_deadline_ms);
@@ -900,8 +900,21 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
       agg.checkpoint > 0 ? absl::StrFormat(", checkpoint %.3f", agg.checkpoint) : "", wan_total,
       wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"),
       agg.val_reports > 0 ? absl::StrFormat(" val_loss %.6f", agg.val_sum / agg.val_reports) : "");
-  Check(jobs_->UpdateProgress(job_id, step, agg.loss, tokens_per_second, agg.step_seconds, line), job_id,
-        "recording progress");
+  StepFigures figures;
+  figures.set_step(step);
+  figures.set_loss(agg.loss);
+  figures.set_tokens_per_second(tokens_per_second);
+  figures.set_step_seconds(agg.step_seconds);
+  figures.set_compute_seconds(agg.compute);
+  figures.set_comm_wait_seconds(agg.wait);
+  figures.set_bubble_seconds(agg.bubble);
+  figures.set_checkpoint_seconds(agg.checkpoint);
+  figures.set_wan_bytes(wan_total);
+  figures.mutable_wan_bytes_by_pair()->insert(agg.wan_bytes.begin(), agg.wan_bytes.end());
+  figures.set_compression_ratio(agg.compression_ratio);
+  figures.set_tokens(agg.tokens);
+  figures.set_val_loss(agg.val_reports > 0 ? agg.val_sum / agg.val_reports : -1);
+  Check(jobs_->UpdateProgress(job_id, figures, line), job_id, "recording progress");
   if (metrics_ == nullptr) return;
   if (auto job = jobs_->Get(job_id); job.ok() && job->predicted_step_seconds() > 0) {
     metrics_->Gauges("geotrain_predicted_step_seconds", "The planner's predicted step time, by job")

@@ -47,11 +47,11 @@
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
-#include "control.grpc.pb.h"
 #include "head/executor.h"
 #include "head/job_manager.h"
 #include "head/placement.h"  // PlaceActors, PlanAutoJob (moved there; callers keep including this header)
 #include "head/registry.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain::head {
 

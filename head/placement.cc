@@ -201,10 +201,12 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   return out;
 }
 
-absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
-                                     const std::vector<SiteLink>& links) {
-  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
-  scheduler::Cluster cluster;
+absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                              const std::vector<SiteLink>& links, int max_plans) {
+  ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
+  planning.options.max_ranked = std::max(planning.options.max_ranked, max_plans);
+  RankedAutoPlans out;
+  scheduler::Cluster& cluster = out.cluster;
   std::map<std::string, int> site_index;
   std::map<std::string, int> workers_in_site;
   std::vector<const WorkerInfo*> alive;
@@ -215,6 +217,7 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
     return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
   });
   if (alive.empty()) return absl::UnavailableError("no alive workers to plan for");
+  out.alive_workers = static_cast<int>(alive.size());
   for (const WorkerInfo* w : alive) {
     if (!site_index.count(w->site())) {
       site_index[w->site()] = static_cast<int>(cluster.site_names.size());
@@ -245,48 +248,68 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
   const scheduler::ModelCosts& model = planning.model;
   ASSIGN_OR_RETURN(const scheduler::PlanResult result,
                    scheduler::PlanJob(cluster, model, planning.job, planning.options));
+  out.explanation = result.explanation;
+  out.plans_simulated = result.plans_simulated;
+  out.planning_seconds = result.planning_seconds;
   for (const scheduler::PlanCandidate& candidate : result.ranked) {
+    if (static_cast<int>(out.plans.size()) >= std::max(1, max_plans)) break;
     const scheduler::ManualPlan manual = scheduler::ToManualPlan(cluster, model, candidate.plan);
     if (std::adjacent_find(manual.microbatches.begin(), manual.microbatches.end(), std::not_equal_to<>()) !=
         manual.microbatches.end()) {
       continue;  // unequal replica shares: not what the runtime does
     }
-    AutoPlan out;
-    scheduler::FillParallelSpec(manual, &out.parallel);
+    RankedAutoPlan plan;
+    scheduler::FillParallelSpec(manual, &plan.parallel);
     JobSpec check = spec;
-    *check.mutable_parallel() = out.parallel;
+    *check.mutable_parallel() = plan.parallel;
     if (!ValidateJobSpec(check).ok()) continue;
-    out.predicted_step_seconds = candidate.prediction.step_time_s;
-    out.explanation = result.explanation;
-    if (const std::string note = EmulatedDevicesNote(workers, out.predicted_step_seconds); !note.empty()) {
-      out.explanation.push_back(note);
+    if (out.plans.empty()) {  // the plan a `plan: auto` job gets
+      if (const std::string note = EmulatedDevicesNote(workers, candidate.prediction.step_time_s); !note.empty()) {
+        out.explanation.push_back(note);
+      }
     }
-    if (&candidate != &result.ranked.front()) {
+    if (out.plans.empty() && &candidate != &result.ranked.front()) {
       out.explanation.push_back(
           "(the top plan splits the batch unevenly across replicas; geotrain's runtime "
           "splits it evenly, so the best even plan was taken)");
     }
-    if (spec.parallel().allow_diloco()) {  // synchronous or DiLoCo: the faster predicted step (scheduler/diloco_plan.h)
+    plan.candidate = candidate;
+    plan.predicted_step_seconds = candidate.prediction.step_time_s;
+    if (out.plans.empty() && spec.parallel().allow_diloco()) {
+      // Synchronous or DiLoCo: the faster predicted step (scheduler/diloco_plan.h).
       ASSIGN_OR_RETURN(
           const scheduler::DilocoChoice choice,
           scheduler::ChooseSyncOrDiloco(cluster, model, planning.job, planning.options, result, EffectiveDiloco(spec)));
       out.explanation.insert(out.explanation.end(), choice.explanation.begin(), choice.explanation.end());
-      out.parallel.set_sync("sync");
+      plan.parallel.set_sync("sync");
       if (choice.diloco_chosen) {
         ParallelSpec diloco;
         scheduler::FillParallelSpec(scheduler::ToManualPlan(cluster, model, choice.diloco.plan), &diloco);
         diloco.set_sync("diloco");
         *check.mutable_parallel() = diloco;
         if (ValidateJobSpec(check).ok()) {
-          out.parallel = diloco;
-          out.predicted_step_seconds = choice.diloco_step_s;
+          plan.parallel = diloco;
+          plan.predicted_step_seconds = choice.diloco_step_s;
         }
       }
     }
-    return out;
+    out.plans.push_back(std::move(plan));
   }
-  return absl::FailedPreconditionError(
-      "the planner found no plan that splits the global batch evenly across replicas; give a manual plan");
+  if (out.plans.empty()) {
+    return absl::FailedPreconditionError(
+        "the planner found no plan that splits the global batch evenly across replicas; give a manual plan");
+  }
+  return out;
+}
+
+absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                     const std::vector<SiteLink>& links) {
+  ASSIGN_OR_RETURN(RankedAutoPlans ranked, RankAutoPlans(spec, workers, links, 1));
+  AutoPlan out;
+  out.parallel = ranked.plans.front().parallel;
+  out.predicted_step_seconds = ranked.plans.front().predicted_step_seconds;
+  out.explanation = std::move(ranked.explanation);
+  return out;
 }
 
 }  // namespace geotrain::head

@@ -22,6 +22,8 @@
 
 #include "absl/status/statusor.h"
 #include "control.pb.h"
+#include "scheduler/cluster.h"
+#include "scheduler/planner.h"
 
 namespace geotrain::head {
 
@@ -66,5 +68,25 @@ struct AutoPlan {
 };
 absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
                                      const std::vector<SiteLink>& links);
+
+// The plans PlanAutoJob chooses from, best first: up to `max_plans` of the planner's ranked plans that the runtime
+// runs as planned (equal replica shares, a valid spec), each in manual form with the planner's candidate (its
+// prediction), the cluster as the planner saw it (site names by index), the explanation of the first and the
+// search's figures. PlanAutoJob takes the first. Errors: as PlanAutoJob.
+struct RankedAutoPlan {
+  ParallelSpec parallel;
+  scheduler::PlanCandidate candidate;
+  double predicted_step_seconds = 0;  // the candidate's, or DiLoCo's when the first plan was switched to it
+};
+struct RankedAutoPlans {
+  std::vector<RankedAutoPlan> plans;
+  std::vector<std::string> explanation;
+  scheduler::Cluster cluster;
+  int alive_workers = 0;
+  int64_t plans_simulated = 0;
+  double planning_seconds = 0;
+};
+absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
+                                              const std::vector<SiteLink>& links, int max_plans);
 
 }  // namespace geotrain::head

@@ -7,7 +7,7 @@
 namespace geotrain::worker {
 
 GrpcHeadClient::GrpcHeadClient(const std::shared_ptr<grpc::ChannelInterface>& channel, std::string token)
-    : stub_(Head::NewStub(channel)), token_(std::move(token)) {}
+    : stub_(internal::HeadControl::NewStub(channel)), token_(std::move(token)) {}
 
 absl::StatusOr<ReportStepReply> GrpcHeadClient::ReportStep(const StepReport& report, absl::Duration timeout) {
   grpc::ClientContext context;

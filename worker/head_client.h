@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "control.grpc.pb.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain::worker {
 
@@ -23,17 +23,17 @@ class HeadClient {
   // Delivers one report; UNAVAILABLE or DEADLINE_EXCEEDED when the head cannot be reached in `timeout`.
   virtual absl::StatusOr<ReportStepReply> ReportStep(const StepReport& report, absl::Duration timeout) = 0;
   // The head's stub for the NCCL rendezvous; null when there is no gRPC head (tests).
-  virtual Head::StubInterface* stub() = 0;
+  virtual internal::HeadControl::StubInterface* stub() = 0;
 };
 
 class GrpcHeadClient : public HeadClient {
  public:
   GrpcHeadClient(const std::shared_ptr<grpc::ChannelInterface>& channel, std::string token);
   absl::StatusOr<ReportStepReply> ReportStep(const StepReport& report, absl::Duration timeout) override;
-  Head::StubInterface* stub() override { return stub_.get(); }
+  internal::HeadControl::StubInterface* stub() override { return stub_.get(); }
 
  private:
-  std::unique_ptr<Head::Stub> stub_;
+  std::unique_ptr<internal::HeadControl::Stub> stub_;
   const std::string token_;
 };
 

@@ -33,7 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "comm/tensor_stream.h"
 #include "common/rpc.h"
-#include "control.grpc.pb.h"
+#include "internal.grpc.pb.h"
 #include "worker/actor_ranks.h"
 #include "worker/checkpoint_writer.h"
 #include "worker/head_client.h"

@@ -41,7 +41,7 @@ class RecordingHead : public HeadClient {
     reply.set_stop(stop_from_step_ > 0 && report.step() >= stop_from_step_);
     return reply;
   }
-  Head::StubInterface* stub() override { return nullptr; }
+  internal::HeadControl::StubInterface* stub() override { return nullptr; }
 
   void StopFromStep(int64_t step) {
     absl::MutexLock lock(&mu_);
@@ -65,7 +65,7 @@ class HeadView : public HeadClient {
   absl::StatusOr<ReportStepReply> ReportStep(const StepReport& report, absl::Duration timeout) override {
     return head_->ReportStep(report, timeout);
   }
-  Head::StubInterface* stub() override { return nullptr; }
+  internal::HeadControl::StubInterface* stub() override { return nullptr; }
 
  private:
   RecordingHead* head_;

@@ -106,7 +106,7 @@ class GrpcStageCollectives : public StageCollectives {
 }  // namespace
 
 GrpcCollectivesFactory::GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
-                                               Head::StubInterface* head, absl::Duration timeout)
+                                               internal::HeadControl::StubInterface* head, absl::Duration timeout)
     : mailbox_(mailbox), token_(std::move(token)), head_(head), timeout_(timeout) {}
 
 absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create(const ActorRanks& ranks,

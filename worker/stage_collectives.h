@@ -29,7 +29,7 @@
 #include "absl/time/time.h"
 #include "comm/communicator.h"
 #include "comm/tensor_stream.h"
-#include "control.grpc.pb.h"
+#include "internal.grpc.pb.h"
 #include "model/backend.h"
 #include "model/tp_comm.h"
 #include "worker/actor_ranks.h"
@@ -91,8 +91,8 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   // `mailbox` receives this worker's tensors; `head` (may be null: then NCCL groups cannot form) serves the
   // NCCL rendezvous; `timeout` is the deadline of each receive and collective. Not owned; they must outlive
   // the collectives made.
-  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token, Head::StubInterface* head,
-                         absl::Duration timeout);
+  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
+                         internal::HeadControl::StubInterface* head, absl::Duration timeout);
 
   absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
                                                            const std::vector<ActorPeer>& actors,
@@ -101,7 +101,7 @@ class GrpcCollectivesFactory : public CollectivesFactory {
  private:
   comm::TensorStreamServer* const mailbox_;
   const std::string token_;
-  Head::StubInterface* const head_;
+  internal::HeadControl::StubInterface* const head_;
   const absl::Duration timeout_;
 };
 

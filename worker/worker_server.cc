@@ -15,7 +15,7 @@
 
 namespace geotrain::worker {
 
-class WorkerServer::Service final : public Worker::Service {
+class WorkerServer::Service final : public internal::Worker::Service {
  public:
   Service(WorkerServer* worker, const std::string& token, MetricsServer* metrics)
       : worker_(worker), auth_(token), metrics_(metrics) {}
@@ -213,7 +213,7 @@ absl::Status WorkerServer::Start() {
   auto channel = MakeChannel(options_.head_address, options_.tls);
   if (!channel.ok()) return channel.status();
   head_channel_ = *channel;
-  head_ = Head::NewStub(head_channel_);
+  head_ = internal::HeadControl::NewStub(head_channel_);
   join_thread_ = std::thread([this] { JoinLoop(); });
   if (options_.probe_interval_ms > 0) probe_thread_ = std::thread([this] { ProbeLoop(); });
   GT_LOG(INFO) << "worker serving on " << options_.bind_host << ":" << port_ << " (advertised as " << advertise_address_
@@ -334,7 +334,7 @@ absl::StatusOr<LinkMeasurement> WorkerServer::ProbePeer(const std::string& addre
                                                         const TlsFiles& tls) {
   auto channel = MakeChannel(address, tls);
   if (!channel.ok()) return channel.status();
-  auto stub = Worker::NewStub(*channel);
+  auto stub = internal::Worker::NewStub(*channel);
   double best_rtt_ms = 1e18;
   PingRequest small;
   small.set_payload("geotrain");

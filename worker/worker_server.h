@@ -28,7 +28,7 @@
 #include "comm/tensor_stream.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
-#include "control.grpc.pb.h"
+#include "internal.grpc.pb.h"
 #include "worker/stage_actor.h"
 
 namespace geotrain::worker {
@@ -88,7 +88,7 @@ class WorkerServer {
   std::unique_ptr<comm::TensorStreamServer> tensor_streams_;  // the actors' mailbox, served with service_
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<grpc::Channel> head_channel_;
-  std::unique_ptr<Head::Stub> head_;
+  std::unique_ptr<internal::HeadControl::Stub> head_;
   std::thread join_thread_;
   std::thread probe_thread_;  // owns the peer channels it dials
 

@@ -9,8 +9,8 @@
 #include <thread>
 
 #include "common/rpc.h"
-#include "control.grpc.pb.h"
 #include "head/head_server.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain {
 namespace {
@@ -30,7 +30,7 @@ struct Fixture {
     options.write_cluster_record = false;
     head = std::make_unique<HeadServer>(options);
     if (!head->Start().ok()) std::abort();
-    stub = Head::NewStub(*MakeChannel("127.0.0.1:" + std::to_string(head->port()), TlsFiles{}));
+    stub = internal::HeadControl::NewStub(*MakeChannel("127.0.0.1:" + std::to_string(head->port()), TlsFiles{}));
   }
   ~Fixture() {
     head->Shutdown();
@@ -38,7 +38,7 @@ struct Fixture {
   }
   std::string dir;
   std::unique_ptr<HeadServer> head;
-  std::unique_ptr<Head::Stub> stub;
+  std::unique_ptr<internal::HeadControl::Stub> stub;
 };
 
 Fixture& Get() {

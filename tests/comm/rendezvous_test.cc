@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/rpc.h"
+#include "geotrain/v1/jobs.grpc.pb.h"
 #include "head/head_server.h"
 
 namespace geotrain {
@@ -36,8 +37,10 @@ class RendezvousTest : public ::testing::Test {
     head_ = std::make_unique<HeadServer>(options);
     absl::Status started = head_->Start();
     ASSERT_TRUE(started.ok()) << started;
-    stub_ = Head::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(head_->port()), grpc::InsecureChannelCredentials()));
+    auto channel =
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(head_->port()), grpc::InsecureChannelCredentials());
+    stub_ = internal::HeadControl::NewStub(channel);
+    jobs_ = v1::Jobs::NewStub(channel);
     job_id_ = SubmitJob();  // no workers: it stays PENDING, so it may rendezvous
   }
   void TearDown() override {
@@ -48,12 +51,12 @@ class RendezvousTest : public ::testing::Test {
   std::string SubmitJob() {
     grpc::ClientContext context;
     AttachToken(&context, kToken);
-    SubmitJobRequest request;
+    v1::SubmitJobRequest request;
     request.mutable_spec()->set_name("rendezvous");
-    SubmitJobReply reply;
-    grpc::Status s = stub_->SubmitJob(&context, request, &reply);
+    v1::Job reply;
+    grpc::Status s = jobs_->SubmitJob(&context, request, &reply);
     EXPECT_TRUE(s.ok()) << s.error_message();
-    return reply.job().job_id();
+    return reply.job_id();
   }
 
   absl::StatusOr<std::string> Publish(const std::string& key, const std::string& value,
@@ -66,7 +69,8 @@ class RendezvousTest : public ::testing::Test {
 
   std::string dir_;
   std::unique_ptr<HeadServer> head_;
-  std::unique_ptr<Head::Stub> stub_;
+  std::unique_ptr<internal::HeadControl::Stub> stub_;
+  std::unique_ptr<v1::Jobs::Stub> jobs_;  // the public API: jobs to rendezvous in
   std::string job_id_;
 };
 
@@ -164,10 +168,10 @@ TEST_F(RendezvousTest, UnknownAndEndedJobs) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   grpc::ClientContext context;
   AttachToken(&context, kToken);
-  CancelJobRequest cancel;
+  v1::CancelJobRequest cancel;
   cancel.set_job_id(job_id_);
-  JobInfo cancelled;
-  ASSERT_TRUE(stub_->CancelJob(&context, cancel, &cancelled).ok());
+  v1::Job cancelled;
+  ASSERT_TRUE(jobs_->CancelJob(&context, cancel, &cancelled).ok());
 
   const absl::Time start = absl::Now();
   auto woken = waiting.get();
@@ -186,7 +190,8 @@ TEST_F(RendezvousTest, WrongTokenIsRefused) {
 }
 
 TEST_F(RendezvousTest, UnreachableHeadEndsByTheDeadline) {
-  auto unreachable = Head::NewStub(grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
+  auto unreachable =
+      internal::HeadControl::NewStub(grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
   const absl::Time start = absl::Now();
   auto fetched = comm::ExchangeRendezvous(unreachable.get(), kToken, job_id_, "k", false, "", absl::Milliseconds(800));
   EXPECT_EQ(fetched.status().code(), absl::StatusCode::kDeadlineExceeded) << fetched.status();

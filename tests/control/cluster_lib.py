@@ -109,6 +109,25 @@ class LocalCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def write_token_shard(path, tokens):
+    """A token shard in llm.c's .bin layout (256 int32 header: magic 20240520, version 1, count; then uint16)."""
+    import struct
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)))
+        f.write(struct.pack(f"<{len(tokens)}H", *tokens))
+
+
+def write_tiny_corpus(directory, vocab=512, length=97, repeats=200, seed=5):
+    """A small learnable corpus (a sequence repeated with 10% noise) as one train shard; returns its glob."""
+    import random
+    rng = random.Random(seed)
+    base = [rng.randrange(vocab) for _ in range(length)]
+    tokens = [rng.randrange(vocab) if rng.random() < 0.1 else t for _ in range(repeats) for t in base]
+    os.makedirs(directory, exist_ok=True)
+    write_token_shard(os.path.join(directory, "train_000000.bin"), tokens)
+    return os.path.join(directory, "train_*.bin")
+
+
 class ClusterUp:
     """A `geotrain cluster up TOPOLOGY` cluster in its own GEOTRAIN_HOME, whose processes (named as in
     cluster.json: "head", "worker NAME", ...) can be killed with -9 and started again with the same command."""
@@ -119,6 +138,7 @@ class ClusterUp:
         self.env = dict(os.environ, GEOTRAIN_HOME=self.home)
         self.env.pop("GEOTRAIN_HEAD", None)
         self.env.pop("GEOTRAIN_TOKEN", None)
+        self.env.pop("GEOTRAIN_TOKEN_FILE", None)
         self.state = os.path.join(self.home, "cluster")
         self.restarted = {}  # name -> Popen of a process the test started again
         self.killed = {}     # name -> (argv, env) to start it again

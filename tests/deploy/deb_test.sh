@@ -16,7 +16,8 @@ for f in ./usr/bin/geotrain ./usr/bin/geotrain-netem ./usr/share/geotrain/tokeni
          ./usr/share/geotrain/tokenizer/vocab.bpe ./usr/share/geotrain/systemd/geotrain-head.service \
          ./usr/share/geotrain/systemd/geotrain-worker.service ./usr/share/geotrain/systemd/worker.env \
          ./usr/share/geotrain/prometheus/prometheus.yml ./usr/share/geotrain/grafana/geotrain-dashboard.json \
-         ./usr/share/geotrain/open-ports.sh; do
+         ./usr/share/geotrain/open-ports.sh ./usr/lib/python3/dist-packages/geotrain/__init__.py \
+         ./usr/lib/python3/dist-packages/geotrain/v1/jobs_pb2_grpc.py; do
   grep -qx "$f" "$out/contents" || { cat "$out/contents" >&2; fail "$(basename "$deb") lacks $f"; }
 done
 dpkg-deb -x "$deb" "$out/root"
@@ -26,6 +27,7 @@ depends="$(dpkg-deb -f "$deb" Depends)"
 for lib in libc6 libgrpc++ libprotobuf libopenblas; do
   [[ "$depends" == *"$lib"* ]] || fail "Depends lacks $lib: $depends"
 done
+[[ "$(dpkg-deb -f "$deb" Recommends)" == *python3-grpcio* ]] || fail "Recommends lacks python3-grpcio"
 dpkg-deb -e "$deb" "$out/control"
 grep -q 'useradd --system' "$out/control/postinst" || fail "postinst does not create the geotrain user"
 echo "$(basename "$deb"): $(wc -l < "$out/contents") entries; Depends: $depends"

@@ -20,6 +20,13 @@ done
 grep -q "^ExecStart=$prefix/bin/geotrain head start" "$prefix/share/geotrain/systemd/geotrain-head.service" ||
   fail "geotrain-head.service does not start $prefix/bin/geotrain"
 
+# The Python client, where Debian's /usr/bin/python3 finds packages of this prefix (/usr/local/lib/python3.X/
+# dist-packages for /usr/local), with its generated modules importable.
+pydir="$(/usr/bin/python3 -c 'import sys; print("lib/python%d.%d/dist-packages" % sys.version_info[:2])')"
+[ -f "$prefix/$pydir/geotrain/__init__.py" ] || fail "cmake --install did not install the Python client in $pydir"
+PYTHONPATH="$prefix/$pydir" /usr/bin/python3 -c 'import geotrain, geotrain.v1.jobs_pb2_grpc, geotrain.v1.planner_pb2' ||
+  fail "the installed Python client does not import"
+
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$work"  # outside the source tree: no ./third_party here

@@ -1,0 +1,100 @@
+"""deploy/fabric/geotrain_study.ipynb, headless (nbclient and ipykernel from Debian), against a local
+`geotrain cluster up` (tests/control/two-sites-5ms.yaml): every cell runs as a user would run it, with ON_FABRIC
+False (the FABRIC cells do nothing) and the parameters cell's values overridden for a tiny model and a few steps,
+as papermill would inject them. Checks what the study leaves: one run per ranked plan, each SUCCEEDED with every
+step's loss and step time, the planner's ranks in order, and the plot.
+
+Usage: fabric_notebook_test.py GEOTRAIN_BIN NOTEBOOK PYTHON_PACKAGE_DIR (ctest passes them; tests/deploy/).
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+import nbclient
+import nbformat
+
+GEOTRAIN, NOTEBOOK, PACKAGE_DIR = sys.argv[1:4]
+del sys.argv[1:4]
+SOURCE_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "control"))
+from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
+
+PLANS = 2
+STEPS = 3
+
+
+class StudyNotebookTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.up = ClusterUp(GEOTRAIN, os.path.join(SOURCE_DIR, "tests", "control", "two-sites-5ms.yaml"))
+        cls.work = tempfile.mkdtemp(prefix="geotrain_notebook_")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.up.close()
+        shutil.rmtree(cls.work, ignore_errors=True)
+
+    def test_the_study_runs_headless(self):
+        corpus = write_tiny_corpus(os.path.join(self.work, "data"))
+        out_dir = os.path.join(self.work, "study")
+        notebook = nbformat.read(NOTEBOOK, as_version=4)
+        parameters = [c for c in notebook.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        self.assertEqual(len(parameters), 1, "the notebook has one cell tagged `parameters`")
+        overrides = {"ON_FABRIC": False, "DATA": corpus, "MODEL": {"preset": "gpt2-tiny-test"}, "GLOBAL_BATCH": 8,
+                     "SEQ_LEN": 16, "FIRST_JOB_STEPS": STEPS, "STEPS": STEPS, "PLANS": PLANS, "OUT_DIR": out_dir}
+        for name in overrides:
+            self.assertIn(f"\n{name} = ", "\n" + parameters[0].source, f"the parameters cell sets {name}")
+        # Injected after the parameters cell, as papermill does, so the notebook's own values stay as they are.
+        index = notebook.cells.index(parameters[0])
+        notebook.cells.insert(index + 1, nbformat.v4.new_code_cell(
+            "\n".join(f"{name} = {value!r}" for name, value in overrides.items())))
+
+        # The client finds the head through the cluster record in GEOTRAIN_HOME, as on a user's machine.
+        env = {"GEOTRAIN_HOME": self.up.home, "PYTHONPATH": PACKAGE_DIR, "MPLBACKEND": "Agg",
+               "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+        saved = {name: os.environ.get(name) for name in list(env) + ["GEOTRAIN_HEAD", "GEOTRAIN_TOKEN",
+                                                                     "GEOTRAIN_TOKEN_FILE"]}
+        for name in ("GEOTRAIN_HEAD", "GEOTRAIN_TOKEN", "GEOTRAIN_TOKEN_FILE"):
+            os.environ.pop(name, None)
+        os.environ.update(env)  # the kernel inherits this process's environment
+        try:
+            client = nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
+                                             resources={"metadata": {"path": self.work}})
+            try:
+                client.execute()
+            except nbclient.exceptions.CellExecutionError as e:
+                self.fail(f"a cell failed: {e}\n{self.up.process_logs()}")
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+        printed = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code"
+                          for o in c.get("outputs", []))
+        self.assertIn("site site-a: 2 alive workers", printed)
+        self.assertIn("SUCCEEDED - plan:", printed)
+        with open(os.path.join(out_dir, "study.json")) as f:
+            runs = json.load(f)
+        self.assertEqual([r["rank"] for r in runs], list(range(1, len(runs) + 1)))
+        self.assertTrue(1 <= len(runs) <= PLANS, runs)
+        for run in runs:
+            self.assertEqual(run["state"], "SUCCEEDED", run)
+            self.assertEqual(run["steps"], list(range(1, STEPS + 1)), run)
+            self.assertTrue(all(loss > 0 for loss in run["loss"]), run)
+            self.assertTrue(all(seconds > 0 for seconds in run["step_seconds"]), run)
+            self.assertGreater(run["predicted_step_seconds"], 0, run)
+        with open(os.path.join(out_dir, "study.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        # Each study run is a job of its own on the head, with the plan it was given.
+        jobs = {j["job_id"]: j for j in json.loads(self.up.cli(["job", "list", "--json"]).stdout).get("jobs", [])}
+        for run in runs:
+            self.assertEqual(jobs[run["job_id"]]["name"], f"study-plan-{run['rank']}")
+
+
+if __name__ == "__main__":
+    unittest.main()
