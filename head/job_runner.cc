@@ -788,6 +788,9 @@ void JobRunner::CommitCheckpoint(const std::string& job_id, const JobSpec& spec,
       CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name()];
       entry.set_bytes(f.bytes());
       entry.set_crc32(f.crc32());
+      if (!shard->replica_worker().empty()) {  // checkpoint.replicate: a copy at another site
+        (*manifest.mutable_replicas())[f.name()] = absl::StrCat(shard->replica_worker(), "@", shard->replica_address());
+      }
     }
     for (const std::string& t : shard->tensors()) manifest.mutable_tensors()->insert({t, shard->model_file()});
     snapshot = std::max(snapshot, shard->snapshot_seconds());

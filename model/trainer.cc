@@ -100,7 +100,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   const auto run_start = std::chrono::steady_clock::now();
   for (int step = start_step; step < t.steps(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    (*train)->Next(inputs.data(), targets.data());
+    RETURN_IF_ERROR((*train)->Next(inputs.data(), targets.data()));
     model.ZeroGrad();
     double loss_sum = 0.0;
     for (int m = 0; m < micro; ++m) {
@@ -126,7 +126,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
       double vsum = 0.0;
       const int batches = std::max(1, t.eval_batches());
       for (int k = 0; k < batches; ++k) {
-        val->Next(vx.data(), vy.data());
+        RETURN_IF_ERROR(val->Next(vx.data(), vy.data()));
         if (absl::Status s = model.Forward(Bm, T, vx.data(), nullptr, vy.data()); !s.ok()) return s;
         vsum += model.loss();
       }

@@ -27,14 +27,15 @@ StageTrainer::~StageTrainer() {
 absl::StatusOr<std::unique_ptr<StageTrainer>> StageTrainer::Create(const JobSpec& spec, const ActorRanks& ranks,
                                                                    const std::vector<ActorPeer>& actors,
                                                                    CollectivesFactory* factory,
-                                                                   const std::string& device, int device_index) {
+                                                                   const std::string& device, int device_index,
+                                                                   const DataSourceFn& data) {
   std::unique_ptr<StageTrainer> trainer(new StageTrainer(spec, ranks));
-  RETURN_IF_ERROR(trainer->Initialize(actors, factory, device, device_index));
+  RETURN_IF_ERROR(trainer->Initialize(actors, factory, device, device_index, data));
   return trainer;
 }
 
 absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, CollectivesFactory* factory,
-                                      const std::string& device, int device_index) {
+                                      const std::string& device, int device_index, const DataSourceFn& data) {
   ASSIGN_OR_RETURN(config_, GPT2Config::FromSpec(spec_.model()));
   const int M = ranks_.microbatches, T = ranks_.seq_len, Bm = ranks_.microbatch_size;
   const bool first = ranks_.first_stage, last = ranks_.last_stage;
@@ -66,8 +67,13 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   schedule_.warmup_steps = spec_.train().warmup_steps();
   schedule_.total_steps = spec_.train().steps();
 
-  if (first || last) {
+  if ((first || last) && (data == nullptr || spec_.data().local())) {
     ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(spec_.data().train(), ranks_.replica_batch, T, ranks_.replica,
+                                                        ranks_.dp, config_.vocab_size));
+  } else if (first || last) {
+    // Staged shards: training starts once the first one is local; the later ones stream in behind it.
+    ASSIGN_OR_RETURN(model::ShardSource source, data(spec_.data().train()));
+    ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(std::move(source), ranks_.replica_batch, T, ranks_.replica,
                                                         ranks_.dp, config_.vocab_size));
   }
   inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
@@ -268,7 +274,7 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
   latest_forward_ = -1;
   first_op_ = true;
   const uint64_t dp_bytes_before = collectives_->BytesSent(TrafficClass::kDataParallel);
-  if (loader_) loader_->Next(inputs_.data(), targets_.data());
+  if (loader_) RETURN_IF_ERROR(loader_->Next(inputs_.data(), targets_.data()));
   stage_->ZeroGrad();
 
   for (const PipelineOp& op : pipeline_) {
