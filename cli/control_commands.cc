@@ -508,10 +508,13 @@ void AddJobCommands(CLI::App& app, Context& context) {
       std::printf("%s\n", ToJson(reply, true).c_str());
       return;
     }
-    std::printf("%-12s %-24s %-10s %-20s %s\n", "JOB", "NAME", "STATE", "SUBMITTED", "MESSAGE");
+    // The queue: pending jobs in the order the head tries them (submission order).
+    std::printf("%-12s %-24s %-11s %-6s %-20s %s\n", "JOB", "NAME", "STATE", "QUEUE", "SUBMITTED", "MESSAGE");
+    int queued = 0;
     for (const JobInfo& j : reply.jobs()) {
-      std::printf("%-12s %-24s %-10s %-20s %s\n", j.job_id().c_str(), j.name().c_str(), JobStateName(j.state()),
-                  FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
+      const std::string queue = j.state() == JOB_PENDING ? absl::StrCat("#", ++queued) : "";
+      std::printf("%-12s %-24s %-11s %-6s %-20s %s\n", j.job_id().c_str(), j.name().c_str(), JobStateName(j.state()),
+                  queue.c_str(), FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
     }
   });
 

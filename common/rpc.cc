@@ -95,37 +95,6 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   return ss.str();
 }
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents, int mode) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot create '", tmp, "': ", std::strerror(errno), "; check the directory"));
-  }
-  ::fchmod(fd, mode);
-  size_t done = 0;
-  while (done < contents.size()) {
-    ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const std::string err = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return absl::InternalError(absl::StrCat("writing '", tmp, "': ", err));
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("flushing '", tmp, "': ", std::strerror(errno)));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("renaming to '", path, "': ", std::strerror(errno)));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
   if (tls.cert.empty() || tls.key.empty()) {

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/files.h"  // WriteFileAtomically
 #include "common/token.h"  // kTokenMetadataKey, TokenMatches
 
 namespace geotrain {
@@ -76,8 +77,6 @@ grpc::Status ToGrpc(const absl::Status& status);
 
 // Reads a whole file (for PEM files and token files).
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
-// Writes `contents` to `path` atomically (temporary file, fsync, rename) with the given mode.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents, int mode);
 
 // Where a head started on this machine records itself, like `ray start --head`:
 // $GEOTRAIN_HOME (default ~/.geotrain)/current_cluster.json holds {"address", "token_file", ...}.

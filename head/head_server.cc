@@ -375,6 +375,9 @@ void HeadServer::RefreshMetrics() {
   auto& devices = metrics_->Gauges("geotrain_devices", "Devices of alive workers, by site and kind");
   auto& tflops = metrics_->Gauges("geotrain_device_tflops", "Sum of device TFLOP/s of alive workers, by site");
   auto& jobs = metrics_->Gauges("geotrain_jobs", "Jobs by state");
+  metrics_->Gauges("geotrain_head_state_writable", "1 when the head's last write of its state succeeded, else 0")
+      .Add({})
+      .Set(jobs_->store_error().ok() ? 1 : 0);
   auto& actors = metrics_->Gauges("geotrain_actors", "Actors by state");
   std::map<std::pair<std::string, std::string>, int> worker_counts;
   std::map<std::pair<std::string, std::string>, int> device_counts;

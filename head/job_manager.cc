@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/spec.h"
@@ -41,7 +42,7 @@ absl::Status JobManager::Restore() {
   return absl::OkStatus();
 }
 
-absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line) {
+JobEvent JobManager::MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line) {
   JobEvent event;
   event.set_seq(last_seq_ + 1);
   event.set_unix_ms(clock_->UnixMillis());
@@ -49,9 +50,34 @@ absl::Status JobManager::AppendEventLocked(JobInfo& job, const std::string& kind
   event.set_state(job.state());
   event.set_kind(kind);
   event.set_line(line);
-  if (absl::Status s = store_->AppendEvent(event); !s.ok()) return s;
+  return event;
+}
+
+absl::Status JobManager::Persist(const std::function<absl::Status()>& write) {
+  absl::Status status;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (attempt > 0) absl::SleepFor(absl::Milliseconds(attempt == 1 ? 50 : 250));  // a busy or briefly full disk
+    status = write();
+    if (status.ok()) {
+      store_error_ = absl::OkStatus();
+      return status;
+    }
+  }
+  store_error_ = status;
+  GT_LOG(ERROR) << "the head cannot write its state: " << status;
+  return absl::UnavailableError(absl::StrCat(
+      "the head cannot write its state (", status.message(),
+      "); free space in its --state-dir or fix its permissions. Until then it takes no new job, and every job keeps "
+      "the state it had"));
+}
+
+absl::StatusOr<JobInfo> JobManager::CommitLocked(JobInfo updated, const std::string& kind, const std::string& line) {
+  const JobEvent event = MakeEventLocked(updated, kind, line);
+  RETURN_IF_ERROR(Persist([&] { return store_->PutJobWithEvent(updated, event); }));
   ++last_seq_;
-  return absl::OkStatus();
+  JobInfo& stored = jobs_[updated.job_id()];
+  stored = std::move(updated);
+  return stored;
 }
 
 absl::StatusOr<JobInfo> JobManager::Submit(JobSpec spec, const std::string& source) {
@@ -70,14 +96,8 @@ absl::StatusOr<JobInfo> JobManager::Submit(JobSpec spec, const std::string& sour
   job.set_submitted_unix_ms(clock_->UnixMillis());
   job.set_updated_unix_ms(job.submitted_unix_ms());
   job.set_message("waiting for workers");
-  if (absl::Status s = store_->PutJob(job); !s.ok()) return s;
+  ASSIGN_OR_RETURN(job, CommitLocked(job, "state", absl::StrCat("submitted ", job.name(), ": PENDING")));
   ++next_job_number_;
-  jobs_[job.job_id()] = job;
-  if (absl::Status s =
-          AppendEventLocked(jobs_[job.job_id()], "state", absl::StrCat("submitted ", job.name(), ": PENDING"));
-      !s.ok()) {
-    return s;
-  }
   GT_LOG(INFO) << "job " << job.job_id() << " (" << job.name() << ") submitted";
   return job;
 }
@@ -104,7 +124,7 @@ absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobSta
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("no job '", job_id, "'; `geotrain job list` shows the jobs"));
   }
-  JobInfo& job = it->second;
+  const JobInfo& job = it->second;
   if (!Allowed(job.state(), to)) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job_id, " is ", JobStateName(job.state()), "; it cannot become ", JobStateName(to)));
@@ -113,15 +133,11 @@ absl::StatusOr<JobInfo> JobManager::Transition(const std::string& job_id, JobSta
   updated.set_state(to);
   updated.set_message(message);
   updated.set_updated_unix_ms(clock_->UnixMillis());
-  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
-  job = std::move(updated);
-  if (absl::Status s =
-          AppendEventLocked(job, "state", absl::StrCat(JobStateName(to), message.empty() ? "" : ": ", message));
-      !s.ok()) {
-    return s;
-  }
+  // The state and its event are written together; only then does anyone see the new state.
+  ASSIGN_OR_RETURN(JobInfo stored, CommitLocked(std::move(updated), "state",
+                                                absl::StrCat(JobStateName(to), message.empty() ? "" : ": ", message)));
   GT_LOG(INFO) << "job " << job_id << " is now " << JobStateName(to) << (message.empty() ? "" : ": ") << message;
-  return job;
+  return stored;
 }
 
 absl::StatusOr<JobInfo> JobManager::Cancel(const std::string& job_id) {
@@ -130,15 +146,12 @@ absl::StatusOr<JobInfo> JobManager::Cancel(const std::string& job_id) {
 
 absl::Status JobManager::SetPlan(const std::string& job_id, const ParallelSpec& parallel,
                                  double predicted_step_seconds) {
-  absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-  JobInfo updated = it->second;
-  *updated.mutable_spec()->mutable_parallel() = parallel;
-  updated.set_predicted_step_seconds(predicted_step_seconds);
-  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
-  it->second = std::move(updated);
-  return absl::OkStatus();
+  return Update(job_id,
+                [&](JobInfo& j) {
+                  *j.mutable_spec()->mutable_parallel() = parallel;
+                  j.set_predicted_step_seconds(predicted_step_seconds);
+                })
+      .status();
 }
 
 absl::StatusOr<JobInfo> JobManager::Update(const std::string& job_id, const std::function<void(JobInfo&)>& mutate) {
@@ -150,21 +163,18 @@ absl::StatusOr<JobInfo> JobManager::Update(const std::string& job_id, const std:
   updated.set_job_id(job_id);
   updated.set_state(it->second.state());  // states change only through Transition
   updated.set_updated_unix_ms(clock_->UnixMillis());
-  RETURN_IF_ERROR(store_->PutJob(updated));
+  RETURN_IF_ERROR(Persist([&] { return store_->PutJob(updated); }));
   it->second = std::move(updated);
   return it->second;
 }
 
 absl::Status JobManager::SetActors(const std::string& job_id, const std::vector<ActorRecord>& actors) {
-  absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-  JobInfo updated = it->second;
-  updated.clear_actors();
-  for (const ActorRecord& a : actors) *updated.add_actors() = a;
-  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
-  it->second = std::move(updated);
-  return absl::OkStatus();
+  return Update(job_id,
+                [&](JobInfo& j) {
+                  j.clear_actors();
+                  for (const ActorRecord& a : actors) *j.add_actors() = a;
+                })
+      .status();
 }
 
 absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step, double loss, double tokens_per_second,
@@ -178,16 +188,22 @@ absl::Status JobManager::UpdateProgress(const std::string& job_id, int64_t step,
   updated.set_tokens_per_second(tokens_per_second);
   updated.set_measured_step_seconds(measured_step_seconds);
   updated.set_updated_unix_ms(clock_->UnixMillis());
-  if (absl::Status s = store_->PutJob(updated); !s.ok()) return s;
-  it->second = std::move(updated);
-  return AppendEventLocked(it->second, "step", line);
+  return CommitLocked(std::move(updated), "step", line).status();
 }
 
 absl::Status JobManager::Log(const std::string& job_id, const std::string& line) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-  return AppendEventLocked(it->second, "log", line);
+  const JobEvent event = MakeEventLocked(it->second, "log", line);
+  RETURN_IF_ERROR(Persist([&] { return store_->AppendEvent(event); }));
+  ++last_seq_;
+  return absl::OkStatus();
+}
+
+absl::Status JobManager::store_error() const {
+  absl::MutexLock lock(&mu_);
+  return store_error_;
 }
 
 absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& job_id, int64_t after_seq,

@@ -6,8 +6,10 @@
 //      │        RESTARTING ──▶ FAILED | CANCELLED      (a fault; the job resumes from its checkpoint)
 //      └──────────────────▶ FAILED | CANCELLED
 //
-// Terminal states are final. Every change is persisted (HeadStore) before it is visible, and appended
-// to the job's event log, which WatchJob streams. The job runner (head/job_runner.h) moves jobs along.
+// Terminal states are final. Every change is persisted (HeadStore) before it is visible; a state change
+// and its event in the job's log (which WatchJob streams) are written in one transaction. A failed write is
+// retried; if it still fails the call returns UNAVAILABLE with the cause and the fix, and nothing changes in
+// memory: the head never reports a job in a state it is not in. The job runner (head/job_runner.h) moves jobs along.
 //
 // Thread-safety: all methods may be called from any thread; WaitEvents blocks on a condition variable
 // that every new event signals.
@@ -63,8 +65,17 @@ class JobManager {
 
   std::map<JobState, int> CountByState() const;
 
+  // The last failure to write the state (OK once a write succeeds again), for metrics and status.
+  absl::Status store_error() const;
+
  private:
-  absl::Status AppendEventLocked(JobInfo& job, const std::string& kind, const std::string& line)
+  JobEvent MakeEventLocked(const JobInfo& job, const std::string& kind, const std::string& line)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs a store write with retries (50 ms, 250 ms); UNAVAILABLE naming the cause and the fix when every try
+  // failed (e.g. a full disk). Nothing in memory changes unless it succeeded.
+  absl::Status Persist(const std::function<absl::Status()>& write) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Persists `updated` and a new event about it in one transaction, then makes both visible.
+  absl::StatusOr<JobInfo> CommitLocked(JobInfo updated, const std::string& kind, const std::string& line)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Clock* clock_;
@@ -74,6 +85,7 @@ class JobManager {
   std::map<std::string, JobInfo> jobs_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status store_error_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain::head

@@ -88,5 +88,56 @@ TEST_F(JobManagerTest, JobsAndEventsSurviveAReopen) {
   EXPECT_EQ(jobs.Submit(spec, "")->job_id(), "job-000002");
 }
 
+// A full disk: SQLite refuses to grow the database (max_page_count stands for the disk). A state change
+// that cannot be written fails with the cause and the fix, changes nothing in memory or on disk (the state
+// and its event go together), new jobs are refused, and all works again once the store takes writes.
+TEST_F(JobManagerTest, AFullDiskChangesNothingAndSaysWhy) {
+  auto store = HeadStore::Open(dir_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobManager jobs(&clock_, store->get());
+  ASSERT_TRUE(jobs.Restore().ok());
+  JobSpec spec;
+  spec.set_name("busy");
+  const std::string id = jobs.Submit(spec, "")->job_id();
+  ASSERT_TRUE(jobs.Transition(id, JOB_RUNNING, "").ok());
+  // Fill the database up to its cap: no page can be added, and the free space in its pages is used up.
+  ASSERT_TRUE((*store)->LimitSizeForTesting(1).ok());
+  // Large lines first, then small ones, so that even a small record no longer fits.
+  const std::string line(4 << 10, 'x');
+  for (const size_t size : {size_t{4} << 10, size_t{512}, size_t{64}}) {
+    int logged = 0;
+    while (logged < 1000 && jobs.Log(id, std::string(size, 'x')).ok()) ++logged;
+    ASSERT_LT(logged, 1000);
+  }
+  bool ended = false;
+  const size_t events_before = jobs.WaitEvents(id, 0, 0, &ended)->size();
+  auto done = jobs.Transition(id, JOB_SUCCEEDED, line);
+  ASSERT_FALSE(done.ok());
+  EXPECT_EQ(done.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(done.status().message(), HasSubstr("cannot write its state"));
+  EXPECT_THAT(done.status().message(), HasSubstr("full"));
+  EXPECT_FALSE(jobs.store_error().ok());
+  EXPECT_EQ(jobs.Get(id)->state(), JOB_RUNNING);  // never reported in a state it is not in
+  EXPECT_EQ(jobs.WaitEvents(id, 0, 0, &ended)->size(), events_before);
+  auto refused = jobs.Submit(spec, "");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+
+  // Space again: the same change goes through, with its event.
+  ASSERT_TRUE((*store)->LimitSizeForTesting(1 << 20).ok());
+  ASSERT_TRUE(jobs.Transition(id, JOB_SUCCEEDED, "done").ok());
+  EXPECT_TRUE(jobs.store_error().ok());
+  EXPECT_EQ(jobs.WaitEvents(id, 0, 0, &ended)->size(), events_before + 1);
+
+  // What was written survives a reopen: the state and its event agree.
+  store->reset();
+  auto reopened = HeadStore::Open(dir_);
+  JobManager again(&clock_, reopened->get());
+  ASSERT_TRUE(again.Restore().ok());
+  EXPECT_EQ(again.Get(id)->state(), JOB_SUCCEEDED);
+  auto events = again.WaitEvents(id, 0, 0, &ended);
+  EXPECT_EQ(events->back().state(), JOB_SUCCEEDED);
+  EXPECT_EQ(events->size(), events_before + 1);
+}
+
 }  // namespace
 }  // namespace geotrain::head

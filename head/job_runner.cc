@@ -67,11 +67,26 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
       if (stopping_) return;
       kicked_ = false;
     }
+    RetryPendingEnds();
     HandleFaults();
     Reconcile();
     RecoverJobs();
     StartPendingJobs();
     if (on_tick) on_tick();
+  }
+}
+
+void JobRunner::RetryPendingEnds() {
+  std::map<std::string, std::pair<JobState, std::string>> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    pending.swap(pending_ends_);
+  }
+  for (const auto& [job_id, end] : pending) {
+    absl::StatusOr<JobInfo> ended = jobs_->Transition(job_id, end.first, end.second);
+    if (ended.ok() || ended.status().code() != absl::StatusCode::kUnavailable) continue;
+    absl::MutexLock lock(&mu_);
+    pending_ends_.insert({job_id, end});
   }
 }
 
@@ -198,6 +213,10 @@ void JobRunner::HandleFaults() {
         jobs_->Transition(p.job_id, JOB_RESTARTING,
                           absl::StrCat(p.cause, "; restarting (", p.restarts + 1, " of ",
                                        max_restarts < 0 ? std::string("unlimited") : absl::StrCat(max_restarts), ")"));
+    if (!moved.ok() && moved.status().code() == absl::StatusCode::kUnavailable) {
+      Check(moved.status(), p.job_id, "moving to RESTARTING (will retry)");  // the fault stays to be handled
+      continue;
+    }
     if (!moved.ok()) {  // cancelled meanwhile
       Check(moved.status(), p.job_id, "moving to RESTARTING");
       absl::MutexLock lock(&mu_);
@@ -252,13 +271,26 @@ absl::StatusOr<std::string> JobRunner::ResumePoint(const std::string& job_id, co
   return std::string();
 }
 
+HeldDevices JobRunner::HeldByOthers(const std::string& job_id) const {
+  HeldDevices held;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, run] : runs_) {
+    if (id == job_id || (run.phase != Phase::kRunning && run.phase != Phase::kFault)) continue;
+    for (const ActorPlacement& p : run.actors) held[{p.actor.worker_id(), p.actor.device_index()}] = id;
+  }
+  return held;
+}
+
 absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, const std::string& resume_from) {
+  // Other jobs' actors keep their devices: this job plans and places on the free ones.
+  const HeldDevices held = HeldByOthers(job.job_id());
+  const std::vector<WorkerInfo> workers = registry_->Workers();
   JobInfo planned = job;
   const ParallelSpec& submitted = job.has_submitted_parallel() ? job.submitted_parallel() : job.spec().parallel();
   if (submitted.plan() == "auto") {
     JobSpec to_plan = job.spec();
     *to_plan.mutable_parallel() = submitted;
-    ASSIGN_OR_RETURN(AutoPlan plan, PlanAutoJob(to_plan, registry_->Workers(), registry_->SiteLinks()));
+    ASSIGN_OR_RETURN(AutoPlan plan, PlanAutoJob(to_plan, FreeDevices(workers, held), registry_->SiteLinks()));
     *planned.mutable_spec()->mutable_parallel() = plan.parallel;
     planned.set_predicted_step_seconds(plan.predicted_step_seconds);
     Check(jobs_->SetPlan(job.job_id(), plan.parallel, plan.predicted_step_seconds), job.job_id(), "recording the plan");
@@ -272,7 +304,7 @@ absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, cons
     for (const std::string& line : plan.explanation)
       Check(jobs_->Log(job.job_id(), "  " + line), job.job_id(), "logging");
   }
-  ASSIGN_OR_RETURN(std::vector<ActorPlacement> placement, PlaceActors(planned, registry_->Workers()));
+  ASSIGN_OR_RETURN(std::vector<ActorPlacement> placement, PlaceActors(planned, workers, held));
   return Launch(planned, std::move(placement), attempt, resume_from);
 }
 
@@ -302,8 +334,9 @@ void JobRunner::StartPendingJobs() {
     if (!current.ok()) continue;
     absl::Status launched = PlaceAndLaunch(*current, 0, *resume_from);
     if (launched.code() == absl::StatusCode::kUnavailable) {
-      // Not enough devices yet: the job waits for workers.
-      const std::string why = absl::StrCat("waiting for workers: ", launched.message());
+      // Not enough free devices: the job waits for workers to join or for other jobs to end (like Ray's pending
+      // resources). Jobs are tried in submission order; a later job that fits may start first.
+      const std::string why = absl::StrCat("waiting for devices: ", launched.message());
       if (current->message() != why) {
         Check(jobs_->Update(job.job_id(), [&](JobInfo& j) { j.set_message(why); }).status(), job.job_id(),
               "recording why it waits");
@@ -578,7 +611,13 @@ void JobRunner::EndJob(const std::string& job_id, JobState state, const std::str
     }
   }
   absl::StatusOr<JobInfo> ended = jobs_->Transition(job_id, state, message);
-  if (!ended.ok() && ended.status().code() != absl::StatusCode::kFailedPrecondition) {
+  if (!ended.ok() && ended.status().code() == absl::StatusCode::kUnavailable) {
+    // The state could not be written (a full disk): the job stays as it was recorded, and the end is
+    // written when the store takes writes again.
+    Check(ended.status(), job_id, "ending the job (will retry)");
+    absl::MutexLock lock(&mu_);
+    pending_ends_[job_id] = {state, message};
+  } else if (!ended.ok() && ended.status().code() != absl::StatusCode::kFailedPrecondition) {
     Check(ended.status(), job_id, "ending the job");
   }
   if (state != JOB_SUCCEEDED) StopActors(actors, message, /*wait=*/false);

@@ -3,7 +3,10 @@
 // data plane, and it stays at step granularity: tensors flow between actors directly, never through the
 // head.
 //
-//   PENDING ──(enough alive devices; plan fits in memory)──▶ actors created ──▶ RUNNING
+//   PENDING ──(enough free devices: alive, not held by another job's actors; plan fits in memory)──▶
+//     actors created ──▶ RUNNING. Pending jobs are tried in submission order each time the control thread
+//     looks; one that does not fit waits with the reason (which jobs hold the devices), and a later job that
+//     fits may start before it (backfill).
 //   RUNNING ──(every actor reported its last step)──▶ SUCCEEDED
 //   RUNNING ──(a fault: a worker hosting an actor died, an actor errored, a stream or collective failed)──▶
 //     RESTARTING: every surviving actor is stopped at once; the job resumes from its newest complete
@@ -130,12 +133,16 @@ class JobRunner {
   void ControlLoop(std::function<void()> on_tick);
   // The control thread's steps.
   void HandleFaults();
+  // Writes the ends of jobs whose final state could not be written before (the store was failing).
+  void RetryPendingEnds();
   void RecoverJobs();
   void StartPendingJobs();
   void Reconcile();
   // Chooses the plan and the placement for the job's next run, and launches it. UNAVAILABLE when the
   // workers alive now cannot hold it (the caller decides whether to wait).
   absl::Status PlaceAndLaunch(const JobInfo& job, int64_t attempt, const std::string& resume_from);
+  // The devices the actors of every other running job hold.
+  HeldDevices HeldByOthers(const std::string& job_id) const;
   // Where the job's next run starts: its newest complete checkpoint, else what the spec resumes from, else
   // nothing. Logs the checkpoints skipped.
   absl::StatusOr<std::string> ResumePoint(const std::string& job_id, const JobSpec& spec);
@@ -163,6 +170,7 @@ class JobRunner {
   mutable absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);
   bool kicked_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, std::pair<JobState, std::string>> pending_ends_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread control_;
 };

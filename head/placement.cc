@@ -29,7 +29,21 @@ uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
   return bytes.ok() ? static_cast<uint64_t>(std::ceil(*bytes)) : 0;
 }
 
-absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers) {
+std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, const HeldDevices& held) {
+  std::vector<WorkerInfo> out;
+  for (const WorkerInfo& w : workers) {
+    WorkerInfo copy = w;
+    copy.clear_devices();
+    for (int d = 0; d < w.devices_size(); ++d) {
+      if (!held.count({w.worker_id(), d})) *copy.add_devices() = w.devices(d);
+    }
+    if (copy.devices_size() > 0) out.push_back(std::move(copy));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers,
+                                                        const HeldDevices& held) {
   const JobSpec& spec = job.spec();
   const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
   ASSIGN_OR_RETURN(const GPT2Config config, GPT2Config::FromSpec(spec.model()));
@@ -61,13 +75,27 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
     return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
   });
   std::vector<Slot> slots;
+  int alive_devices = 0;
+  std::set<std::string> holders;
   for (const WorkerInfo* w : alive) {
-    for (int d = 0; d < w->devices_size(); ++d) slots.push_back({w, d});
+    for (int d = 0; d < w->devices_size(); ++d) {
+      ++alive_devices;
+      auto h = held.find({w->worker_id(), d});
+      if (h == held.end()) {
+        slots.push_back({w, d});
+      } else {
+        holders.insert(h->second);
+      }
+    }
   }
   const int needed = dp * pp * tp;
   if (static_cast<int>(slots.size()) < needed) {
-    return absl::UnavailableError(
-        absl::StrCat("needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp, "); ", slots.size(), " alive"));
+    std::string by;
+    for (const std::string& j : holders) absl::StrAppend(&by, by.empty() ? "" : ", ", j);
+    return absl::UnavailableError(absl::StrCat(
+        "needs ", needed, " devices (dp ", dp, " x pp ", pp, " x tp ", tp, "); ", alive_devices, " alive",
+        holders.empty() ? ""
+                        : absl::StrCat(", ", alive_devices - static_cast<int>(slots.size()), " of them held by ", by)));
   }
   std::map<std::tuple<int, int, int>, const PlacementSpec*> pinned;
   for (const PlacementSpec& p : spec.parallel().placement()) {

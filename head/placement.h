@@ -15,6 +15,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,10 +33,18 @@ struct ActorPlacement {
   uint64_t device_memory_bytes = 0;  // what its device has
 };
 
-// Places the actors of a manual plan on `workers` (alive ones are used). Errors: not enough devices
-// (UNAVAILABLE: the job waits), a TP group across sites or a plan that does not fit in memory
-// (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused).
-absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers);
+// The devices other jobs' actors hold: (worker id, device index) -> the job. A device runs one actor at a
+// time, so a held device is neither planned on nor placed on until its job ends or restarts elsewhere.
+using HeldDevices = std::map<std::pair<std::string, int>, std::string>;
+
+// Places the actors of a manual plan on the free devices of `workers` (alive ones, less `held`). Errors: not
+// enough free devices (UNAVAILABLE, naming the jobs that hold the others: the job waits), a TP group across
+// sites or a plan that does not fit in memory (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused).
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers,
+                                                        const HeldDevices& held = {});
+
+// The workers as the planner should see them for a new job: each one's devices less those `held`.
+std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, const HeldDevices& held);
 
 // Estimated bytes an actor of stage `stage` of the spec's manual plan needs, as the planner's simulator counts
 // them (scheduler::SpecStageMemoryBytes): parameters, gradients and AdamW state (16 bytes per parameter, 20

@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace geotrain::head {
 namespace {
@@ -105,6 +106,10 @@ absl::Status HeadStore::PutMeta(const std::string& key, const std::string& value
 
 absl::Status HeadStore::PutBlob(const char* sql, const std::string& key, const std::string& blob) {
   absl::MutexLock lock(&mu_);
+  return PutBlobLocked(sql, key, blob);
+}
+
+absl::Status HeadStore::PutBlobLocked(const char* sql, const std::string& key, const std::string& blob) {
   Statement st(db_, sql);
   if (!st.ok()) return SqlError(db_, "prepare");
   sqlite3_bind_text(st.get(), 1, key.c_str(), -1, SQLITE_TRANSIENT);
@@ -155,6 +160,26 @@ absl::StatusOr<std::vector<JobInfo>> HeadStore::LoadJobs() {
 
 absl::Status HeadStore::AppendEvent(const JobEvent& event) {
   absl::MutexLock lock(&mu_);
+  return AppendEventLocked(event);
+}
+
+absl::Status HeadStore::PutJobWithEvent(const JobInfo& job, const JobEvent& event) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE"));
+  absl::Status s =
+      PutBlobLocked("INSERT OR REPLACE INTO jobs (id, record) VALUES (?, ?)", job.job_id(), job.SerializeAsString());
+  if (s.ok()) s = AppendEventLocked(event);
+  if (s.ok()) s = Exec("COMMIT");
+  if (!s.ok()) (void)Exec("ROLLBACK");  // nothing of the pair stays; a failed rollback leaves SQLite's own recovery
+  return s;
+}
+
+absl::Status HeadStore::LimitSizeForTesting(int64_t pages) {
+  absl::MutexLock lock(&mu_);
+  return Exec(absl::StrCat("PRAGMA max_page_count = ", pages).c_str());
+}
+
+absl::Status HeadStore::AppendEventLocked(const JobEvent& event) {
   Statement st(db_, "INSERT INTO events (seq, job_id, record) VALUES (?, ?, ?)");
   if (!st.ok()) return SqlError(db_, "prepare");
   const std::string blob = event.SerializeAsString();

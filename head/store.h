@@ -37,13 +37,21 @@ class HeadStore {
   absl::StatusOr<std::vector<JobInfo>> LoadJobs();
 
   absl::Status AppendEvent(const JobEvent& event);
+  // The job's new record and its event, in one transaction: both are written, or neither.
+  absl::Status PutJobWithEvent(const JobInfo& job, const JobEvent& event);
   absl::StatusOr<std::vector<JobEvent>> LoadEvents(const std::string& job_id, int64_t after_seq);
   absl::StatusOr<int64_t> MaxEventSeq();
+
+  // Caps the database at `pages` pages (SQLite's max_page_count), so that tests see what a full disk does.
+  absl::Status LimitSizeForTesting(int64_t pages);
 
  private:
   explicit HeadStore(sqlite3* db) : db_(db) {}
   absl::Status Exec(const char* sql) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PutBlob(const char* sql, const std::string& key, const std::string& blob);
+  absl::Status PutBlobLocked(const char* sql, const std::string& key, const std::string& blob)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AppendEventLocked(const JobEvent& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_);

@@ -64,47 +64,6 @@ uint32_t Crc32(const void* data, size_t size, uint32_t crc) {
   return ~crc;
 }
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return Errno("cannot create", tmp);
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      absl::Status s = Errno("cannot write", tmp);
-      ::close(fd);
-      return s;
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    absl::Status s = Errno("cannot fsync", tmp);
-    ::close(fd);
-    return s;
-  }
-  if (::close(fd) != 0) return Errno("cannot close", tmp);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return Errno("cannot rename onto", path);
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
-  return ss.str();
-}
-
 absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vector<NamedTensor>& tensors,
                                         const std::map<std::string, std::string>& metadata) {
   Json json = Json::object();

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/files.h"
 
 namespace geotrain::model {
 
@@ -39,9 +40,9 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
                                         const std::map<std::string, std::string>& metadata);
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
 
-// Writes bytes to path atomically (temporary file, fsync, rename, directory fsync).
-absl::Status WriteFileAtomically(const std::string& path, const std::string& bytes);
-absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// Crash-safe writes and whole-file reads (common/files.h), used here and by checkpoints.
+using ::geotrain::ReadFileToString;
+using ::geotrain::WriteFileAtomically;
 
 // CRC-32 (IEEE 802.3, as zlib) of a byte range; the checkpoint manifest records it per file.
 uint32_t Crc32(const void* data, size_t size, uint32_t crc = 0);
