@@ -11,6 +11,7 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <functional>
 #include <string>

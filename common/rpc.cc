@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
@@ -135,8 +136,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 absl::Status ValidateNodeTls(const TlsFiles& tls, const std::string& role) {
   if (!tls.enabled()) {
     if (tls.require_client_cert) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(role, ": mutual TLS needs --tls-cert, --tls-key and --tls-ca (deploy/make-certs.sh makes them)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          role, ": mutual TLS needs --tls-cert, --tls-key and --tls-ca (deploy/make-certs.sh makes them)"));
     }
     return absl::OkStatus();
   }
@@ -145,10 +146,10 @@ absl::Status ValidateNodeTls(const TlsFiles& tls, const std::string& role) {
   if (tls.key.empty()) missing.push_back("--tls-key");
   if (tls.ca.empty()) missing.push_back("--tls-ca");
   if (missing.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      role, ": TLS needs ", absl::StrJoin(missing, " and "), " too: a ", role,
-      " both serves (its certificate and key) and dials the other nodes (the CA that signed theirs); "
-      "`deploy/make-certs.sh DIR --node NAME=ADDRESS,...` makes a CA and a certificate per node"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(role, ": TLS needs ", absl::StrJoin(missing, " and "), " too: a ", role,
+                   " both serves (its certificate and key) and dials the other nodes (the CA that signed theirs); "
+                   "`deploy/make-certs.sh DIR --node NAME=ADDRESS,...` makes a CA and a certificate per node"));
 }
 
 TlsFiles TlsFromFlagsOrEnvironment(const TlsFiles& flags) {
@@ -180,9 +181,28 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   return grpc::CreateCustomChannel(address, creds, args);
 }
 
+std::string TlsMismatchHint(absl::string_view error_message) {
+  const std::string lower = absl::AsciiStrToLower(error_message);
+  if (absl::StrContains(lower, "wrong version number") || absl::StrContains(lower, "wrong_version_number") ||
+      absl::StrContains(lower, "http_request")) {
+    return "; the peer speaks plaintext and this side TLS: give every node of the cluster the same TLS flags "
+           "(--tls-cert, --tls-key, --tls-ca), or none";
+  }
+  if (absl::StrContains(lower, "socket closed") || absl::StrContains(lower, "connection reset")) {
+    return "; if the peer serves TLS, this side needs it too: --tls-ca (or GEOTRAIN_TLS_CA), and with mutual TLS "
+           "--tls-cert and --tls-key";
+  }
+  if (absl::StrContains(lower, "certificate") && absl::StrContains(lower, "required")) {
+    return "; the peer requires a client certificate (mutual TLS): pass --tls-cert and --tls-key";
+  }
+  return "";
+}
+
 absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
   if (status.ok()) return absl::OkStatus();
-  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  std::string message = status.error_message();
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) message += TlsMismatchHint(message);
+  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), message);
   return context.empty() ? converted : WithContext(converted, context);
 }
 

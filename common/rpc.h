@@ -73,6 +73,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
 // The one conversion between gRPC and absl statuses (their codes are the same numbers). FromGrpc prefixes
 // the message with `context` when one is given ("context: message").
 absl::Status FromGrpc(const grpc::Status& status, absl::string_view context = {});
+// For a connection that failed because one side speaks TLS and the other plaintext (or a client certificate is
+// missing): "; <what to change>", else "". FromGrpc appends it to UNAVAILABLE errors.
+std::string TlsMismatchHint(absl::string_view error_message);
 grpc::Status ToGrpc(const absl::Status& status);
 
 // Reads a whole file (for PEM files and token files).

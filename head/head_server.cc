@@ -265,7 +265,7 @@ absl::Status HeadServer::Start() {
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<MetricsServer>();
-    const std::string metrics_host = !options_.metrics_bind.empty()    ? options_.metrics_bind
+    const std::string metrics_host = !options_.metrics_bind.empty()     ? options_.metrics_bind
                                      : !options_.advertise_host.empty() ? options_.advertise_host
                                                                         : "127.0.0.1";
     RETURN_IF_ERROR(metrics_->Start(absl::StrCat(metrics_host, ":", options_.metrics_port)));
@@ -285,12 +285,12 @@ absl::Status HeadServer::Start() {
   service_ = std::make_unique<Service>(this);
   staging_ = std::make_unique<HeadStagingService>(
       token_, options_.state_dir,
-      HeadStagingService::Hooks{
-          .get_job = [this](const std::string& job_id) { return jobs_->Get(job_id); },
-          .log =
-              [this](const std::string& job_id, const std::string& line) {
-                if (absl::Status s = jobs_->Log(job_id, line); !s.ok()) GT_LOG(WARNING) << "job " << job_id << ": " << s;
-              }},
+      HeadStagingService::Hooks{.get_job = [this](const std::string& job_id) { return jobs_->Get(job_id); },
+                                .log =
+                                    [this](const std::string& job_id, const std::string& line) {
+                                      if (absl::Status s = jobs_->Log(job_id, line); !s.ok())
+                                        GT_LOG(WARNING) << "job " << job_id << ": " << s;
+                                    }},
       metrics_.get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
@@ -355,9 +355,9 @@ void HeadServer::DetectorLoop() {
 void HeadServer::WriteScrapeTargets() {
   // Prometheus file-based discovery: the head and every alive worker's metrics endpoint, by site.
   const std::string json = ScrapeTargetsJson(
-      metrics_ ? absl::StrCat(metrics_host_ == "0.0.0.0" ? (options_.advertise_host.empty() ? "127.0.0.1"
-                                                                                             : options_.advertise_host)
-                                                          : metrics_host_,
+      metrics_ ? absl::StrCat(metrics_host_ == "0.0.0.0"
+                                  ? (options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host)
+                                  : metrics_host_,
                               ":", metrics_->port())
                : std::string(),
       registry_->Workers());

@@ -58,20 +58,19 @@ std::string FormatBytesOf(uint64_t part, uint64_t total) {
   return absl::StrFormat("%.1f of %.1f %s", part / scale, total / scale, unit);
 }
 
-#define GT_STAGING_PROLOGUE(method)                                 \
-  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method);     \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {             \
-    timer.set_code(s.error_code());                                 \
-    return s;                                                       \
-  }                                                                 \
-  auto fail = [&timer](const absl::Status& status) {                \
-    grpc::Status s = ToGrpc(status);                                \
-    timer.set_code(s.error_code());                                 \
-    return s;                                                       \
+#define GT_STAGING_PROLOGUE(method)                             \
+  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method); \
+  if (grpc::Status s = auth_.Check(context); !s.ok()) {         \
+    timer.set_code(s.error_code());                             \
+    return s;                                                   \
+  }                                                             \
+  auto fail = [&timer](const absl::Status& status) {            \
+    grpc::Status s = ToGrpc(status);                            \
+    timer.set_code(s.error_code());                             \
+    return s;                                                   \
   };
 
-HeadStagingService::HeadStagingService(std::string token, std::string state_dir, Hooks hooks,
-                                       MetricsServer* metrics)
+HeadStagingService::HeadStagingService(std::string token, std::string state_dir, Hooks hooks, MetricsServer* metrics)
     : token_(token),
       records_path_(absl::StrCat(state_dir, "/staged_shards.json")),
       hooks_(std::move(hooks)),
@@ -238,8 +237,9 @@ grpc::Status HeadStagingService::ReportStaging(grpc::ServerContext* context, con
                            FormatBytes(request->staged_bytes()), where, FormatBytes(request->from_head_bytes()),
                            FormatBytes(request->from_peer_bytes()), FormatBytes(request->from_cache_bytes()));
   } else {
-    line = absl::StrFormat("staging %s, %.0f MB/s on %s", FormatBytesOf(request->staged_bytes(), request->total_bytes()),
-                           request->bytes_per_second() / 1e6, where);
+    line =
+        absl::StrFormat("staging %s, %.0f MB/s on %s", FormatBytesOf(request->staged_bytes(), request->total_bytes()),
+                        request->bytes_per_second() / 1e6, where);
   }
   hooks_.log(request->job_id(), line);
   return grpc::Status::OK;
@@ -253,9 +253,9 @@ grpc::Status HeadStagingService::PutCheckpointFile(grpc::ServerContext* context,
       comm::ReceiveCheckpointFile(reader, [this](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
         ASSIGN_OR_RETURN(JobInfo job, LiveJob(first.job_id(), "PutCheckpointFile"));
         if (job.spec().checkpoint().dir().empty() || first.step() <= 0) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("PutCheckpointFile: job ", first.job_id(), " has no checkpoint.dir (or step ", first.step(),
-                           " is not a step)"));
+          return absl::FailedPreconditionError(absl::StrCat("PutCheckpointFile: job ", first.job_id(),
+                                                            " has no checkpoint.dir (or step ", first.step(),
+                                                            " is not a step)"));
         }
         return model::StepDirectory(job.spec().checkpoint().dir(), first.step());
       });
@@ -273,14 +273,14 @@ grpc::Status HeadStagingService::FetchCheckpointFile(grpc::ServerContext* contex
   const std::string step_dir = Normal(request->step_dir());
   const std::string parent = fs::path(step_dir).parent_path().string();
   const CheckpointSpec& c = job->spec().checkpoint();
-  const bool allowed = (!job->resumed_from().empty() && step_dir == Normal(job->resumed_from())) ||
-                       (!c.dir().empty() && parent == Normal(c.dir())) ||
-                       (!c.resume_from().empty() && (step_dir == Normal(c.resume_from()) ||
-                                                     parent == Normal(c.resume_from())));
+  const bool allowed =
+      (!job->resumed_from().empty() && step_dir == Normal(job->resumed_from())) ||
+      (!c.dir().empty() && parent == Normal(c.dir())) ||
+      (!c.resume_from().empty() && (step_dir == Normal(c.resume_from()) || parent == Normal(c.resume_from())));
   if (!allowed || !model::IsCheckpointFileName(request->name())) {
-    return fail(absl::PermissionDeniedError(absl::StrCat("FetchCheckpointFile: ", request->step_dir(), "/",
-                                                         request->name(), " is not a checkpoint job ",
-                                                         request->job_id(), " may resume from")));
+    return fail(
+        absl::PermissionDeniedError(absl::StrCat("FetchCheckpointFile: ", request->step_dir(), "/", request->name(),
+                                                 " is not a checkpoint job ", request->job_id(), " may resume from")));
   }
   absl::Status s = comm::ServeFile(absl::StrCat(step_dir, "/", request->name()), request->offset(), writer);
   if (!s.ok()) return fail(WithContext(s, "the head serving a checkpoint file"));

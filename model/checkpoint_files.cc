@@ -224,9 +224,8 @@ absl::StatusOr<std::string> FileCrc32Hex(const std::string& path) {
 IncomingCheckpointFile::IncomingCheckpointFile(std::string path, uint64_t bytes, std::string crc32, int fd)
     : path_(std::move(path)), part_(path_ + ".part"), crc32_(std::move(crc32)), bytes_(bytes), fd_(fd) {}
 
-absl::StatusOr<std::unique_ptr<IncomingCheckpointFile>> IncomingCheckpointFile::Create(std::string path,
-                                                                                      uint64_t bytes,
-                                                                                      std::string crc32) {
+absl::StatusOr<std::unique_ptr<IncomingCheckpointFile>> IncomingCheckpointFile::Create(std::string path, uint64_t bytes,
+                                                                                       std::string crc32) {
   std::error_code ec;
   fs::create_directories(fs::path(path).parent_path(), ec);
   if (ec) {

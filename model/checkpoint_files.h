@@ -11,8 +11,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <string_view>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"

@@ -100,8 +100,9 @@ class DataLoader {
 
  private:
   DataLoader() = default;
-  static absl::StatusOr<std::unique_ptr<DataLoader>> Make(ShardSource source, std::vector<std::unique_ptr<TokenShard>> opened,
-                                                          int B, int T, int replica, int num_replicas, int vocab_size,
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Make(ShardSource source,
+                                                          std::vector<std::unique_ptr<TokenShard>> opened, int B, int T,
+                                                          int replica, int num_replicas, int vocab_size,
                                                           const std::string& what);
   void SkipShortShards();
   absl::Status EnsureOpen(int64_t index);

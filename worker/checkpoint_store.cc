@@ -36,15 +36,17 @@ absl::Status SendFile(DataStaging::Stub* stub, const std::string& token, const s
     first.set_bytes(file.bytes());
     first.set_crc32(file.crc32());
     bool header_sent = false;
-    absl::Status read = comm::ReadFileRange(
-        local_path, 0, file.bytes(), comm::kFileChunkBytes, [&](absl::string_view data, uint64_t) -> absl::Status {
-          CheckpointFileChunk chunk = header_sent ? CheckpointFileChunk() : first;
-          chunk.set_data(std::string(data));
-          header_sent = true;
-          if (!writer->Write(chunk)) return absl::UnavailableError("the receiver closed the stream");
-          return absl::OkStatus();
-        });
+    absl::Status read = comm::ReadFileRange(local_path, 0, file.bytes(), comm::kFileChunkBytes,
+                                            [&](absl::string_view data, uint64_t) -> absl::Status {
+                                              CheckpointFileChunk chunk = header_sent ? CheckpointFileChunk() : first;
+                                              chunk.set_data(std::string(data));
+                                              header_sent = true;
+                                              if (!writer->Write(chunk))
+                                                return absl::UnavailableError("the receiver closed the stream");
+                                              return absl::OkStatus();
+                                            });
     if (read.ok() && !header_sent) writer->Write(first);  // an empty file
+    if (!read.ok()) ctx.TryCancel();                      // the receiver must not keep a partial file
     writer->WritesDone();
     const grpc::Status finished = writer->Finish();
     if (!finished.ok()) {
@@ -59,7 +61,8 @@ absl::Status SendFile(DataStaging::Stub* stub, const std::string& token, const s
 }
 
 // Reads a whole file of a node's DataStaging.FetchCheckpointFile; `consume` takes each chunk.
-absl::Status ReadRemoteFile(DataStaging::Stub* stub, const std::string& token, const FetchCheckpointFileRequest& request,
+absl::Status ReadRemoteFile(DataStaging::Stub* stub, const std::string& token,
+                            const FetchCheckpointFileRequest& request,
                             const std::function<absl::Status(const FileChunk&)>& consume) {
   grpc::ClientContext ctx;
   AttachToken(&ctx, token);
@@ -84,18 +87,21 @@ class GrpcCheckpointStore : public CheckpointStore {
   explicit GrpcCheckpointStore(GrpcCheckpointStoreOptions options) : options_(std::move(options)) {}
 
   std::string LocalStepDir(int64_t step) override {
-    return model::StepDirectory(absl::StrCat(options_.state_dir, "/checkpoints/local/", options_.job_id), step);
+    // One directory per actor: actors of a job on one node (or on nodes sharing a state dir) never touch each
+    // other's files.
+    return model::StepDirectory(
+        absl::StrCat(options_.state_dir, "/checkpoints/local/", options_.job_id, "/", options_.actor_id), step);
   }
 
   absl::Status Publish(CheckpointShard* shard, const std::string& head_step_dir) override {
     const std::string local = LocalStepDir(shard->step());
     ASSIGN_OR_RETURN(auto head, Stub(options_.head_address));
     for (const CheckpointFile& file : shard->files()) {
-      RETURN_IF_ERROR(WithContext(
-          SendFile(head.get(), options_.token, options_.job_id, shard->step(), absl::StrCat(local, "/", file.name()),
-                   file),
-          absl::StrCat("copying checkpoint file ", file.name(), " of step ", shard->step(), " from worker ",
-                       options_.worker_id, " to the head (", options_.head_address, ")")));
+      RETURN_IF_ERROR(
+          WithContext(SendFile(head.get(), options_.token, options_.job_id, shard->step(),
+                               absl::StrCat(local, "/", file.name()), file),
+                      absl::StrCat("copying checkpoint file ", file.name(), " of step ", shard->step(), " from worker ",
+                                   options_.worker_id, " to the head (", options_.head_address, ")")));
     }
     shard->set_dir(head_step_dir);
     if (!options_.replica.worker_id().empty()) {
@@ -109,14 +115,15 @@ class GrpcCheckpointStore : public CheckpointStore {
       }
     }
     std::error_code ec;
-    fs::remove_all(local, ec);  // the head has it now
+    for (const CheckpointFile& file : shard->files()) fs::remove(absl::StrCat(local, "/", file.name()), ec);
+    fs::remove(local, ec);  // the head has the files now (the directory goes when empty)
     return absl::OkStatus();
   }
 
   absl::StatusOr<std::string> FetchForResume(const std::string& head_step_dir,
                                              const std::vector<std::string>& tensors) override {
     const std::string local = absl::StrCat(options_.state_dir, "/checkpoints/resume/", options_.job_id, "/",
-                                           fs::path(head_step_dir).filename().string());
+                                           options_.actor_id, "/", fs::path(head_step_dir).filename().string());
     const std::string what = absl::StrCat("fetching checkpoint ", head_step_dir, " for worker ", options_.worker_id);
     ASSIGN_OR_RETURN(auto head, Stub(options_.head_address));
     FetchCheckpointFileRequest request;
@@ -155,6 +162,12 @@ class GrpcCheckpointStore : public CheckpointStore {
     }
     CheckpointManifest partial = manifest;
     partial.clear_files();
+    partial.clear_replicas();
+    // The copy lists the files it holds, and the tensors in them.
+    partial.clear_tensors();
+    for (const auto& [tensor, file] : manifest.tensors()) {
+      if (needed.contains(file)) (*partial.mutable_tensors())[tensor] = file;
+    }
     for (const std::string& name : needed) {
       auto entry = manifest.files().find(name);
       if (entry == manifest.files().end() || !model::IsCheckpointFileName(name)) {
@@ -199,8 +212,8 @@ class GrpcCheckpointStore : public CheckpointStore {
   absl::Status Replicate(const CheckpointShard& shard, const std::string& local) {
     ASSIGN_OR_RETURN(auto replica, Stub(ReplicaAddress()));
     for (const CheckpointFile& file : shard.files()) {
-      RETURN_IF_ERROR(
-          SendFile(replica.get(), options_.token, options_.job_id, shard.step(), absl::StrCat(local, "/", file.name()), file));
+      RETURN_IF_ERROR(SendFile(replica.get(), options_.token, options_.job_id, shard.step(),
+                               absl::StrCat(local, "/", file.name()), file));
     }
     return absl::OkStatus();
   }

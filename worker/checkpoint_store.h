@@ -45,6 +45,7 @@ ActorPeer ReplicaWorker(const std::vector<ActorPeer>& peers, const std::string& 
 struct GrpcCheckpointStoreOptions {
   std::string state_dir;  // the worker's: local shards, replicas and resume copies live below it
   std::string job_id;
+  std::string actor_id;  // the actor's files live in directories of their own
   std::string worker_id;
   std::string site;
   std::string head_address;

@@ -103,8 +103,8 @@ void JobStaging::Run() {
       absl::MutexLock lock(&mu_);
       shard_start_ = Clock::now();
     }
-    absl::StatusOr<std::string> path = cache_->Get(options_.job_id, shards_[i], options_.source, options_.head,
-                                                   &stop_, on_bytes);
+    absl::StatusOr<std::string> path =
+        cache_->Get(options_.job_id, shards_[i], options_.source, options_.head, &stop_, on_bytes);
     {
       absl::MutexLock lock(&mu_);
       network_seconds = network_seconds_;

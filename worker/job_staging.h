@@ -79,7 +79,7 @@ class JobStaging {
   absl::Status error_ ABSL_GUARDED_BY(mu_);              // staging failed: every later wait gets it
   uint64_t staged_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t from_head_ ABSL_GUARDED_BY(mu_) = 0, from_peer_ ABSL_GUARDED_BY(mu_) = 0,
-           from_cache_ ABSL_GUARDED_BY(mu_) = 0;
+                      from_cache_ ABSL_GUARDED_BY(mu_) = 0;
   // Time spent on fetches that moved bytes (for the rate shown): the finished shards' and the current one's.
   double network_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   std::chrono::steady_clock::time_point shard_start_ ABSL_GUARDED_BY(mu_);

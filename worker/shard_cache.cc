@@ -341,14 +341,14 @@ absl::Status ShardCache::FetchFrom(const std::string& job_id, const ShardInfo& s
       }
       size_t done = 0;
       while (done < chunk.data().size()) {
-        const ssize_t n = ::pwrite(fd, chunk.data().data() + done, chunk.data().size() - done,
-                                   static_cast<off_t>(have + done));
+        const ssize_t n =
+            ::pwrite(fd, chunk.data().data() + done, chunk.data().size() - done, static_cast<off_t>(have + done));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) {
           local_error = errno == ENOSPC || errno == EDQUOT
-                            ? absl::ResourceExhaustedError(absl::StrCat(
-                                  what, ": the cache disk is full (", options_.dir,
-                                  "); free space or start the worker with --cache-dir on a larger disk"))
+                            ? absl::ResourceExhaustedError(
+                                  absl::StrCat(what, ": the cache disk is full (", options_.dir,
+                                               "); free space or start the worker with --cache-dir on a larger disk"))
                             : absl::InternalError(absl::StrCat(what, ": writing ", bin, ": ", std::strerror(errno)));
           break;
         }
@@ -382,8 +382,8 @@ absl::Status ShardCache::FetchFrom(const std::string& job_id, const ShardInfo& s
       continue;  // a break after progress: resume at once
     }
     if (MillisSince(last_progress) > options_.retry_for_ms) {
-      return absl::UnavailableError(absl::StrCat(last_error.message(), " (no progress for ",
-                                                 options_.retry_for_ms / 1000, " s)"));
+      return absl::UnavailableError(
+          absl::StrCat(last_error.message(), " (no progress for ", options_.retry_for_ms / 1000, " s)"));
     }
     for (int64_t slept = 0; slept < backoff_ms; slept += 50) {
       if (stop != nullptr && *stop) break;
@@ -452,14 +452,14 @@ absl::Status ShardCache::Serve(const FetchShardRequest& request, const ShardServ
       header_sent = true;
     }
     if (header_sent && done > sent) {
-      RETURN_IF_ERROR(comm::ReadFileRange(path, sent, done, options_.chunk_bytes, [&](absl::string_view data,
-                                                                                       uint64_t offset) {
-        ShardChunk chunk;
-        chunk.set_offset(offset);
-        chunk.set_data(std::string(data));
-        if (!write(chunk)) return absl::CancelledError(absl::StrCat(what, ": the peer went away"));
-        return absl::OkStatus();
-      }));
+      RETURN_IF_ERROR(
+          comm::ReadFileRange(path, sent, done, options_.chunk_bytes, [&](absl::string_view data, uint64_t offset) {
+            ShardChunk chunk;
+            chunk.set_offset(offset);
+            chunk.set_data(std::string(data));
+            if (!write(chunk)) return absl::CancelledError(absl::StrCat(what, ": the peer went away"));
+            return absl::OkStatus();
+          }));
       sent = done;
     }
     if (state == State::kComplete && header_sent && sent >= info.bytes()) return absl::OkStatus();

@@ -109,9 +109,9 @@ class ShardCache {
 
   const ShardCacheOptions options_;
   mutable absl::Mutex mu_;
-  absl::CondVar changed_;  // an entry's state or bytes_done changed
+  absl::CondVar changed_;                                      // an entry's state or bytes_done changed
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by the path on the head
-  std::vector<std::thread> relays_ ABSL_GUARDED_BY(mu_);        // background fetches started by Serve
+  std::vector<std::thread> relays_ ABSL_GUARDED_BY(mu_);       // background fetches started by Serve
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_relays_{false};
 };

@@ -38,7 +38,8 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
   }
   if (services_.checkpoints) {
     checkpoint_writer_ = std::make_unique<CheckpointWriter>([this](CheckpointShard* shard) {
-      return services_.checkpoints->Publish(shard, model::StepDirectory(config_.spec.checkpoint().dir(), shard->step()));
+      return services_.checkpoints->Publish(shard,
+                                            model::StepDirectory(config_.spec.checkpoint().dir(), shard->step()));
     });
   } else {
     checkpoint_writer_ = std::make_unique<CheckpointWriter>();
@@ -175,8 +176,8 @@ absl::Status StageActor::Run() {
         const std::string suffix = ranks.pp > 1 ? absl::StrCat("-s", ranks.stage) : "";
         const std::string step_dir = services_.checkpoints ? services_.checkpoints->LocalStepDir(step)
                                                            : model::StepDirectory(spec.checkpoint().dir(), step);
-        seconds += absl::ToDoubleSeconds(
-            checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
+        seconds +=
+            absl::ToDoubleSeconds(checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
       }
       report.set_checkpoint_seconds(seconds);
     }

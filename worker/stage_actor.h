@@ -97,7 +97,7 @@ class StageActor {
 
   const StageActorConfig config_;
   ActorServices services_;
-  std::unique_ptr<StepReporter> reporter_;  // uses services_.head
+  std::unique_ptr<StepReporter> reporter_;               // uses services_.head
   std::unique_ptr<CheckpointWriter> checkpoint_writer_;  // publishes through services_.checkpoints
   std::atomic<bool> stop_{false};
   std::thread thread_;  // joined by the destructor before the members it uses go

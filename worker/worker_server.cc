@@ -100,6 +100,7 @@ class WorkerServer::Service final : public Worker::Service {
     GrpcCheckpointStoreOptions store;
     store.state_dir = worker_->options_.state_dir;
     store.job_id = a.job_id();
+    store.actor_id = a.actor_id();
     store.worker_id = worker_->worker_id_;
     store.site = worker_->options_.site;
     store.head_address = config.head_address;
@@ -201,9 +202,9 @@ absl::Status WorkerServer::Start() {
                                                     ec.message(), "; pass a writable --state-dir"));
   }
   // /metrics listens where the worker is advertised (or where --metrics-bind says), not on every address.
-  const std::string advertised_host =
-      options_.advertise_address.empty() ? "127.0.0.1"
-                                         : options_.advertise_address.substr(0, options_.advertise_address.rfind(':'));
+  const std::string advertised_host = options_.advertise_address.empty()
+                                          ? "127.0.0.1"
+                                          : options_.advertise_address.substr(0, options_.advertise_address.rfind(':'));
   metrics_host_ = options_.metrics_bind.empty() ? advertised_host : options_.metrics_bind;
 
   if (options_.metrics_port >= 0) {
@@ -276,8 +277,8 @@ absl::Status WorkerServer::RegisterOnce() {
   request.set_hostname(host);
   request.set_pid(getpid());
   if (metrics_) {
-    const std::string metrics_host = metrics_host_ == "0.0.0.0" ? advertise_address_.substr(0, advertise_address_.rfind(':'))
-                                                                : metrics_host_;
+    const std::string metrics_host =
+        metrics_host_ == "0.0.0.0" ? advertise_address_.substr(0, advertise_address_.rfind(':')) : metrics_host_;
     request.set_metrics_address(absl::StrCat(metrics_host, ":", metrics_->port()));
   }
   grpc::ClientContext context;
@@ -296,8 +297,8 @@ absl::Status WorkerServer::RegisterOnce() {
 }
 
 absl::StatusOr<model::ShardSource> WorkerServer::StageData(const std::string& job_id, const std::string& pattern,
-                                                          const std::string& head_address, const JobSpec& spec,
-                                                          const std::vector<ActorPeer>& peers) {
+                                                           const std::string& head_address, const JobSpec& spec,
+                                                           const std::vector<ActorPeer>& peers) {
   absl::MutexLock lock(&staging_mu_);
   const std::string key = absl::StrCat(job_id, "\n", pattern);
   if (std::shared_ptr<JobStaging> staging = stagings_[key].lock()) return staging->Source();

@@ -53,7 +53,7 @@ struct WorkerOptions {
   // $GEOTRAIN_HOME/worker.
   std::string state_dir;
   std::string cache_dir;
-  std::string worker_id;          // stable id; empty lets the head assign one
+  std::string worker_id;  // stable id; empty lets the head assign one
   std::string token;
   TlsFiles tls;  // one configuration for its server (the head's calls, peers' streams and fetches) and its calls
   std::vector<Device> emulated_devices;
