@@ -8,6 +8,8 @@ connection (CLI, head, workers, tensor streams).
   checkpoint (every file of the manifest, CRCs verified) is under checkpoint.dir on the head's side;
 - a corrupted cached shard is fetched again, and a job resumes from the gathered checkpoint;
 - a plaintext client gets a clear error from the TLS head;
+- a real Prometheus scrapes the head and every worker through the head's file-based discovery while two jobs run:
+  every panel query of the Grafana dashboard returns data, and the training-job label (job_id) shows two jobs;
 - `cluster down` leaves no namespace, link or process behind (also when a test fails).
 
 Usage: isolated_nodes_test.py PATH/TO/geotrain TOPOLOGY.yaml   (root; exits 77, skipped, without namespaces)
@@ -20,25 +22,30 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
+import urllib.parse
+import urllib.request
 import zlib
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
 from checkpoint_lib import newest, read_step_dir, write_shard  # noqa: E402
-from cluster_lib import wait_for  # noqa: E402
+from cluster_lib import free_port, wait_for  # noqa: E402
 
 GEOTRAIN = sys.argv.pop(1)
 TOPOLOGY = sys.argv.pop(1)
 VOCAB = 512
 STEPS = 12
 DP2_PP2 = "{plan: manual, dp: 2, pp: 2, microbatches: 2, schedule: 1f1b}"
+DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "grafana", "geotrain-dashboard.json")
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 
-def spec_text(name, data, ckpt, parallel, extra=""):
+def spec_text(name, data, ckpt, parallel, extra="", steps=STEPS):
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"
-            f"train: {{global_batch: 8, seq_len: 16, steps: {STEPS}, lr: 1.0e-3, warmup_steps: 2, "
+            f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: 1.0e-3, warmup_steps: 2, "
             f"weight_decay: 0.1, grad_clip: 1.0, seed: 11}}\n"
             f"parallel: {parallel}\ncomm: {{wan_codec: none, grad_bucket_mb: 0.002}}\n"
             f"checkpoint: {{dir: '{ckpt}', every_steps: 4, keep: -1{extra}}}\n")
@@ -112,10 +119,10 @@ class IsolatedNodesTest(unittest.TestCase):
         return r
 
     @classmethod
-    def write_spec(cls, name, ckpt, parallel, extra=""):
+    def write_spec(cls, name, ckpt, parallel, extra="", steps=STEPS):
         path = os.path.join(cls.root, f"{name}.yaml")
         with open(path, "w") as f:
-            f.write(spec_text(name, cls.data, ckpt, parallel, extra))
+            f.write(spec_text(name, cls.data, ckpt, parallel, extra, steps))
         return path
 
     def worker_pid(self, worker_id):
@@ -135,9 +142,14 @@ class IsolatedNodesTest(unittest.TestCase):
                 out.append(f"==== {name}\n{f.read()[-3000:]}")
         return "\n".join(out)
 
+    def submit(self, name, parallel=DP2_PP2, extra="", args=(), steps=STEPS):
+        ckpt = os.path.join(self.work, f"ckpt-{name}")
+        spec = self.write_spec(name, ckpt, parallel, extra, steps)
+        return self.cli(["job", "submit", spec] + list(args)).stdout.split()[1]
+
     def run_job(self, name, parallel=DP2_PP2, extra="", args=()):
         ckpt = os.path.join(self.work, f"ckpt-{name}")
-        job_id = self.cli(["job", "submit", self.write_spec(name, ckpt, parallel, extra)] + list(args)).stdout.split()[1]
+        job_id = self.submit(name, parallel, extra, args)
 
         def ended():
             j = json.loads(self.cli(["job", "status", job_id, "--json"]).stdout)
@@ -240,6 +252,56 @@ class IsolatedNodesTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertRegex(r.stderr, r"TLS")
         print("plaintext client:", r.stderr.strip().splitlines()[-1])
+
+    def test_5_prometheus_scrapes_every_node_and_every_panel_has_data(self):
+        self.assertTrue(os.path.exists(PROMETHEUS), "prometheus is not installed; run deploy/install-deps.sh")
+        port = free_port()
+        prom_dir = os.path.join(self.root, "prometheus")
+        os.makedirs(prom_dir)
+        targets = os.path.join(self.state, "head", "prometheus_targets.json")
+        with open(os.path.join(prom_dir, "prometheus.yml"), "w") as f:
+            f.write("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
+                    f"  - {{job_name: geotrain, file_sd_configs: [{{files: ['{targets}'], refresh_interval: 1s}}]}}\n")
+        with open(os.path.join(prom_dir, "prometheus.log"), "wb") as log:
+            prom = subprocess.Popen([PROMETHEUS, f"--config.file={prom_dir}/prometheus.yml",
+                                     f"--storage.tsdb.path={prom_dir}/tsdb", f"--web.listen-address=127.0.0.1:{port}"],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        try:
+            def query(expr):
+                url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+                try:
+                    return json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"] or None
+                except Exception:
+                    return None
+            # The head and all four workers, each at its own address.
+            up = wait_for(lambda: (lambda r: r if r and len(r) == 5 else None)(query("up == 1")), 60,
+                          "Prometheus to scrape the head and 4 workers", 0.5)
+            instances = sorted(r["metric"]["instance"] for r in up)
+            self.assertEqual(len({i.split(":")[0] for i in instances}), 5, instances)
+            # Two jobs at once (two workers each), long enough to be scraped while they run.
+            jobs = [self.submit(f"mon-{i}", "{plan: manual, dp: 2, microbatches: 2}", steps=80) for i in range(2)]
+            wait_for(lambda: (lambda r: r if r and len(r) == 2 else None)(query("geotrain_train_loss")), 90,
+                     "two jobs' loss in Prometheus", 0.5)
+            loss = query("geotrain_train_loss")
+            self.assertEqual(sorted(r["metric"]["job_id"] for r in loss), sorted(jobs))
+            self.assertTrue(all(r["metric"]["job"] == "geotrain" for r in loss), loss)  # Prometheus's own label
+            with open(DASHBOARD) as f:
+                panels = json.load(f)["panels"]
+            exprs = [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+            deadline = time.monotonic() + 30  # rates need two scrapes
+            empty = exprs
+            while empty and time.monotonic() < deadline:
+                empty = [(title, e) for title, e in empty if not query(e)]
+                time.sleep(0.5)
+            self.assertEqual(empty, [], "dashboard panels without data")
+            by_job = query("sum by (job_id) (geotrain_tokens_per_second)")
+            self.assertEqual(sorted(r["metric"]["job_id"] for r in by_job), sorted(jobs), "one line per job")
+            print(f"prometheus: all {len(exprs)} panel queries return data; one series per job: {sorted(jobs)}")
+            for job_id in jobs:
+                self.cli(["job", "cancel", job_id], check=False)
+        finally:
+            prom.terminate()
+            prom.wait()
 
 
 if __name__ == "__main__":
