@@ -3,8 +3,8 @@ two sites of two workers, each worker in its own network namespace (own address)
 state dir, the data and the checkpoint dir are not visible to it), the WAN emulator between the sites, TLS on every
 connection (CLI, head, workers, tensor streams).
 
-- a DP2 x PP2 job (checkpoint.replicate) trains from data only the head's side can see: the shards are staged (one fetch from the head
-  per site, the site peer gets them from that worker), the job ends equal to `train --local`, and a complete
+- a DP2 x PP2 job (checkpoint.replicate) trains from data only the head's side can see: the shards are staged
+  (one fetch from the head per site, the site peer gets them from that worker), the job ends equal to `train --local`, and a complete
   checkpoint (every file of the manifest, CRCs verified) is under checkpoint.dir on the head's side;
 - a corrupted cached shard is fetched again, and a job resumes from the gathered checkpoint;
 - a plaintext client gets a clear error from the TLS head;
@@ -280,9 +280,11 @@ class IsolatedNodesTest(unittest.TestCase):
             self.assertEqual(len({i.split(":")[0] for i in instances}), 5, instances)
             # Two jobs at once (two workers each), long enough to be scraped while they run.
             jobs = [self.submit(f"mon-{i}", "{plan: manual, dp: 2, microbatches: 2}", steps=80) for i in range(2)]
-            wait_for(lambda: (lambda r: r if r and len(r) == 2 else None)(query("geotrain_train_loss")), 90,
-                     "two jobs' loss in Prometheus", 0.5)
-            loss = query("geotrain_train_loss")
+            these = f'job_id=~"{"|".join(jobs)}"'
+            def both_losses():
+                r = query(f"geotrain_train_loss{{{these}}}")
+                return r if r and len(r) == 2 else None
+            loss = wait_for(both_losses, 90, "two jobs' loss in Prometheus", 0.5)
             self.assertEqual(sorted(r["metric"]["job_id"] for r in loss), sorted(jobs))
             self.assertTrue(all(r["metric"]["job"] == "geotrain" for r in loss), loss)  # Prometheus's own label
             with open(DASHBOARD) as f:
@@ -294,7 +296,7 @@ class IsolatedNodesTest(unittest.TestCase):
                 empty = [(title, e) for title, e in empty if not query(e)]
                 time.sleep(0.5)
             self.assertEqual(empty, [], "dashboard panels without data")
-            by_job = query("sum by (job_id) (geotrain_tokens_per_second)")
+            by_job = query(f"sum by (job_id) (geotrain_tokens_per_second{{{these}}})")
             self.assertEqual(sorted(r["metric"]["job_id"] for r in by_job), sorted(jobs), "one line per job")
             print(f"prometheus: all {len(exprs)} panel queries return data; one series per job: {sorted(jobs)}")
             for job_id in jobs:
