@@ -197,7 +197,10 @@ int StopProcesses(const std::vector<Started>& processes) {
 
 absl::StatusOr<ClusterStatus> HeadStatus(const std::string& address, const std::string& tls_ca) {
   TlsFiles tls;
-  tls.ca = tls_ca;
+  if (!tls_ca.empty()) {  // --tls: mutual TLS; the CLI presents the nodes' certificate (valid for clients too)
+    const std::string dir = std::filesystem::path(tls_ca).parent_path().string();
+    tls = TlsFiles{.cert = dir + "/server.pem", .key = dir + "/server.key", .ca = tls_ca};
+  }
   ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, "", tls));
   grpc::ClientContext ctx;
   ClusterStatus status;
@@ -215,7 +218,8 @@ std::string MakeCertsScript() {
   return "";
 }
 
-// Certificates for every node's addresses in <state_dir>/certs; returns the TLS flags every node gets.
+// Certificates for every node's addresses in <state_dir>/certs; returns the TLS flags every node gets (mutual TLS:
+// each node's certificate is valid as a client's too).
 absl::StatusOr<std::vector<std::string>> MakeClusterCertificates(const std::string& state_dir,
                                                                  const std::vector<std::string>& addresses) {
   const std::string script = MakeCertsScript();
@@ -231,8 +235,9 @@ absl::StatusOr<std::vector<std::string>> MakeClusterCertificates(const std::stri
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return absl::InternalError(absl::StrCat("--tls: ", script, " failed; see ", state_dir, "/logs/make-certs.log"));
   }
-  return std::vector<std::string>{"--tls-cert",        dir + "/server.pem", "--tls-key",
-                                  dir + "/server.key", "--tls-ca",          dir + "/ca.pem"};
+  return std::vector<std::string>{
+      "--tls-cert",    dir + "/server.pem",        "--tls-key", dir + "/server.key", "--tls-ca",
+      dir + "/ca.pem", "--tls-require-client-cert"};
 }
 
 absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir, const UpOptions& up) {
@@ -384,6 +389,8 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   std::vector<std::string> hidden = {std::filesystem::absolute(state_dir + "/head").string()};
   for (const std::string& dir : up.hidden) hidden.push_back(std::filesystem::absolute(dir).lexically_normal().string());
   for (const PlannedWorker& w : workers) {
+    // Made now: a directory that does not exist when a node starts is not covered in its view.
+    std::filesystem::create_directories(absl::StrCat(state_dir, "/nodes/", w.id));
     hidden.push_back(std::filesystem::absolute(absl::StrCat(state_dir, "/nodes/", w.id)).string());
   }
   for (size_t i = 0; i < workers.size(); ++i) {
@@ -465,7 +472,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     for (const IsolatedNode& n : net.nodes) std::printf(" %s=%s", n.worker_id.c_str(), n.ip.c_str());
     std::printf("\n");
   }
-  if (up.tls) std::printf("  TLS on every connection; certificates in %s/certs\n", state_dir.c_str());
+  if (up.tls) std::printf("  mutual TLS on every connection; certificates in %s/certs\n", state_dir.c_str());
   std::printf(
       "state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
       "`geotrain cluster down`\n",
@@ -527,7 +534,7 @@ void AddClusterCommands(CLI::App& app, Context& context) {
   auto up_options = std::make_shared<UpOptions>();
   up->add_flag("--isolate", up_options->isolate,
                "every worker in its own network namespace (own address) and mount namespace (own disk; needs root)");
-  up->add_flag("--tls", up_options->tls, "make certificates and run every connection with TLS");
+  up->add_flag("--tls", up_options->tls, "make certificates and run every connection with mutual TLS");
   up->add_option("--hide", up_options->hidden,
                  "with --isolate: a directory the workers must not see, e.g. the jobs' data and checkpoint dirs "
                  "(repeatable; the head's state dir is always hidden)");

@@ -180,7 +180,7 @@ class IsolatedNodesTest(unittest.TestCase):
 
     def test_1_nodes_are_isolated(self):
         self.assertIn("isolated nodes", self.up_output)
-        self.assertIn("TLS on every connection", self.up_output)
+        self.assertIn("mutual TLS on every connection", self.up_output)
         for worker in ("site-a-0", "site-b-1"):
             addr = self.in_node(worker, ["ip", "-4", "-o", "addr", "show", "dev", "eth0"])
             self.assertEqual(addr.returncode, 0, addr.stderr)
@@ -188,6 +188,9 @@ class IsolatedNodesTest(unittest.TestCase):
             # The data, the checkpoints and the head's state are not there; its own state dir is.
             self.assertEqual(self.in_node(worker, ["ls", "-A", self.work]).stdout.strip(), "")
             self.assertEqual(self.in_node(worker, ["ls", "-A", os.path.join(self.state, "head")]).stdout.strip(), "")
+            other = "site-b-1" if worker == "site-a-0" else "site-a-0"
+            self.assertEqual(self.in_node(worker, ["ls", "-A", os.path.join(self.state, "nodes", other)]).stdout.strip(),
+                             "")
             self.assertEqual(self.in_node(worker, ["test", "-f", os.path.join(self.state, "nodes", worker, "token")])
                              .returncode, 0)
         # Sites reach each other only through the emulator: no route from site-a's node to site-b's address.
@@ -252,6 +255,15 @@ class IsolatedNodesTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertRegex(r.stderr, r"TLS")
         print("plaintext client:", r.stderr.strip().splitlines()[-1])
+        # Mutual TLS: the CA alone is not enough, the client must present a certificate the CA signed.
+        certs = os.path.join(self.state, "certs")
+        r = self.cli(["status", "--head", head, "--token-file", os.path.join(self.state, "head", "token"),
+                      "--tls-ca", os.path.join(certs, "ca.pem")], check=False, env=env)
+        self.assertNotEqual(r.returncode, 0, r.stdout)
+        r = self.cli(["status", "--head", head, "--token-file", os.path.join(self.state, "head", "token"),
+                      "--tls-ca", os.path.join(certs, "ca.pem"), "--tls-cert", os.path.join(certs, "client.pem"),
+                      "--tls-key", os.path.join(certs, "client.key")], check=False, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
 
     def test_5_prometheus_scrapes_every_node_and_every_panel_has_data(self):
         self.assertTrue(os.path.exists(PROMETHEUS), "prometheus is not installed; run deploy/install-deps.sh")
