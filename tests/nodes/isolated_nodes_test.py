@@ -4,8 +4,9 @@ state dir, the data and the checkpoint dir are not visible to it), the WAN emula
 connection (CLI, head, workers, tensor streams).
 
 - a DP2 x PP2 job (checkpoint.replicate) trains from data only the head's side can see: the shards are staged
-  (one fetch from the head per site, the site peer gets them from that worker), the job ends equal to `train --local`, and a complete
-  checkpoint (every file of the manifest, CRCs verified) is under checkpoint.dir on the head's side;
+  (one fetch from the head per site, the site peer gets them from that worker), the job ends equal to
+  `train --local`, and a complete checkpoint (every file of the manifest, CRCs verified) is under checkpoint.dir
+  on the head's side;
 - a corrupted cached shard is fetched again, and a job resumes from the gathered checkpoint;
 - a plaintext client gets a clear error from the TLS head;
 - a real Prometheus scrapes the head and every worker through the head's file-based discovery while two jobs run:
@@ -189,8 +190,8 @@ class IsolatedNodesTest(unittest.TestCase):
             self.assertEqual(self.in_node(worker, ["ls", "-A", self.work]).stdout.strip(), "")
             self.assertEqual(self.in_node(worker, ["ls", "-A", os.path.join(self.state, "head")]).stdout.strip(), "")
             other = "site-b-1" if worker == "site-a-0" else "site-a-0"
-            self.assertEqual(self.in_node(worker, ["ls", "-A", os.path.join(self.state, "nodes", other)]).stdout.strip(),
-                             "")
+            other_dir = os.path.join(self.state, "nodes", other)
+            self.assertEqual(self.in_node(worker, ["ls", "-A", other_dir]).stdout.strip(), "")
             self.assertEqual(self.in_node(worker, ["test", "-f", os.path.join(self.state, "nodes", worker, "token")])
                              .returncode, 0)
         # Sites reach each other only through the emulator: no route from site-a's node to site-b's address.
