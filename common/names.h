@@ -11,7 +11,7 @@
 namespace geotrain {
 
 std::string WorkerStateName(WorkerState state);  // "ALIVE", "DEAD"
-std::string ActorStateName(ActorState state);    // "PENDING_CREATION", "ALIVE", "RESTARTING", "DEAD"
+std::string ActorStateName(ActorState state);    // "PENDING_CREATION", "ALIVE", "DEAD"
 std::string DeviceKindName(DeviceKind kind);     // "cpu", "cuda", "emulated"
 const char* JobStateName(JobState state);        // "PENDING", "RUNNING", ...
 // Whether a job in `state` has ended for good (SUCCEEDED, FAILED, CANCELLED).

@@ -396,7 +396,7 @@ void HeadServer::RefreshMetrics() {
   for (const auto& [key, n] : device_counts) devices.Add({{"site", key.first}, {"kind", key.second}}).Set(n);
   for (const auto& [site, t] : site_tflops) tflops.Add({{"site", site}}).Set(t);
   for (const auto& [state, n] : jobs_->CountByState()) jobs.Add({{"state", JobStateName(state)}}).Set(n);
-  std::map<std::string, int> actor_counts = {{"PENDING_CREATION", 0}, {"ALIVE", 0}, {"RESTARTING", 0}, {"DEAD", 0}};
+  std::map<std::string, int> actor_counts = {{"PENDING_CREATION", 0}, {"ALIVE", 0}, {"DEAD", 0}};
   for (const ActorRecord& a : registry_->Actors()) ++actor_counts[ActorStateName(a.state())];
   for (const auto& [state, n] : actor_counts) actors.Add({{"state", state}}).Set(n);
 }

@@ -152,7 +152,7 @@ void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
   }
 }
 
-void JobRunner::Fault(const std::string& job_id, int64_t attempt, const std::string& cause) {
+void JobRunner::Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent) {
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(job_id);
@@ -160,6 +160,7 @@ void JobRunner::Fault(const std::string& job_id, int64_t attempt, const std::str
     Run& run = it->second;
     run.phase = Phase::kFault;
     run.fault_cause = cause;
+    run.fault_permanent = permanent;
     run.fault_detected_ms = clock_->NowMillis();
     run.fault_unix_ms = clock_->UnixMillis();
     run.fault_step = run.last_step;
@@ -174,14 +175,15 @@ void JobRunner::HandleFaults() {
     std::vector<ActorPlacement> actors;
     int restarts = 0;
     int64_t step = 0, detected_unix_ms = 0, attempt = 0;
+    bool permanent = false;
   };
   std::vector<Pending> pending;
   {
     absl::MutexLock lock(&mu_);
     for (auto& [job_id, run] : runs_) {
       if (run.phase != Phase::kFault) continue;
-      pending.push_back(
-          {job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms, run.attempt});
+      pending.push_back({job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms,
+                         run.attempt, run.fault_permanent});
     }
   }
   for (Pending& p : pending) {
@@ -189,6 +191,12 @@ void JobRunner::HandleFaults() {
     if (!job.ok()) continue;
     const FaultToleranceSpec& ft = job->spec().fault_tolerance();
     const int max_restarts = ft.has_max_restarts() ? ft.max_restarts() : 3;
+    if (p.permanent) {
+      EndJob(p.job_id, JOB_FAILED,
+             absl::StrCat(p.cause, "; not restarted: the error is in the job (its spec, data or checkpoint) and a ",
+                          "restart would fail the same way; fix it and submit the job again"));
+      continue;
+    }
     if (max_restarts >= 0 && p.restarts >= max_restarts) {
       EndJob(p.job_id, JOB_FAILED,
              max_restarts == 0
@@ -779,7 +787,8 @@ bool JobRunner::OnStepReport(const StepReport& report) {
           report.job_id(), "recording checkpoint shards");
   }
   if (failed) {
-    Fault(report.job_id(), attempt, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()));
+    Fault(report.job_id(), attempt, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()),
+          report.permanent());
     return true;
   }
   for (const CheckpointShard& shard : failed_shards) {

@@ -121,6 +121,7 @@ class JobRunner {
     std::string resumed_from;
     // The fault being recovered from.
     std::string fault_cause;
+    bool fault_permanent = false;   // the job itself is at fault: it fails without a restart
     int64_t fault_detected_ms = 0;  // clock's monotonic milliseconds
     int64_t fault_unix_ms = 0;
     int64_t fault_step = 0;
@@ -149,7 +150,9 @@ class JobRunner {
   absl::Status Launch(const JobInfo& job, std::vector<ActorPlacement> placement, int64_t attempt,
                       const std::string& resume_from);
   // Records a fault of the job's current run (any thread); ignored when the run already has one or ended.
-  void Fault(const std::string& job_id, int64_t attempt, const std::string& cause);
+  // `permanent`: a restart would fail the same way (an actor's set-up error in the job's spec, data or checkpoint),
+  // so the job fails at once.
+  void Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent = false);
   void EndJob(const std::string& job_id, JobState state, const std::string& message);
   // Sends StopActor to every actor at once; waits for the answers when `wait`.
   void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait);

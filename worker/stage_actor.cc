@@ -19,6 +19,20 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// Errors in the job itself, which any worker would hit again: a spec it cannot run, data or a checkpoint that is
+// not there or not readable. Transport errors (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED...) are not.
+bool IsConfigurationError(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 StageActor::StageActor(StageActorConfig config, ActorServices services)
@@ -66,6 +80,7 @@ void StageActor::Start() {
         report.set_actor_id(config_.actor.actor_id());
         report.set_attempt(config_.attempt);
         report.set_error(why);
+        report.set_permanent(!set_up_ && IsConfigurationError(s));
         reporter_->Enqueue(report);
       }
     }
@@ -127,6 +142,7 @@ absl::Status StageActor::Run() {
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
   }
   SetState(ACTOR_ALIVE, "training");
+  set_up_ = true;
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << ranks.replica << ", stage " << ranks.stage << " of "
                << ranks.pp << ", tp rank " << ranks.tp_rank << ", run " << config_.attempt << ") "
                << trainer->Describe();

@@ -100,7 +100,8 @@ class StageActor {
   std::unique_ptr<StepReporter> reporter_;               // uses services_.head
   std::unique_ptr<CheckpointWriter> checkpoint_writer_;  // publishes through services_.checkpoints
   std::atomic<bool> stop_{false};
-  std::thread thread_;  // joined by the destructor before the members it uses go
+  bool set_up_ = false;  // written and read by thread_ only: true once the actor has set up and trains
+  std::thread thread_;   // joined by the destructor before the members it uses go
 
   mutable absl::Mutex mu_;
   ActorState state_ ABSL_GUARDED_BY(mu_) = ACTOR_PENDING_CREATION;

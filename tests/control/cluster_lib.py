@@ -1,10 +1,12 @@
-"""Helpers for integration tests that run real geotrain processes on loopback.
+"""Helpers for integration tests (and bench/chaos) that run real geotrain processes on loopback.
 
-A LocalCluster owns a temporary GEOTRAIN_HOME and state dir, starts `geotrain head start` and
+A ClusterUp runs `geotrain cluster up TOPOLOGY` in its own GEOTRAIN_HOME and can kill -9 and restart any of
+its processes. A LocalCluster owns a temporary GEOTRAIN_HOME and state dir, starts `geotrain head start` and
 `geotrain worker start` as child processes, and kills everything it started when closed.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -105,3 +107,103 @@ class LocalCluster:
                     pass
                 p.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ClusterUp:
+    """A `geotrain cluster up TOPOLOGY` cluster in its own GEOTRAIN_HOME, whose processes (named as in
+    cluster.json: "head", "worker NAME", ...) can be killed with -9 and started again with the same command."""
+
+    def __init__(self, geotrain, topology, prefix="geotrain_cluster_"):
+        self.geotrain = geotrain
+        self.home = tempfile.mkdtemp(prefix=prefix)
+        self.env = dict(os.environ, GEOTRAIN_HOME=self.home)
+        self.env.pop("GEOTRAIN_HEAD", None)
+        self.env.pop("GEOTRAIN_TOKEN", None)
+        self.state = os.path.join(self.home, "cluster")
+        self.restarted = {}  # name -> Popen of a process the test started again
+        self.killed = {}     # name -> (argv, env) to start it again
+        self.up = self.cli(["cluster", "up", topology]).stdout
+
+    def cli(self, args, check=True, timeout=120):
+        r = subprocess.run([self.geotrain] + args, capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"geotrain {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def pids(self):
+        with open(os.path.join(self.state, "cluster.json")) as f:
+            record = f.read()
+        pids = {name: int(pid) for name, pid in re.findall(r'"name": "([^"]+)", "pid": "(\d+)"', record)}
+        for name, p in self.restarted.items():
+            pids[name] = p.pid
+        return pids
+
+    def netem_port(self):
+        with open(os.path.join(self.state, "cluster.json")) as f:
+            return int(re.search(r'"netem_control_port": "(\d+)"', f.read()).group(1))
+
+    def kill(self, name):
+        pid = self.pids()[name]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0") if a]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.decode(errors="replace").split("=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        os.kill(pid, signal.SIGKILL)
+        if name in self.restarted:
+            self.restarted.pop(name).wait()
+        self.killed[name] = (argv, env)
+        return time.monotonic()
+
+    def restart(self, name):
+        argv, env = self.killed.pop(name)
+        with open(os.path.join(self.state, "logs", name.replace(" ", "-") + "-again.log"), "ab") as log:
+            self.restarted[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                    start_new_session=True)
+
+    def netem(self, command):
+        with socket.create_connection(("127.0.0.1", self.netem_port()), timeout=5) as s:
+            s.sendall((command + "\n").encode())
+            reply = b""
+            while not reply.endswith(b"ok\n") and b"error" not in reply:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.endswith(b"ok\n"), reply
+
+    def job(self, job_id):
+        return json.loads(self.cli(["job", "status", job_id, "--json"]).stdout)
+
+    def logs(self, job_id):
+        return self.cli(["job", "logs", job_id]).stdout
+
+    def wait_job(self, job_id, timeout=300):
+        def ended():
+            r = self.cli(["job", "status", job_id, "--json"], check=False)
+            if r.returncode != 0:
+                return None  # the head is restarting
+            j = json.loads(r.stdout)
+            return j if j["state"] in ("JOB_SUCCEEDED", "JOB_FAILED", "JOB_CANCELLED") else None
+        return wait_for(ended, timeout, f"{job_id} to end", 0.3)
+
+    def wait_log(self, job_id, pattern, timeout=120):
+        return wait_for(lambda: re.search(pattern, self.logs(job_id)), timeout, f"'{pattern}' in {job_id}'s log", 0.2)
+
+    def process_logs(self):
+        out = []
+        logs = os.path.join(self.state, "logs")
+        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                out.append(f"==== {name}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    def close(self):
+        for p in self.restarted.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.cli(["cluster", "down"], check=False)
+        if os.environ.get("GEOTRAIN_KEEP_TEST_DIR"):
+            print(f"kept {self.home}")
+        else:
+            shutil.rmtree(self.home, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""Several jobs on one cluster, with real processes on loopback: a head and two one-device workers.
+
+Two one-device jobs run side by side, one on each worker. A third job, submitted while both run, waits PENDING:
+`job list` shows it queued (#1) with the reason (the devices it needs and which jobs hold them). It starts when
+the first two end, and all three end SUCCEEDED. A fourth job that can never fit (four devices on a two-device
+cluster) waits too, queued behind the third, and its reason says how many devices it needs; cancelling it works.
+Usage: multi_job_test.py PATH/TO/geotrain
+"""
+import json
+import os
+import sys
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster_lib import LocalCluster, wait_for  # noqa: E402
+
+GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
+
+
+class MultiJobTest(unittest.TestCase):
+    def setUp(self):
+        self.c = LocalCluster(GEOTRAIN)
+        self.c.start_head()
+        self.c.start_worker("w-1", "utah", ["T4"])
+        self.c.start_worker("w-2", "utah", ["T4"])
+        wait_for(lambda: list(self.c.worker_states().values()) == ["WORKER_ALIVE"] * 2, 20, "two alive workers")
+        # One token shard (the format `geotrain data prepare` writes) of a tiny vocabulary.
+        self.data = os.path.join(self.c.dir, "train_000000.bin")
+        header = np.zeros(256, dtype=np.int32)
+        header[0], header[1], header[2] = 20240520, 1, 20000
+        with open(self.data, "wb") as f:
+            f.write(header.tobytes())
+            f.write(np.random.default_rng(3).integers(0, 512, 20000).astype(np.uint16).tobytes())
+
+    def tearDown(self):
+        if hasattr(self, "_outcome") and not self._outcome.success:
+            print(self.c.logs())
+        self.c.close()
+
+    def submit(self, name, steps, dp=1, data=None):
+        path = os.path.join(self.c.dir, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data or self.data}'}}\n"
+                    f"train: {{steps: {steps}, global_batch: 4, seq_len: 16}}\n"
+                    f"parallel: {{plan: manual, dp: {dp}, microbatches: 1}}\n")
+        out = self.c.cli(["job", "submit", path]).stdout
+        return out.split()[1]
+
+    def job(self, job_id):
+        return json.loads(self.c.cli(["job", "status", job_id, "--json"]).stdout)
+
+    def state(self, job_id):
+        return self.job(job_id)["state"]
+
+    def listing(self):
+        """job list's table as {job id: (state, queue, message)}."""
+        rows = {}
+        for line in self.c.cli(["job", "list"]).stdout.splitlines()[1:]:
+            parts = line.split(None, 6)
+            queue = parts[3] if parts[3].startswith("#") else ""
+            rows[parts[0]] = (parts[2], queue, line)
+        return rows
+
+    def test_two_jobs_side_by_side_then_a_third_that_waits(self):
+        a = self.submit("first", 600)
+        b = self.submit("second", 600)
+        wait_for(lambda: self.state(a) == "JOB_RUNNING" and self.state(b) == "JOB_RUNNING", 60, "both jobs running")
+        workers = {self.job(j)["actors"][0]["worker_id"] for j in (a, b)}
+        self.assertEqual(workers, {"w-1", "w-2"}, "each job holds its own device")
+
+        c = self.submit("third", 4)
+        wait_for(lambda: "waiting for devices" in self.job(c).get("message", ""), 30, "the third job's reason")
+        third = self.job(c)
+        self.assertEqual(third["state"], "JOB_PENDING")
+        self.assertIn("needs 1 device", third["message"])
+        self.assertIn("held by", third["message"])
+        row = self.listing()[c]
+        self.assertEqual(row[0], "PENDING")
+        self.assertEqual(row[1], "#1")
+        self.assertIn("waiting for devices", row[2])
+
+        never = self.submit("too-big", 4, dp=4)
+        wait_for(lambda: "needs 4 devices" in self.job(never).get("message", ""), 30, "the big job's reason")
+        self.assertEqual(self.listing()[never][1], "#2")
+
+        # The first two run to their end; the third starts only once a device is free, and ends too.
+        for j in (a, b):
+            ended = wait_for(lambda: self.state(j) if self.state(j) not in ("JOB_PENDING", "JOB_RUNNING") else None,
+                             300, f"{j} to end")
+            self.assertEqual(ended, "JOB_SUCCEEDED", self.c.cli(["job", "logs", j]).stdout)
+        ended = wait_for(lambda: self.state(c) if self.state(c) not in ("JOB_PENDING", "JOB_RUNNING") else None, 120,
+                         "the third job to end")
+        self.assertEqual(ended, "JOB_SUCCEEDED", self.c.cli(["job", "logs", c]).stdout)
+        log = self.c.cli(["job", "logs", c]).stdout
+        self.assertLess(log.index("waiting for devices"), log.index("RUNNING"), log)
+        self.assertEqual(self.listing()[never][0], "PENDING")
+        self.c.cli(["job", "cancel", never])
+        wait_for(lambda: self.state(never) == "JOB_CANCELLED", 30, "the big job cancelled")
+
+    def test_a_job_that_cannot_run_fails_without_restarts(self):
+        # Data that is not there fails every run the same way: the job fails at once, with the fix, not after
+        # fault_tolerance.max_restarts restarts.
+        j = self.submit("no-data", 4, data=os.path.join(self.c.dir, "missing_*.bin"))
+        ended = wait_for(lambda: self.job(j) if self.state(j) not in ("JOB_PENDING", "JOB_RUNNING") else None, 60,
+                         "the job to fail")
+        self.assertEqual(ended["state"], "JOB_FAILED")
+        self.assertIn("no token shards match", ended["message"])
+        self.assertIn("not restarted", ended["message"])
+        self.assertEqual(int(ended["restarts"]), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
