@@ -148,7 +148,8 @@ absl::StatusOr<std::string> ShardCache::Get(const std::string& job_id, const Sha
       absl::MutexLock lock(&mu_);
       Entry& entry = entries_[shard.path()];
       if (entry.path.empty()) entry.path = absl::StrCat(options_.dir, "/", KeyFor(shard.path()), ".bin");
-      if (entry.state == State::kComplete && SameShard(entry.info, shard)) return entry.path;
+      // A copy complete here is verified again (Fill reads its CRC-32C) each time a job stages it: a cached file
+      // corrupted since is fetched again instead of failing the job.
       if (entry.state == State::kFetching) {
         // Another caller (an actor of another job, or a relay for a peer) is filling it: wait for it.
         changed_.WaitWithTimeout(&mu_, absl::Milliseconds(100));

@@ -73,7 +73,8 @@ class ShardCache {
   using OnBytes = std::function<void(uint64_t bytes, ShardOrigin origin)>;
 
   // The local path of a verified copy of `shard` (as the head listed it), fetched from `source` when the cache
-  // holds none (from `head` when `source` fails). Blocks until the copy is complete, or `stop` is set (CANCELLED).
+  // holds none or a corrupt one (from `head` when `source` fails). A cached copy is verified by its CRC-32C on
+  // every call. Blocks until the copy is complete, or `stop` is set (CANCELLED).
   absl::StatusOr<std::string> Get(const std::string& job_id, const ShardInfo& shard, const ShardServer& source,
                                   const ShardServer& head, const std::atomic<bool>* stop, const OnBytes& on_bytes);
 

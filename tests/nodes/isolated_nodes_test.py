@@ -297,7 +297,14 @@ class IsolatedNodesTest(unittest.TestCase):
             def both_losses():
                 r = query(f"geotrain_train_loss{{{these}}}")
                 return r if r and len(r) == 2 else None
-            loss = wait_for(both_losses, 90, "two jobs' loss in Prometheus", 0.5)
+            try:
+                loss = wait_for(both_losses, 90, "two jobs' loss in Prometheus", 0.5)
+            except AssertionError:
+                for job_id in jobs:
+                    print(self.cli(["job", "status", job_id], check=False).stdout)
+                    print(self.cli(["job", "logs", job_id], check=False).stdout[-2000:])
+                print(query("geotrain_train_loss"), self.process_logs())
+                raise
             self.assertEqual(sorted(r["metric"]["job_id"] for r in loss), sorted(jobs))
             self.assertTrue(all(r["metric"]["job"] == "geotrain" for r in loss), loss)  # Prometheus's own label
             with open(DASHBOARD) as f:
