@@ -161,7 +161,9 @@ absl::StatusOr<std::string> ShardCache::Get(const std::string& job_id, const Sha
     }
     absl::Status status = Fill(job_id, shard, source, head, stop, on_bytes);
     Release(shard.path(), status);
-    if (!status.ok()) return status;
+    RETURN_IF_ERROR(status);
+    absl::MutexLock lock(&mu_);
+    return entries_[shard.path()].path;
   }
 }
 
