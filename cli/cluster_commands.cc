@@ -6,6 +6,12 @@
 //
 // `up` records what it started in <state-dir>/cluster.json; `down` stops exactly those processes
 // (checking each pid still runs a geotrain binary) and leaves nothing running.
+//
+// Every worker has a state dir of its own (<state-dir>/nodes/<id>: its shard cache and checkpoint files), as on
+// separate machines. `--isolate` also gives each worker its own network namespace and address, and a filesystem
+// view without the head's state dir, the other workers' dirs and the directories given with --hide (the jobs' data
+// and checkpoint dirs): cli/cluster_isolation.h. `--tls` makes certificates (deploy/make-certs.sh) and runs every
+// connection with TLS. `down` also removes every namespace and link `up --isolate` made.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -23,6 +29,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "cli/cluster_isolation.h"
 #include "cli/registry.h"
 #include "cli/support.h"
 #include "common/rpc.h"
@@ -34,6 +41,8 @@
 
 namespace geotrain::cli {
 namespace {
+
+constexpr int kIsolatedWorkerPort = 7300;  // a worker's port in its own network namespace
 
 std::string SelfDirectory() {
   std::error_code ec;
@@ -106,6 +115,15 @@ struct ClusterFile {
   std::string head_address;
   int netem_control_port = 0;
   std::vector<Started> processes;
+  std::string isolation_prefix;  // --isolate: the names of its namespaces and links
+  std::string tls_ca;            // --tls: the cluster's CA
+};
+
+// Options of `cluster up`.
+struct UpOptions {
+  bool isolate = false;
+  bool tls = false;
+  std::vector<std::string> hidden;  // --hide: directories the isolated workers must not see
 };
 
 std::string ClusterFilePath(const std::string& state_dir) { return state_dir + "/cluster.json"; }
@@ -116,6 +134,8 @@ absl::Status WriteClusterFile(const std::string& state_dir, const ClusterFile& f
   out << YAML::Key << "topology" << YAML::Value << file.topology;
   out << YAML::Key << "head_address" << YAML::Value << file.head_address;
   out << YAML::Key << "netem_control_port" << YAML::Value << std::to_string(file.netem_control_port);
+  out << YAML::Key << "isolation_prefix" << YAML::Value << file.isolation_prefix;
+  out << YAML::Key << "tls_ca" << YAML::Value << file.tls_ca;
   out << YAML::Key << "processes" << YAML::Value << YAML::BeginSeq;
   for (const Started& p : file.processes) {
     out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value << p.name << YAML::Key << "pid"
@@ -138,6 +158,8 @@ absl::StatusOr<ClusterFile> ReadClusterFile(const std::string& state_dir) {
     file.topology = node["topology"].as<std::string>("");
     file.head_address = node["head_address"].as<std::string>("");
     file.netem_control_port = std::stoi(node["netem_control_port"].as<std::string>("0"));
+    file.isolation_prefix = node["isolation_prefix"].as<std::string>("");
+    file.tls_ca = node["tls_ca"].as<std::string>("");
     for (const auto& p : node["processes"]) {
       file.processes.push_back(
           {p["name"].as<std::string>(""), static_cast<pid_t>(std::stol(p["pid"].as<std::string>("0")))});
@@ -172,8 +194,13 @@ int StopProcesses(const std::vector<Started>& processes) {
   return running;
 }
 
-absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address) {
-  ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, ""));
+absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address, const std::string& tls_ca) {
+  TlsFiles tls;
+  if (!tls_ca.empty()) {  // --tls: mutual TLS; the CLI presents the nodes' certificate (valid for clients too)
+    const std::string dir = std::filesystem::path(tls_ca).parent_path().string();
+    tls = TlsFiles{.cert = dir + "/server.pem", .key = dir + "/server.key", .ca = tls_ca};
+  }
+  ASSIGN_OR_RETURN(const HeadClient client, ConnectToHead(address, "", tls));
   grpc::ClientContext ctx;
   v1::ClusterStatus status;
   grpc::Status s = client.cluster->GetClusterStatus(client.Prepare(&ctx, 3000), v1::GetClusterStatusRequest(), &status);
@@ -181,7 +208,38 @@ absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address) {
   return status;
 }
 
-absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir) {
+// deploy/make-certs.sh: installed beside the binary's prefix, or in the source tree of a build.
+std::string MakeCertsScript() {
+  for (const std::string& candidate : {SelfDirectory() + "/../share/geotrain/make-certs.sh",
+                                       std::string(GEOTRAIN_SOURCE_DIR_STR "/deploy/make-certs.sh")}) {
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+// Certificates for every node's addresses in <state_dir>/certs; returns the TLS flags every node gets (mutual TLS:
+// each node's certificate is valid as a client's too).
+absl::StatusOr<std::vector<std::string>> MakeClusterCertificates(const std::string& state_dir,
+                                                                 const std::vector<std::string>& addresses) {
+  const std::string script = MakeCertsScript();
+  if (script.empty()) {
+    return absl::NotFoundError("--tls: cannot find make-certs.sh (share/geotrain/ of the install, or deploy/)");
+  }
+  const std::string dir = state_dir + "/certs";
+  std::vector<std::string> argv = {"/bin/bash", script, dir};
+  argv.insert(argv.end(), addresses.begin(), addresses.end());
+  ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, state_dir + "/logs/make-certs.log"));
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::InternalError(absl::StrCat("--tls: ", script, " failed; see ", state_dir, "/logs/make-certs.log"));
+  }
+  return std::vector<std::string>{
+      "--tls-cert",    dir + "/server.pem",        "--tls-key", dir + "/server.key", "--tls-ca",
+      dir + "/ca.pem", "--tls-require-client-cert"};
+}
+
+absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir, const UpOptions& up) {
   ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(topology_path));
   if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
     for (const Started& p : existing->processes) {
@@ -199,9 +257,11 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   file.topology = std::filesystem::absolute(topology_path).string();
   auto fail = [&file, &state_dir](absl::Status s) {
     StopProcesses(file.processes);
+    if (!file.isolation_prefix.empty()) RemoveIsolatedNetwork(file.isolation_prefix);
     std::filesystem::remove(ClusterFilePath(state_dir));
     return s;
   };
+  if (up.isolate) RETURN_IF_ERROR(CheckIsolationAvailable(IsolationPrefix(state_dir)));
 
   // Links by unordered site pair.
   std::map<std::pair<std::string, std::string>, const TopologyLink*> links;
@@ -218,14 +278,35 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   };
   std::vector<PlannedWorker> workers;
   std::vector<netem::RouteSpec> routes;
+  std::vector<std::pair<std::string, std::string>> site_workers;
+  for (const TopologySite& site : topology.sites()) {
+    for (int i = 0; i < site.workers_size(); ++i)
+      site_workers.push_back({site.name(), absl::StrCat(site.name(), "-", i)});
+  }
+  IsolatedNetwork net;
+  if (up.isolate) {
+    // Recorded before it is made: a crash in between still lets `cluster down` remove it.
+    file.isolation_prefix = IsolationPrefix(state_dir);
+    RETURN_IF_ERROR(WriteClusterFile(state_dir, file));
+    absl::StatusOr<IsolatedNetwork> made = CreateIsolatedNetwork(file.isolation_prefix, site_workers);
+    if (!made.ok()) return fail(made.status());
+    net = std::move(*made);
+  }
+  size_t worker_index = 0;
   for (const TopologySite& site : topology.sites()) {
     for (int i = 0; i < site.workers_size(); ++i) {
       const TopologyWorker& w = site.workers(i);
       PlannedWorker p;
       p.id = absl::StrCat(site.name(), "-", i);
       p.site = site.name();
-      ASSIGN_OR_RETURN(auto port, FreePort());
-      p.port = port;
+      if (up.isolate) {
+        p.port = kIsolatedWorkerPort;  // its own namespace: the port is free
+      } else {
+        ASSIGN_OR_RETURN(auto port, FreePort());
+        p.port = port;
+      }
+      const std::string host = up.isolate ? net.nodes[worker_index].ip : "127.0.0.1";
+      ++worker_index;
       for (int d = 0; d < std::max(1, w.count()); ++d) {
         p.devices.push_back(absl::StrCat(w.device().empty() ? "GPU" : w.device(), ":", w.tflops(), ":", w.mem_gb()));
       }
@@ -234,7 +315,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
         netem::RouteSpec r;
         r.src_site = other.name();
         r.dst_site = site.name();
-        r.target_host = "127.0.0.1";
+        r.target_host = host;
         r.target_port = p.port;
         p.route_index_by_site[other.name()] = routes.size();
         routes.push_back(r);
@@ -249,6 +330,17 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   netem_spec.topology_path = file.topology;
   netem_spec.routes = routes;
   netem_spec.ready_file = state_dir + "/netem.ready";
+  if (up.isolate) netem_spec.listen_host = "0.0.0.0";  // each site reaches the routes at its bridge's address
+  std::vector<std::string> tls_flags;
+  if (up.tls) {
+    std::vector<std::string> addresses;
+    for (const auto& [site, gateway] : net.gateway_by_site) addresses.push_back(gateway);
+    for (const IsolatedNode& n : net.nodes) addresses.push_back(n.ip);
+    absl::StatusOr<std::vector<std::string>> flags = MakeClusterCertificates(state_dir, addresses);
+    if (!flags.ok()) return fail(flags.status());
+    tls_flags = *flags;
+    file.tls_ca = state_dir + "/certs/ca.pem";
+  }
   std::filesystem::remove(netem_spec.ready_file);
   auto netem_pid = Spawn(netem::EmulatorCommandLine(netem_spec), state_dir + "/logs/netem.log");
   if (!netem_pid.ok()) return fail(netem_pid.status());
@@ -264,28 +356,86 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   auto metrics_port = FreePort();
   if (!head_port.ok() || !metrics_port.ok()) return fail(absl::UnavailableError("no free ports"));
   file.head_address = absl::StrCat("127.0.0.1:", *head_port);
-  auto head_pid = Spawn({geotrain, "head", "start", "--bind", "127.0.0.1", "--port", std::to_string(*head_port),
-                         "--metrics-port", std::to_string(*metrics_port), "--state-dir", state_dir + "/head"},
-                        state_dir + "/logs/head.log");
+  std::vector<std::string> head_argv = {geotrain,
+                                        "head",
+                                        "start",
+                                        "--bind",
+                                        up.isolate ? "0.0.0.0" : "127.0.0.1",
+                                        "--port",
+                                        std::to_string(*head_port),
+                                        "--metrics-port",
+                                        std::to_string(*metrics_port),
+                                        "--metrics-bind",
+                                        "127.0.0.1",
+                                        "--state-dir",
+                                        state_dir + "/head"};
+  head_argv.insert(head_argv.end(), tls_flags.begin(), tls_flags.end());
+  auto head_pid = Spawn(head_argv, state_dir + "/logs/head.log");
   if (!head_pid.ok()) return fail(head_pid.status());
   file.processes.push_back({"head", *head_pid});
   if (absl::Status s = WriteClusterFile(state_dir, file); !s.ok()) return fail(s);
   const auto head_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  while (!HeadStatus(file.head_address).ok()) {
+  while (!HeadStatus(file.head_address, file.tls_ca).ok()) {
     if (std::chrono::steady_clock::now() > head_deadline || ::waitpid(*head_pid, nullptr, WNOHANG) != 0) {
       return fail(absl::UnavailableError(absl::StrCat("the head did not start; see ", state_dir, "/logs/head.log")));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 
+  // Each worker's own disk: its state dir, and a copy of the token (the head's state dir may be hidden from it).
+  auto token = ReadSmallFile(state_dir + "/head/token");
+  if (!token.ok()) return fail(WithContext(token.status(), "reading the head's token"));
+  std::vector<std::string> hidden = {std::filesystem::absolute(state_dir + "/head").string()};
+  for (const std::string& dir : up.hidden) hidden.push_back(std::filesystem::absolute(dir).lexically_normal().string());
   for (const PlannedWorker& w : workers) {
-    std::vector<std::string> argv = {
-        geotrain, "worker",         "start",     "--head", file.head_address,      "--site",
-        w.site,   "--bind",         "127.0.0.1", "--port", std::to_string(w.port), "--worker-id",
-        w.id,     "--metrics-port", "0"};
+    // Made now: a directory that does not exist when a node starts is not covered in its view.
+    std::filesystem::create_directories(absl::StrCat(state_dir, "/nodes/", w.id));
+    hidden.push_back(std::filesystem::absolute(absl::StrCat(state_dir, "/nodes/", w.id)).string());
+  }
+  for (size_t i = 0; i < workers.size(); ++i) {
+    const PlannedWorker& w = workers[i];
+    const std::string node_dir = absl::StrCat(state_dir, "/nodes/", w.id);
+    std::filesystem::create_directories(node_dir);
+    if (absl::Status s = WriteFileAtomically(node_dir + "/token", *token, 0600); !s.ok()) return fail(s);
+    const std::string head_address =
+        up.isolate ? absl::StrCat(net.nodes[i].gateway, ":", *head_port) : file.head_address;
+    const std::string own_host = up.isolate ? net.nodes[i].ip : "127.0.0.1";
+    std::vector<std::string> argv = {geotrain,
+                                     "worker",
+                                     "start",
+                                     "--head",
+                                     head_address,
+                                     "--site",
+                                     w.site,
+                                     "--bind",
+                                     up.isolate ? "0.0.0.0" : "127.0.0.1",
+                                     "--port",
+                                     std::to_string(w.port),
+                                     "--advertise-address",
+                                     absl::StrCat(own_host, ":", w.port),
+                                     "--worker-id",
+                                     w.id,
+                                     "--metrics-port",
+                                     "0",
+                                     "--state-dir",
+                                     node_dir,
+                                     "--token-file",
+                                     node_dir + "/token"};
+    argv.insert(argv.end(), tls_flags.begin(), tls_flags.end());
     for (const std::string& d : w.devices) argv.insert(argv.end(), {"--emulate-device", d});
     for (const auto& [site, index] : w.route_index_by_site) {
-      argv.insert(argv.end(), {"--advertise-for", absl::StrCat(site, "=127.0.0.1:", ready->routes[index].bound_port)});
+      // Peers at `site` dial the emulator's route at their own side: their bridge, or loopback.
+      const std::string route_host = up.isolate ? net.gateway_by_site[site] : "127.0.0.1";
+      argv.insert(argv.end(),
+                  {"--advertise-for", absl::StrCat(site, "=", route_host, ":", ready->routes[index].bound_port)});
+    }
+    if (up.isolate) {
+      std::vector<std::string> others;
+      const std::string own = std::filesystem::absolute(node_dir).string();
+      for (const std::string& dir : hidden) {
+        if (dir != own) others.push_back(dir);
+      }
+      argv = IsolatedCommand(net.nodes[i], others, argv);
     }
     auto pid = Spawn(argv, absl::StrCat(state_dir, "/logs/worker-", w.id, ".log"));
     if (!pid.ok()) return fail(pid.status());
@@ -296,7 +446,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   int alive = 0;
   while (true) {
-    auto status = HeadStatus(file.head_address);
+    auto status = HeadStatus(file.head_address, file.tls_ca);
     alive = 0;
     if (status.ok()) {
       for (const v1::Worker& w : status->workers()) alive += w.state() == v1::WORKER_ALIVE;
@@ -316,6 +466,12 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
                 l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
   }
+  if (up.isolate) {
+    std::printf("  isolated nodes (own network and mount namespaces, names %s-*):", file.isolation_prefix.c_str());
+    for (const IsolatedNode& n : net.nodes) std::printf(" %s=%s", n.worker_id.c_str(), n.ip.c_str());
+    std::printf("\n");
+  }
+  if (up.tls) std::printf("  mutual TLS on every connection; certificates in %s/certs\n", state_dir.c_str());
   std::printf(
       "state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
       "`geotrain cluster down`\n",
@@ -326,16 +482,19 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
 absl::Status ClusterDown(const std::string& state_dir) {
   ASSIGN_OR_RETURN(auto file, ReadClusterFile(state_dir));
   const int stopped = StopProcesses(file.processes);
+  const int removed = file.isolation_prefix.empty() ? 0 : RemoveIsolatedNetwork(file.isolation_prefix);
   std::filesystem::remove(ClusterFilePath(state_dir));
   std::filesystem::remove(state_dir + "/netem.ready");
-  std::printf("cluster down: stopped %d process(es) of %zu started\n", stopped, file.processes.size());
+  std::printf("cluster down: stopped %d process(es) of %zu started", stopped, file.processes.size());
+  if (!file.isolation_prefix.empty()) std::printf("; removed %d namespace(s) and link(s)", removed);
+  std::printf("\n");
   return absl::OkStatus();
 }
 
 absl::Status ClusterShow(const std::string& state_dir) {
   ASSIGN_OR_RETURN(auto file, ReadClusterFile(state_dir));
   ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(file.topology));
-  ASSIGN_OR_RETURN(auto status, HeadStatus(file.head_address));
+  ASSIGN_OR_RETURN(auto status, HeadStatus(file.head_address, file.tls_ca));
   std::map<std::pair<std::string, std::string>, v1::SiteLink> measured;
   for (const v1::SiteLink& l : status.site_links()) measured[{l.a(), l.b()}] = l;
   std::printf("head %s; WAN emulator control port %d\n\n", file.head_address.c_str(), file.netem_control_port);
@@ -371,8 +530,15 @@ void AddClusterCommands(CLI::App& app, Context& context) {
   CLI::App* up = cluster->add_subcommand("up", "start a head, the WAN emulator and every site's workers");
   up->add_option("topology", *topology, "topology file (see deploy/topologies/)")->required();
   up->add_option("--state-dir", *state_dir, "where the cluster keeps its state and logs")->capture_default_str();
-  up->callback([topology, state_dir, &context] {
-    if (absl::Status s = ClusterUp(*topology, *state_dir); !s.ok()) context.exit_code = Fail(s);
+  auto up_options = std::make_shared<UpOptions>();
+  up->add_flag("--isolate", up_options->isolate,
+               "every worker in its own network namespace (own address) and mount namespace (own disk; needs root)");
+  up->add_flag("--tls", up_options->tls, "make certificates and run every connection with mutual TLS");
+  up->add_option("--hide", up_options->hidden,
+                 "with --isolate: a directory the workers must not see, e.g. the jobs' data and checkpoint dirs "
+                 "(repeatable; the head's state dir is always hidden)");
+  up->callback([topology, state_dir, up_options, &context] {
+    if (absl::Status s = ClusterUp(*topology, *state_dir, *up_options); !s.ok()) context.exit_code = Fail(s);
   });
   CLI::App* down = cluster->add_subcommand("down", "stop everything `cluster up` started");
   down->add_option("--state-dir", *state_dir, "the state dir given to `cluster up`")->capture_default_str();

@@ -75,23 +75,33 @@ void AddTokenOptions(CLI::App* cmd, std::string* token, std::string* token_file,
       ->excludes(token_option);
 }
 
+// A node's TLS flags: its certificate and key (served, and presented as a client with mutual TLS), the CA of
+// the others, and whether its server requires client certificates.
+void AddNodeTlsOptions(CLI::App* cmd, TlsFiles* tls, const std::string& role) {
+  cmd->add_option("--tls-cert", tls->cert, absl::StrCat("this ", role, "'s certificate (PEM): enables TLS"));
+  cmd->add_option("--tls-key", tls->key, absl::StrCat("this ", role, "'s private key (PEM)"));
+  cmd->add_option("--tls-ca", tls->ca, "CA (PEM) that signed every node's certificate");
+  cmd->add_flag("--tls-require-client-cert", tls->require_client_cert,
+                "mutual TLS: refuse clients without a certificate the CA signed");
+}
+
 struct HeadFlags {
   std::string head;
   std::string token;
   std::string token_file;
-  std::string tls_ca;
+  TlsFiles tls;
   void Add(CLI::App* cmd) {
     cmd->add_option("--head", head, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
     AddTokenOptions(cmd, &token, &token_file, "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or the head's token file");
-    cmd->add_option("--tls-ca", tls_ca, "CA certificate (PEM) to verify a TLS head");
+    cmd->add_option("--tls-ca", tls.ca, "CA certificate (PEM) to verify a TLS head (default: GEOTRAIN_TLS_CA)");
+    cmd->add_option("--tls-cert", tls.cert, "client certificate (PEM) for mutual TLS (default: GEOTRAIN_TLS_CERT)");
+    cmd->add_option("--tls-key", tls.key, "client private key (PEM) for mutual TLS (default: GEOTRAIN_TLS_KEY)");
   }
 };
 
 absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
   ASSIGN_OR_RETURN(std::string token, TokenFromFlagsOrEnvironment(flags.token, flags.token_file));
-  TlsFiles tls;
-  tls.ca = flags.tls_ca;
-  return ConnectToHead(flags.head, token, tls);
+  return ConnectToHead(flags.head, token, TlsFromFlagsOrEnvironment(flags.tls));
 }
 
 // The public enums mirror the internal ones value for value (head/public_api_test.cc checks it), so their display
@@ -135,9 +145,9 @@ void AddHeadCommands(CLI::App& app, Context& context) {
       ->add_option("--heartbeat-timeout-ms", options->heartbeat_timeout_ms,
                    "silence after which a worker is declared dead")
       ->capture_default_str();
-  start->add_option("--tls-cert", options->tls.cert, "server certificate (PEM) for TLS");
-  start->add_option("--tls-key", options->tls.key, "server private key (PEM) for TLS");
-  start->add_option("--tls-ca", options->tls.ca, "CA (PEM) for verifying clients");
+  start->add_option("--metrics-bind", options->metrics_bind,
+                    "address /metrics listens on (default: the advertised host, else 127.0.0.1)");
+  AddNodeTlsOptions(start, &options->tls, "head");
   start->callback([options, token_file, &context] {
     SetLogProcessName("head");
     absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(options->token, *token_file);
@@ -198,9 +208,13 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
                    "how often to measure latency and bandwidth to peers (0: never)")
       ->capture_default_str();
   start->add_option("--emulate-device", *emulate, "stand in for a GPU: NAME:TFLOPS:MEM_GB (repeatable), e.g. T4:65:16");
-  start->add_option("--tls-cert", options->tls.cert, "client certificate (PEM)");
-  start->add_option("--tls-key", options->tls.key, "client private key (PEM)");
-  start->add_option("--tls-ca", options->tls.ca, "CA (PEM) that signed the head's certificate");
+  start->add_option("--metrics-bind", options->metrics_bind,
+                    "address /metrics listens on (default: the advertised address's host)");
+  start->add_option("--state-dir", options->state_dir,
+                    "where the worker keeps its cache and local checkpoint files (default: GEOTRAIN_HOME/worker)");
+  start->add_option("--cache-dir", options->cache_dir,
+                    "staged data shards, shared by jobs and by workers on this machine (default: STATE_DIR/cache)");
+  AddNodeTlsOptions(start, &options->tls, "worker");
   start->callback([options, emulate, head_flag, token_file, advertise_for, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));
     for (const std::string& pair : *advertise_for) {

@@ -58,7 +58,7 @@ int ModelGrad(const std::string& config_path, const std::string& weights, const 
   auto loader = model::DataLoader::Create(tokens, B, T, 0, 1, l->config.vocab_size);
   if (!loader.ok()) return Fail(loader.status());
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
-  (*loader)->Next(x.data(), y.data());
+  if (absl::Status s = (*loader)->Next(x.data(), y.data()); !s.ok()) return Fail(s);
   GPT2Stage& model = **m;
   model.ZeroGrad();
   if (absl::Status s = model.Forward(B, T, x.data(), nullptr, y.data()); !s.ok()) return Fail(s);
@@ -101,7 +101,7 @@ int ModelSteps(const std::string& config_path, const std::string& weights, const
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
   model::NamedTensor losses{"losses", {t.steps()}, {}};
   for (int step = 0; step < t.steps(); ++step) {
-    (*loader)->Next(x.data(), y.data());
+    if (absl::Status s = (*loader)->Next(x.data(), y.data()); !s.ok()) return Fail(s);
     model.ZeroGrad();
     if (absl::Status s = model.Forward(B, T, x.data(), nullptr, y.data()); !s.ok()) return Fail(s);
     losses.data.push_back(model.loss());

@@ -32,7 +32,8 @@ absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& ad
     case grpc::StatusCode::DEADLINE_EXCEEDED:
       return absl::UnavailableError(
           absl::StrCat("cannot reach the head at ", address, " (", status.error_message(),
-                       "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT"));
+                       "); is it running? start it with `geotrain head start`, or pass --head HOST:PORT",
+                       TlsMismatchHint(status.error_message())));
     case grpc::StatusCode::UNAUTHENTICATED:
       return absl::UnauthenticatedError(
           absl::StrCat("the head at ", address, " refused the call: ", status.error_message()));

@@ -698,7 +698,9 @@ std::unique_ptr<TensorStreamClient::Stream> TensorStreamClient::TakeStream(const
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     ApplyTransportOptions(options_, &args);
-    peer.channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    peer.channel = grpc::CreateCustomChannel(
+        address, options_.channel_credentials ? options_.channel_credentials : grpc::InsecureChannelCredentials(),
+        args);
   }
   ++stats_.streams_opened;
   return std::make_unique<Stream>(peer.channel);

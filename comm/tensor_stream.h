@@ -77,6 +77,7 @@
 namespace grpc {
 class ServerBuilder;
 class Channel;
+class ChannelCredentials;
 }  // namespace grpc
 
 namespace geotrain::comm {
@@ -132,6 +133,9 @@ struct TensorStreamOptions {
   int http2_window_bytes = 0;
   int http2_max_frame_bytes = 0;
   int tcp_read_chunk_bytes = 0;
+  // The client's channel credentials: TLS when the workers' servers serve it (common/rpc.h MakeChannelCredentials);
+  // null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> channel_credentials;
 };
 
 // A tensor as received: validated, checksum verified, still encoded.

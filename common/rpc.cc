@@ -14,7 +14,9 @@
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "yaml-cpp/yaml.h"
@@ -101,7 +103,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   }
   ASSIGN_OR_RETURN(auto cert, ReadSmallFile(tls.cert));
   ASSIGN_OR_RETURN(auto key, ReadSmallFile(tls.key));
-  grpc::SslServerCredentialsOptions options;
+  if (tls.require_client_cert && tls.ca.empty()) {
+    return absl::InvalidArgumentError("mutual TLS needs --tls-ca: the CA that signed the clients' certificates");
+  }
+  grpc::SslServerCredentialsOptions options(tls.require_client_cert
+                                                ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                                : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   options.pem_key_cert_pairs.push_back({key, cert});
   if (!tls.ca.empty()) {
     ASSIGN_OR_RETURN(auto ca, ReadSmallFile(tls.ca));
@@ -126,6 +133,40 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return grpc::SslCredentials(options);
 }
 
+absl::Status ValidateNodeTls(const TlsFiles& tls, const std::string& role) {
+  if (!tls.enabled()) {
+    if (tls.require_client_cert) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          role, ": mutual TLS needs --tls-cert, --tls-key and --tls-ca (deploy/make-certs.sh makes them)"));
+    }
+    return absl::OkStatus();
+  }
+  std::vector<std::string> missing;
+  if (tls.cert.empty()) missing.push_back("--tls-cert");
+  if (tls.key.empty()) missing.push_back("--tls-key");
+  if (tls.ca.empty()) missing.push_back("--tls-ca");
+  if (missing.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(role, ": TLS needs ", absl::StrJoin(missing, " and "), " too: a ", role,
+                   " both serves (its certificate and key) and dials the other nodes (the CA that signed theirs); "
+                   "`deploy/make-certs.sh DIR --node NAME=ADDRESS,...` makes a CA and a certificate per node"));
+}
+
+TlsFiles TlsFromFlagsOrEnvironment(const TlsFiles& flags) {
+  if (flags.enabled()) return flags;
+  TlsFiles tls = flags;
+  auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    return std::string(value != nullptr ? value : "");
+  };
+  tls.ca = env("GEOTRAIN_TLS_CA");
+  tls.cert = env("GEOTRAIN_TLS_CERT");
+  tls.key = env("GEOTRAIN_TLS_KEY");
+  if (tls.enabled()) return tls;
+  if (auto record = ReadClusterRecord(); record.ok() && record->tls.enabled()) return record->tls;
+  return flags;
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls) {
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
@@ -140,9 +181,28 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& ad
   return grpc::CreateCustomChannel(address, creds, args);
 }
 
+std::string TlsMismatchHint(absl::string_view error_message) {
+  const std::string lower = absl::AsciiStrToLower(error_message);
+  if (absl::StrContains(lower, "wrong version number") || absl::StrContains(lower, "wrong_version_number") ||
+      absl::StrContains(lower, "http_request")) {
+    return "; the peer speaks plaintext and this side TLS: give every node of the cluster the same TLS flags "
+           "(--tls-cert, --tls-key, --tls-ca), or none";
+  }
+  if (absl::StrContains(lower, "socket closed") || absl::StrContains(lower, "connection reset")) {
+    return "; if the peer serves TLS, this side needs it too: --tls-ca (or GEOTRAIN_TLS_CA), and with mutual TLS "
+           "--tls-cert and --tls-key";
+  }
+  if (absl::StrContains(lower, "certificate") && absl::StrContains(lower, "required")) {
+    return "; the peer requires a client certificate (mutual TLS): pass --tls-cert and --tls-key";
+  }
+  return "";
+}
+
 absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
   if (status.ok()) return absl::OkStatus();
-  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  std::string message = status.error_message();
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) message += TlsMismatchHint(message);
+  const absl::Status converted(static_cast<absl::StatusCode>(status.error_code()), message);
   return context.empty() ? converted : WithContext(converted, context);
 }
 
@@ -170,6 +230,9 @@ absl::Status WriteClusterRecord(const ClusterRecord& record) {
   out << YAML::Key << "metrics_address" << YAML::Value << record.metrics_address;
   out << YAML::Key << "state_dir" << YAML::Value << record.state_dir;
   out << YAML::Key << "pid" << YAML::Value << std::to_string(record.pid);
+  out << YAML::Key << "tls_ca" << YAML::Value << record.tls.ca;
+  out << YAML::Key << "tls_cert" << YAML::Value << record.tls.cert;
+  out << YAML::Key << "tls_key" << YAML::Value << record.tls.key;
   out << YAML::EndMap;
   return WriteFileAtomically(absl::StrCat(dir, "/current_cluster.json"), std::string(out.c_str()) + "\n", 0600);
 }
@@ -185,6 +248,9 @@ absl::StatusOr<ClusterRecord> ReadClusterRecord() {
     r.metrics_address = node["metrics_address"].as<std::string>("");
     r.state_dir = node["state_dir"].as<std::string>("");
     r.pid = std::atoll(node["pid"].as<std::string>("0").c_str());
+    r.tls.ca = node["tls_ca"].as<std::string>("");
+    r.tls.cert = node["tls_cert"].as<std::string>("");
+    r.tls.key = node["tls_key"].as<std::string>("");
     if (r.address.empty()) return absl::DataLossError(absl::StrCat(path, ": no address"));
     return r;
   } catch (const YAML::Exception& e) {

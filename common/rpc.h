@@ -44,21 +44,38 @@ std::string GenerateToken();
 // A fresh random id with a prefix ("h-3f2a91c0").
 std::string GenerateId(const std::string& prefix);
 
-// TLS is optional: with all three files empty, connections are plaintext.
+// One TLS configuration for every connection of a cluster: CLI -> head, head -> worker, worker -> head and the
+// tensor streams and staging fetches between workers. With all files empty, connections are plaintext.
+// A node (head or worker) serves and dials, so it needs all three files (ValidateNodeTls); the CLI needs the CA,
+// and with mutual TLS a certificate and key of its own. deploy/make-certs.sh makes them.
 struct TlsFiles {
-  std::string cert;  // PEM certificate of this process (server side)
-  std::string key;   // PEM private key
-  std::string ca;    // PEM CA that signed the peer's certificate (client side: the server's)
+  std::string cert;  // PEM certificate of this process: served by a server, presented by a client (mutual TLS)
+  std::string key;   // PEM private key of `cert`
+  std::string ca;    // PEM CA that signed the peers' certificates (the server's; with mutual TLS, the clients')
+  // Mutual TLS: servers refuse clients without a certificate signed by `ca`.
+  bool require_client_cert = false;
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
+// A server's credentials: plaintext when TLS is off; with require_client_cert, clients must present a
+// certificate that `ca` signed. Errors name the file that cannot be read.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& tls);
+// A client's credentials: verifies the server against `ca`, and presents cert/key when both are given.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& tls);
+// A head or worker both serves and dials: with TLS on, it needs a certificate, its key and the CA. An error names
+// the missing flag (`role` is "head" or "worker") and how to make the files.
+absl::Status ValidateNodeTls(const TlsFiles& tls, const std::string& role);
+// TLS settings for the CLI: the flags, else GEOTRAIN_TLS_CA / GEOTRAIN_TLS_CERT / GEOTRAIN_TLS_KEY, else the
+// files recorded by a head on this machine (or by `cluster up --tls`).
+TlsFiles TlsFromFlagsOrEnvironment(const TlsFiles& flags);
 // A channel to `address` with keepalive settings suited to long-lived control streams.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls);
 
 // The one conversion between gRPC and absl statuses (their codes are the same numbers). FromGrpc prefixes
 // the message with `context` when one is given ("context: message").
 absl::Status FromGrpc(const grpc::Status& status, absl::string_view context = {});
+// For a connection that failed because one side speaks TLS and the other plaintext (or a client certificate is
+// missing): "; <what to change>", else "". FromGrpc appends it to UNAVAILABLE errors.
+std::string TlsMismatchHint(absl::string_view error_message);
 grpc::Status ToGrpc(const absl::Status& status);
 
 // Reads a whole file (for PEM files and token files).
@@ -73,6 +90,7 @@ struct ClusterRecord {
   std::string metrics_address;
   std::string state_dir;
   int64_t pid = 0;
+  TlsFiles tls;  // what the local CLI uses to reach the head (its CA; with mutual TLS, a certificate and key)
 };
 absl::Status WriteClusterRecord(const ClusterRecord& record);
 absl::StatusOr<ClusterRecord> ReadClusterRecord();

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/status.h"
 #include "head/rpc_call.h"
 #include "head/scrape_targets.h"
 #include "internal.grpc.pb.h"
@@ -127,6 +128,7 @@ absl::Status HeadServer::Start() {
   if (options_.state_dir.empty()) {
     return absl::InvalidArgumentError("head: no state dir; pass --state-dir DIR");
   }
+  RETURN_IF_ERROR(ValidateNodeTls(options_.tls, "head"));
   auto store = HeadStore::Open(options_.state_dir);
   if (!store.ok()) return store.status();
   store_ = std::move(*store);
@@ -168,9 +170,11 @@ absl::Status HeadServer::Start() {
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<MetricsServer>();
-    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port)); !s.ok()) {
-      return s;
-    }
+    const std::string metrics_host = !options_.metrics_bind.empty()     ? options_.metrics_bind
+                                     : !options_.advertise_host.empty() ? options_.advertise_host
+                                                                        : "127.0.0.1";
+    RETURN_IF_ERROR(metrics_->Start(absl::StrCat(metrics_host, ":", options_.metrics_port)));
+    metrics_host_ = metrics_host;
   }
 
   JobRunnerOptions runner_options;
@@ -194,11 +198,21 @@ absl::Status HeadServer::Start() {
   components.stopping = [this] { return IsStopping(); };
   components.changed = [this] { RefreshMetrics(); };
   public_api_ = std::make_unique<PublicApi>(std::move(components), token_);
+  staging_ = std::make_unique<HeadStagingService>(
+      token_, options_.state_dir,
+      HeadStagingService::Hooks{.get_job = [this](const std::string& job_id) { return jobs_->Get(job_id); },
+                                .log =
+                                    [this](const std::string& job_id, const std::string& line) {
+                                      if (absl::Status s = jobs_->Log(job_id, line); !s.ok())
+                                        GT_LOG(WARNING) << "job " << job_id << ": " << s;
+                                    }},
+      metrics_.get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use must fail, not be shared
   builder.RegisterService(service_.get());
   public_api_->RegisterWith(&builder);
+  builder.RegisterService(staging_.get());
   builder.SetMaxReceiveMessageSize(16 << 20);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
@@ -214,6 +228,7 @@ absl::Status HeadServer::Start() {
     record.metrics_address = metrics_ ? absl::StrCat(host, ":", metrics_->port()) : "";
     record.state_dir = options_.state_dir;
     record.pid = getpid();
+    record.tls = options_.tls;
     if (absl::Status s = WriteClusterRecord(record); !s.ok()) {
       GT_LOG(WARNING) << "could not record the cluster for the CLI: " << s;
     }
@@ -256,9 +271,11 @@ void HeadServer::DetectorLoop() {
 void HeadServer::WriteScrapeTargets() {
   // Prometheus file-based discovery: the head and every alive worker's metrics endpoint, by site.
   const std::string json = ScrapeTargetsJson(
-      metrics_
-          ? absl::StrCat(options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host, ":", metrics_->port())
-          : std::string(),
+      metrics_ ? absl::StrCat(metrics_host_ == "0.0.0.0"
+                                  ? (options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host)
+                                  : metrics_host_,
+                              ":", metrics_->port())
+               : std::string(),
       registry_->Workers());
   absl::MutexLock lock(&targets_mu_);
   if (json == scrape_targets_) return;

@@ -10,6 +10,9 @@
 //   if (absl::Status s = head.Start(); !s.ok()) { ... }
 //   head.Wait();  // until Shutdown() from another thread (e.g. on SIGTERM)
 //
+// Its server also carries DataStaging (head/staging_service.h): the token shards workers stage, and the checkpoint
+// files actors copy to checkpoint.dir on this machine.
+//
 // Threads: gRPC's sync server threads run the handlers; they call the registry, job manager, job
 // runner and rendezvous table, which lock their own state (FetchRendezvous blocks its handler thread for
 // up to 60 s). One detector thread only detects: it calls CheckLiveness() (probing silent workers) and
@@ -33,6 +36,7 @@
 #include "head/public_api.h"
 #include "head/registry.h"
 #include "head/rendezvous.h"
+#include "head/staging_service.h"
 #include "head/store.h"
 
 namespace geotrain::head {
@@ -42,6 +46,7 @@ struct HeadOptions {
   int port = 6380;
   int metrics_port = 9470;     // -1 disables metrics; 0 picks a free port
   std::string advertise_host;  // host written to the cluster record; default 127.0.0.1
+  std::string metrics_bind;    // address /metrics listens on; default the advertised host (never 0.0.0.0 unasked)
   std::string state_dir;       // required
   std::string token;           // empty: reuse <state_dir>/token or make a new one
   int64_t heartbeat_interval_ms = 1000;
@@ -49,7 +54,7 @@ struct HeadOptions {
   // A silent worker whose port still answers, or that cannot be reached, is declared dead after this long
   // (one whose port refuses connections at the heartbeat timeout): head/liveness_probe.h.
   int64_t unreachable_timeout_ms = 30000;
-  TlsFiles tls;
+  TlsFiles tls;  // one configuration for the head's server and its calls to workers (common/rpc.h)
   bool write_cluster_record = true;
 };
 
@@ -86,6 +91,7 @@ class HeadServer {
   const Clock* clock_;
   std::string head_id_;
   std::string token_;
+  std::string metrics_host_;  // the address /metrics listens on
   int port_ = 0;
   int64_t started_unix_ms_ = 0;
 
@@ -97,6 +103,7 @@ class HeadServer {
   std::unique_ptr<RendezvousTable> rendezvous_;  // values a job's actors exchange (NCCL unique ids)
   std::unique_ptr<Service> service_;             // internal.proto's HeadControl
   std::unique_ptr<PublicApi> public_api_;
+  std::unique_ptr<HeadStagingService> staging_;  // shards to workers, checkpoint files from actors
   std::unique_ptr<grpc::Server> server_;
 
   absl::Mutex targets_mu_;  // RefreshMetrics runs on handler threads and the detector thread

@@ -233,7 +233,7 @@ void JobRunner::HandleFaults() {
     }
     if (metrics_ != nullptr) {
       metrics_->Counters("geotrain_job_restarts_total", "Restarts of a job from its checkpoint after a fault")
-          .Add({{"job", p.job_id}})
+          .Add({{"job_id", p.job_id}})
           .Increment();
     }
     // The surviving actors stop now (their receives end at once), before the next run is placed.
@@ -408,7 +408,7 @@ void JobRunner::RecoverJobs() {
             job_id, "recording the restart");
       if (metrics_ != nullptr && lost > 0) {
         metrics_->Counters("geotrain_job_steps_lost_total", "Steps trained again after restarts, by job")
-            .Add({{"job", job_id}})
+            .Add({{"job_id", job_id}})
             .Increment(static_cast<double>(lost));
       }
       continue;
@@ -840,6 +840,9 @@ void JobRunner::CommitCheckpoint(const std::string& job_id, const JobSpec& spec,
       CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name()];
       entry.set_bytes(f.bytes());
       entry.set_crc32(f.crc32());
+      if (!shard->replica_worker().empty()) {  // checkpoint.replicate: a copy at another site
+        (*manifest.mutable_replicas())[f.name()] = absl::StrCat(shard->replica_worker(), "@", shard->replica_address());
+      }
     }
     for (const std::string& t : shard->tensors()) manifest.mutable_tensors()->insert({t, shard->model_file()});
     snapshot = std::max(snapshot, shard->snapshot_seconds());
@@ -918,11 +921,11 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
   if (metrics_ == nullptr) return;
   if (auto job = jobs_->Get(job_id); job.ok() && job->predicted_step_seconds() > 0) {
     metrics_->Gauges("geotrain_predicted_step_seconds", "The planner's predicted step time, by job")
-        .Add({{"job", job_id}})
+        .Add({{"job_id", job_id}})
         .Set(job->predicted_step_seconds());
   }
   metrics_->Gauges("geotrain_measured_step_seconds", "The latest measured step time, by job")
-      .Add({{"job", job_id}})
+      .Add({{"job_id", job_id}})
       .Set(agg.step_seconds);
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                                                    2.5,  5,     10,   30,  60,   120};
@@ -930,20 +933,20 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
       .Name("geotrain_step_duration_seconds")
       .Help("Optimizer step time, by job")
       .Register(metrics_->registry())
-      .Add({{"job", job_id}}, kBuckets)
+      .Add({{"job_id", job_id}}, kBuckets)
       .Observe(agg.step_seconds);
   metrics_->Gauges("geotrain_tokens_per_second", "Training throughput, by job")
-      .Add({{"job", job_id}})
+      .Add({{"job_id", job_id}})
       .Set(tokens_per_second);
   if (agg.have_loss)
-    metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job", job_id}}).Set(agg.loss);
+    metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job_id", job_id}}).Set(agg.loss);
   if (agg.val_reports > 0) {
     metrics_->Gauges("geotrain_val_loss", "Validation loss (mean over replicas), by job")
-        .Add({{"job", job_id}})
+        .Add({{"job_id", job_id}})
         .Set(agg.val_sum / agg.val_reports);
   }
   metrics_->Gauges("geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job")
-      .Add({{"job", job_id}})
+      .Add({{"job_id", job_id}})
       .Set(agg.step_seconds > 0 ? agg.bubble / agg.step_seconds : 0);
   auto& wan_family = metrics_->Counters("geotrain_wan_bytes_total", "Bytes sent between sites");
   for (const auto& [pair, bytes] : agg.wan_bytes) {

@@ -1,7 +1,12 @@
 // Checkpoint files: shards, manifests, verification, pruning (see checkpoint_files.h).
 #include "model/checkpoint_files.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -197,5 +202,101 @@ absl::Status PruneCheckpoints(const std::string& dir, int keep) {
 }
 
 int CheckpointsKept(const CheckpointSpec& spec) { return spec.keep() == 0 ? 3 : spec.keep(); }
+
+absl::StatusOr<CheckpointManifest> ParseManifest(const std::string& json, const std::string& source) {
+  CheckpointManifest manifest;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(json, &manifest, options).ok()) {
+    return absl::DataLossError(absl::StrCat(source, " does not parse as a checkpoint manifest"));
+  }
+  return manifest;
+}
+
+absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& step_dir) {
+  const std::string path = absl::StrCat(step_dir, "/manifest.json");
+  ASSIGN_OR_RETURN(std::string json, ReadFileToString(path));
+  return ParseManifest(json, path);
+}
+
+absl::Status WriteManifest(const std::string& step_dir, const CheckpointManifest& manifest) {
+  return WriteFileAtomically(absl::StrCat(step_dir, "/manifest.json"), ManifestToJson(manifest));
+}
+
+bool IsCheckpointFileName(const std::string& name) {
+  if (name.empty() || name.size() > 255 || name == "." || name == ".." || absl::StartsWith(name, ".")) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+}
+
+absl::StatusOr<std::string> FileCrc32Hex(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+  return Crc32Hex(bytes);
+}
+
+IncomingCheckpointFile::IncomingCheckpointFile(std::string path, uint64_t bytes, std::string crc32, int fd)
+    : path_(std::move(path)), part_(path_ + ".part"), crc32_(std::move(crc32)), bytes_(bytes), fd_(fd) {}
+
+absl::StatusOr<std::unique_ptr<IncomingCheckpointFile>> IncomingCheckpointFile::Create(std::string path, uint64_t bytes,
+                                                                                       std::string crc32) {
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create ", fs::path(path).parent_path().string(), ": ", ec.message()));
+  }
+  const std::string part = path + ".part";
+  const int fd = ::open(part.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::PermissionDeniedError(absl::StrCat("cannot create ", part, ": ", std::strerror(errno)));
+  return std::unique_ptr<IncomingCheckpointFile>(
+      new IncomingCheckpointFile(std::move(path), bytes, std::move(crc32), fd));
+}
+
+IncomingCheckpointFile::~IncomingCheckpointFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!finished_) ::unlink(part_.c_str());
+}
+
+absl::Status IncomingCheckpointFile::Append(std::string_view data) {
+  if (received_ + data.size() > bytes_) {
+    return absl::DataLossError(absl::StrCat(path_, ": more than the ", bytes_, " bytes announced arrived"));
+  }
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd_, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return errno == ENOSPC ? absl::ResourceExhaustedError(absl::StrCat("the disk holding ", path_, " is full"))
+                             : absl::InternalError(absl::StrCat("writing ", part_, ": ", std::strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  crc_ = Crc32(data.data(), data.size(), crc_);
+  received_ += data.size();
+  return absl::OkStatus();
+}
+
+absl::Status IncomingCheckpointFile::Finish() {
+  if (received_ != bytes_) {
+    return absl::DataLossError(
+        absl::StrCat(path_, ": ", received_, " bytes arrived, ", bytes_, " were announced; the copy broke off"));
+  }
+  const std::string crc = absl::StrFormat("%08x", crc_);
+  if (crc != crc32_) {
+    return absl::DataLossError(absl::StrCat(path_, ": the copy has CRC-32 ", crc, ", the sender's file ", crc32_,
+                                            "; it was corrupted on the way"));
+  }
+  if (::fsync(fd_) != 0 || ::close(fd_) != 0) {
+    fd_ = -1;
+    return absl::InternalError(absl::StrCat("flushing ", part_, ": ", std::strerror(errno)));
+  }
+  fd_ = -1;
+  if (::rename(part_.c_str(), path_.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("renaming ", part_, ": ", std::strerror(errno)));
+  }
+  finished_ = true;
+  return absl::OkStatus();
+}
 
 }  // namespace geotrain::model

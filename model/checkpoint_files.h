@@ -10,7 +10,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -73,5 +75,46 @@ absl::Status PruneCheckpoints(const std::string& dir, int keep);
 
 // How many complete checkpoints checkpoint.keep asks to keep (0 or absent: 3; -1: all).
 int CheckpointsKept(const CheckpointSpec& spec);
+
+// Reads and parses <step_dir>/manifest.json without verifying the files (a checkpoint being fetched file by file).
+absl::StatusOr<CheckpointManifest> ReadManifest(const std::string& step_dir);
+absl::StatusOr<CheckpointManifest> ParseManifest(const std::string& json, const std::string& source);
+// Writes <step_dir>/manifest.json atomically (a partial copy of a checkpoint lists only the files it holds).
+absl::Status WriteManifest(const std::string& step_dir, const CheckpointManifest& manifest);
+
+// A plain file name of a step directory ("model-s1.safetensors", "manifest.json"): no directory part, no "..".
+bool IsCheckpointFileName(const std::string& name);
+// CRC-32 (8 hex digits) of a whole file, as manifests record it.
+absl::StatusOr<std::string> FileCrc32Hex(const std::string& path);
+
+// A checkpoint file that arrives in chunks (copied from the node that wrote it): written to <path>.part, it takes its
+// name only when its size and CRC-32 match what the sender declared, so a reader never sees a partial file.
+//
+//   ASSIGN_OR_RETURN(auto file, IncomingCheckpointFile::Create(step_dir + "/model-s1.safetensors", bytes, crc));
+//   RETURN_IF_ERROR(file->Append(chunk)); ...  RETURN_IF_ERROR(file->Finish());
+//
+// Errors (a full disk, a size or CRC mismatch: DATA_LOSS) name the file. One thread at a time.
+class IncomingCheckpointFile {
+ public:
+  // Creates the directory of `path` if needed.
+  static absl::StatusOr<std::unique_ptr<IncomingCheckpointFile>> Create(std::string path, uint64_t bytes,
+                                                                        std::string crc32);
+  ~IncomingCheckpointFile();  // removes the partial file unless Finish succeeded
+  IncomingCheckpointFile(const IncomingCheckpointFile&) = delete;
+  IncomingCheckpointFile& operator=(const IncomingCheckpointFile&) = delete;
+
+  absl::Status Append(std::string_view data);
+  absl::Status Finish();
+  uint64_t received() const { return received_; }
+
+ private:
+  IncomingCheckpointFile(std::string path, uint64_t bytes, std::string crc32, int fd);
+  const std::string path_, part_, crc32_;
+  const uint64_t bytes_;
+  int fd_;
+  uint64_t received_ = 0;
+  uint32_t crc_ = 0;
+  bool finished_ = false;
+};
 
 }  // namespace geotrain::model

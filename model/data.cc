@@ -99,47 +99,78 @@ TokenShard::~TokenShard() {
   if (map_ != nullptr) ::munmap(map_, map_size_);
 }
 
+int64_t ShardTokensForBytes(uint64_t bytes) {
+  const uint64_t header_bytes = kShardHeaderInts * 4;
+  if (bytes < header_bytes || (bytes - header_bytes) % 2 != 0) return -1;
+  return static_cast<int64_t>((bytes - header_bytes) / 2);
+}
+
 absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const std::string& pattern, int B, int T, int replica,
                                                                int num_replicas, int vocab_size) {
+  ShardSource source;
+  glob_t g;
+  std::memset(&g, 0, sizeof(g));
+  if (::glob(pattern.c_str(), 0, nullptr, &g) == 0) {
+    for (size_t i = 0; i < g.gl_pathc; ++i) source.names.push_back(g.gl_pathv[i]);
+  }
+  ::globfree(&g);
+  std::sort(source.names.begin(), source.names.end());
+  if (source.names.empty()) {
+    return absl::NotFoundError(absl::StrCat("no token shards match '", pattern,
+                                            "'; write them with `geotrain data prepare INPUT... --out DIR`"));
+  }
+  // Local files: every shard is opened and validated now.
+  std::vector<std::unique_ptr<TokenShard>> opened;
+  for (const std::string& path : source.names) {
+    ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path, vocab_size));
+    source.token_counts.push_back(shard->size());
+    opened.push_back(std::move(shard));
+  }
+  source.wait_for_shard = [names = source.names](int index) -> absl::StatusOr<std::string> { return names[index]; };
+  return Make(std::move(source), std::move(opened), B, T, replica, num_replicas, vocab_size,
+              absl::StrCat("matching '", pattern, "'"));
+}
+
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(ShardSource source, int B, int T, int replica,
+                                                               int num_replicas, int vocab_size) {
+  if (source.names.empty() || source.names.size() != source.token_counts.size() || !source.wait_for_shard) {
+    return absl::InvalidArgumentError("data loader: no shards (or a shard without its token count) to load");
+  }
+  std::vector<std::unique_ptr<TokenShard>> opened(source.names.size());
+  const std::string what = absl::StrCat("of the ", source.names.size(), " staged");
+  return Make(std::move(source), std::move(opened), B, T, replica, num_replicas, vocab_size, what);
+}
+
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Make(ShardSource source,
+                                                             std::vector<std::unique_ptr<TokenShard>> opened, int B,
+                                                             int T, int replica, int num_replicas, int vocab_size,
+                                                             const std::string& what) {
   if (B <= 0 || T <= 0 || num_replicas <= 0 || replica < 0 || replica >= num_replicas) {
     return absl::InvalidArgumentError(
         absl::StrCat("data loader: bad B ", B, ", T ", T, ", replica ", replica, " of ", num_replicas));
   }
-  std::unique_ptr<DataLoader> loader(new DataLoader());
-  glob_t g;
-  std::memset(&g, 0, sizeof(g));
-  if (::glob(pattern.c_str(), 0, nullptr, &g) == 0) {
-    for (size_t i = 0; i < g.gl_pathc; ++i) loader->paths_.push_back(g.gl_pathv[i]);
-  }
-  ::globfree(&g);
-  std::sort(loader->paths_.begin(), loader->paths_.end());
-  if (loader->paths_.empty()) {
-    return absl::NotFoundError(absl::StrCat("no token shards match '", pattern,
-                                            "'; write them with `geotrain data prepare INPUT... --out DIR`"));
-  }
   const int64_t step_tokens = static_cast<int64_t>(num_replicas) * B * T + 1;
-  bool any = false;
-  for (const std::string& path : loader->paths_) {
-    ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path, vocab_size));
-    any = any || shard->size() >= step_tokens;
-    loader->shards_.push_back(std::move(shard));
-  }
-  if (!any) {
-    return absl::InvalidArgumentError(absl::StrCat("no shard matching '", pattern, "' holds one step of ", step_tokens,
-                                                   " tokens (", num_replicas, " replicas x B ", B, " x T ", T,
+  if (std::none_of(source.token_counts.begin(), source.token_counts.end(),
+                   [&](int64_t n) { return n >= step_tokens; })) {
+    return absl::InvalidArgumentError(absl::StrCat("no shard ", what, " holds one step of ", step_tokens, " tokens (",
+                                                   num_replicas, " replicas x B ", B, " x T ", T,
                                                    " + 1); use more data or a smaller batch"));
   }
+  std::unique_ptr<DataLoader> loader(new DataLoader());
+  loader->source_ = std::move(source);
+  loader->shards_ = std::move(opened);
   loader->B_ = B;
   loader->T_ = T;
   loader->replica_ = replica;
   loader->num_replicas_ = num_replicas;
+  loader->vocab_size_ = vocab_size;
   loader->SkipShortShards();
   return loader;
 }
 
 void DataLoader::SkipShortShards() {
   const int64_t step_tokens = static_cast<int64_t>(num_replicas_) * B_ * T_ + 1;
-  while (position_.offset + step_tokens > shards_[position_.shard]->size()) {
+  while (position_.offset + step_tokens > source_.token_counts[position_.shard]) {
     position_.offset = 0;
     if (++position_.shard == static_cast<int64_t>(shards_.size())) {
       position_.shard = 0;
@@ -148,7 +179,21 @@ void DataLoader::SkipShortShards() {
   }
 }
 
-void DataLoader::Next(int32_t* inputs, int32_t* targets) {
+absl::Status DataLoader::EnsureOpen(int64_t index) {
+  if (shards_[index] != nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::string path, source_.wait_for_shard(static_cast<int>(index)));
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenShard> shard, TokenShard::Open(path, vocab_size_));
+  if (shard->size() != source_.token_counts[index]) {
+    return absl::DataLossError(absl::StrCat("token shard ", source_.names[index], " (local copy ", path, ") holds ",
+                                            shard->size(), " tokens, expected ", source_.token_counts[index],
+                                            "; the shard changed while the job ran"));
+  }
+  shards_[index] = std::move(shard);
+  return absl::OkStatus();
+}
+
+absl::Status DataLoader::Next(int32_t* inputs, int32_t* targets) {
+  RETURN_IF_ERROR(EnsureOpen(position_.shard));
   const uint16_t* tokens = shards_[position_.shard]->tokens() + position_.offset;
   for (int b = 0; b < B_; ++b) {
     const uint16_t* row = tokens + (static_cast<int64_t>(replica_) * B_ + b) * T_;
@@ -159,11 +204,12 @@ void DataLoader::Next(int32_t* inputs, int32_t* targets) {
   }
   position_.offset += static_cast<int64_t>(num_replicas_) * B_ * T_;
   SkipShortShards();
+  return absl::OkStatus();
 }
 
 absl::Status DataLoader::Restore(const DataPosition& position) {
   if (position.shard < 0 || position.shard >= static_cast<int64_t>(shards_.size()) || position.offset < 0 ||
-      position.offset > shards_[position.shard]->size() || position.epoch < 0) {
+      position.offset > source_.token_counts[position.shard] || position.epoch < 0) {
     return absl::InvalidArgumentError(absl::StrCat("data position (shard ", position.shard, ", offset ",
                                                    position.offset, ") does not fit the ", shards_.size(),
                                                    " shards found; were the shards rewritten?"));
@@ -175,7 +221,7 @@ absl::Status DataLoader::Restore(const DataPosition& position) {
 
 int64_t DataLoader::total_tokens() const {
   int64_t n = 0;
-  for (const auto& s : shards_) n += s->size();
+  for (int64_t count : source_.token_counts) n += count;
   return n;
 }
 

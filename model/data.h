@@ -12,9 +12,14 @@
 // of R*B*T tokens; replica r takes the r-th B*T piece of each step (row b of its batch is the T+1 tokens
 // at step_start + (r*B + b)*T). All replicas hold the same position, so one saved position resumes all.
 // A shard too short for a step is skipped; after the last shard the walk restarts (epoch + 1).
+//
+// Shards that arrive while training goes on (staged from the head, worker/shard_cache.h): a ShardSource gives
+// every shard's token count up front and a call that waits until a shard is on local disk; the loader opens each
+// shard when its walk reaches it, so training starts with the first shard and the later ones stream in behind.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,15 +68,32 @@ struct DataPosition {
   int64_t epoch = 0;
 };
 
+// The token count a shard file of `bytes` bytes holds (header excluded); -1 when it cannot be a shard.
+int64_t ShardTokensForBytes(uint64_t bytes);
+
+// Shards in walk order whose files may not be local yet.
+struct ShardSource {
+  std::vector<std::string> names;     // for messages (e.g. the shard's path on the head)
+  std::vector<int64_t> token_counts;  // known before the file is local (from its size)
+  // Blocks until shard `index` is on local disk and returns its path, or why it cannot be (the step then fails
+  // with that error). Called from the thread that drives the loader, once per shard, in walk order.
+  std::function<absl::StatusOr<std::string>(int index)> wait_for_shard;
+};
+
 class DataLoader {
  public:
   // pattern: a glob (or one path) of shards; sorted by name. Fails when nothing matches, a shard is
   // invalid, or no shard holds one step (num_replicas * B * T + 1 tokens).
   static absl::StatusOr<std::unique_ptr<DataLoader>> Create(const std::string& pattern, int B, int T, int replica,
                                                             int num_replicas, int vocab_size);
+  // Shards that become local later: each is opened (and validated) when the walk first reaches it. Fails at once
+  // when no shard holds one step.
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Create(ShardSource source, int B, int T, int replica,
+                                                            int num_replicas, int vocab_size);
 
-  // Fills inputs and targets (B*T each) with this replica's next window and advances.
-  void Next(int32_t* inputs, int32_t* targets);
+  // Fills inputs and targets (B*T each) with this replica's next window and advances. Waits for a shard that is
+  // not local yet; fails when it cannot be had or does not validate (the error names the shard).
+  [[nodiscard]] absl::Status Next(int32_t* inputs, int32_t* targets);
   DataPosition position() const { return position_; }
   absl::Status Restore(const DataPosition& position);
   void Reset() {
@@ -79,15 +101,20 @@ class DataLoader {
     SkipShortShards();
   }
   int64_t total_tokens() const;
-  const std::vector<std::string>& paths() const { return paths_; }
+  const std::vector<std::string>& paths() const { return source_.names; }
 
  private:
   DataLoader() = default;
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Make(ShardSource source,
+                                                          std::vector<std::unique_ptr<TokenShard>> opened, int B, int T,
+                                                          int replica, int num_replicas, int vocab_size,
+                                                          const std::string& what);
   void SkipShortShards();
+  absl::Status EnsureOpen(int64_t index);
 
-  std::vector<std::string> paths_;
-  std::vector<std::unique_ptr<TokenShard>> shards_;
-  int B_ = 0, T_ = 0, replica_ = 0, num_replicas_ = 1;
+  ShardSource source_;
+  std::vector<std::unique_ptr<TokenShard>> shards_;  // null until the walk reaches a shard
+  int B_ = 0, T_ = 0, replica_ = 0, num_replicas_ = 1, vocab_size_ = 0;
   DataPosition position_;
 };
 

@@ -86,7 +86,7 @@ TEST_F(DataTest, ReplicasSplitDeterministicallyAndResumeExactly) {
   std::set<int32_t> seen_first;
   for (int step = 0; step < 20; ++step) {
     for (int r = 0; r < R; ++r) {
-      loaders[r]->Next(x.data(), y.data());
+      ASSERT_TRUE(loaders[r]->Next(x.data(), y.data()).ok());
       for (int i = 0; i < B * T; ++i) {
         if (i % T != T - 1) EXPECT_EQ(y[i], x[i + 1]);  // targets are inputs shifted by one
       }
@@ -101,13 +101,56 @@ TEST_F(DataTest, ReplicasSplitDeterministicallyAndResumeExactly) {
   // Resume: a fresh loader restored to a saved position yields the same batches.
   const DataPosition saved = loaders[0]->position();
   std::vector<int32_t> a(B * T), b(B * T), dummy(B * T);
-  loaders[0]->Next(a.data(), dummy.data());
+  ASSERT_TRUE(loaders[0]->Next(a.data(), dummy.data()).ok());
   auto fresh = DataLoader::Create(Path("train_*.bin"), B, T, 0, R, 1000);
   ASSERT_TRUE(fresh.ok());
   ASSERT_TRUE((*fresh)->Restore(saved).ok());
-  (*fresh)->Next(b.data(), dummy.data());
+  ASSERT_TRUE((*fresh)->Next(b.data(), dummy.data()).ok());
   EXPECT_EQ(a, b);
   EXPECT_FALSE((*fresh)->Restore(DataPosition{.shard = 9}).ok());
+}
+
+// Shards that arrive later: the loader asks for each one when its walk reaches it, in order, and yields the
+// same batches as a loader over local files; a shard that cannot be had fails the step naming it.
+TEST_F(DataTest, StagedShardsAreOpenedWhenTheWalkReachesThem) {
+  ASSERT_TRUE(WriteTokenShard(Path("train_000000.bin"), Iota(40)).ok());
+  ASSERT_TRUE(WriteTokenShard(Path("train_000001.bin"), Iota(40, 300)).ok());
+  const int B = 2, T = 4;
+  auto local = DataLoader::Create(Path("train_*.bin"), B, T, 0, 1, 1000);
+  ASSERT_TRUE(local.ok()) << local.status();
+  std::vector<int> asked;
+  ShardSource source;
+  source.names = {"head:/data/train_000000.bin", "head:/data/train_000001.bin"};
+  source.token_counts = {ShardTokensForBytes(1024 + 80), ShardTokensForBytes(1024 + 80)};
+  source.wait_for_shard = [&](int index) -> absl::StatusOr<std::string> {
+    asked.push_back(index);
+    return Path(index == 0 ? "train_000000.bin" : "train_000001.bin");
+  };
+  auto staged = DataLoader::Create(std::move(source), B, T, 0, 1, 1000);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  EXPECT_TRUE(asked.empty()) << "nothing is waited for before the first batch";
+  std::vector<int32_t> x1(B * T), y1(B * T), x2(B * T), y2(B * T);
+  for (int step = 0; step < 8; ++step) {
+    ASSERT_TRUE((*local)->Next(x1.data(), y1.data()).ok());
+    ASSERT_TRUE((*staged)->Next(x2.data(), y2.data()).ok());
+    EXPECT_EQ(x1, x2);
+    EXPECT_EQ(y1, y2);
+    if (step == 0) EXPECT_EQ(asked, std::vector<int>({0}));
+  }
+  EXPECT_EQ(asked, std::vector<int>({0, 1}));  // each once, in order
+
+  ShardSource failing;
+  failing.names = {"head:/data/a.bin", "head:/data/b.bin"};
+  failing.token_counts = {9, 9};
+  failing.wait_for_shard = [&](int index) -> absl::StatusOr<std::string> {
+    if (index == 0) return Path("train_000000.bin");  // 40 tokens where 9 were announced
+    return absl::DataLossError("checksum mismatch");
+  };
+  auto bad = DataLoader::Create(std::move(failing), B, T, 0, 1, 1000);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  absl::Status s = (*bad)->Next(x1.data(), y1.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("head:/data/a.bin"), std::string::npos) << s;
 }
 
 TEST_F(DataTest, PreparesFortunesIntoTrainAndValShards) {

@@ -191,7 +191,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
         pending.push_back(std::move(p));
       }
     }
-    (*train)->Next(inputs.data(), targets.data());
+    RETURN_IF_ERROR((*train)->Next(inputs.data(), targets.data()));
     const double lr = schedule.At(step);
     double loss_sum = 0.0, norm = 0.0;
     for (Group& g : groups) {
@@ -234,7 +234,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
       int pieces = 0;
       const int batches = std::max(1, t.eval_batches());
       for (int k = 0; k < batches; ++k) {
-        val->Next(vx.data(), vy.data());
+        RETURN_IF_ERROR(val->Next(vx.data(), vy.data()));
         for (Group& g : groups) {
           for (int first : g.val_rows) {
             const int64_t off = static_cast<int64_t>(first) * T;

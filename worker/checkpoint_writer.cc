@@ -7,7 +7,8 @@
 
 namespace geotrain::worker {
 
-CheckpointWriter::CheckpointWriter() : thread_([this] { Loop(); }) {}
+CheckpointWriter::CheckpointWriter(std::function<absl::Status(CheckpointShard*)> publish)
+    : publish_(std::move(publish)), thread_([this] { Loop(); }) {}
 
 CheckpointWriter::~CheckpointWriter() {
   WaitIdle();
@@ -68,6 +69,14 @@ void CheckpointWriter::Loop() {
         file->set_crc32(f.crc32);
       }
       for (const std::string& t : written->tensors) shard.add_tensors(t);
+      if (publish_) {
+        if (absl::Status published = publish_(&shard); !published.ok()) {
+          shard.set_error(std::string(published.message()));
+          GT_LOG(WARNING) << "checkpoint of step " << shard.step() << " by actor " << shard.actor_id()
+                          << " not copied: " << published.message();
+        }
+      }
+      shard.set_write_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     } else {
       shard.set_error(std::string(written.status().message()));
       GT_LOG(WARNING) << "checkpoint of step " << shard.step() << " by actor " << shard.actor_id()

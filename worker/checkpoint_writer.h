@@ -14,6 +14,7 @@
 // Thread-safety: all methods may be called from any thread.
 #pragma once
 
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -27,7 +28,9 @@ namespace geotrain::worker {
 
 class CheckpointWriter {
  public:
-  CheckpointWriter();
+  // `publish` (may be null) runs on the writer's thread after a shard's files are written: it copies them where the
+  // head keeps the checkpoint (worker/checkpoint_store.h) and completes the shard; its error abandons the checkpoint.
+  explicit CheckpointWriter(std::function<absl::Status(CheckpointShard*)> publish = nullptr);
   ~CheckpointWriter();  // finishes the write in flight, then joins
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -50,6 +53,7 @@ class CheckpointWriter {
   };
   void Loop();
 
+  const std::function<absl::Status(CheckpointShard*)> publish_;
   absl::Mutex mu_;
   bool has_job_ ABSL_GUARDED_BY(mu_) = false;  // queued or being written
   Job job_ ABSL_GUARDED_BY(mu_);

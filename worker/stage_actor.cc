@@ -43,9 +43,20 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
     }
   }
   if (!services_.collectives) {
-    services_.collectives = std::make_unique<GrpcCollectivesFactory>(services_.mailbox, config_.token,
-                                                                     services_.head ? services_.head->stub() : nullptr,
-                                                                     absl::Milliseconds(config_.collective_timeout_ms));
+    // The tensor streams to peers go under the same TLS configuration as every other connection.
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeChannelCredentials(config_.tls);
+    if (!credentials.ok()) GT_LOG(ERROR) << "actor " << config_.actor.actor_id() << ": " << credentials.status();
+    services_.collectives = std::make_unique<GrpcCollectivesFactory>(
+        services_.mailbox, config_.token, services_.head ? services_.head->stub() : nullptr,
+        absl::Milliseconds(config_.collective_timeout_ms), credentials.value_or(nullptr));
+  }
+  if (services_.checkpoints) {
+    checkpoint_writer_ = std::make_unique<CheckpointWriter>([this](CheckpointShard* shard) {
+      return services_.checkpoints->Publish(shard,
+                                            model::StepDirectory(config_.spec.checkpoint().dir(), shard->step()));
+    });
+  } else {
+    checkpoint_writer_ = std::make_unique<CheckpointWriter>();
   }
   reporter_ = std::make_unique<StepReporter>(services_.head.get(), config_.actor.actor_id(),
                                              [this] { Stop("the head stopped the job"); });
@@ -114,14 +125,19 @@ absl::Status StageActor::Run() {
   ASSIGN_OR_RETURN(ActorRanks ranks, ActorRanks::Create(spec, me, config_.peers, config_.site, config_.attempt));
   ASSIGN_OR_RETURN(std::unique_ptr<StageTrainer> trainer,
                    StageTrainer::Create(spec, ranks, config_.peers, services_.collectives.get(), config_.device,
-                                        config_.device_index));
+                                        config_.device_index, services_.data));
   int64_t first_step = 1;
   if (!config_.resume_from.empty()) {
-    // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part).
-    // DiLoCo: the outer state too (the checkpoint's, or the loaded weights').
-    ASSIGN_OR_RETURN(model::CheckpointInfo info,
-                     model::LoadCheckpoint(config_.resume_from, trainer->stage(), trainer->optimizer(),
-                                           {.group = 0, .outer = trainer->outer()}));
+    // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part), from a
+    // local copy of the files it needs when the checkpoint is on the head's machine. DiLoCo: the outer state
+    // too (the checkpoint's, or the loaded weights').
+    std::string resume_from = config_.resume_from;
+    if (services_.checkpoints) {
+      ASSIGN_OR_RETURN(resume_from,
+                       services_.checkpoints->FetchForResume(config_.resume_from, trainer->stage().TensorNames()));
+    }
+    ASSIGN_OR_RETURN(model::CheckpointInfo info, model::LoadCheckpoint(resume_from, trainer->stage(), trainer->optimizer(),
+                                                                       {.group = 0, .outer = trainer->outer()}));
     if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
     first_step = info.step + 1;
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
@@ -176,13 +192,15 @@ absl::Status StageActor::Run() {
           shard.mutable_data_position()->set_epoch(loader->position().epoch);
         }
         const std::string suffix = ranks.pp > 1 ? absl::StrCat("-s", ranks.stage) : "";
-        seconds += absl::ToDoubleSeconds(checkpoint_writer_.Write(
-            std::move(shard), model::StepDirectory(spec.checkpoint().dir(), step), suffix, std::move(snapshot)));
+        const std::string step_dir = services_.checkpoints ? services_.checkpoints->LocalStepDir(step)
+                                                           : model::StepDirectory(spec.checkpoint().dir(), step);
+        seconds +=
+            absl::ToDoubleSeconds(checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
       }
       report.set_checkpoint_seconds(seconds);
     }
-    if (report.done()) checkpoint_writer_.WaitIdle();  // the last checkpoint goes with the last report
-    for (CheckpointShard& shard : checkpoint_writer_.TakeFinished()) *report.add_checkpoints() = std::move(shard);
+    if (report.done()) checkpoint_writer_->WaitIdle();  // the last checkpoint goes with the last report
+    for (CheckpointShard& shard : checkpoint_writer_->TakeFinished()) *report.add_checkpoints() = std::move(shard);
     report.set_step_seconds(SecondsSince(step_start));
     reporter_->Enqueue(report);
     if (stop_) return absl::CancelledError("stop requested");

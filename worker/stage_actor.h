@@ -35,9 +35,11 @@
 #include "common/rpc.h"
 #include "internal.grpc.pb.h"
 #include "worker/actor_ranks.h"
+#include "worker/checkpoint_store.h"
 #include "worker/checkpoint_writer.h"
 #include "worker/head_client.h"
 #include "worker/stage_collectives.h"
+#include "worker/stage_trainer.h"
 #include "worker/step_reporter.h"
 
 namespace geotrain::worker {
@@ -64,6 +66,11 @@ struct ActorServices {
   comm::TensorStreamServer* mailbox = nullptr;  // the hosting worker's tensor-stream mailbox; outlives the actor
   std::unique_ptr<HeadClient> head;
   std::unique_ptr<CollectivesFactory> collectives;
+  // Token shards staged from the head (worker/job_staging.h); null: the spec's data paths are local.
+  DataSourceFn data;
+  // Checkpoints written on this node and copied to the head (worker/checkpoint_store.h); null: checkpoint.dir is
+  // shared with the head (tests in one process) and the actor writes there, and resumes from there.
+  std::unique_ptr<CheckpointStore> checkpoints;
 };
 
 class StageActor {
@@ -90,8 +97,8 @@ class StageActor {
 
   const StageActorConfig config_;
   ActorServices services_;
-  std::unique_ptr<StepReporter> reporter_;  // uses services_.head
-  CheckpointWriter checkpoint_writer_;
+  std::unique_ptr<StepReporter> reporter_;               // uses services_.head
+  std::unique_ptr<CheckpointWriter> checkpoint_writer_;  // publishes through services_.checkpoints
   std::atomic<bool> stop_{false};
   bool set_up_ = false;  // written and read by thread_ only: true once the actor has set up and trains
   std::thread thread_;   // joined by the destructor before the members it uses go

@@ -65,11 +65,12 @@ class NcclTensorParallel : public model::TensorParallelComm {
 // traffic class, so that each step's bytes can be attributed.
 class GrpcStageCollectives : public StageCollectives {
  public:
-  GrpcStageCollectives(const std::string& token, comm::TensorStreamServer* mailbox, std::string comm_job_id)
-      : pipeline_client_(token),
-        dp_client_(token),
-        other_client_(token),
-        outer_client_(token),
+  GrpcStageCollectives(const std::string& token, const comm::TensorStreamOptions& stream_options,
+                       comm::TensorStreamServer* mailbox, std::string comm_job_id)
+      : pipeline_client_(token, stream_options),
+        dp_client_(token, stream_options),
+        other_client_(token, stream_options),
+        outer_client_(token, stream_options),
         mailbox_(mailbox),
         comm_job_id_(std::move(comm_job_id)) {}
 
@@ -106,8 +107,13 @@ class GrpcStageCollectives : public StageCollectives {
 }  // namespace
 
 GrpcCollectivesFactory::GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
-                                               internal::HeadControl::StubInterface* head, absl::Duration timeout)
-    : mailbox_(mailbox), token_(std::move(token)), head_(head), timeout_(timeout) {}
+                                               internal::HeadControl::StubInterface* head, absl::Duration timeout,
+                                               std::shared_ptr<grpc::ChannelCredentials> credentials)
+    : mailbox_(mailbox),
+      token_(std::move(token)),
+      head_(head),
+      timeout_(timeout),
+      credentials_(std::move(credentials)) {}
 
 absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create(const ActorRanks& ranks,
                                                                                  const JobSpec& spec,
@@ -130,7 +136,9 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   exact_options.lan_codec = comm::Codec{};
   exact_options.wan_codec = comm::Codec{};
 
-  auto out = std::make_unique<GrpcStageCollectives>(token_, mailbox_, ranks.comm_job_id);
+  comm::TensorStreamOptions stream_options;
+  stream_options.channel_credentials = credentials_;
+  auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, mailbox_, ranks.comm_job_id);
   GrpcStageCollectives& c = *out;
   auto group = [&](const std::vector<int>& members, comm::TensorStreamClient* client,
                    const comm::CommunicatorOptions& group_options) {

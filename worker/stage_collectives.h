@@ -90,9 +90,10 @@ class GrpcCollectivesFactory : public CollectivesFactory {
  public:
   // `mailbox` receives this worker's tensors; `head` (may be null: then NCCL groups cannot form) serves the
   // NCCL rendezvous; `timeout` is the deadline of each receive and collective. Not owned; they must outlive
-  // the collectives made.
-  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
-                         internal::HeadControl::StubInterface* head, absl::Duration timeout);
+  // the collectives made. `credentials` (null: plaintext) secure the tensor streams to peers: TLS when the
+  // workers serve it.
+  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token, internal::HeadControl::StubInterface* head,
+                         absl::Duration timeout, std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
   absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
                                                            const std::vector<ActorPeer>& actors,
@@ -103,6 +104,7 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   const std::string token_;
   internal::HeadControl::StubInterface* const head_;
   const absl::Duration timeout_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
 };
 
 }  // namespace geotrain::worker

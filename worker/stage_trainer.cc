@@ -32,14 +32,15 @@ StageTrainer::~StageTrainer() {
 absl::StatusOr<std::unique_ptr<StageTrainer>> StageTrainer::Create(const JobSpec& spec, const ActorRanks& ranks,
                                                                    const std::vector<ActorPeer>& actors,
                                                                    CollectivesFactory* factory,
-                                                                   const std::string& device, int device_index) {
+                                                                   const std::string& device, int device_index,
+                                                                   const DataSourceFn& data) {
   std::unique_ptr<StageTrainer> trainer(new StageTrainer(spec, ranks));
-  RETURN_IF_ERROR(trainer->Initialize(actors, factory, device, device_index));
+  RETURN_IF_ERROR(trainer->Initialize(actors, factory, device, device_index, data));
   return trainer;
 }
 
 absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, CollectivesFactory* factory,
-                                      const std::string& device, int device_index) {
+                                      const std::string& device, int device_index, const DataSourceFn& data) {
   ASSIGN_OR_RETURN(config_, GPT2Config::FromSpec(spec_.model()));
   const int M = ranks_.microbatches, T = ranks_.seq_len, Bm = ranks_.microbatch_size;
   const bool first = ranks_.first_stage, last = ranks_.last_stage;
@@ -71,17 +72,28 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   schedule_.warmup_steps = spec_.train().warmup_steps();
   schedule_.total_steps = spec_.train().steps();
 
-  if (first || last) {
+  if ((first || last) && (data == nullptr || spec_.data().local())) {
     ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(spec_.data().train(), ranks_.replica_batch, T, ranks_.replica,
                                                         ranks_.dp, config_.vocab_size));
-    // Validation: replica r takes rows [r Bm, (r + 1) Bm) of each (dp Bm)-row batch of data.val, the batch
-    // `train --local` evaluates on.
-    if (!spec_.data().val().empty() && spec_.train().eval_every() > 0) {
+  } else if (first || last) {
+    // Staged shards: training starts once the first one is local; the later ones stream in behind it.
+    ASSIGN_OR_RETURN(model::ShardSource source, data(spec_.data().train()));
+    ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(std::move(source), ranks_.replica_batch, T, ranks_.replica,
+                                                        ranks_.dp, config_.vocab_size));
+  }
+  // Validation: replica r takes rows [r Bm, (r + 1) Bm) of each (dp Bm)-row batch of data.val, the batch
+  // `train --local` evaluates on (staged like the training shards when the data is not local).
+  if ((first || last) && !spec_.data().val().empty() && spec_.train().eval_every() > 0) {
+    if (data == nullptr || spec_.data().local()) {
       ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(spec_.data().val(), Bm, T, ranks_.replica, ranks_.dp,
                                                               config_.vocab_size));
-      val_inputs_.resize(static_cast<size_t>(Bm) * T);
-      val_targets_.resize(val_inputs_.size());
+    } else {
+      ASSIGN_OR_RETURN(model::ShardSource val_source, data(spec_.data().val()));
+      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(std::move(val_source), Bm, T, ranks_.replica,
+                                                              ranks_.dp, config_.vocab_size));
     }
+    val_inputs_.resize(static_cast<size_t>(Bm) * T);
+    val_targets_.resize(val_inputs_.size());
   }
   inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
   targets_.resize(inputs_.size());
@@ -296,7 +308,7 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
   latest_forward_ = -1;
   first_op_ = true;
   const uint64_t dp_bytes_before = collectives_->BytesSent(TrafficClass::kDataParallel);
-  if (loader_) loader_->Next(inputs_.data(), targets_.data());
+  if (loader_) RETURN_IF_ERROR(loader_->Next(inputs_.data(), targets_.data()));
   RETURN_IF_ERROR(StartOuterExchanges(step));
   stage_->ZeroGrad();
 
@@ -353,7 +365,7 @@ absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
   double sum = 0;
   for (int k = 0; k < batches; ++k) {
     if (stop) return absl::CancelledError("stop requested");
-    if (val_loader_) val_loader_->Next(val_inputs_.data(), val_targets_.data());
+    if (val_loader_) RETURN_IF_ERROR(val_loader_->Next(val_inputs_.data(), val_targets_.data()));
     const float* in = nullptr;
     if (!first) {
       const auto t0 = Clock::now();

@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -58,6 +59,10 @@
 
 namespace geotrain::worker {
 
+// Where a stage's token shards come from, given the spec's data pattern (paths on the head's machine): the worker
+// stages them from the head (worker/job_staging.h). Null, or `data: {local: true}`, reads the paths as they are.
+using DataSourceFn = std::function<absl::StatusOr<model::ShardSource>(const std::string& pattern)>;
+
 // What one step measured.
 struct StepStats {
   double loss = 0;  // the job's loss, on the loss carrier (last stage, tp rank 0)
@@ -74,11 +79,11 @@ class StageTrainer {
  public:
   // Makes the device backend (`device`: "cpu" or "cuda:N"), the collectives (through `factory`, which must
   // outlive the trainer), the stage with freshly initialised weights (train.seed), AdamW, the data loader
-  // (first and last stage) and every buffer and bucket the steps need. Errors name what failed.
+  // (first and last stage, over `data`'s shards) and every buffer and bucket the steps need. Errors name what failed.
   static absl::StatusOr<std::unique_ptr<StageTrainer>> Create(const JobSpec& spec, const ActorRanks& ranks,
                                                               const std::vector<ActorPeer>& actors,
                                                               CollectivesFactory* factory, const std::string& device,
-                                                              int device_index);
+                                                              int device_index, const DataSourceFn& data = nullptr);
   ~StageTrainer();
   StageTrainer(const StageTrainer&) = delete;
   StageTrainer& operator=(const StageTrainer&) = delete;
@@ -97,7 +102,7 @@ class StageTrainer {
  private:
   StageTrainer(const JobSpec& spec, ActorRanks ranks);
   absl::Status Initialize(const std::vector<ActorPeer>& actors, CollectivesFactory* factory, const std::string& device,
-                          int device_index);
+                          int device_index, const DataSourceFn& data);
   absl::Status Forward(int m, bool recompute);
   absl::Status Backward(int m);
   absl::Status SynchronizeGradients(SiteTraffic* traffic, uint64_t dp_bytes_before);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -11,6 +12,8 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/spec.h"
+#include "common/status.h"
+#include "worker/checkpoint_store.h"
 #include "worker/devices.h"
 
 namespace geotrain::worker {
@@ -89,7 +92,23 @@ class WorkerServer::Service final : public internal::Worker::Service {
       config.device_index = device.index();
     }
     if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
-    auto actor = std::make_unique<StageActor>(config, ActorServices{.mailbox = worker_->tensor_streams_.get()});
+    ActorServices services{.mailbox = worker_->tensor_streams_.get()};
+    services.data = [worker = worker_, job_id = a.job_id(), head = config.head_address, spec = config.spec,
+                     peers = config.peers](const std::string& pattern) {
+      return worker->StageData(job_id, pattern, head, spec, peers);
+    };
+    GrpcCheckpointStoreOptions store;
+    store.state_dir = worker_->options_.state_dir;
+    store.job_id = a.job_id();
+    store.actor_id = a.actor_id();
+    store.worker_id = worker_->worker_id_;
+    store.site = worker_->options_.site;
+    store.head_address = config.head_address;
+    store.token = worker_->options_.token;
+    store.tls = worker_->options_.tls;
+    if (config.spec.checkpoint().replicate()) store.replica = ReplicaWorker(config.peers, worker_->options_.site);
+    services.checkpoints = MakeGrpcCheckpointStore(std::move(store));
+    auto actor = std::make_unique<StageActor>(config, std::move(services));
     actor->Start();
     *reply->mutable_actor() = actor->Record();
     worker_->actors_[a.actor_id()] = std::move(actor);
@@ -172,30 +191,50 @@ absl::Status WorkerServer::Start() {
     return absl::InvalidArgumentError(
         "worker: no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's <state-dir>/token)");
   }
+  RETURN_IF_ERROR(ValidateNodeTls(options_.tls, "worker"));
   devices_ = DiscoverDevices(options_.emulated_devices);
+  if (options_.state_dir.empty()) options_.state_dir = absl::StrCat(GeotrainHome(), "/worker");
+  if (options_.cache_dir.empty()) options_.cache_dir = absl::StrCat(options_.state_dir, "/cache");
+  std::error_code ec;
+  std::filesystem::create_directories(options_.state_dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(absl::StrCat("worker: cannot create the state dir ", options_.state_dir, ": ",
+                                                    ec.message(), "; pass a writable --state-dir"));
+  }
+  // /metrics listens where the worker is advertised (or where --metrics-bind says), not on every address.
+  const std::string advertised_host = options_.advertise_address.empty()
+                                          ? "127.0.0.1"
+                                          : options_.advertise_address.substr(0, options_.advertise_address.rfind(':'));
+  metrics_host_ = options_.metrics_bind.empty() ? advertised_host : options_.metrics_bind;
 
   if (options_.metrics_port >= 0) {
     metrics_ = std::make_unique<MetricsServer>();
-    if (absl::Status s = metrics_->Start(absl::StrCat(options_.bind_host, ":", options_.metrics_port)); !s.ok()) {
-      return s;
-    }
+    RETURN_IF_ERROR(metrics_->Start(absl::StrCat(metrics_host_, ":", options_.metrics_port)));
     auto& devices = metrics_->Gauges("geotrain_devices", "Devices of this worker, by kind and name");
     for (const Device& d : devices_) {
       devices.Add({{"site", options_.site}, {"name", d.name()}}).Increment();
     }
   }
 
-  // The worker's own service uses TLS when it has a certificate and key; --tls-ca alone only makes its
-  // calls to the head use TLS.
-  TlsFiles server_tls = options_.tls;
-  if (server_tls.cert.empty() && server_tls.key.empty()) server_tls = TlsFiles{};
-  auto creds = MakeServerCredentials(server_tls);
+  auto creds = MakeServerCredentials(options_.tls);
   if (!creds.ok()) return creds.status();
   service_ = std::make_unique<Service>(this, options_.token, metrics_.get());
+  ShardCacheOptions cache;
+  cache.dir = options_.cache_dir;
+  cache.site = options_.site;
+  cache.token = options_.token;
+  cache.tls = options_.tls;
+  cache.metrics = metrics_.get();
+  cache.worker_id = [this] { return worker_id(); };
+  shard_cache_ = std::make_unique<ShardCache>(std::move(cache));
+  staging_service_ = std::make_unique<WorkerStagingService>(
+      shard_cache_.get(), options_.token, options_.state_dir,
+      ShardServer{options_.head_address, "the head", ShardOrigin::kHead}, metrics_.get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.bind_host, ":", options_.port), *creds, &port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use must fail, not be shared
   builder.RegisterService(service_.get());
+  builder.RegisterService(staging_service_.get());
   tensor_streams_ = std::make_unique<comm::TensorStreamServer>(options_.token);
   tensor_streams_->Register(&builder);
   server_ = builder.BuildAndStart();
@@ -237,7 +276,11 @@ absl::Status WorkerServer::RegisterOnce() {
   gethostname(host, sizeof(host) - 1);
   request.set_hostname(host);
   request.set_pid(getpid());
-  if (metrics_) request.set_metrics_address(absl::StrCat(host, ":", metrics_->port()));
+  if (metrics_) {
+    const std::string metrics_host =
+        metrics_host_ == "0.0.0.0" ? advertise_address_.substr(0, advertise_address_.rfind(':')) : metrics_host_;
+    request.set_metrics_address(absl::StrCat(metrics_host, ":", metrics_->port()));
+  }
   grpc::ClientContext context;
   AttachToken(&context, options_.token);
   SetDeadlineMillis(&context, 3000);
@@ -251,6 +294,26 @@ absl::Status WorkerServer::RegisterOnce() {
   heartbeat_interval_ms_ = std::max(50, reply.heartbeat_interval_ms());
   registered_ = true;
   return absl::OkStatus();
+}
+
+absl::StatusOr<model::ShardSource> WorkerServer::StageData(const std::string& job_id, const std::string& pattern,
+                                                           const std::string& head_address, const JobSpec& spec,
+                                                           const std::vector<ActorPeer>& peers) {
+  absl::MutexLock lock(&staging_mu_);
+  const std::string key = absl::StrCat(job_id, "\n", pattern);
+  if (std::shared_ptr<JobStaging> staging = stagings_[key].lock()) return staging->Source();
+  JobStaging::Options options;
+  options.job_id = job_id;
+  options.pattern = pattern;
+  options.worker_id = worker_id();
+  options.site = options_.site;
+  options.head = ShardServer{head_address, "the head", ShardOrigin::kHead};
+  options.source = SiteRelay(spec, peers, options_.site, options.worker_id, options.head);
+  options.token = options_.token;
+  options.tls = options_.tls;
+  ASSIGN_OR_RETURN(std::shared_ptr<JobStaging> staging, JobStaging::Start(shard_cache_.get(), std::move(options)));
+  stagings_[key] = staging;
+  return staging->Source();
 }
 
 bool WorkerServer::SleepMillis(int64_t ms) {
@@ -420,6 +483,7 @@ void WorkerServer::Shutdown() {
   if (tensor_streams_) tensor_streams_->Shutdown();  // wakes actors blocked in a receive
   actors.clear();                                    // joins their threads
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  shard_cache_.reset();  // joins the relays' fetches
 }
 
 }  // namespace geotrain::worker

@@ -12,7 +12,11 @@
 //
 // Threads: gRPC's sync server threads run the Worker service; one "join" thread owns the connection to
 // the head (registration and heartbeats); one "probe" thread measures latency and bandwidth to the peers
-// the head hands out and queues the results for the next heartbeat. Shared state is guarded by mu_.
+// the head hands out and queues the results for the next heartbeat. Shared state is guarded by mu_; the jobs'
+// data staging (worker/job_staging.h, one per job shared by its actors here) by staging_mu_.
+//
+// Besides the Worker service, its server carries the actors' tensor streams (comm/tensor_stream.h) and DataStaging
+// (worker/staging_service.h: shards relayed to site peers, checkpoint replicas), all under one TLS configuration.
 #pragma once
 
 #include <map>
@@ -29,7 +33,10 @@
 #include "common/metrics.h"
 #include "common/rpc.h"
 #include "internal.grpc.pb.h"
+#include "worker/job_staging.h"
+#include "worker/shard_cache.h"
 #include "worker/stage_actor.h"
+#include "worker/staging_service.h"
 
 namespace geotrain::worker {
 
@@ -40,9 +47,15 @@ struct WorkerOptions {
   int port = 0;                   // 0 picks a free port
   std::string advertise_address;  // host[:port] others dial; default 127.0.0.1:<port>
   int metrics_port = 0;           // -1 disables; 0 picks a free port
-  std::string worker_id;          // stable id; empty lets the head assign one
+  std::string metrics_bind;       // address /metrics listens on; default the advertised host
+  // Where the worker keeps what outlives a job: the shard cache (cache_dir, default <state_dir>/cache, shared by
+  // jobs), local checkpoint shards until the head has them, checkpoint replicas and resume copies. Default
+  // $GEOTRAIN_HOME/worker.
+  std::string state_dir;
+  std::string cache_dir;
+  std::string worker_id;  // stable id; empty lets the head assign one
   std::string token;
-  TlsFiles tls;
+  TlsFiles tls;  // one configuration for its server (the head's calls, peers' streams and fetches) and its calls
   std::vector<Device> emulated_devices;
   // Addresses for peers at given sites (site -> host:port), e.g. routes through a WAN emulator.
   std::map<std::string, std::string> address_for_site;
@@ -76,6 +89,10 @@ class WorkerServer {
   void JoinLoop();
   void ProbeLoop();
   absl::Status RegisterOnce();
+  // The shards of `pattern` for an actor of `job_id`: staged once per job on this worker, from the site's relay.
+  absl::StatusOr<model::ShardSource> StageData(const std::string& job_id, const std::string& pattern,
+                                               const std::string& head_address, const JobSpec& spec,
+                                               const std::vector<ActorPeer>& peers);
   // Sleeps up to `ms` or until Shutdown(); returns false when stopping.
   bool SleepMillis(int64_t ms);
 
@@ -83,9 +100,12 @@ class WorkerServer {
   std::vector<Device> devices_;
   int port_ = 0;
   std::string advertise_address_;
+  std::string metrics_host_;  // where /metrics listens
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<comm::TensorStreamServer> tensor_streams_;  // the actors' mailbox, served with service_
+  std::unique_ptr<ShardCache> shard_cache_;
+  std::unique_ptr<WorkerStagingService> staging_service_;
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<grpc::Channel> head_channel_;
   std::unique_ptr<internal::HeadControl::Stub> head_;
@@ -104,6 +124,10 @@ class WorkerServer {
   std::set<std::string> discarded_jobs_ ABSL_GUARDED_BY(mu_);        // jobs whose tensors were dropped
   std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);                 // from the latest heartbeat reply
   std::vector<LinkMeasurement> pending_links_ ABSL_GUARDED_BY(mu_);  // probes not yet reported
+
+  absl::Mutex staging_mu_;
+  // By job and pattern; the actors' loaders own them, so a job's staging ends with its last actor here.
+  std::map<std::string, std::weak_ptr<JobStaging>> stagings_ ABSL_GUARDED_BY(staging_mu_);
 };
 
 }  // namespace geotrain::worker

@@ -140,16 +140,21 @@ class TlsTest(unittest.TestCase):
             certs = os.path.join(c.dir, "certs")
             subprocess.run(["bash", os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "make-certs.sh"),
                             certs], check=True, capture_output=True)
-            c.heartbeat_args = ["--tls-cert", os.path.join(certs, "server.pem"),
-                                "--tls-key", os.path.join(certs, "server.key")]
+            # Every node serves and dials: certificate, key and CA (one configuration for every connection).
             ca = ["--tls-ca", os.path.join(certs, "ca.pem")]
+            node_tls = ["--tls-cert", os.path.join(certs, "server.pem"),
+                        "--tls-key", os.path.join(certs, "server.key")] + ca
             c.head = c._spawn(["head", "start", "--port", str(c.port), "--metrics-port", "-1",
-                               "--state-dir", c.state_dir] + c.heartbeat_args, "head.log")
+                               "--state-dir", c.state_dir] + node_tls, "head.log")
             wait_for(lambda: c.cli(["status"] + ca, check=False).returncode == 0, 15, "the TLS head")
-            # A plaintext client cannot talk to a TLS head.
-            self.assertNotEqual(c.cli(["status"], check=False).returncode, 0)
+            # A plaintext client (no CA, none recorded on its machine) cannot talk to a TLS head, and is told why.
+            token_file = os.path.join(c.state_dir, "token")
+            plain = c.cli(["status", "--head", f"127.0.0.1:{c.port}", "--token-file", token_file], check=False,
+                          env=dict(c.env, GEOTRAIN_HOME=os.path.join(c.dir, "elsewhere")))
+            self.assertNotEqual(plain.returncode, 0)
+            self.assertIn("TLS", plain.stderr)
             c.workers["w"] = c._spawn(["worker", "start", "--site", "s", "--worker-id", "w-tls",
-                                       "--metrics-port", "-1", "--emulate-device", "T4"] + ca, "worker.log")
+                                       "--metrics-port", "-1", "--emulate-device", "T4"] + node_tls, "worker.log")
             wait_for(lambda: "w-tls" in c.cli(["status"] + ca, check=False).stdout, 15, "the TLS worker")
         except Exception:
             print(c.logs())

@@ -14,7 +14,6 @@ Usage: recovery_test.py PATH/TO/geotrain TOPOLOGY.yaml
 """
 import json
 import os
-import struct
 import subprocess
 import sys
 import time
@@ -23,50 +22,13 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
+from checkpoint_lib import newest, read_step_dir, write_shard  # noqa: E402
 from cluster_lib import ClusterUp, wait_for  # noqa: E402
 
 GEOTRAIN = sys.argv.pop(1)
 TOPOLOGY = sys.argv.pop(1)
 VOCAB = 512
 STEPS = 24
-
-
-def write_shard(path, tokens):
-    header = np.zeros(256, dtype=np.int32)
-    header[0], header[1], header[2] = 20240520, 1, len(tokens)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        out[name] = np.frombuffer(data[start:end], dtype=np.float32).reshape(info["shape"])
-    return out
-
-
-def read_step_dir(step_dir):
-    """The weights of a checkpoint step directory (every model file its manifest lists)."""
-    with open(os.path.join(step_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    params = {}
-    for name in sorted(manifest["files"]):
-        if name.startswith("model"):
-            params.update(read_safetensors(os.path.join(step_dir, name)))
-    return int(manifest["step"]), params
-
-
-def newest(ckpt):
-    with open(os.path.join(ckpt, "latest")) as f:
-        return os.path.join(ckpt, f.read().strip())
 
 
 class Cluster(ClusterUp):
