@@ -136,8 +136,9 @@ absl::Status StageActor::Run() {
       ASSIGN_OR_RETURN(resume_from,
                        services_.checkpoints->FetchForResume(config_.resume_from, trainer->stage().TensorNames()));
     }
-    ASSIGN_OR_RETURN(model::CheckpointInfo info, model::LoadCheckpoint(resume_from, trainer->stage(), trainer->optimizer(),
-                                                                       {.group = 0, .outer = trainer->outer()}));
+    ASSIGN_OR_RETURN(model::CheckpointInfo info,
+                     model::LoadCheckpoint(resume_from, trainer->stage(), trainer->optimizer(),
+                                           {.group = 0, .outer = trainer->outer()}));
     if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
     first_step = info.step + 1;
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;

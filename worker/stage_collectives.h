@@ -92,8 +92,9 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   // NCCL rendezvous; `timeout` is the deadline of each receive and collective. Not owned; they must outlive
   // the collectives made. `credentials` (null: plaintext) secure the tensor streams to peers: TLS when the
   // workers serve it.
-  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token, internal::HeadControl::StubInterface* head,
-                         absl::Duration timeout, std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+  GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
+                         internal::HeadControl::StubInterface* head, absl::Duration timeout,
+                         std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
   absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
                                                            const std::vector<ActorPeer>& actors,

@@ -89,8 +89,8 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
                                                               config_.vocab_size));
     } else {
       ASSIGN_OR_RETURN(model::ShardSource val_source, data(spec_.data().val()));
-      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(std::move(val_source), Bm, T, ranks_.replica,
-                                                              ranks_.dp, config_.vocab_size));
+      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(std::move(val_source), Bm, T, ranks_.replica, ranks_.dp,
+                                                              config_.vocab_size));
     }
     val_inputs_.resize(static_cast<size_t>(Bm) * T);
     val_targets_.resize(val_inputs_.size());
