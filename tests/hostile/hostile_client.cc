@@ -41,6 +41,11 @@
 
 #include "control.pb.h"
 #include "google/protobuf/descriptor.h"
+#include "internal.pb.h"
+#include "staging.pb.h"
+#include "geotrain/v1/cluster.pb.h"
+#include "geotrain/v1/jobs.pb.h"
+#include "geotrain/v1/planner.pb.h"
 #include "tensor.pb.h"
 
 namespace {
@@ -267,6 +272,9 @@ void OneRequest(const Target& t, uint64_t i, uint64_t seed, Tally* tally) {
 
 }  // namespace
 
+// internal.proto's descriptor table, referenced so that the linker keeps it.
+const void* volatile keep_internal_proto = &descriptor_table_internal_2eproto;
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     std::fprintf(stderr, "usage: %s head|worker|metrics HOST:PORT COUNT SEED [TOKEN]\n", argv[0]);
@@ -279,14 +287,23 @@ int main(int argc, char** argv) {
   const uint64_t seed = std::strtoull(argv[4], nullptr, 10);
   t.token = argc > 5 ? argv[5] : "";
   if (t.kind != "metrics") {
-    // Links control.proto's descriptors (a static library's object is linked only when referenced).
-    if (geotrain::RegisterWorkerRequest::descriptor() == nullptr) return 2;
+    // Links the services' descriptors (a static library's object is linked only when referenced; internal.proto
+    // declares services only, so its descriptor table is referenced by name).
+    if (geotrain::RegisterWorkerRequest::descriptor() == nullptr || geotrain::ShardInfo::descriptor() == nullptr ||
+        geotrain::v1::Job::descriptor() == nullptr || geotrain::v1::ClusterStatus::descriptor() == nullptr ||
+        geotrain::v1::PlanJobRequest::descriptor() == nullptr || keep_internal_proto == nullptr) {
+      return 2;
+    }
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
     t.channel = grpc::CreateCustomChannel(t.address, grpc::InsecureChannelCredentials(), args);
-    t.methods = MethodsOf(t.kind == "head" ? std::vector<std::string>{"geotrain.Head"}
-                                           : std::vector<std::string>{"geotrain.Worker", "geotrain.TensorStream"});
+    t.methods = MethodsOf(t.kind == "head"
+                              ? std::vector<std::string>{"geotrain.internal.HeadControl", "geotrain.v1.Jobs",
+                                                         "geotrain.v1.Cluster", "geotrain.v1.Planner",
+                                                         "geotrain.DataStaging"}
+                              : std::vector<std::string>{"geotrain.internal.Worker", "geotrain.TensorStream",
+                                                         "geotrain.DataStaging"});
     if (t.methods.empty()) {
       std::fprintf(stderr, "hostile_client: no methods found for %s\n", t.kind.c_str());
       return 2;

@@ -73,10 +73,13 @@ class Client:
 
     head: "HOST:PORT" (default: GEOTRAIN_HEAD, else the head recorded on this machine); token or token_file (default:
     GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE, else the recorded head's token file); tls_ca: the CA certificate (PEM file)
-    that signed a TLS head's certificate. timeout: seconds for each call but follow()'s stream.
+    that signed a TLS head's certificate; tls_cert and tls_key: this client's certificate and key (PEM files), which a
+    head serving mutual TLS asks for (`deploy/make-certs.sh` makes node certificates valid for clients too).
+    timeout: seconds for each call but follow()'s stream.
     """
 
-    def __init__(self, head=None, token=None, tls_ca=None, *, token_file=None, timeout=30.0):
+    def __init__(self, head=None, token=None, tls_ca=None, *, tls_cert=None, tls_key=None, token_file=None,
+                 timeout=30.0):
         self.endpoint = resolve_head(head, token, token_file)
         self.timeout = timeout
         options = [("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
@@ -85,7 +88,16 @@ class Client:
                    ("grpc.max_receive_message_length", 64 << 20)]
         if tls_ca:
             with open(tls_ca, "rb") as f:
-                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+                ca = f.read()
+            cert = key = None
+            if tls_cert or tls_key:
+                if not (tls_cert and tls_key):
+                    raise ValueError("tls_cert and tls_key go together: give both, or neither")
+                with open(tls_cert, "rb") as f:
+                    cert = f.read()
+                with open(tls_key, "rb") as f:
+                    key = f.read()
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
             self._channel = grpc.secure_channel(self.endpoint.address, credentials, options)
         else:
             self._channel = grpc.insecure_channel(self.endpoint.address, options)

@@ -150,11 +150,14 @@ def test_tls_head_with_the_ca(tmp_path):
                        capture_output=True)
         c.head = c._spawn(["head", "start", "--port", str(c.port), "--metrics-port", "-1", "--state-dir",
                            c.state_dir, "--tls-cert", os.path.join(certs, "server.pem"), "--tls-key",
-                           os.path.join(certs, "server.key")], "head.log")
+                           os.path.join(certs, "server.key"), "--tls-ca", os.path.join(certs, "ca.pem")],
+                          "head.log")
         address = f"127.0.0.1:{c.port}"
         token_file = os.path.join(c.state_dir, "token")
         wait_for(lambda: os.path.exists(token_file), 15, "the TLS head's token")
-        client = geotrain.Client(head=address, token_file=token_file, tls_ca=os.path.join(certs, "ca.pem"))
+        # Mutual TLS: the client presents a certificate the head's CA signed (make-certs.sh's node certificate).
+        client = geotrain.Client(head=address, token_file=token_file, tls_ca=os.path.join(certs, "ca.pem"),
+                                 tls_cert=os.path.join(certs, "server.pem"), tls_key=os.path.join(certs, "server.key"))
 
         def answers():
             try:
@@ -166,7 +169,9 @@ def test_tls_head_with_the_ca(tmp_path):
         with pytest.raises(geotrain.UnavailableError):
             geotrain.Client(head=address, token_file=token_file, timeout=3).jobs()
         with pytest.raises(geotrain.UnauthenticatedError):
-            geotrain.Client(head=address, token="wrong", tls_ca=os.path.join(certs, "ca.pem")).jobs()
+            geotrain.Client(head=address, token="wrong", tls_ca=os.path.join(certs, "ca.pem"),
+                            tls_cert=os.path.join(certs, "server.pem"),
+                            tls_key=os.path.join(certs, "server.key")).jobs()
     except BaseException:
         print(c.logs(), file=sys.stderr)
         raise
