@@ -40,12 +40,12 @@
 #include <vector>
 
 #include "control.pb.h"
-#include "google/protobuf/descriptor.h"
-#include "internal.pb.h"
-#include "staging.pb.h"
 #include "geotrain/v1/cluster.pb.h"
 #include "geotrain/v1/jobs.pb.h"
 #include "geotrain/v1/planner.pb.h"
+#include "google/protobuf/descriptor.h"
+#include "internal.pb.h"
+#include "staging.pb.h"
 #include "tensor.pb.h"
 
 namespace {
@@ -298,12 +298,11 @@ int main(int argc, char** argv) {
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
     t.channel = grpc::CreateCustomChannel(t.address, grpc::InsecureChannelCredentials(), args);
-    t.methods = MethodsOf(t.kind == "head"
-                              ? std::vector<std::string>{"geotrain.internal.HeadControl", "geotrain.v1.Jobs",
-                                                         "geotrain.v1.Cluster", "geotrain.v1.Planner",
-                                                         "geotrain.DataStaging"}
-                              : std::vector<std::string>{"geotrain.internal.Worker", "geotrain.TensorStream",
-                                                         "geotrain.DataStaging"});
+    t.methods = MethodsOf(
+        t.kind == "head"
+            ? std::vector<std::string>{"geotrain.internal.HeadControl", "geotrain.v1.Jobs", "geotrain.v1.Cluster",
+                                       "geotrain.v1.Planner", "geotrain.DataStaging"}
+            : std::vector<std::string>{"geotrain.internal.Worker", "geotrain.TensorStream", "geotrain.DataStaging"});
     if (t.methods.empty()) {
       std::fprintf(stderr, "hostile_client: no methods found for %s\n", t.kind.c_str());
       return 2;
