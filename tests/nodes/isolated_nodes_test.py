@@ -309,7 +309,13 @@ class IsolatedNodesTest(unittest.TestCase):
             self.assertTrue(all(r["metric"]["job"] == "geotrain" for r in loss), loss)  # Prometheus's own label
             with open(DASHBOARD) as f:
                 panels = json.load(f)["panels"]
-            exprs = [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+            # Series these fault-free jobs without a validation set cannot have: geotrain_val_loss needs data.val
+            # (the runtime equivalence test checks it), the recovery histogram a restart (the recovery test).
+            # Every other panel must show data.
+            needs_more = ("geotrain_val_loss", "geotrain_job_recovery_seconds")
+            exprs = [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])
+                     if not any(m in t["expr"] for m in needs_more)]
+            self.assertGreater(len(exprs), 5, "the dashboard's queries")
             deadline = time.monotonic() + 30  # rates need two scrapes
             empty = exprs
             while empty and time.monotonic() < deadline:
