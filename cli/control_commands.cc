@@ -211,9 +211,10 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--metrics-bind", options->metrics_bind,
                     "address /metrics listens on (default: the advertised address's host)");
   start->add_option("--state-dir", options->state_dir,
-                    "where the worker keeps its cache and local checkpoint files (default: GEOTRAIN_HOME/worker)");
+                    "where the worker keeps its cache and local checkpoint files (default: GEOTRAIN_HOME/worker/ID, by "
+                    "--worker-id, else the port)");
   start->add_option("--cache-dir", options->cache_dir,
-                    "staged data shards, shared by jobs and by workers on this machine (default: STATE_DIR/cache)");
+                    "staged data shards, shared by this worker's jobs (default: STATE_DIR/cache)");
   AddNodeTlsOptions(start, &options->tls, "worker");
   start->callback([options, emulate, head_flag, token_file, advertise_for, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));

@@ -193,7 +193,14 @@ absl::Status WorkerServer::Start() {
   }
   RETURN_IF_ERROR(ValidateNodeTls(options_.tls, "worker"));
   devices_ = DiscoverDevices(options_.emulated_devices);
-  if (options_.state_dir.empty()) options_.state_dir = absl::StrCat(GeotrainHome(), "/worker");
+  if (options_.state_dir.empty()) {
+    // One directory per worker: workers on one machine must not share a shard cache (one relaying shards to the
+    // other would wait on the cache's lock held by the other's fetch).
+    const std::string name = !options_.worker_id.empty() ? options_.worker_id
+                             : options_.port > 0         ? absl::StrCat("port-", options_.port)
+                                                         : absl::StrCat("pid-", getpid());
+    options_.state_dir = absl::StrCat(GeotrainHome(), "/worker/", name);
+  }
   if (options_.cache_dir.empty()) options_.cache_dir = absl::StrCat(options_.state_dir, "/cache");
   std::error_code ec;
   std::filesystem::create_directories(options_.state_dir, ec);
