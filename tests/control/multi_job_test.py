@@ -14,6 +14,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+from checkpoint_lib import write_shard  # noqa: E402
 from cluster_lib import LocalCluster, wait_for  # noqa: E402
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
@@ -28,11 +29,7 @@ class MultiJobTest(unittest.TestCase):
         wait_for(lambda: list(self.c.worker_states().values()) == ["WORKER_ALIVE"] * 2, 20, "two alive workers")
         # One token shard (the format `geotrain data prepare` writes) of a tiny vocabulary.
         self.data = os.path.join(self.c.dir, "train_000000.bin")
-        header = np.zeros(256, dtype=np.int32)
-        header[0], header[1], header[2] = 20240520, 1, 20000
-        with open(self.data, "wb") as f:
-            f.write(header.tobytes())
-            f.write(np.random.default_rng(3).integers(0, 512, 20000).astype(np.uint16).tobytes())
+        write_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
 
     def tearDown(self):
         if hasattr(self, "_outcome") and not self._outcome.success:

@@ -11,7 +11,6 @@ Usage: equivalence_test.py PATH/TO/geotrain
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import unittest
@@ -19,32 +18,11 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
+from checkpoint_lib import read_safetensors, write_shard  # noqa: E402
 from cluster_lib import LocalCluster, wait_for  # noqa: E402
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 VOCAB = 512
-
-
-def write_shard(path, tokens):
-    header = np.zeros(256, dtype=np.int32)
-    header[0], header[1], header[2] = 20240520, 1, len(tokens)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        out[name] = np.frombuffer(data[start:end], dtype=np.float32).reshape(info["shape"])
-    return out
 
 
 def read_checkpoint(ckpt, steps):
