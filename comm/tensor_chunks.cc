@@ -323,11 +323,13 @@ absl::Status TensorChunkAssembler::DecodeChunk(ChunkReader* payload, uint64_t le
   }
   const absl::Span<float> out = destination_->out;
   if (codec_.kind == CodecKind::kNone) {
-    uint8_t* const base = reinterpret_cast<uint8_t*>(out.data()) - kCodecHeaderBytes;  // indexed from 40 on
+    // Payload byte `received_` lands at output byte `received_ - kCodecHeaderBytes` (the header is done here).
+    uint8_t* const out_bytes = reinterpret_cast<uint8_t*>(out.data());
     while (received_ < end) {
       const uint64_t n = std::min<uint64_t>(end - received_, kStreamCacheBlockBytes);
-      payload->Copy(base + received_, n);
-      crc_ = Crc32c(base + received_, n, crc_);
+      uint8_t* const dst = out_bytes + (received_ - kCodecHeaderBytes);
+      payload->Copy(dst, n);
+      crc_ = Crc32c(dst, n, crc_);
       received_ += n;
     }
     return absl::OkStatus();
