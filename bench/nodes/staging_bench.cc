@@ -5,13 +5,15 @@
 // between a "head" and a "worker" site, --latency-ms each way, --mbps shared cap), as a worker at another site
 // stages a job's data: one shard after the other, each verified by its CRC-32C and written to the cache dir. The
 // reference sends the same files over one raw TCP connection through the same emulated link, read from the same
-// disk and written to a file on the other side. Runs alternate (staging, TCP, staging, TCP ...) after one untimed
-// staging run (the head computes each shard's CRC when it first serves it); the summary gives the medians and
-// their ratio. Plaintext on both (TLS would cost both sides alike).
+// disk and written to one file per shard on the other side, plain and with each file fdatasync'd before it is closed
+// (as the cache does). Runs alternate (staging, TCP, TCP synced, staging ...) after one untimed staging run (the head
+// computes each shard's CRC when it first serves it); the summary gives the medians and their ratios. Plaintext on
+// both (TLS would cost both sides alike).
 //
 //   build/bench/nodes/staging_bench [--latency-ms 30] [--mbps 1000] [--total-mb 128] [--shards 4] [--runs 3]
 //
 // --mbps 0: no bandwidth cap. Figures in docs/benchmarks.md.
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -118,27 +120,38 @@ class FileSender {
   int port_ = 0;
 };
 
-// Receives `bytes` from the emulated route at `port` into `out_path`; returns the seconds from connect to the last
-// byte written.
-double TcpCopy(FileSender* sender, int port, int64_t bytes, const std::string& out_path) {
+// Receives the shards (`shards` of `shard_bytes` each, back to back) from the emulated route at `port` into one file
+// each under `out_dir`, each file fdatasync'd before it is closed when `sync` (as the shard cache does); returns the
+// seconds from connect to the last file closed.
+double TcpCopy(FileSender* sender, int port, int shards, int64_t shard_bytes, const fs::path& out_dir, bool sync) {
+  fs::create_directories(out_dir);
   std::thread server([sender] { sender->ServeOne(); });
   const int64_t start = netem::NowNanos();
   const int fd = netem::ConnectLoopback(port);
   if (fd < 0) Die("TCP reference: connect failed");
-  std::ofstream out(out_path, std::ios::binary | std::ios::trunc);
   std::vector<char> buffer(size_t{1} << 20);
-  int64_t got = 0;
-  while (got < bytes) {
-    const size_t want = static_cast<size_t>(std::min<int64_t>(buffer.size(), bytes - got));
-    const ssize_t n = ::read(fd, buffer.data(), want);
-    if (n <= 0) Die(absl::StrCat("TCP reference: the stream ended after ", got, " of ", bytes, " bytes"));
-    out.write(buffer.data(), n);
-    got += n;
+  for (int i = 0; i < shards; ++i) {
+    const std::string path = (out_dir / absl::StrCat("shard_", i)).string();
+    const int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) Die(absl::StrCat("TCP reference: cannot open ", path));
+    for (int64_t got = 0; got < shard_bytes;) {
+      const size_t want = static_cast<size_t>(std::min<int64_t>(buffer.size(), shard_bytes - got));
+      const ssize_t n = ::read(fd, buffer.data(), want);
+      if (n <= 0) Die(absl::StrCat("TCP reference: the stream ended in shard ", i, " after ", got, " bytes"));
+      for (ssize_t written = 0; written < n;) {
+        const ssize_t w = ::write(out, buffer.data() + written, static_cast<size_t>(n - written));
+        if (w <= 0) Die(absl::StrCat("TCP reference: writing ", path, " failed"));
+        written += w;
+      }
+      got += n;
+    }
+    if (sync && ::fdatasync(out) != 0) Die("TCP reference: fdatasync failed");
+    ::close(out);
   }
-  out.close();
   const double seconds = Seconds(start);
   netem::CloseFd(fd);
   server.join();
+  fs::remove_all(out_dir);
   return seconds;
 }
 
@@ -231,22 +244,27 @@ int Run(const Options& o) {
   std::printf("staging_bench: %d shards, %.1f MiB in all; link %g ms each way, cap %s\n", o.shards, total / 1048576.0,
               o.latency_ms, o.mbps > 0 ? absl::StrFormat("%g Mbit/s", o.mbps).c_str() : "none");
   std::printf("warmup staging_s=%.3f (the head hashes each shard on first serve)\n", stage(-1));
-  std::vector<double> staging_rates, tcp_rates;
+  std::vector<double> staging_rates, tcp_rates, synced_rates;
   for (int run = 0; run < o.runs; ++run) {
     const double staging_s = stage(run);
-    const double tcp_s = TcpCopy(&sender, tcp_via_wan, total, (dir / "tcp_copy.bin").string());
-    fs::remove(dir / "tcp_copy.bin");
+    const double tcp_s = TcpCopy(&sender, tcp_via_wan, o.shards, shard_bytes, dir / "tcp", /*sync=*/false);
+    const double synced_s = TcpCopy(&sender, tcp_via_wan, o.shards, shard_bytes, dir / "tcp", /*sync=*/true);
     staging_rates.push_back(total / staging_s);
     tcp_rates.push_back(total / tcp_s);
-    std::printf("run %d staging_s=%.3f staging_MBps=%.1f tcp_s=%.3f tcp_MBps=%.1f ratio=%.3f\n", run, staging_s,
-                staging_rates.back() / 1e6, tcp_s, tcp_rates.back() / 1e6, staging_rates.back() / tcp_rates.back());
+    synced_rates.push_back(total / synced_s);
+    std::printf("run %d staging_MBps=%.1f tcp_MBps=%.1f tcp_fdatasync_MBps=%.1f ratio=%.3f ratio_synced=%.3f\n", run,
+                staging_rates.back() / 1e6, tcp_rates.back() / 1e6, synced_rates.back() / 1e6,
+                staging_rates.back() / tcp_rates.back(), staging_rates.back() / synced_rates.back());
   }
-  const double staging = Median(staging_rates), tcp = Median(tcp_rates);
-  std::printf("\nsummary (median of %d runs, %.1f MiB, %g ms each way, cap %s)\n", o.runs, total / 1048576.0,
-              o.latency_ms, o.mbps > 0 ? absl::StrFormat("%g Mbit/s = %.1f MB/s", o.mbps, o.mbps / 8).c_str() : "none");
-  std::printf("  %-28s %10.1f MB/s\n", "staging (DataStaging + cache)", staging / 1e6);
-  std::printf("  %-28s %10.1f MB/s\n", "raw TCP, same link", tcp / 1e6);
-  std::printf("  %-28s %10.3f\n", "ratio staging / TCP", staging / tcp);
+  const double staging = Median(staging_rates), tcp = Median(tcp_rates), synced = Median(synced_rates);
+  std::printf("\nsummary (median of %d runs, %.1f MiB in %d shards, %g ms each way, cap %s)\n", o.runs,
+              total / 1048576.0, o.shards, o.latency_ms,
+              o.mbps > 0 ? absl::StrFormat("%g Mbit/s = %.1f MB/s", o.mbps, o.mbps / 8).c_str() : "none");
+  std::printf("  %-40s %10.1f MB/s\n", "staging (DataStaging + shard cache)", staging / 1e6);
+  std::printf("  %-40s %10.1f MB/s\n", "raw TCP, same link, into files", tcp / 1e6);
+  std::printf("  %-40s %10.1f MB/s\n", "raw TCP, same link, files fdatasync'd", synced / 1e6);
+  std::printf("  %-40s %10.3f\n", "ratio staging / raw TCP", staging / tcp);
+  std::printf("  %-40s %10.3f\n", "ratio staging / raw TCP fdatasync'd", staging / synced);
   (*emulator)->Stop();
   server->Shutdown();
   fs::remove_all(dir);
