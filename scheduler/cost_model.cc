@@ -118,8 +118,11 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips,
                                   int depth) {
-  // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier.
-  auto busy_latencies = [&](int s) { return round_trips.empty() ? 0.0 : 2 * round_trips[s]; };
+  // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier. A pipeline
+  // deeper than pp keeps several sends in flight (worker/async_sender.h): the link is busy for the
+  // serialisation only.
+  const bool overlapped_sends = schedule == Schedule::k1F1B && depth > static_cast<int>(forward_s.size());
+  auto busy_latencies = [&](int s) { return round_trips.empty() || overlapped_sends ? 0.0 : 2 * round_trips[s]; };
   auto arrival_latencies = [&](int s) { return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1; };
   const int p = static_cast<int>(forward_s.size());
   const int m = microbatches;

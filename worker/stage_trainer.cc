@@ -156,10 +156,13 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     ASSIGN_OR_RETURN(float* params, HostParams());
     outer_->Initialize(params);
   }
-  // A failed send ends the receives this actor waits in, so that it reports the failure at once.
+  // A failed send ends the receives this actor waits in, so that it reports the failure at once. A pipeline
+  // deeper than pp keeps its extra microbatches' sends in flight together, so that none waits for another's
+  // acknowledgement across a slow link.
+  const int in_flight = std::max(1, spec_.parallel().pipeline_depth() - ranks_.pp + 1);
   sender_ = std::make_unique<AsyncSender>(
       collectives_->pipeline, [c = collectives_.get()] { return c->BytesSent(TrafficClass::kPipeline); }, ranks_.site,
-      [c = collectives_.get()](const absl::Status&) { c->CancelReceives(); });
+      [c = collectives_.get()](const absl::Status&) { c->CancelReceives(); }, in_flight);
   return absl::OkStatus();
 }
 
@@ -187,6 +190,14 @@ absl::Status StageTrainer::CopyOut(const std::vector<absl::Span<float>>& spans) 
   return absl::OkStatus();
 }
 
+namespace {
+
+// Each microbatch's tensors under their own tag, so that sends of different microbatches may be in flight
+// together (comm::Communicator numbers a tag's calls; AsyncSender overlaps only different tags).
+std::string MicrobatchTag(const char* kind, int m) { return absl::StrCat(kind, "/", m); }
+
+}  // namespace
+
 absl::Status StageTrainer::Forward(int m, bool recompute) {
   const int T = ranks_.seq_len, Bm = ranks_.microbatch_size;
   const bool first = ranks_.first_stage, last = ranks_.last_stage;
@@ -196,7 +207,8 @@ absl::Status StageTrainer::Forward(int m, bool recompute) {
   if (!first) {
     if (!recompute) {
       const auto t0 = Clock::now();
-      RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.prev_rank, absl::MakeSpan(stage_inputs_[m]), "act"));
+      RETURN_IF_ERROR(
+          collectives_->pipeline->Recv(ranks_.prev_rank, absl::MakeSpan(stage_inputs_[m]), MicrobatchTag("act", m)));
       const double waited = SecondsSince(t0);
       stats_.wait_seconds += waited;
       if (first_op_) stats_.bubble_seconds += waited;  // pipeline fill
@@ -222,7 +234,8 @@ absl::Status StageTrainer::Forward(int m, bool recompute) {
     RETURN_IF_ERROR(backend_->CopyToHost(host_output_.data(), out, activation_floats_ * sizeof(float)));
     out = host_output_.data();
   }
-  sender_->Send(ranks_.next_rank, ranks_.peers[ranks_.next_rank].site, out, activation_floats_, "act");
+  sender_->Send(ranks_.next_rank, ranks_.peers[ranks_.next_rank].site, out, activation_floats_,
+                MicrobatchTag("act", m));
   return absl::OkStatus();
 }
 
@@ -231,7 +244,7 @@ absl::Status StageTrainer::Backward(int m) {
   if (latest_forward_ != m) RETURN_IF_ERROR(Forward(m, /*recompute=*/true));
   if (!last) {
     const auto t0 = Clock::now();
-    RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.next_rank, absl::MakeSpan(doutput_), "grad"));
+    RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.next_rank, absl::MakeSpan(doutput_), MicrobatchTag("grad", m)));
     stats_.wait_seconds += SecondsSince(t0);
   }
   const auto t0 = Clock::now();
@@ -263,7 +276,8 @@ absl::Status StageTrainer::Backward(int m) {
     RETURN_IF_ERROR(backend_->CopyToHost(host_dinput_.data(), din, activation_floats_ * sizeof(float)));
     din = host_dinput_.data();
   }
-  sender_->Send(ranks_.prev_rank, ranks_.peers[ranks_.prev_rank].site, din, activation_floats_, "grad");
+  sender_->Send(ranks_.prev_rank, ranks_.peers[ranks_.prev_rank].site, din, activation_floats_,
+                MicrobatchTag("grad", m));
   return absl::OkStatus();
 }
 

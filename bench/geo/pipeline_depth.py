@@ -4,12 +4,13 @@
 Brings up two sites of one CPU worker each (described as a 0.1 TFLOP/s "cpu-core") with `geotrain cluster up` (the WAN emulator between them) at each
 one-way latency, and runs the same PP=2 job (stage 0 in site a, stage 1 in site b, 1F1B) twice: with plain
 1F1B (`pipeline_depth` = pp) and with the depth the head chooses from the measured link and the predicted
-microbatch time (`pipeline_depth` absent). Every run trains on the same tokens. Records the median step time
+microbatch time (`pipeline_depth` absent). Every run trains on the same tokens; each worker computes on one
+core (OMP_NUM_THREADS=1), so the two stages do not share cores. Records the median step time
 after the first step, the depth the head chose (from the job log) and the ratio to the 0 ms run of the
 same mode, in a CSV and a Markdown table.
 
 Usage: /usr/bin/python3 bench/geo/pipeline_depth.py [--geotrain build/bin/geotrain] [--out docs/geo]
-                                                     [--steps 5] [--latencies 0,50] [--microbatches 64]
+                                                     [--steps 5] [--latencies 0,50] [--microbatches 192]
 """
 import argparse
 import csv
@@ -23,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_study import private_cluster_env, run, write_tokens  # noqa: E402
 
-MODEL = "{n_layer: 4, n_head: 4, n_embd: 256, block_size: 128, vocab_size: 512}"
+MODEL = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 512}"
 # A CPU worker described by its speed (about one core of this machine's, so that the head's predicted
 # microbatch time is the CPU's order of magnitude): the CPU computes.
 WORKER = "{device: cpu-core, tflops: 0.1, mem_gb: 8}"
@@ -45,11 +46,13 @@ def main():
     ap.add_argument("--out", default="docs/geo")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--latencies", default="0,50")
-    ap.add_argument("--microbatches", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=192)
     args = ap.parse_args()
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)
-    work, env = private_cluster_env("geotrain_depth_")
+    # One core per stage, as on separate nodes: on this 2-core machine two stages that each took both cores
+    # would speed each other up whenever one waits on the link, hiding the very stall this measures.
+    work, env = private_cluster_env("geotrain_depth_", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     data = os.path.join(work, "train_000000.bin")
     write_tokens(data, 400000, 512)
     rows = []
