@@ -7,7 +7,8 @@
 2. The same job on real-compute workers sends exactly as many bytes across the sites per step: timed compute keeps
    every tensor's real size (gradient buckets through the real codec and streams).
 3. A PP2 GPT-2 large job on timed H100 workers: each worker holds half of a 774 M-parameter model, whose weights,
-   gradients and AdamW state would take about 6 GB per stage, in well under 1 GB.
+   gradients and AdamW state would take about 6 GB per stage, in well under 1 GB. A TP2 GPT-2 medium job on the
+   same workers runs too (the tensor-parallel all-reduces after the emulated matmuls).
 
 Usage: timed_compute_test.py PATH/TO/geotrain
 """
@@ -157,6 +158,21 @@ class TimedComputeTest(unittest.TestCase):
             print(f"peak worker PSS {peak / 1e6:.0f} MB (a real stage would hold about 6 GB)")
             self.assertGreater(peak, 0)
             self.assertLess(peak, 1 << 30)
+
+            # Tensor parallelism: the activations' all-reduces go through the real TP communicator, after the
+            # emulated matmuls that produce them.
+            with open(path, "w") as f:
+                f.write(f"name: tp2\nmodel: {{preset: gpt2-medium}}\ndata: {{train: '{self.data}'}}\n"
+                        "train: {steps: 3, global_batch: 2, seq_len: 64}\n"
+                        "parallel: {plan: manual, tp: 2, microbatches: 1}\n")
+            tp_job = c.cli(["job", "submit", path]).stdout.split()[1]
+            wait_for(lambda: json.loads(c.cli(["job", "status", tp_job, "--json"]).stdout)["state"]
+                     in ("JOB_SUCCEEDED", "JOB_FAILED"), 120, "the TP2 job")
+            tp_log = c.cli(["job", "logs", tp_job]).stdout
+            self.assertEqual(json.loads(c.cli(["job", "status", tp_job, "--json"]).stdout)["state"], "JOB_SUCCEEDED",
+                             tp_log + c.logs())
+            self.assertEqual([m.group(2) for m in step_lines(tp_log).values()],
+                             ["EMULATED (timed compute) loss n/a"] * 3, tp_log)
         except Exception:
             print(c.logs())
             raise
