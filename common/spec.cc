@@ -320,7 +320,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (spec.comm().chunk_bytes() != 0) {
     RETURN_IF_ERROR(range("comm.chunk_bytes", spec.comm().chunk_bytes(), int64_t{1024}, l.max_chunk_bytes));
   }
-  if (p.pipeline_depth() < 0) return bad("parallel.pipeline_depth", "must not be negative (0 or absent: pp)");
+  if (p.pipeline_depth() < 0)
+    return bad("parallel.pipeline_depth", "must not be negative (0 or absent: chosen from the links)");
   RETURN_IF_ERROR(range("parallel.pipeline_depth", p.pipeline_depth(), 0, l.max_microbatches));
   if (p.sync() != "" && p.sync() != "sync" && p.sync() != "diloco") {
     return bad("parallel.sync", absl::StrCat("must be sync or diloco (or absent), got '", p.sync(), "'"));

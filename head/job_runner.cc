@@ -313,6 +313,16 @@ absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, cons
       Check(jobs_->Log(job.job_id(), "  " + line), job.job_id(), "logging");
   }
   ASSIGN_OR_RETURN(std::vector<ActorPlacement> placement, PlaceActors(planned, workers, held));
+  // A 1F1B pipeline across a slow link runs deeper than pp (placement.h); the depth is for this placement only.
+  absl::StatusOr<PipelineDepthChoice> depth =
+      ChoosePipelineDepth(planned.spec(), placement, workers, registry_->SiteLinks());
+  if (!depth.ok()) {
+    Check(jobs_->Log(job.job_id(), absl::StrCat("pipeline depth left at pp: ", depth.status().message())), job.job_id(),
+          "logging");
+  } else if (depth->depth > planned.spec().parallel().pp() && planned.spec().parallel().pipeline_depth() == 0) {
+    planned.mutable_spec()->mutable_parallel()->set_pipeline_depth(depth->depth);
+    Check(jobs_->Log(job.job_id(), depth->explanation), job.job_id(), "logging");
+  }
   return Launch(planned, std::move(placement), attempt, resume_from);
 }
 

@@ -51,6 +51,59 @@ std::string EmulatedDevicesNote(const std::vector<WorkerInfo>& workers, double p
       absl::StrJoin(names, ", "), predicted_step_seconds);
 }
 
+// The alive workers' devices and the measured site links in the planner's terms.
+struct PlanningCluster {
+  scheduler::Cluster cluster;
+  int alive_workers = 0;
+  std::map<std::pair<std::string, int>, int> device_of;  // (worker id, device index) -> Cluster::devices index
+};
+
+absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>& workers,
+                                                   const std::vector<SiteLink>& links) {
+  PlanningCluster out;
+  scheduler::Cluster& cluster = out.cluster;
+  std::map<std::string, int> site_index;
+  std::map<std::string, int> workers_in_site;
+  std::vector<const WorkerInfo*> alive;
+  for (const WorkerInfo& w : workers) {
+    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+  }
+  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
+    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
+  });
+  if (alive.empty()) return absl::UnavailableError("no alive workers to plan for");
+  out.alive_workers = static_cast<int>(alive.size());
+  for (const WorkerInfo* w : alive) {
+    if (!site_index.count(w->site())) {
+      site_index[w->site()] = static_cast<int>(cluster.site_names.size());
+      cluster.site_names.push_back(w->site());
+    }
+    const int worker = workers_in_site[w->site()]++;
+    for (int d = 0; d < w->devices_size(); ++d) {
+      scheduler::Device device;
+      device.site = site_index[w->site()];
+      device.worker = worker;
+      device.slot = d;
+      device.name = w->devices(d).name();
+      device.tflops = std::max(1e-3, w->devices(d).tflops());
+      device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
+      out.device_of[{w->worker_id(), d}] = static_cast<int>(cluster.devices.size());
+      cluster.devices.push_back(device);
+    }
+  }
+  const int n = cluster.num_sites();
+  const scheduler::ClusterOptions defaults;
+  cluster.links.assign(n, std::vector<scheduler::LinkSpec>(n, scheduler::LinkSpec{1e-3, 1e9 / 8}));
+  for (int a = 0; a < n; ++a) cluster.links[a][a] = defaults.intra_site;
+  for (const SiteLink& l : links) {
+    if (l.a() == l.b() || !site_index.count(l.a()) || !site_index.count(l.b()) || l.bandwidth_mbps() <= 0) continue;
+    const scheduler::LinkSpec measured{std::max(1e-6, l.latency_ms() / 1e3), l.bandwidth_mbps() * 1e6 / 8};
+    cluster.links[site_index[l.a()]][site_index[l.b()]] = measured;
+    cluster.links[site_index[l.b()]][site_index[l.a()]] = measured;
+  }
+  return out;
+}
+
 }  // namespace
 
 uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
@@ -215,45 +268,10 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
   ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
   planning.options.max_ranked = std::max(planning.options.max_ranked, max_plans);
   RankedAutoPlans out;
-  scheduler::Cluster& cluster = out.cluster;
-  std::map<std::string, int> site_index;
-  std::map<std::string, int> workers_in_site;
-  std::vector<const WorkerInfo*> alive;
-  for (const WorkerInfo& w : workers) {
-    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
-  }
-  std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
-    return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
-  });
-  if (alive.empty()) return absl::UnavailableError("no alive workers to plan for");
-  out.alive_workers = static_cast<int>(alive.size());
-  for (const WorkerInfo* w : alive) {
-    if (!site_index.count(w->site())) {
-      site_index[w->site()] = static_cast<int>(cluster.site_names.size());
-      cluster.site_names.push_back(w->site());
-    }
-    const int worker = workers_in_site[w->site()]++;
-    for (int d = 0; d < w->devices_size(); ++d) {
-      scheduler::Device device;
-      device.site = site_index[w->site()];
-      device.worker = worker;
-      device.slot = d;
-      device.name = w->devices(d).name();
-      device.tflops = std::max(1e-3, w->devices(d).tflops());
-      device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
-      cluster.devices.push_back(device);
-    }
-  }
-  const int n = cluster.num_sites();
-  const scheduler::ClusterOptions defaults;
-  cluster.links.assign(n, std::vector<scheduler::LinkSpec>(n, scheduler::LinkSpec{1e-3, 1e9 / 8}));
-  for (int a = 0; a < n; ++a) cluster.links[a][a] = defaults.intra_site;
-  for (const SiteLink& l : links) {
-    if (l.a() == l.b() || !site_index.count(l.a()) || !site_index.count(l.b()) || l.bandwidth_mbps() <= 0) continue;
-    const scheduler::LinkSpec measured{std::max(1e-6, l.latency_ms() / 1e3), l.bandwidth_mbps() * 1e6 / 8};
-    cluster.links[site_index[l.a()]][site_index[l.b()]] = measured;
-    cluster.links[site_index[l.b()]][site_index[l.a()]] = measured;
-  }
+  ASSIGN_OR_RETURN(PlanningCluster planning_cluster, ClusterForPlanning(workers, links));
+  out.cluster = std::move(planning_cluster.cluster);
+  const scheduler::Cluster& cluster = out.cluster;
+  out.alive_workers = planning_cluster.alive_workers;
   const scheduler::ModelCosts& model = planning.model;
   ASSIGN_OR_RETURN(const scheduler::PlanResult result,
                    scheduler::PlanJob(cluster, model, planning.job, planning.options));
@@ -318,6 +336,52 @@ absl::StatusOr<AutoPlan> PlanAutoJob(const JobSpec& spec, const std::vector<Work
   out.parallel = ranked.plans.front().parallel;
   out.predicted_step_seconds = ranked.plans.front().predicted_step_seconds;
   out.explanation = std::move(ranked.explanation);
+  return out;
+}
+
+absl::StatusOr<PipelineDepthChoice> ChoosePipelineDepth(const JobSpec& spec,
+                                                        const std::vector<ActorPlacement>& placement,
+                                                        const std::vector<WorkerInfo>& workers,
+                                                        const std::vector<SiteLink>& links) {
+  const ParallelSpec& parallel = spec.parallel();
+  PipelineDepthChoice out;
+  out.depth = std::max(1, parallel.pp());
+  if (parallel.pp() <= 1 || parallel.schedule() == "gpipe") return out;
+  if (parallel.pipeline_depth() > 0) {
+    out.depth = std::max(parallel.pp(), parallel.pipeline_depth());
+    return out;
+  }
+  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
+  ASSIGN_OR_RETURN(scheduler::Plan plan, scheduler::RuntimePlanShape(spec, planning.model));
+  ASSIGN_OR_RETURN(const PlanningCluster planning_cluster, ClusterForPlanning(workers, links));
+  plan.devices.assign(plan.dp, std::vector<std::vector<int>>(plan.pp, std::vector<int>(plan.tp, -1)));
+  std::set<int> sites;
+  for (const ActorPlacement& p : placement) {
+    const ActorRecord& a = p.actor;
+    auto device = planning_cluster.device_of.find({a.worker_id(), a.device_index()});
+    if (device == planning_cluster.device_of.end() || a.replica() < 0 || a.replica() >= plan.dp || a.stage() < 0 ||
+        a.stage() >= plan.pp || a.tp_rank() < 0 || a.tp_rank() >= plan.tp) {
+      return absl::InternalError(absl::StrCat("actor ", a.actor_id(), " is placed outside its plan or its worker"));
+    }
+    plan.devices[a.replica()][a.stage()][a.tp_rank()] = device->second;
+    sites.insert(planning_cluster.cluster.devices[device->second].site);
+  }
+  ASSIGN_OR_RETURN(const scheduler::Prediction prediction,
+                   scheduler::Simulate(planning_cluster.cluster, planning.model, planning.job, plan));
+  out.depth = prediction.pipeline_depth;
+  if (out.depth <= plan.pp) return out;
+  double microbatch = 0, one_way = 0;
+  for (size_t s = 0; s < prediction.stage_forward_s.size(); ++s) {
+    microbatch = std::max(microbatch, prediction.stage_forward_s[s] + prediction.stage_backward_s[s]);
+  }
+  for (int a : sites) {
+    for (int b : sites) one_way = std::max(one_way, planning_cluster.cluster.Link(a, b).latency_s);
+  }
+  out.explanation = absl::StrFormat(
+      "1F1B pipeline depth %d (pp %d): %d microbatches in flight cover a round trip over links measured at up to "
+      "%.1f ms one way, with %.1f ms of predicted compute per microbatch (forward and backward, slowest stage); "
+      "the extra microbatches are recomputed, not kept",
+      out.depth, plan.pp, out.depth, one_way * 1e3, microbatch * 1e3);
   return out;
 }
 

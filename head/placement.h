@@ -55,6 +55,20 @@ std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, cons
 // the spec cannot be planned (a bad model or codec).
 uint64_t EstimateActorMemory(const JobSpec& spec, int stage);
 
+// The 1F1B depth of a placed job (parallel.pipeline_depth; common/pipeline_schedule.h): the spec's when it sets
+// one, pp for GPipe or one stage, else the simulator's choice (scheduler::Simulate, Plan::pipeline_depth 0)
+// for these devices and the measured site links: enough microbatches in flight to cover the slowest
+// boundary's round trip. `explanation` (for the job's log) says why when the depth is above pp. Errors: a
+// spec the planner cannot read, or a placement outside the plan (INTERNAL).
+struct PipelineDepthChoice {
+  int depth = 1;
+  std::string explanation;
+};
+absl::StatusOr<PipelineDepthChoice> ChoosePipelineDepth(const JobSpec& spec,
+                                                        const std::vector<ActorPlacement>& placement,
+                                                        const std::vector<WorkerInfo>& workers,
+                                                        const std::vector<SiteLink>& links);
+
 // Chooses a plan for a `plan: auto` job with the planner (scheduler/) on the alive workers, their
 // devices and the site links the workers measured (1 Gbit/s and 1 ms where nothing was measured yet),
 // with the planner's inputs for the spec (scheduler::PlanningForSpec: its WAN codec, +zstd included).

@@ -125,6 +125,42 @@ TEST(PlanAutoJobTest, PlansTheWanTrafficWithTheJobsCodecZstdIncluded) {
   EXPECT_THAT(absl::StrJoin(zstd->explanation, "\n"), HasSubstr("bf16+zstd"));
 }
 
+// A pipeline whose stages sit in two sites runs deeper than pp when the measured link is slow against the
+// predicted microbatch time, and says why; inside one site, or with the spec's own depth, it does not.
+TEST(ChoosePipelineDepthTest, CoversASlowLinkWithMoreMicrobatchesInFlight) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "b", 16), Worker("w3", "a", 16)};
+  for (WorkerInfo& w : workers) w.mutable_devices(0)->set_tflops(0.001);  // milliseconds per microbatch
+  std::vector<SiteLink> links(1);
+  links[0].set_a("a");
+  links[0].set_b("b");
+  links[0].set_latency_ms(50);
+  links[0].set_bandwidth_mbps(1000);
+  JobInfo job = Job(1, 2, 1);
+  job.mutable_spec()->mutable_parallel()->set_microbatches(8);
+  job.mutable_spec()->mutable_parallel()->add_placement()->set_stage(1);
+  job.mutable_spec()->mutable_parallel()->mutable_placement(0)->set_site("b");
+  auto placed = PlaceActors(job, workers);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  auto depth = ChoosePipelineDepth(job.spec(), *placed, workers, links);
+  ASSERT_TRUE(depth.ok()) << depth.status();
+  EXPECT_GT(depth->depth, 2);
+  EXPECT_LE(depth->depth, 8);
+  EXPECT_THAT(depth->explanation, HasSubstr("50.0 ms one way"));
+
+  job.mutable_spec()->mutable_parallel()->mutable_placement(0)->set_site("a");  // both stages in site a
+  placed = PlaceActors(job, workers);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  depth = ChoosePipelineDepth(job.spec(), *placed, workers, links);
+  ASSERT_TRUE(depth.ok()) << depth.status();
+  EXPECT_EQ(depth->depth, 2);
+  EXPECT_EQ(depth->explanation, "");
+
+  job.mutable_spec()->mutable_parallel()->set_pipeline_depth(5);
+  depth = ChoosePipelineDepth(job.spec(), *placed, workers, links);
+  ASSERT_TRUE(depth.ok()) << depth.status();
+  EXPECT_EQ(depth->depth, 5);
+}
+
 // allow_diloco: across a slow link the auto plan trains with DiLoCo on both sites and says why; without it,
 // the same job stays synchronous.
 TEST(PlanAutoJobTest, AllowDilocoTakesDilocoAcrossASlowLinkAndExplains) {

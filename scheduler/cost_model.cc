@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/pipeline_schedule.h"
 #include "common/status.h"
 #include "model/op_costs.h"
 
@@ -116,7 +117,8 @@ double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link) {
 
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
-                                  int microbatches, Schedule schedule, const std::vector<double>& round_trips) {
+                                  int microbatches, Schedule schedule, const std::vector<double>& round_trips,
+                                  int depth) {
   // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier.
   auto busy_latencies = [&](int s) { return round_trips.empty() ? 0.0 : 2 * round_trips[s]; };
   auto arrival_latencies = [&](int s) { return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1; };
@@ -127,22 +129,12 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
   out.last_backward_end.assign(p, 0);
   out.busy.assign(p, 0);
   if (p == 0 || m <= 0) return out;
-  // Op lists: +i+1 is the forward of microbatch i, -(i+1) its backward.
+  // Op lists, the runtime's schedules: +i+1 is the forward of microbatch i, -(i+1) its backward.
   std::vector<std::vector<int>> ops(p);
   for (int s = 0; s < p; ++s) {
-    auto& list = ops[s];
-    list.reserve(2 * m);
-    if (schedule == Schedule::kGPipe) {
-      for (int i = 0; i < m; ++i) list.push_back(i + 1);
-      for (int i = 0; i < m; ++i) list.push_back(-(i + 1));
-    } else {
-      const int warmup = std::min(p - 1 - s, m);
-      for (int i = 0; i < warmup; ++i) list.push_back(i + 1);
-      for (int i = 0; i < m - warmup; ++i) {
-        list.push_back(warmup + i + 1);
-        list.push_back(-(i + 1));
-      }
-      for (int i = m - warmup; i < m; ++i) list.push_back(-(i + 1));
+    const PipelineKind kind = schedule == Schedule::kGPipe ? PipelineKind::kGPipe : PipelineKind::k1F1B;
+    for (const PipelineOp& op : MakePipelineSchedule(kind, p, s, m, depth)) {
+      ops[s].push_back(op.forward ? op.microbatch + 1 : -(op.microbatch + 1));
     }
   }
   std::vector<double> forward_arrival(static_cast<size_t>(p) * m, -1), backward_arrival(forward_arrival),
@@ -399,7 +391,8 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   std::map<std::vector<double>, PipelineTimeline> simulated;
   double slowest_makespan = -1;
   int slowest = 0;
-  std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp);
+  std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp), transfer_of(plan.dp), latency_of(plan.dp),
+      round_trips_of(plan.dp);
   // (first, last) stage site pairs -> replicas, and when their wte gradients are complete.
   std::map<std::pair<int, int>, int> tied_pairs;
   std::map<std::pair<int, int>, double> tied_ready;
@@ -460,30 +453,49 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         }
       }
     }
+    forward_of[r] = std::move(forward);
+    backward_of[r] = std::move(backward);
+    transfer_of[r] = std::move(transfer);
+    latency_of[r] = std::move(latency);
+    round_trips_of[r] = std::move(message_round_trips);
+  }
+  // The 1F1B depth: the plan's, or the one that covers the slowest replica boundary's round trip.
+  int depth = plan.schedule == Schedule::kGPipe ? pp : std::max(pp, plan.pipeline_depth);
+  if (plan.schedule == Schedule::k1F1B && plan.pipeline_depth <= 0) {
+    for (int r = 0; r < plan.dp; ++r) {
+      double one_way = 0, microbatch = 0;
+      for (int s = 0; s < pp; ++s) {
+        microbatch = std::max(microbatch, forward_of[r][s] + backward_of[r][s]);
+        if (s + 1 >= pp) continue;
+        // Arrival, as SimulatePipeline counts it: serialisation plus one latency, or 2 r - 1 with round trips.
+        const double latencies = round_trips_of[r].empty() ? 1.0 : 2 * round_trips_of[r][s] - 1;
+        one_way = std::max(one_way, transfer_of[r][s] + latencies * latency_of[r][s]);
+      }
+      depth = std::max(depth, PipelineDepthFor(pp, plan.microbatches[r], one_way, microbatch));
+    }
+  }
+  out.pipeline_depth = depth;
+  for (int r = 0; r < plan.dp; ++r) {
     // Replicas on identical devices and links behave identically: simulate each kind once.
     std::vector<double> signature;
     signature.reserve(4 * pp + 1);
-    signature.insert(signature.end(), forward.begin(), forward.end());
-    signature.insert(signature.end(), backward.begin(), backward.end());
-    signature.insert(signature.end(), transfer.begin(), transfer.end());
-    signature.insert(signature.end(), latency.begin(), latency.end());
-    signature.insert(signature.end(), message_round_trips.begin(), message_round_trips.end());
+    for (const auto* part : {&forward_of[r], &backward_of[r], &transfer_of[r], &latency_of[r], &round_trips_of[r]}) {
+      signature.insert(signature.end(), part->begin(), part->end());
+    }
     signature.push_back(plan.microbatches[r]);
     auto known = simulated.find(signature);
     if (known == simulated.end()) {
-      known =
-          simulated
-              .emplace(std::move(signature), SimulatePipeline(forward, backward, transfer, latency,
-                                                              plan.microbatches[r], plan.schedule, message_round_trips))
-              .first;
+      known = simulated
+                  .emplace(std::move(signature),
+                           SimulatePipeline(forward_of[r], backward_of[r], transfer_of[r], latency_of[r],
+                                            plan.microbatches[r], plan.schedule, round_trips_of[r], depth))
+                  .first;
     }
     timelines[r] = &known->second;
     if (timelines[r]->makespan > slowest_makespan) {
       slowest_makespan = timelines[r]->makespan;
       slowest = r;
     }
-    forward_of[r] = std::move(forward);
-    backward_of[r] = std::move(backward);
     if (pp > 1) {
       const int first = cluster.devices[plan.devices[r][0][0]].site;
       const int last = cluster.devices[plan.devices[r][pp - 1][0]].site;

@@ -121,6 +121,11 @@ struct Plan {
                                  // [begin[s], begin[s+1])
   std::vector<std::vector<std::vector<int>>> devices;
   std::vector<int> microbatches;  // per replica
+  // 1F1B only: the microbatches in flight at the first stage (common/pipeline_schedule.h). 0: chosen by
+  // Simulate with PipelineDepthFor from each replica's slowest boundary (latency and transfer) and slowest
+  // stage (forward and backward of a microbatch), the largest over replicas; the runtime chooses the same
+  // way on the measured links (head/placement.h). Below pp: pp.
+  int pipeline_depth = 0;
   // Codec per ordered site pair for gradients and activations (index into JobOptions::codecs, -1:
   // none). Empty: chosen by ChooseCodec for each link.
   std::vector<std::vector<int>> gradient_codec, activation_codec;
@@ -144,6 +149,7 @@ struct Prediction {
   double tied_sync_s = 0;      // wte gradient exchange (pp > 1) not hidden under the all-reduce
   double scalar_sync_s = 0;    // gradient-norm and loss all-reduces (sequential_sync only)
   double bubble_fraction = 0;  // idle share of the pipeline time, averaged over stages of the slowest replica
+  int pipeline_depth = 1;      // the 1F1B depth simulated (Plan::pipeline_depth, or the one chosen); GPipe: pp
   double compute_bound_s = 0;  // step time if nothing but compute mattered (all devices busy)
   std::vector<double> stage_forward_s, stage_backward_s;  // per microbatch, slowest replica
   std::vector<double> stage_allreduce_s;                  // gradient all-reduce per stage
@@ -169,7 +175,8 @@ struct PipelineTimeline {
 // latencies after it; empty: a plain link (busy for the serialisation, arriving one latency later).
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
-                                  int microbatches, Schedule schedule, const std::vector<double>& round_trips = {});
+                                  int microbatches, Schedule schedule, const std::vector<double>& round_trips = {},
+                                  int depth = 0);
 
 // The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
 // activations only consider codecs with for_activations.

@@ -110,6 +110,53 @@ TEST(CostModelTest, PipelineIsPacedByItsSlowestStageAndLatencyAddsPerBoundary) {
   EXPECT_NEAR(slow.makespan - base.makespan, 2 * 3 * 0.6, 1e-9);
 }
 
+// Plain 1F1B across a slow boundary idles while a microbatch crosses and its gradient comes back; the
+// depth PipelineDepthFor chooses keeps the first stage computing, so the step approaches the compute.
+TEST(CostModelTest, DeeperOneFOneBCoversASlowBoundary) {
+  const std::vector<double> f = {1, 1}, b = {2, 2}, transfer = {0}, latency = {5};
+  const int m = 32;
+  const PipelineTimeline plain = SimulatePipeline(f, b, transfer, latency, m, Schedule::k1F1B);
+  const PipelineTimeline deep = SimulatePipeline(f, b, transfer, latency, m, Schedule::k1F1B, {}, 2 + 4);
+  const PipelineTimeline fast = SimulatePipeline(f, b, transfer, {0}, m, Schedule::k1F1B);
+  // Plain: each pair of microbatches waits the round trip (2 x 5 + stage 1's 3): about m / 2 x 13.
+  EXPECT_GT(plain.makespan, m / 2 * 13.0 * 0.9);
+  // Deep: the compute of m microbatches plus one round trip.
+  EXPECT_LT(deep.makespan, fast.makespan + 2 * 5 + 3 + 1e-9);
+  EXPECT_LT(deep.makespan, 0.6 * plain.makespan);
+}
+
+// Simulate chooses the depth (Plan::pipeline_depth 0) from the boundary's latency and the stages' microbatch
+// time, reports it, and predicts the shorter step; a plan's own depth is simulated as given.
+TEST(CostModelTest, SimulateChoosesTheDepthThatCoversTheLink) {
+  const ModelCosts model = Costs("gpt2", 1024);
+  JobOptions job;
+  job.global_batch = 32;
+  job.seq_len = 1024;
+  const Cluster cluster = TwoSites("A100", 1, 50.0, 10000);
+  Plan plan;
+  plan.pp = 2;
+  plan.stage_begin = {0, model.num_layers() / 2, model.num_layers()};
+  plan.devices = {{{0}, {1}}};
+  plan.microbatches = {32};
+  absl::StatusOr<Prediction> chosen = Simulate(cluster, model, job, plan);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  const double microbatch = chosen->stage_forward_s[0] + chosen->stage_backward_s[0];
+  EXPECT_GT(chosen->pipeline_depth, 2);
+  EXPECT_GE(chosen->pipeline_depth,
+            2 + 2 * 0.050 / std::max(microbatch, chosen->stage_forward_s[1] + chosen->stage_backward_s[1]));
+  plan.pipeline_depth = 2;
+  absl::StatusOr<Prediction> plain = Simulate(cluster, model, job, plan);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->pipeline_depth, 2);
+  EXPECT_LT(chosen->step_time_s, plain->step_time_s);
+  // Fast links: no extra depth.
+  const Cluster near = TwoSites("A100", 1, 0.0, 400000);
+  plan.pipeline_depth = 0;
+  absl::StatusOr<Prediction> local = Simulate(near, model, job, plan);
+  ASSERT_TRUE(local.ok());
+  EXPECT_EQ(local->pipeline_depth, 2);
+}
+
 TEST(CostModelTest, MoreLatencyNeverSpeedsUpDataParallelism) {
   const ModelCosts model = Costs("gpt2", 1024);
   JobOptions job;

@@ -18,6 +18,13 @@ std::string DeviceTypeName(const Cluster& cluster, const std::vector<int>& devic
 
 std::string Gb(double bytes) { return absl::StrFormat("%.2f GB", bytes / 1e9); }
 
+// " depth 6" when the 1F1B pipeline runs deeper than pp to cover a slow boundary's round trip.
+std::string DepthNote(const Plan& p, const Prediction& pr) {
+  if (p.schedule != Schedule::k1F1B || pr.pipeline_depth <= p.pp) return "";
+  return absl::StrFormat(" depth %d (%d microbatches in flight cover the slowest boundary's round trip)",
+                         pr.pipeline_depth, pr.pipeline_depth);
+}
+
 }  // namespace
 
 std::string ShapeName(const Plan& p) { return absl::StrFormat("dp=%d pp=%d tp=%d", p.dp, p.pp, p.tp); }
@@ -29,14 +36,14 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
   const Plan& p = w.plan;
   const Prediction& pr = w.prediction;
   lines.push_back(
-      absl::StrFormat("winner: %s, microbatch %d x %d per replica, %s, %s: %.3f s per step, %.0f tokens/s; "
+      absl::StrFormat("winner: %s, microbatch %d x %d per replica, %s%s, %s: %.3f s per step, %.0f tokens/s; "
                       "pipeline %.3f s "
                       "(bubble %.0f%%), exposed gradient all-reduce %.3f s, tied-embedding sync %.3f s; compute "
                       "alone would "
                       "take %.3f s",
-                      ShapeName(p), p.microbatch_size, p.microbatches.front(), ScheduleName(p.schedule), w.layout,
-                      pr.step_time_s, pr.tokens_per_s, pr.pipeline_time_s, 100 * pr.bubble_fraction, pr.dp_exposed_s,
-                      pr.tied_sync_s, pr.compute_bound_s));
+                      ShapeName(p), p.microbatch_size, p.microbatches.front(), ScheduleName(p.schedule),
+                      DepthNote(p, pr), w.layout, pr.step_time_s, pr.tokens_per_s, pr.pipeline_time_s,
+                      100 * pr.bubble_fraction, pr.dp_exposed_s, pr.tied_sync_s, pr.compute_bound_s));
   // Alternatives: best pure DP, best pure pipeline, best with tensor parallelism, on any subset.
   auto best_where = [&](auto predicate) -> const PlanCandidate* {
     const PlanCandidate* best = nullptr;

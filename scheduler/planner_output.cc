@@ -149,6 +149,7 @@ Json CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCa
               {"microbatch_size", p.microbatch_size},
               {"microbatches", p.microbatches},
               {"schedule", ScheduleName(p.schedule)},
+              {"pipeline_depth", pr.pipeline_depth},
               {"layout", c.layout},
               {"subset", c.subset},
               {"fits", pr.fits},

@@ -10,7 +10,7 @@
 //   worker/actor_ranks.h          where the actor sits in the plan: ranks, peers, groups;
 //   worker/stage_collectives.h    the set-up of its collectives (tensor streams, NCCL): injectable;
 //   worker/stage_trainer.h        the stage, optimizer and data, and one step: forward, backward, the
-//                                 schedule as data (worker/pipeline_schedule.h), gradient sync, AdamW;
+//                                 schedule as data (common/pipeline_schedule.h), gradient sync, AdamW;
 //   worker/head_client.h          step reports to the head: injectable.
 //   worker/step_reporter.h        reports delivered in the background, retried while the head is away;
 //   worker/checkpoint_writer.h    checkpoint shards written in the background from a host snapshot.

@@ -8,7 +8,7 @@
 //   }
 //
 // A step:
-//   1. the pipeline: the schedule's forwards and backwards (worker/pipeline_schedule.h). Activations come
+//   1. the pipeline: the schedule's forwards and backwards (common/pipeline_schedule.h). Activations come
 //      from the previous stage and go to the next over the pipeline communicator; their gradients go back.
 //      Sends run on a background thread (worker/async_sender.h), so a stage computes while the previous
 //      microbatch crosses a slow link. A stage keeps the activations of one microbatch, so a backward whose
@@ -46,6 +46,7 @@
 
 #include "absl/status/statusor.h"
 #include "comm/communicator.h"
+#include "common/pipeline_schedule.h"
 #include "model/backend.h"
 #include "model/config.h"
 #include "model/data.h"
@@ -54,7 +55,6 @@
 #include "model/optimizer.h"
 #include "worker/actor_ranks.h"
 #include "worker/async_sender.h"
-#include "worker/pipeline_schedule.h"
 #include "worker/stage_collectives.h"
 
 namespace geotrain::worker {

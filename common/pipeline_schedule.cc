@@ -1,11 +1,12 @@
 // Pipeline schedules (see pipeline_schedule.h).
-#include "worker/pipeline_schedule.h"
+#include "common/pipeline_schedule.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 
-namespace geotrain::worker {
+namespace geotrain {
 
 std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stage, int microbatches, int depth) {
   const int M = std::max(0, microbatches);
@@ -23,6 +24,14 @@ std::vector<PipelineOp> MakePipelineSchedule(PipelineKind kind, int pp, int stag
   return out;
 }
 
+int PipelineDepthFor(int pp, int microbatches, double one_way_seconds, double microbatch_seconds) {
+  if (pp <= 1 || one_way_seconds <= 0 || microbatch_seconds <= 0) return std::max(pp, 1);
+  const double round_trip = 2 * one_way_seconds / microbatch_seconds;
+  if (round_trip < 0.1) return pp;
+  const double deepest = std::max(pp, microbatches);
+  return static_cast<int>(std::min(deepest, pp + std::ceil(round_trip)));
+}
+
 std::string ScheduleToString(const std::vector<PipelineOp>& schedule) {
   std::string out;
   for (const PipelineOp& op : schedule)
@@ -30,4 +39,4 @@ std::string ScheduleToString(const std::vector<PipelineOp>& schedule) {
   return out;
 }
 
-}  // namespace geotrain::worker
+}  // namespace geotrain
