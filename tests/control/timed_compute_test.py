@@ -7,7 +7,7 @@
 2. The same job on real-compute workers sends exactly as many bytes across the sites per step: timed compute keeps
    every tensor's real size (gradient buckets through the real codec and streams).
 3. A PP2 GPT-2 large job on timed H100 workers: each worker holds half of a 774 M-parameter model, whose weights,
-   gradients and AdamW state would take about 6 GB per stage, in well under 1 GB. A TP2 GPT-2 medium job on the
+   gradients and AdamW state would take about 6 GB per stage, in a few hundred MB (under 2 GB with sanitizers). A TP2 GPT-2 medium job on the
    same workers runs too (the tensor-parallel all-reduces after the emulated matmuls).
 
 Usage: timed_compute_test.py PATH/TO/geotrain
@@ -157,7 +157,9 @@ class TimedComputeTest(unittest.TestCase):
             self.assertEqual(sorted(step_lines(log)), [1, 2, 3, 4], log)
             print(f"peak worker PSS {peak / 1e6:.0f} MB (a real stage would hold about 6 GB)")
             self.assertGreater(peak, 0)
-            self.assertLess(peak, 1 << 30)
+            # A real stage: about 6 GB of state. The timed one: the runtime's buffers (the tied embedding's 257 MB
+            # all-reduce dominates; sanitizer builds add their quarantine and shadow).
+            self.assertLess(peak, 2 << 30)
 
             # Tensor parallelism: the activations' all-reduces go through the real TP communicator, after the
             # emulated matmuls that produce them.
