@@ -242,6 +242,9 @@ absl::StatusOr<std::vector<std::string>> MakeClusterCertificates(const std::stri
 }
 
 absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir, const UpOptions& up) {
+  if (!up.device_profiles.empty() && !up.timed_compute) {
+    return absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add --timed-compute");
+  }
   ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(topology_path));
   if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
     for (const Started& p : existing->processes) {

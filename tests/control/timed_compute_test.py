@@ -136,6 +136,12 @@ class TimedComputeTest(unittest.TestCase):
         c = LocalCluster(GEOTRAIN)
         try:
             c.start_head()
+            # Timed compute needs a device to emulate, and a bandwidth for it.
+            for devices, why in (([], "needs the devices to emulate"), (["--emulate-device", "X1:50:16"], "BW_GBS")):
+                bad = c.cli(["worker", "start", "--site", "x", "--metrics-port", "-1", "--timed-compute"] + devices,
+                            check=False, timeout=30)
+                self.assertNotEqual(bad.returncode, 0)
+                self.assertIn(why, bad.stderr + bad.stdout)
             workers = [c.start_worker(f"w-{i}", "site-a", ["H100"], ["--timed-compute"]) for i in range(2)]
             wait_for(lambda: sorted(c.worker_states().values()) == ["WORKER_ALIVE"] * 2, 30, "two workers")
             path = os.path.join(c.dir, "large.yaml")
