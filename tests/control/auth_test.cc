@@ -13,6 +13,7 @@
 #include "head/head_server.h"
 #include "internal.grpc.pb.h"
 #include "internal.pb.h"
+#include "proto/service_descriptors.h"
 #include "worker/worker_server.h"
 
 namespace geotrain {
@@ -45,10 +46,6 @@ grpc::StatusCode CallWithToken(const std::shared_ptr<grpc::Channel>& channel, co
   }
   return status.error_code();
 }
-
-// internal.proto declares services only, so nothing else refers to its generated descriptor and the linker would
-// leave it out of this binary (FindServiceByName would not know geotrain.internal.*): keep it.
-const void* volatile keep_internal_proto = &descriptor_table_internal_2eproto;
 
 std::vector<std::string> Methods(const google::protobuf::ServiceDescriptor* service) {
   std::vector<std::string> out;
@@ -96,12 +93,11 @@ TEST_F(AuthTest, EveryMethodNeedsTheToken) {
     int port;
     const google::protobuf::ServiceDescriptor* service;
   };
-  const auto* pool = google::protobuf::DescriptorPool::generated_pool();
-  for (const Target& t : {Target{head_->port(), pool->FindServiceByName("geotrain.internal.HeadControl")},
-                          Target{head_->port(), pool->FindServiceByName("geotrain.v1.Jobs")},
-                          Target{head_->port(), pool->FindServiceByName("geotrain.v1.Cluster")},
-                          Target{head_->port(), pool->FindServiceByName("geotrain.v1.Planner")},
-                          Target{worker_->port(), pool->FindServiceByName("geotrain.internal.Worker")}}) {
+  for (const Target& t : {Target{head_->port(), FindServiceDescriptor("geotrain.internal.HeadControl")},
+                          Target{head_->port(), FindServiceDescriptor("geotrain.v1.Jobs")},
+                          Target{head_->port(), FindServiceDescriptor("geotrain.v1.Cluster")},
+                          Target{head_->port(), FindServiceDescriptor("geotrain.v1.Planner")},
+                          Target{worker_->port(), FindServiceDescriptor("geotrain.internal.Worker")}}) {
     ASSERT_NE(t.service, nullptr);
     auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(t.port), grpc::InsecureChannelCredentials());
     for (const std::string& method : Methods(t.service)) {
@@ -115,8 +111,7 @@ TEST_F(AuthTest, EveryMethodNeedsTheToken) {
 // The rendezvous methods are among the enumerated ones; with the right token an empty request reaches the
 // handler, which refuses it at once (no job id) rather than waiting.
 TEST_F(AuthTest, RendezvousMethodsAreCovered) {
-  const auto* head =
-      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("geotrain.internal.HeadControl");
+  const auto* head = FindServiceDescriptor("geotrain.internal.HeadControl");
   ASSERT_NE(head, nullptr);
   const std::vector<std::string> methods = Methods(head);
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(head_->port()), grpc::InsecureChannelCredentials());

@@ -45,6 +45,7 @@
 #include "geotrain/v1/planner.pb.h"
 #include "google/protobuf/descriptor.h"
 #include "internal.pb.h"
+#include "proto/service_descriptors.h"
 #include "staging.pb.h"
 #include "tensor.pb.h"
 
@@ -84,9 +85,11 @@ std::string RandomBytes(std::mt19937_64& rng, size_t max_len) {
 std::vector<std::string> MethodsOf(const std::vector<std::string>& services) {
   std::vector<std::string> out;
   for (const std::string& name : services) {
-    const google::protobuf::ServiceDescriptor* s =
-        google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(name);
-    if (s == nullptr) continue;
+    const google::protobuf::ServiceDescriptor* s = geotrain::FindServiceDescriptor(name);
+    if (s == nullptr) {  // a renamed service: attacking fewer methods than the server has would prove little
+      std::fprintf(stderr, "hostile_client: no service %s in this binary's protos\n", name.c_str());
+      std::exit(2);
+    }
     for (int i = 0; i < s->method_count(); ++i) out.push_back("/" + name + "/" + s->method(i)->name());
   }
   return out;
@@ -272,9 +275,6 @@ void OneRequest(const Target& t, uint64_t i, uint64_t seed, Tally* tally) {
 
 }  // namespace
 
-// internal.proto's descriptor table, referenced so that the linker keeps it.
-const void* volatile keep_internal_proto = &descriptor_table_internal_2eproto;
-
 int main(int argc, char** argv) {
   if (argc < 5) {
     std::fprintf(stderr, "usage: %s head|worker|metrics HOST:PORT COUNT SEED [TOKEN]\n", argv[0]);
@@ -287,13 +287,6 @@ int main(int argc, char** argv) {
   const uint64_t seed = std::strtoull(argv[4], nullptr, 10);
   t.token = argc > 5 ? argv[5] : "";
   if (t.kind != "metrics") {
-    // Links the services' descriptors (a static library's object is linked only when referenced; internal.proto
-    // declares services only, so its descriptor table is referenced by name).
-    if (geotrain::RegisterWorkerRequest::descriptor() == nullptr || geotrain::ShardInfo::descriptor() == nullptr ||
-        geotrain::v1::Job::descriptor() == nullptr || geotrain::v1::ClusterStatus::descriptor() == nullptr ||
-        geotrain::v1::PlanJobRequest::descriptor() == nullptr || keep_internal_proto == nullptr) {
-      return 2;
-    }
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
