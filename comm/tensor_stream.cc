@@ -821,6 +821,7 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
     std::unique_ptr<Stream> stream = TakeStream(peer_address);
     const bool reused = stream->used;
     if (!stream->opened()) stream->Open(token_);
+    const absl::Time started = absl::Now();
     const Outcome outcome = WriteTensor(stream.get(), key, header_bytes, chunk_bytes, encoded, encoder, deadline);
     if (outcome == Outcome::kAcknowledged) {
       {
@@ -828,6 +829,7 @@ absl::Status TensorStreamClient::SendChunks(const std::string& peer_address, con
         ++stats_.tensors_sent;
         stats_.bytes_sent += total;
       }
+      if (options_.on_acknowledged) options_.on_acknowledged(peer_address, total, absl::Now() - started);
       stream->used = true;
       ReturnStream(peer_address, std::move(stream));
       return absl::OkStatus();

@@ -59,6 +59,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -136,6 +137,11 @@ struct TensorStreamOptions {
   // The client's channel credentials: TLS when the workers' servers serve it (common/rpc.h MakeChannelCredentials);
   // null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> channel_credentials;
+  // The client calls this after each acknowledged Send with the peer's address, the encoded bytes and the time from
+  // the first chunk's write to the ack (encoding overlapped with the writes included): the link's goodput as this
+  // sender sees it (worker/link_metrics.h). Runs on the sending thread, so it must be thread-safe and cheap. Null:
+  // nothing is called.
+  std::function<void(const std::string& peer_address, uint64_t bytes, absl::Duration took)> on_acknowledged;
 };
 
 // A tensor as received: validated, checksum verified, still encoded.

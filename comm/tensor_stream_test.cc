@@ -110,6 +110,42 @@ TEST(TensorStream, ConcurrentSendersAllArrive) {
   EXPECT_EQ(failures.load(), 0);
 }
 
+// The per-link goodput hook (TensorStreamOptions::on_acknowledged) sees every acknowledged Send, with its peer,
+// its encoded bytes and a positive time; a refused Send is not reported.
+TEST(TensorStream, AcknowledgedSendsAreReportedWithBytesAndTime) {
+  Endpoint endpoint;
+  struct Report {
+    std::string address;
+    uint64_t bytes;
+    absl::Duration took;
+  };
+  absl::Mutex mu;
+  std::vector<Report> reports;
+  TensorStreamOptions options;
+  options.chunk_bytes = 64 * 1024;
+  options.on_acknowledged = [&](const std::string& address, uint64_t bytes, absl::Duration took) {
+    absl::MutexLock lock(&mu);
+    reports.push_back({address, bytes, took});
+  };
+  TensorStreamClient client(kToken, options);
+  const std::vector<float> big = RandomTensor(300 * 1000, 3), small(1000, 1.0f);
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("big"), {300, 1000}, big, Codec{}, Soon()).ok());
+  ASSERT_TRUE(client.Send(endpoint.address(), Key("small"), {1000}, small, *ParseCodec("bf16"), Soon()).ok());
+  TensorStreamClient refused("not-the-token", options);
+  EXPECT_FALSE(refused.Send(endpoint.address(), Key("x"), {1000}, small, Codec{}, Soon()).ok());
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(reports.size(), 2u);
+  uint64_t bytes = 0;
+  for (const Report& r : reports) {
+    EXPECT_EQ(r.address, endpoint.address());
+    EXPECT_GT(r.took, absl::ZeroDuration());
+    bytes += r.bytes;
+  }
+  EXPECT_EQ(reports[0].bytes, big.size() * 4 + kCodecHeaderBytes);
+  EXPECT_EQ(reports[1].bytes, small.size() * 2 + kCodecHeaderBytes);  // bf16: the encoded bytes
+  EXPECT_EQ(bytes, client.stats().bytes_sent);
+}
+
 TEST(TensorStream, WrongOrMissingTokenIsUnauthenticated) {
   Endpoint endpoint;
   TensorStreamClient wrong("not-the-token");

@@ -21,6 +21,29 @@
 #include "scheduler/planner.h"
 
 namespace geotrain::head {
+namespace {
+
+// The families whose series belong to one job (label job_id): removed when it has ended (ForgetEndedJobSeries).
+struct JobFamily {
+  const char* name;
+  const char* help;
+};
+constexpr JobFamily kRestarts{"geotrain_job_restarts_total", "Restarts of a job from its checkpoint after a fault"};
+constexpr JobFamily kStepsLost{"geotrain_job_steps_lost_total", "Steps trained again after restarts, by job"};
+constexpr JobFamily kPredictedStep{"geotrain_predicted_step_seconds", "The planner's predicted step time, by job"};
+constexpr JobFamily kMeasuredStep{"geotrain_measured_step_seconds", "The latest measured step time, by job"};
+constexpr JobFamily kStepDuration{"geotrain_step_duration_seconds", "Optimizer step time, by job"};
+constexpr JobFamily kTokensPerSecond{"geotrain_tokens_per_second", "Training throughput, by job"};
+constexpr JobFamily kTrainLoss{"geotrain_train_loss", "Training loss, by job"};
+constexpr JobFamily kValLoss{"geotrain_val_loss", "Validation loss (mean over replicas), by job"};
+constexpr JobFamily kBubble{"geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job"};
+constexpr JobFamily kTimedCompute{"geotrain_timed_compute",
+                                  "1 when the job's step times are emulated (timed compute), by job"};
+constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss,
+                                    kValLoss,       kBubble,       kTimedCompute};
+constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost};
+
+}  // namespace
 
 JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, JobRunnerOptions options,
                      const Clock* clock)
@@ -72,6 +95,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     Reconcile();
     RecoverJobs();
     StartPendingJobs();
+    ForgetEndedJobSeries();
     if (on_tick) on_tick();
   }
 }
@@ -232,9 +256,7 @@ void JobRunner::HandleFaults() {
       continue;
     }
     if (metrics_ != nullptr) {
-      metrics_->Counters("geotrain_job_restarts_total", "Restarts of a job from its checkpoint after a fault")
-          .Add({{"job_id", p.job_id}})
-          .Increment();
+      metrics_->Counters(kRestarts.name, kRestarts.help).Add({{"job_id", p.job_id}}).Increment();
     }
     // The surviving actors stop now (their receives end at once), before the next run is placed.
     StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
@@ -417,7 +439,7 @@ void JobRunner::RecoverJobs() {
                 .status(),
             job_id, "recording the restart");
       if (metrics_ != nullptr && lost > 0) {
-        metrics_->Counters("geotrain_job_steps_lost_total", "Steps trained again after restarts, by job")
+        metrics_->Counters(kStepsLost.name, kStepsLost.help)
             .Add({{"job_id", job_id}})
             .Increment(static_cast<double>(lost));
       }
@@ -639,6 +661,31 @@ void JobRunner::EndJob(const std::string& job_id, JobState state, const std::str
     Check(ended.status(), job_id, "ending the job");
   }
   if (state != JOB_SUCCEEDED) StopActors(actors, message, /*wait=*/false);
+  absl::MutexLock lock(&series_mu_);
+  ended_at_ms_.emplace(job_id, clock_->NowMillis());
+}
+
+void JobRunner::ForgetEndedJobSeries() {
+  if (metrics_ == nullptr) return;
+  absl::MutexLock lock(&series_mu_);
+  const int64_t now = clock_->NowMillis();
+  for (auto it = ended_at_ms_.begin(); it != ended_at_ms_.end();) {
+    if (now - it->second < options_.ended_job_series_ms) {
+      ++it;
+      continue;
+    }
+    const prometheus::Labels labels = {{"job_id", it->first}};
+    auto remove = [&labels](auto& family) {
+      if (family.Has(labels)) family.Remove(&family.Add(labels));
+    };
+    for (const JobFamily& f : kJobGauges) remove(metrics_->Gauges(f.name, f.help));
+    for (const JobFamily& f : kJobCounters) remove(metrics_->Counters(f.name, f.help));
+    auto& steps =
+        prometheus::BuildHistogram().Name(kStepDuration.name).Help(kStepDuration.help).Register(metrics_->registry());
+    if (steps.Has(labels)) steps.Remove(&steps.Add(labels, prometheus::Histogram::BucketBoundaries{}));
+    series_removed_.insert(it->first);
+    it = ended_at_ms_.erase(it);
+  }
 }
 
 void JobRunner::Reconcile() {
@@ -934,36 +981,29 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
   figures.set_timed_compute(agg.timed_compute);
   Check(jobs_->UpdateProgress(job_id, figures, line), job_id, "recording progress");
   if (metrics_ == nullptr) return;
+  absl::MutexLock series_lock(&series_mu_);
+  if (series_removed_.count(job_id) > 0) return;  // a report that came after the job's series were removed
   if (auto job = jobs_->Get(job_id); job.ok() && job->predicted_step_seconds() > 0) {
-    metrics_->Gauges("geotrain_predicted_step_seconds", "The planner's predicted step time, by job")
+    metrics_->Gauges(kPredictedStep.name, kPredictedStep.help)
         .Add({{"job_id", job_id}})
         .Set(job->predicted_step_seconds());
   }
-  metrics_->Gauges("geotrain_timed_compute", "1 when the job's step times are emulated (timed compute), by job")
-      .Add({{"job_id", job_id}})
-      .Set(agg.timed_compute ? 1 : 0);
-  metrics_->Gauges("geotrain_measured_step_seconds", "The latest measured step time, by job")
-      .Add({{"job_id", job_id}})
-      .Set(agg.step_seconds);
+  metrics_->Gauges(kTimedCompute.name, kTimedCompute.help).Add({{"job_id", job_id}}).Set(agg.timed_compute ? 1 : 0);
+  metrics_->Gauges(kMeasuredStep.name, kMeasuredStep.help).Add({{"job_id", job_id}}).Set(agg.step_seconds);
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                                                    2.5,  5,     10,   30,  60,   120};
   prometheus::BuildHistogram()
-      .Name("geotrain_step_duration_seconds")
-      .Help("Optimizer step time, by job")
+      .Name(kStepDuration.name)
+      .Help(kStepDuration.help)
       .Register(metrics_->registry())
       .Add({{"job_id", job_id}}, kBuckets)
       .Observe(agg.step_seconds);
-  metrics_->Gauges("geotrain_tokens_per_second", "Training throughput, by job")
-      .Add({{"job_id", job_id}})
-      .Set(tokens_per_second);
-  if (agg.have_loss)
-    metrics_->Gauges("geotrain_train_loss", "Training loss, by job").Add({{"job_id", job_id}}).Set(agg.loss);
+  metrics_->Gauges(kTokensPerSecond.name, kTokensPerSecond.help).Add({{"job_id", job_id}}).Set(tokens_per_second);
+  if (agg.have_loss) metrics_->Gauges(kTrainLoss.name, kTrainLoss.help).Add({{"job_id", job_id}}).Set(agg.loss);
   if (agg.val_reports > 0) {
-    metrics_->Gauges("geotrain_val_loss", "Validation loss (mean over replicas), by job")
-        .Add({{"job_id", job_id}})
-        .Set(agg.val_sum / agg.val_reports);
+    metrics_->Gauges(kValLoss.name, kValLoss.help).Add({{"job_id", job_id}}).Set(agg.val_sum / agg.val_reports);
   }
-  metrics_->Gauges("geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job")
+  metrics_->Gauges(kBubble.name, kBubble.help)
       .Add({{"job_id", job_id}})
       .Set(agg.step_seconds > 0 ? agg.bubble / agg.step_seconds : 0);
   auto& wan_family = metrics_->Counters("geotrain_wan_bytes_total", "Bytes sent between sites");

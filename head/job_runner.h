@@ -67,6 +67,9 @@ struct JobRunnerOptions {
   int64_t final_report_grace_ms = 10000;
   int64_t stop_deadline_ms = 3000;     // StopActor's deadline
   int64_t create_deadline_ms = 10000;  // CreateActor's deadline
+  // A job's own series on /metrics (loss, tokens/s, step times, restarts: label job_id) are removed this long after
+  // it ended, time enough for Prometheus to scrape the last values; its history stays in Prometheus.
+  int64_t ended_job_series_ms = 60000;
 };
 
 class JobRunner {
@@ -169,6 +172,8 @@ class JobRunner {
                         const std::map<std::string, CheckpointShard>& shards);
   void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg);
   void RecordRecovery(const std::string& job_id, double seconds, int64_t steps_lost);
+  // Removes the per-job series of the jobs that ended options_.ended_job_series_ms ago or more (control thread).
+  void ForgetEndedJobSeries();
   // Logs a failed bookkeeping call (the job table's persistence); such a failure never stops a job.
   void Check(const absl::Status& status, const std::string& job_id, const char* what);
 
@@ -184,6 +189,11 @@ class JobRunner {
   bool kicked_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::pair<JobState, std::string>> pending_ends_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Per-job series are added (RecordStep, on a report's thread) and removed under series_mu_ (taken before mu_), so
+  // that a late report cannot bring back a removed job's series.
+  absl::Mutex series_mu_;
+  std::map<std::string, int64_t> ended_at_ms_ ABSL_GUARDED_BY(series_mu_);  // clock_->NowMillis() at the end
+  std::set<std::string> series_removed_ ABSL_GUARDED_BY(series_mu_);
   std::thread control_;
 };
 

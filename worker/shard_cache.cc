@@ -256,11 +256,19 @@ absl::Status ShardCache::Fill(const std::string& job_id, const ShardInfo& shard,
                                           "head, or a disk or link corrupts data"));
 }
 
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ShardCache::ChannelTo(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = channels_.find(address); it != channels_.end()) return it->second;
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(address, options_.tls));
+  channels_[address] = channel;
+  return channel;
+}
+
 absl::Status ShardCache::FetchFrom(const std::string& job_id, const ShardInfo& shard, const ShardServer& server,
                                    const std::atomic<bool>* stop, const OnBytes& on_bytes) {
   const std::string bin = absl::StrCat(options_.dir, "/", KeyFor(shard.path()), ".bin");
   const std::string what = absl::StrCat("staging shard ", shard.path(), " on ", Node(), " from ", server.name);
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(server.address, options_.tls));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, ChannelTo(server.address));
   std::unique_ptr<DataStaging::Stub> stub = DataStaging::NewStub(channel);
   const int fd = ::open(bin.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return absl::PermissionDeniedError(absl::StrCat(what, ": cannot open ", bin, ": ", std::strerror(errno)));

@@ -99,6 +99,9 @@ class ShardCache {
   // Makes the shard complete in the cache (on the calling thread): the cached copy if it verifies, else a fetch.
   absl::Status Fill(const std::string& job_id, const ShardInfo& shard, const ShardServer& source,
                     const ShardServer& head, const std::atomic<bool>* stop, const OnBytes& on_bytes);
+  // The channel to a shard server, kept for the cache's lifetime: over a long link a new connection would start every
+  // shard with HTTP/2's initial window and grow it again over several round trips (bench/nodes/staging_bench).
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> ChannelTo(const std::string& address);
   // One source until done, a permanent error, or no progress for retry_for_ms.
   absl::Status FetchFrom(const std::string& job_id, const ShardInfo& shard, const ShardServer& server,
                          const std::atomic<bool>* stop, const OnBytes& on_bytes);
@@ -113,6 +116,8 @@ class ShardCache {
   absl::CondVar changed_;                                      // an entry's state or bytes_done changed
   std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by the path on the head
   std::vector<std::thread> relays_ ABSL_GUARDED_BY(mu_);       // background fetches started by Serve
+  // By address: the head and this site's relays (a few per worker).
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_relays_{false};
 };

@@ -48,7 +48,7 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
     if (!credentials.ok()) GT_LOG(ERROR) << "actor " << config_.actor.actor_id() << ": " << credentials.status();
     services_.collectives = std::make_unique<GrpcCollectivesFactory>(
         services_.mailbox, config_.token, services_.head ? services_.head->stub() : nullptr,
-        absl::Milliseconds(config_.collective_timeout_ms), credentials.value_or(nullptr));
+        absl::Milliseconds(config_.collective_timeout_ms), credentials.value_or(nullptr), services_.links);
   }
   if (services_.checkpoints) {
     checkpoint_writer_ = std::make_unique<CheckpointWriter>([this](CheckpointShard* shard) {

@@ -64,6 +64,7 @@ struct StageActorConfig {
 // config.head_address, and a GrpcCollectivesFactory over `mailbox`.
 struct ActorServices {
   comm::TensorStreamServer* mailbox = nullptr;  // the hosting worker's tensor-stream mailbox; outlives the actor
+  LinkMetrics* links = nullptr;  // the hosting worker's per-link metrics (may be null); outlives the actor
   std::unique_ptr<HeadClient> head;
   std::unique_ptr<CollectivesFactory> collectives;
   // Token shards staged from the head (worker/job_staging.h); null: the spec's data paths are local.

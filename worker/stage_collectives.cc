@@ -2,6 +2,8 @@
 #include "worker/stage_collectives.h"
 
 #include <algorithm>
+#include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "comm/codec.h"
@@ -108,12 +110,14 @@ class GrpcStageCollectives : public StageCollectives {
 
 GrpcCollectivesFactory::GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
                                                internal::HeadControl::StubInterface* head, absl::Duration timeout,
-                                               std::shared_ptr<grpc::ChannelCredentials> credentials)
+                                               std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                               LinkMetrics* links)
     : mailbox_(mailbox),
       token_(std::move(token)),
       head_(head),
       timeout_(timeout),
-      credentials_(std::move(credentials)) {}
+      credentials_(std::move(credentials)),
+      links_(links) {}
 
 absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create(const ActorRanks& ranks,
                                                                                  const JobSpec& spec,
@@ -138,6 +142,19 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
 
   comm::TensorStreamOptions stream_options;
   stream_options.channel_credentials = credentials_;
+  if (links_ != nullptr) {
+    // Each send's peer worker and site, from the address this actor dials it at.
+    std::map<std::string, std::string> worker_of_actor;
+    for (const ActorPeer& a : actors) worker_of_actor[a.actor_id()] = a.worker_id();
+    std::map<std::string, std::pair<std::string, std::string>> peer_at;  // address -> (worker id, site)
+    for (const comm::PeerInfo& p : ranks.peers) peer_at[p.address] = {worker_of_actor[p.name], p.site};
+    stream_options.on_acknowledged = [links = links_, peer_at = std::move(peer_at)](
+                                         const std::string& address, uint64_t bytes, absl::Duration took) {
+      if (auto it = peer_at.find(address); it != peer_at.end()) {
+        links->RecordSent(it->second.first, it->second.second, bytes, absl::ToDoubleSeconds(took));
+      }
+    };
+  }
   auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, mailbox_, ranks.comm_job_id);
   GrpcStageCollectives& c = *out;
   auto group = [&](const std::vector<int>& members, comm::TensorStreamClient* client,

@@ -33,6 +33,7 @@
 #include "model/backend.h"
 #include "model/tp_comm.h"
 #include "worker/actor_ranks.h"
+#include "worker/link_metrics.h"
 
 namespace geotrain::worker {
 
@@ -91,10 +92,10 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   // `mailbox` receives this worker's tensors; `head` (may be null: then NCCL groups cannot form) serves the
   // NCCL rendezvous; `timeout` is the deadline of each receive and collective. Not owned; they must outlive
   // the collectives made. `credentials` (null: plaintext) secure the tensor streams to peers: TLS when the
-  // workers serve it.
+  // workers serve it. `links` (null: none) records each acknowledged send's bytes and time per peer worker.
   GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
                          internal::HeadControl::StubInterface* head, absl::Duration timeout,
-                         std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+                         std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr, LinkMetrics* links = nullptr);
 
   absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
                                                            const std::vector<ActorPeer>& actors,
@@ -106,6 +107,7 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   internal::HeadControl::StubInterface* const head_;
   const absl::Duration timeout_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  LinkMetrics* const links_;
 };
 
 }  // namespace geotrain::worker

@@ -96,7 +96,7 @@ class WorkerServer::Service final : public internal::Worker::Service {
       config.device = *timed;
     }
     if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
-    ActorServices services{.mailbox = worker_->tensor_streams_.get()};
+    ActorServices services{.mailbox = worker_->tensor_streams_.get(), .links = worker_->links_.get()};
     services.data = [worker = worker_, job_id = a.job_id(), head = config.head_address, spec = config.spec,
                      peers = config.peers](const std::string& pattern) {
       return worker->StageData(job_id, pattern, head, spec, peers);
@@ -246,6 +246,7 @@ absl::Status WorkerServer::Start() {
         .Add({{"site", options_.site}})
         .Set(options_.timed_compute ? 1 : 0);
   }
+  links_ = std::make_unique<LinkMetrics>(metrics_.get(), options_.site);
 
   auto creds = MakeServerCredentials(options_.tls);
   if (!creds.ok()) return creds.status();
@@ -475,6 +476,9 @@ void WorkerServer::ProbeLoop() {
       continue;
     }
     if (peers.size() > kMaxPeersPerRound) peers.resize(kMaxPeersPerRound);
+    std::set<std::string> listed;
+    for (const PeerInfo& peer : peers) listed.insert(peer.worker_id());
+    links_->KeepProbedPeers(listed);
     for (const PeerInfo& peer : peers) {
       auto m = ProbePeer(peer.address(), options_.token, options_.tls);
       if (!m.ok()) {
@@ -484,6 +488,7 @@ void WorkerServer::ProbeLoop() {
       m->set_dst_worker(peer.worker_id());
       m->set_dst_site(peer.site());
       m->set_src_site(options_.site);
+      links_->RecordProbe(peer.worker_id(), peer.site(), m->rtt_ms() / 1000.0, m->bandwidth_mbps() * 1e6 / 8.0);
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
       m->set_src_worker(worker_id_);

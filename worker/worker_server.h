@@ -12,7 +12,7 @@
 //
 // Threads: gRPC's sync server threads run the Worker service; one "join" thread owns the connection to
 // the head (registration and heartbeats); one "probe" thread measures latency and bandwidth to the peers
-// the head hands out and queues the results for the next heartbeat. Shared state is guarded by mu_; the jobs'
+// the head hands out, queues the results for the next heartbeat and shows them on /metrics (link_metrics.h). Shared state is guarded by mu_; the jobs'
 // data staging (worker/job_staging.h, one per job shared by its actors here) by staging_mu_.
 //
 // Besides the Worker service, its server carries the actors' tensor streams (comm/tensor_stream.h) and DataStaging
@@ -35,6 +35,7 @@
 #include "internal.grpc.pb.h"
 #include "worker/devices.h"
 #include "worker/job_staging.h"
+#include "worker/link_metrics.h"
 #include "worker/shard_cache.h"
 #include "worker/stage_actor.h"
 #include "worker/staging_service.h"
@@ -107,6 +108,7 @@ class WorkerServer {
   std::string advertise_address_;
   std::string metrics_host_;  // where /metrics listens
   std::unique_ptr<MetricsServer> metrics_;
+  std::unique_ptr<LinkMetrics> links_;  // per-link RTT and goodput on metrics_; outlives the actors
   std::unique_ptr<Service> service_;
   std::unique_ptr<comm::TensorStreamServer> tensor_streams_;  // the actors' mailbox, served with service_
   std::unique_ptr<ShardCache> shard_cache_;

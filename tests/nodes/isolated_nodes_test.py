@@ -9,8 +9,10 @@ connection (CLI, head, workers, tensor streams).
   on the head's side;
 - a corrupted cached shard is fetched again, and a job resumes from the gathered checkpoint;
 - a plaintext client gets a clear error from the TLS head;
-- a real Prometheus scrapes the head and every worker through the head's file-based discovery while two jobs run:
-  every panel query of the Grafana dashboard returns data, and the training-job label (job_id) shows two jobs;
+- a real Prometheus scrapes the head and every worker through the head's file-based discovery while two jobs run
+  (each across both sites): every panel query of the Grafana dashboard returns data, the training-job label (job_id)
+  shows two jobs, the link panels show each worker's RTT to its peers (the emulated WAN delay visible across sites)
+  and the tensor streams' goodput across sites;
 - `cluster down` leaves no namespace, link or process behind (also when a test fails).
 
 Usage: isolated_nodes_test.py PATH/TO/geotrain TOPOLOGY.yaml   (root; exits 77, skipped, without namespaces)
@@ -179,6 +181,51 @@ class IsolatedNodesTest(unittest.TestCase):
             self.assertEqual(f"{zlib.crc32(data):08x}", entry["crc32"], name)
         return manifest
 
+    def expect_ended_job_series_removed(self, query, running):
+        """A job's own series leave the head's /metrics a minute after it ended; the running jobs' are there."""
+        if not hasattr(IsolatedNodesTest, "ended_job"):
+            self.skipTest("needs test 2's job")
+        ended, ended_at = IsolatedNodesTest.ended_job
+        head = query("geotrain_jobs")[0]["metric"]["instance"]  # only the head serves it
+        def head_loss_lines():
+            text = urllib.request.urlopen(f"http://{head}/metrics", timeout=5).read().decode()
+            return [line for line in text.splitlines() if line.startswith("geotrain_train_loss{")]
+        lines = head_loss_lines()
+        for job_id in running:
+            self.assertTrue(any(f'job_id="{job_id}"' in line for line in lines), lines)
+        wait_for(lambda: not any(f'job_id="{ended}"' in line for line in head_loss_lines()),
+                 max(1.0, ended_at + 75 - time.monotonic()), f"{ended}'s series to leave the head's /metrics", 0.5)
+
+    def expect_link_panels(self, panels, query):
+        """The link panels show every worker's links: RTT to each peer, the emulated WAN's delay visible in it, and
+        the goodput of the tensor streams across the sites."""
+        exprs = {t["refId"] + " " + p["title"]: t["expr"] for p in panels for t in p.get("targets", [])
+                 if "geotrain_link_" in t["expr"]}
+        rtt_expr = next(e for e in exprs.values() if "geotrain_link_rtt_seconds" in e)
+        goodput_expr = next(e for e in exprs.values() if "geotrain_link_sent_bytes_total" in e)
+        rtt = {}  # (instance, peer) -> seconds
+        def all_links():  # every worker has probed its three peers
+            r = query(rtt_expr)
+            return r if r and len(r) == 12 else None
+        for r in wait_for(all_links, 60, "RTT of 4 workers x 3 peers in Prometheus", 0.5):
+            m = r["metric"]
+            rtt[(m["instance"], m["peer"], m["src_site"] != m["dst_site"])] = float(r["value"][1])
+        cross = sorted(v for (_, _, wan), v in rtt.items() if wan)
+        inside = sorted(v for (_, _, wan), v in rtt.items() if not wan)
+        self.assertEqual((len(cross), len(inside)), (8, 4), rtt)
+        # Each way the emulator delays by the link's latency: a round trip across sites takes at least twice that,
+        # and (a generous margin for a loaded machine) more than twice the round trip inside a site.
+        with open(TOPOLOGY) as f:
+            latency_s = float(re.search(r"latency_ms: ([\d.]+)", f.read()).group(1)) / 1000
+        self.assertGreaterEqual(cross[0], 2 * latency_s * 0.95, f"RTT across sites {cross}")
+        self.assertGreater(cross[len(cross) // 2], 2 * inside[len(inside) // 2], f"across {cross}, inside {inside}")
+        goodput = [r for r in query(goodput_expr) or [] if r["metric"]["src_site"] != r["metric"]["dst_site"]]
+        self.assertTrue(goodput, "no goodput across sites")
+        self.assertTrue(all(float(r["value"][1]) > 0 for r in goodput), goodput)
+        print(f"link RTT across sites {[round(v * 1e3, 2) for v in cross]} ms, inside a site "
+              f"{[round(v * 1e3, 2) for v in inside]} ms; goodput across sites "
+              f"{sorted(round(float(r['value'][1]) / 1e6, 1) for r in goodput)} MB/s")
+
     def test_1_nodes_are_isolated(self):
         self.assertIn("isolated nodes", self.up_output)
         self.assertIn("mutual TLS on every connection", self.up_output)
@@ -201,6 +248,7 @@ class IsolatedNodesTest(unittest.TestCase):
 
     def test_2_job_on_isolated_nodes_with_staged_data(self):
         job_id, ckpt, logs = self.run_job("staged", extra=", replicate: true")
+        IsolatedNodesTest.ended_job = (job_id, time.monotonic())  # its series leave the head's /metrics (test 5)
         # Every data-loading worker staged all shards; one per site fetched from the head, its peer from it.
         staged = re.findall(r"staged (\S+ \S+) on worker (\S+) \((\S+), from ([^)]+)\): (\S+ \S+) from the head, "
                             r"(\S+ \S+) from site peers", logs)
@@ -216,6 +264,18 @@ class IsolatedNodesTest(unittest.TestCase):
         status = self.cli(["cluster", "status"]).stdout
         crossed = [int(b) for b in re.findall(r"site-\S > site-\S\s+(\d+)", status)]
         self.assertTrue(crossed and all(b > 0 for b in crossed), status)
+        # What crossed the WAN for this job, per site (issue 14's closing figure): the tensors between the sites
+        # (the actors' step reports), the data staged from the head (once per site), and the emulator's own count
+        # (tensors, link probes, checkpoint replicas, since `cluster up`).
+        tensors = {}
+        for pairs in re.findall(r"^.*\bstep \d+ loss .* wan bytes \d+ \(([^)]*)\)", logs, re.M):
+            for pair, n in re.findall(r"(\S+) (\d+)", pairs):
+                tensors[pair] = tensors.get(pair, 0) + int(n)
+        self.assertEqual(sorted(tensors), ["site-a>site-b", "site-b>site-a"], logs)
+        from_head = {site: fh for _, _, site, src, fh, _ in staged if src == "the head"}
+        links = re.findall(r"(site-\S > site-\S)\s+(\d+)", status)
+        print(f"WAN bytes of one DP2 x PP2 job ({STEPS} steps): tensors {tensors}; staged from the head {from_head} "
+              f"(data {self.data_bytes} bytes); emulator links since cluster up {links}")
         step_dir = newest(ckpt)
         manifest = self.expect_complete_checkpoint(step_dir)
         self.assertEqual(int(manifest["step"]), STEPS)
@@ -291,8 +351,11 @@ class IsolatedNodesTest(unittest.TestCase):
                           "Prometheus to scrape the head and 4 workers", 0.5)
             instances = sorted(r["metric"]["instance"] for r in up)
             self.assertEqual(len({i.split(":")[0] for i in instances}), 5, instances)
-            # Two jobs at once (two workers each), long enough to be scraped while they run.
-            jobs = [self.submit(f"mon-{i}", "{plan: manual, dp: 2, microbatches: 2}", steps=80) for i in range(2)]
+            # Two jobs at once (two workers each, one per site: their gradients cross the WAN), long enough to be
+            # scraped while they run.
+            two_sites = ("{plan: manual, dp: 2, microbatches: 2, "
+                         "placement: [{replica: 0, site: site-a}, {replica: 1, site: site-b}]}")
+            jobs = [self.submit(f"mon-{i}", two_sites, steps=80) for i in range(2)]
             these = f'job_id=~"{"|".join(jobs)}"'
             def both_losses():
                 r = query(f"geotrain_train_loss{{{these}}}")
@@ -325,6 +388,8 @@ class IsolatedNodesTest(unittest.TestCase):
             by_job = query(f"sum by (job_id) (geotrain_tokens_per_second{{{these}}})")
             self.assertEqual(sorted(r["metric"]["job_id"] for r in by_job), sorted(jobs), "one line per job")
             print(f"prometheus: all {len(exprs)} panel queries return data; one series per job: {sorted(jobs)}")
+            self.expect_link_panels(panels, query)
+            self.expect_ended_job_series_removed(query, jobs)
             for job_id in jobs:
                 self.cli(["job", "cancel", job_id], check=False)
         finally:
