@@ -124,6 +124,8 @@ struct UpOptions {
   bool isolate = false;
   bool tls = false;
   std::vector<std::string> hidden;  // --hide: directories the isolated workers must not see
+  bool timed_compute = false;       // every worker's emulated devices on timed compute
+  std::string device_profiles;      // their calibration file (worker start --device-profiles)
 };
 
 std::string ClusterFilePath(const std::string& state_dir) { return state_dir + "/cluster.json"; }
@@ -240,6 +242,9 @@ absl::StatusOr<std::vector<std::string>> MakeClusterCertificates(const std::stri
 }
 
 absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir, const UpOptions& up) {
+  if (!up.device_profiles.empty() && !up.timed_compute) {
+    return absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add --timed-compute");
+  }
   ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(topology_path));
   if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
     for (const Started& p : existing->processes) {
@@ -423,6 +428,10 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
                                      node_dir + "/token"};
     argv.insert(argv.end(), tls_flags.begin(), tls_flags.end());
     for (const std::string& d : w.devices) argv.insert(argv.end(), {"--emulate-device", d});
+    if (up.timed_compute) argv.push_back("--timed-compute");
+    if (!up.device_profiles.empty()) {
+      argv.insert(argv.end(), {"--device-profiles", std::filesystem::absolute(up.device_profiles).string()});
+    }
     for (const auto& [site, index] : w.route_index_by_site) {
       // Peers at `site` dial the emulator's route at their own side: their bridge, or loopback.
       const std::string route_host = up.isolate ? net.gateway_by_site[site] : "127.0.0.1";
@@ -462,6 +471,11 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       "cluster up: head at %s, %zu workers in %d sites, WAN emulator with %zu routes "
       "(control port %d)\n",
       file.head_address.c_str(), workers.size(), topology.sites_size(), routes.size(), file.netem_control_port);
+  if (up.timed_compute) {
+    std::printf(
+        "  timed compute: every worker waits its emulated GPU's time instead of computing; step times are "
+        "EMULATED and losses are not real\n");
+  }
   for (const TopologyLink& l : topology.links()) {
     std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
                 l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
@@ -537,6 +551,12 @@ void AddClusterCommands(CLI::App& app, Context& context) {
   up->add_option("--hide", up_options->hidden,
                  "with --isolate: a directory the workers must not see, e.g. the jobs' data and checkpoint dirs "
                  "(repeatable; the head's state dir is always hidden)");
+  up->add_flag("--timed-compute", up_options->timed_compute,
+               "every worker waits its emulated GPU's time instead of computing (EMULATED step times, no real "
+               "loss; docs/timed-compute.md)");
+  up->add_option("--device-profiles", up_options->device_profiles,
+                 "with --timed-compute: measured figures calibrating the emulated devices (JSON lines, e.g. "
+                 "tests/gpu/run.sh's bench_gpu_step.json)");
   up->callback([topology, state_dir, up_options, &context] {
     if (absl::Status s = ClusterUp(*topology, *state_dir, *up_options); !s.ok()) context.exit_code = Fail(s);
   });

@@ -33,7 +33,10 @@ namespace {
 
 using head::HeadOptions;
 using head::HeadServer;
-using worker::ParseEmulatedDevice;
+using worker::CalibrateDeviceProfile;
+using worker::DeviceProfile;
+using worker::EmulatedDevice;
+using worker::ParseDeviceProfile;
 using worker::WorkerOptions;
 using worker::WorkerServer;
 
@@ -207,7 +210,15 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       ->add_option("--probe-interval-ms", options->probe_interval_ms,
                    "how often to measure latency and bandwidth to peers (0: never)")
       ->capture_default_str();
-  start->add_option("--emulate-device", *emulate, "stand in for a GPU: NAME:TFLOPS:MEM_GB (repeatable), e.g. T4:65:16");
+  start->add_option("--emulate-device", *emulate,
+                    "stand in for a GPU: NAME[:TFLOPS:MEM_GB[:BW_GBS]] (repeatable), e.g. T4 or T4:65:16");
+  start->add_flag("--timed-compute", options->timed_compute,
+                  "run the emulated devices' stages on timed compute: every op waits the device's time instead of "
+                  "computing (EMULATED times, no real loss; docs/timed-compute.md)");
+  auto profiles_file = std::make_shared<std::string>();
+  start->add_option("--device-profiles", *profiles_file,
+                    "with --timed-compute: measured figures (JSON lines, e.g. tests/gpu/run.sh's bench_gpu_step.json) "
+                    "that calibrate the emulated devices' achieved FLOP/s and bandwidth");
   start->add_option("--metrics-bind", options->metrics_bind,
                     "address /metrics listens on (default: the advertised address's host)");
   start->add_option("--state-dir", options->state_dir,
@@ -216,7 +227,7 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--cache-dir", options->cache_dir,
                     "staged data shards, shared by this worker's jobs (default: STATE_DIR/cache)");
   AddNodeTlsOptions(start, &options->tls, "worker");
-  start->callback([options, emulate, head_flag, token_file, advertise_for, &context] {
+  start->callback([options, emulate, profiles_file, head_flag, token_file, advertise_for, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));
     for (const std::string& pair : *advertise_for) {
       const size_t eq = pair.find('=');
@@ -227,13 +238,23 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       }
       options->address_for_site[pair.substr(0, eq)] = pair.substr(eq + 1);
     }
+    if (!profiles_file->empty() && !options->timed_compute) {
+      context.exit_code = Fail(absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add it"));
+      return;
+    }
     for (const std::string& text : *emulate) {
-      auto device = ParseEmulatedDevice(text);
+      absl::StatusOr<DeviceProfile> profile = ParseDeviceProfile(text);
+      if (profile.ok() && !profiles_file->empty()) {
+        absl::StatusOr<bool> calibrated = CalibrateDeviceProfile(*profiles_file, &*profile);
+        if (!calibrated.ok()) profile = calibrated.status();
+      }
+      absl::StatusOr<Device> device = profile.ok() ? EmulatedDevice(*profile) : profile.status();
       if (!device.ok()) {
         context.exit_code = Fail(device.status());
         return;
       }
       options->emulated_devices.push_back(*device);
+      options->timed_profiles.push_back(*profile);
     }
     absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(options->token, *token_file);
     if (!token.ok()) {
@@ -344,7 +365,10 @@ void PrintJob(const v1::Job& job) {
               job.spec().model().preset().empty() ? "custom" : job.spec().model().preset().c_str(),
               job.spec().train().global_batch(), job.spec().train().seq_len(), job.spec().train().steps(),
               p.plan().c_str(), p.dp(), p.pp(), p.tp(), p.microbatches(), p.schedule().c_str());
-  if (job.step() > 0) {
+  if (job.step() > 0 && job.timed_compute()) {
+    std::printf("  step %ld, EMULATED (timed compute: emulated GPUs' time, no real loss), %.0f tokens/s\n",
+                static_cast<long>(job.step()), job.tokens_per_second());
+  } else if (job.step() > 0) {
     std::printf("  step %ld, loss %.4f, %.0f tokens/s\n", static_cast<long>(job.step()), job.loss(),
                 job.tokens_per_second());
   }
@@ -386,8 +410,9 @@ class ProgressLine {
     const int filled = static_cast<int>(kWidth * std::min<long>(step, total_) / total_);
     std::string bar(filled, '=');
     if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
-    std::fprintf(stdout, "\r[%s] step %ld/%d | loss %.4f | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(), step,
-                 total_, figures.loss(), figures.tokens_per_second(), figures.step_seconds(), wan_total_ / 1e6);
+    const std::string loss = figures.timed_compute() ? "EMULATED" : absl::StrFormat("loss %.4f", figures.loss());
+    std::fprintf(stdout, "\r[%s] step %ld/%d | %s | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(), step, total_,
+                 loss.c_str(), figures.tokens_per_second(), figures.step_seconds(), wan_total_ / 1e6);
     std::fflush(stdout);
     drawn_ = true;
     return true;

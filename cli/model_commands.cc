@@ -20,8 +20,10 @@
 #include "model/data.h"
 #include "model/gpt2.h"
 #include "model/optimizer.h"
+#include "model/timed_backend.h"
 #include "model/tokenizer.h"
 #include "model/trainer.h"
+#include "worker/devices.h"
 
 namespace geotrain::cli {
 namespace {
@@ -146,6 +148,61 @@ int DataPrepare(const std::vector<std::string>& inputs, const std::string& out, 
   return 0;
 }
 
+// geotrain model timed-step: the emulated seconds of one training step of a whole model on an emulated device,
+// as timed compute waits them (worker/devices.h profile, model/timed_backend.h).
+struct TimedStepArgs {
+  std::string model = "gpt2";
+  std::string device = "H100";
+  std::string profiles;
+  int batch = 1, seq_len = 1024, microbatches = 1;
+  bool json = false;
+};
+
+int TimedStep(const TimedStepArgs& a) {
+  absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset(a.model);
+  if (!config.ok()) return Fail(config.status());
+  absl::StatusOr<worker::DeviceProfile> profile = worker::ParseDeviceProfile(a.device);
+  if (!profile.ok()) return Fail(profile.status());
+  if (!a.profiles.empty()) {
+    if (absl::StatusOr<bool> c = worker::CalibrateDeviceProfile(a.profiles, &*profile); !c.ok())
+      return Fail(c.status());
+  }
+  if (absl::Status s = worker::TimedDeviceName(*profile).status(); !s.ok()) return Fail(s);
+  absl::StatusOr<double> seconds =
+      model::PredictTrainingStepSeconds(*config, a.batch, a.seq_len, a.microbatches, profile->roofline());
+  if (!seconds.ok()) return Fail(seconds.status());
+  const model::Roofline r = profile->roofline();
+  if (a.json) {
+    std::printf(
+        "{\"model\": \"%s\", \"device\": \"%s\", \"batch\": %d, \"seq_len\": %d, \"microbatches\": %d, "
+        "\"achieved_tflops\": %.6g, \"achieved_bandwidth_gbs\": %.6g, \"launch_us\": %.6g, \"step_seconds\": %.9g, "
+        "\"source\": \"%s\"}\n",
+        a.model.c_str(), profile->name.c_str(), a.batch, a.seq_len, a.microbatches, r.flops_per_s / 1e12,
+        r.bytes_per_s / 1e9, r.launch_s * 1e6, *seconds, profile->source.c_str());
+  } else {
+    std::printf(
+        "EMULATED %s step of %s, %d x %d microbatch x %d: %.6f s (%.1f TFLOP/s, %.0f GB/s achieved, %.0f us "
+        "per op; %s)\n",
+        profile->name.c_str(), a.model.c_str(), a.batch, a.seq_len, a.microbatches, *seconds, r.flops_per_s / 1e12,
+        r.bytes_per_s / 1e9, r.launch_s * 1e6, profile->source.c_str());
+  }
+  return 0;
+}
+
+void AddTimedStepCommand(CLI::App* model_cmd, Context& context) {
+  auto args = std::make_shared<TimedStepArgs>();
+  auto* cmd = model_cmd->add_subcommand(
+      "timed-step", "Emulated seconds of one training step on an emulated GPU, as --timed-compute waits them");
+  cmd->add_option("--model", args->model, "GPT-2 preset")->capture_default_str();
+  cmd->add_option("--device", args->device, "NAME[:TFLOPS:MEM_GB[:BW_GBS]]")->capture_default_str();
+  cmd->add_option("--device-profiles", args->profiles, "calibration file (JSON lines, docs/timed-compute.md)");
+  cmd->add_option("--batch", args->batch, "microbatch size B")->capture_default_str();
+  cmd->add_option("--seq-len", args->seq_len, "sequence length T")->capture_default_str();
+  cmd->add_option("--microbatches", args->microbatches, "microbatches per step")->capture_default_str();
+  cmd->add_flag("--json", args->json, "one JSON object");
+  cmd->callback([&context, args]() { context.exit_code = TimedStep(*args); });
+}
+
 void AddModelCommands(CLI::App& app, Context& context) {
   // geotrain train --local SPEC.yaml [--resume]
   auto* train = app.add_subcommand("train", "Train a job spec in this process (--local): the reference run");
@@ -208,6 +265,7 @@ void AddModelCommands(CLI::App& app, Context& context) {
                                : ModelSteps(args->config, args->weights, args->tokens, args->out);
     });
   }
+  AddTimedStepCommand(model_cmd, context);
 }
 
 bool registered = RegisterCommands("model", &AddModelCommands);

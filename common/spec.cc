@@ -146,10 +146,12 @@ absl::Status ReadFile(const std::string& path, std::string* text) {
 }
 
 constexpr KnownDevice kKnownDevices[] = {
-    // Dense fp16/bf16 tensor-core TFLOP/s from the vendors' data sheets, and memory in GB.
-    {"T4", 65.0, 16.0},    {"RTX6000", 130.5, 24.0}, {"A30", 165.0, 24.0},   {"A40", 149.7, 48.0},
-    {"A10", 125.0, 24.0},  {"V100", 125.0, 32.0},    {"L4", 121.0, 24.0},    {"L40S", 362.0, 48.0},
-    {"A100", 312.0, 80.0}, {"H100", 989.0, 80.0},    {"H200", 989.0, 141.0},
+    // Dense fp16/bf16 tensor-core TFLOP/s, memory in GB and memory bandwidth in GB/s, from the vendors' data
+    // sheets (NVIDIA T4, Quadro RTX 6000, A30, A40, A10, V100 SXM2, L4, L40S, A100 80GB SXM, H100 SXM, H200 SXM).
+    {"T4", 65.0, 16.0, 320.0},     {"RTX6000", 130.5, 24.0, 672.0}, {"A30", 165.0, 24.0, 933.0},
+    {"A40", 149.7, 48.0, 696.0},   {"A10", 125.0, 24.0, 600.0},     {"V100", 125.0, 32.0, 900.0},
+    {"L4", 121.0, 24.0, 300.0},    {"L40S", 362.0, 48.0, 864.0},    {"A100", 312.0, 80.0, 2039.0},
+    {"H100", 989.0, 80.0, 3350.0}, {"H200", 989.0, 141.0, 4800.0},
 };
 
 std::string NormalizeDeviceName(std::string_view name) {

@@ -69,12 +69,14 @@ absl::Status ValidateJobSpec(const JobSpec& spec);
 // tflops and mem_gb of workers from their device names.
 absl::Status ValidateTopology(Topology* topology);
 
-// A known accelerator: dense bf16/fp16 tensor TFLOP/s and memory. Used for --emulate-device,
-// topologies and the planner. Names are matched case-insensitively, without spaces or dashes.
+// A known accelerator: dense bf16/fp16 tensor TFLOP/s, memory and memory bandwidth, from the vendors' data
+// sheets. Used for --emulate-device (and its timed compute, worker/devices.h), topologies and the planner. Names
+// are matched case-insensitively, without spaces or dashes.
 struct KnownDevice {
   const char* name;
   double tflops;
   double mem_gb;
+  double bandwidth_gbs;  // HBM / GDDR, GB/s
 };
 const KnownDevice* FindKnownDevice(std::string_view name);
 

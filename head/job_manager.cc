@@ -188,6 +188,7 @@ absl::Status JobManager::UpdateProgress(const std::string& job_id, const StepFig
   JobInfo updated = it->second;
   updated.set_step(figures.step());
   updated.set_loss(figures.loss());
+  updated.set_timed_compute(figures.timed_compute());
   updated.set_tokens_per_second(figures.tokens_per_second());
   updated.set_measured_step_seconds(figures.step_seconds());
   updated.set_updated_unix_ms(clock_->UnixMillis());

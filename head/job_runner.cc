@@ -37,7 +37,10 @@ constexpr JobFamily kTokensPerSecond{"geotrain_tokens_per_second", "Training thr
 constexpr JobFamily kTrainLoss{"geotrain_train_loss", "Training loss, by job"};
 constexpr JobFamily kValLoss{"geotrain_val_loss", "Validation loss (mean over replicas), by job"};
 constexpr JobFamily kBubble{"geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job"};
-constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss, kValLoss, kBubble};
+constexpr JobFamily kTimedCompute{"geotrain_timed_compute",
+                                  "1 when the job's step times are emulated (timed compute), by job"};
+constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss,
+                                    kValLoss,       kBubble,       kTimedCompute};
 constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost};
 
 }  // namespace
@@ -786,7 +789,8 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       agg.bubble = std::max(agg.bubble, report.bubble_seconds());
       agg.checkpoint = std::max(agg.checkpoint, report.checkpoint_seconds());
       agg.tokens = report.tokens();
-      if (report.carries_loss()) {
+      agg.timed_compute = agg.timed_compute || report.timed_compute();
+      if (report.carries_loss() && !report.timed_compute()) {
         agg.loss_sum += report.loss();
         agg.loss = agg.loss_sum / ++agg.loss_reports;
         agg.have_loss = true;
@@ -951,9 +955,12 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
     absl::StrAppend(&wan, " ", pair, " ", bytes);
     wan_total += bytes;
   }
+  // Timed compute: the times are an emulated GPU's and there is no real loss; the line says so first.
+  const std::string loss =
+      agg.timed_compute ? "EMULATED (timed compute) loss n/a" : absl::StrFormat("loss %.6f", agg.loss);
   const std::string line = absl::StrFormat(
-      "step %d loss %.6f %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s%s",
-      step, agg.loss, tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble,
+      "step %d %s %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s%s", step, loss,
+      tokens_per_second, agg.step_seconds, agg.compute, agg.wait, agg.bubble,
       agg.checkpoint > 0 ? absl::StrFormat(", checkpoint %.3f", agg.checkpoint) : "", wan_total,
       wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"),
       agg.val_reports > 0 ? absl::StrFormat(" val_loss %.6f", agg.val_sum / agg.val_reports) : "");
@@ -971,6 +978,7 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
   figures.set_compression_ratio(agg.compression_ratio);
   figures.set_tokens(agg.tokens);
   figures.set_val_loss(agg.val_reports > 0 ? agg.val_sum / agg.val_reports : -1);
+  figures.set_timed_compute(agg.timed_compute);
   Check(jobs_->UpdateProgress(job_id, figures, line), job_id, "recording progress");
   if (metrics_ == nullptr) return;
   absl::MutexLock series_lock(&series_mu_);
@@ -980,6 +988,7 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
         .Add({{"job_id", job_id}})
         .Set(job->predicted_step_seconds());
   }
+  metrics_->Gauges(kTimedCompute.name, kTimedCompute.help).Add({{"job_id", job_id}}).Set(agg.timed_compute ? 1 : 0);
   metrics_->Gauges(kMeasuredStep.name, kMeasuredStep.help).Add({{"job_id", job_id}}).Set(agg.step_seconds);
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
                                                                    2.5,  5,     10,   30,  60,   120};

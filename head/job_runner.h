@@ -102,6 +102,7 @@ class JobRunner {
     int reports = 0;
     double step_seconds = 0, compute = 0, wait = 0, bubble = 0, loss = 0, checkpoint = 0;
     bool have_loss = false;
+    bool timed_compute = false;  // some actor ran on timed compute: times emulated, no real loss
     // The mean over the loss carriers' reports (one per replica when each reports its own: DiLoCo), and
     // over the replicas' validation losses (steps that evaluated).
     double loss_sum = 0, val_sum = 0;

@@ -28,13 +28,22 @@ std::string ActorId(const std::string& job_id, int r, int s, int t) {
 // Emulated devices (--emulate-device) carry a GPU's figures while the CPU computes: a plan's predicted step
 // time is the GPU's and the measured one the CPU's. Says so, so that nobody reads the gap as a planner error.
 std::string EmulatedDevicesNote(const std::vector<WorkerInfo>& workers, double predicted_step_seconds) {
-  std::set<std::string> names;
+  std::set<std::string> names, timed;
   for (const WorkerInfo& w : workers) {
     for (const Device& d : w.devices()) {
-      if (d.kind() == DEVICE_KIND_EMULATED) names.insert(d.name());
+      if (d.kind() == DEVICE_KIND_EMULATED) (d.timed_compute() ? timed : names).insert(d.name());
     }
   }
-  if (names.empty()) return "";
+  if (names.empty() && timed.empty()) return "";
+  if (names.empty()) {
+    // Timed compute: the workers wait those GPUs' time, so prediction and measurement are both in it.
+    return absl::StrFormat(
+        "note: the devices planned on are emulated with timed compute (%s): the measured step times are EMULATED "
+        "(each op waits the device's time, nothing is computed, losses are not real); the predicted %.3f s per "
+        "step and the measured ones are both in those GPUs' time",
+        absl::StrJoin(timed, ", "), predicted_step_seconds);
+  }
+  names.insert(timed.begin(), timed.end());
   return absl::StrFormat(
       "note: the devices planned on are emulated (%s): the predicted %.3f s per step is for those GPUs, while this "
       "cluster computes on its CPUs, so measured steps will take far longer; compare plans with each other, not "

@@ -205,6 +205,13 @@ TEST(PlanAutoJobTest, SaysWhenThePredictionIsForEmulatedDevices) {
   ASSERT_TRUE(emulated.ok()) << emulated.status();
   EXPECT_THAT(emulated->explanation.back(), HasSubstr("devices planned on are emulated (T4)"));
   EXPECT_THAT(emulated->explanation.back(), HasSubstr("measured steps will take far longer"));
+  // With timed compute the measured steps are the emulated GPUs' too: the note says they are emulated.
+  for (WorkerInfo& w : workers) w.mutable_devices(0)->set_timed_compute(true);
+  auto timed = PlanAutoJob(AutoSpec("none"), workers, {});
+  ASSERT_TRUE(timed.ok()) << timed.status();
+  EXPECT_THAT(timed->explanation.back(), HasSubstr("emulated with timed compute (T4)"));
+  EXPECT_THAT(timed->explanation.back(), HasSubstr("measured step times are EMULATED"));
+  EXPECT_THAT(timed->explanation.back(), Not(HasSubstr("far longer")));
 }
 
 }  // namespace

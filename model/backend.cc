@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "model/cuda_backend.h"
 #include "model/ops.h"
+#include "model/timed_backend.h"
 
 namespace geotrain::model {
 namespace {
@@ -127,10 +128,15 @@ Backend* CpuBackendInstance() {
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device_view, Precision precision) {
   const std::string device(device_view);  // this Abseil's string_view is not std::string_view
   if (device == "cpu") return std::unique_ptr<Backend>(new CpuBackend());
+  if (device.starts_with("timed:")) {
+    ASSIGN_OR_RETURN(std::unique_ptr<TimedBackend> timed, MakeTimedBackend(device));
+    return std::unique_ptr<Backend>(std::move(timed));
+  }
   int index = 0;
   if (device != "cuda" && (!device.starts_with("cuda:") || !absl::SimpleAtoi(device.substr(5), &index) || index < 0)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("device '", device, "' is not 'cpu', 'cuda' or 'cuda:N' (N the device index)"));
+        absl::StrCat("device '", device,
+                     "' is not 'cpu', 'cuda', 'cuda:N' (N the device index) or 'timed:...' (docs/timed-compute.md)"));
   }
   return MakeCudaBackend(index, precision);
 }

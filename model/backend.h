@@ -94,7 +94,8 @@ class Backend {
                             float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) = 0;
 };
 
-// The backend for a device name: "cpu", or "cuda:N" ("cuda" is "cuda:0"). FAILED_PRECONDITION
+// The backend for a device name: "cpu", "cuda:N" ("cuda" is "cuda:0"), or "timed:..." (timed compute,
+// model/timed_backend.h). FAILED_PRECONDITION
 // naming the fix when this build has no CUDA or there is no such device; INVALID_ARGUMENT for any
 // other name.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device, Precision precision = Precision::kFp32);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "model/op_costs.h"
 #include "spec.pb.h"
 
 namespace geotrain {
@@ -105,10 +106,12 @@ double GPT2Config::TrainingFlopsPerToken(int seq_len) const {
 }
 
 double GPT2Config::BlockForwardFlops(int seq_len) const {
-  const double C = n_embd, T = seq_len;
-  const double matmuls = 2.0 * T * (3 * C * C + C * C + 4 * C * C + 4 * C * C);
-  const double attention = 2.0 * 2.0 * T * T * C / 2.0;  // QK^T and AV, causal half
-  return matmuls + attention;
+  // The forward ops' FLOPs as the timed-compute backend counts them (model/op_costs.h), for one sequence:
+  // the four matmuls (qkv, attention projection, MLP up and down) and causal attention.
+  const int64_t C = n_embd, T = seq_len;
+  return model::MatmulForwardCost(T, C, 3 * C).flops + model::MatmulForwardCost(T, C, C).flops +
+         model::MatmulForwardCost(T, C, 4 * C).flops + model::MatmulForwardCost(T, 4 * C, C).flops +
+         model::AttentionForwardCost(1, T, C, n_head).flops;
 }
 
 int64_t GPT2Config::BlockActivationFloatsPerToken(int seq_len) const {

@@ -267,7 +267,12 @@ absl::Status GPT2Stage::AllReduceHost(float* data, int64_t n) {
 // activation gradient out and back (n <= max_batch x max_seq_len x C, the staging buffer's size).
 absl::Status GPT2Stage::AllReduce(float* data, int64_t n) {
   if (tp_size_ == 1) return absl::OkStatus();
-  if (tp_staging_.empty()) return tp_comm_->AllReduceSum(data, n);
+  if (tp_staging_.empty()) {
+    // Host memory: the ops that wrote `data` must have finished (on the CPU they have; timed compute's are
+    // queued on its emulated stream). A device comm (NCCL) orders itself on the stream instead.
+    if (!backend_->is_cuda()) RETURN_IF_ERROR(backend_->Synchronize());
+    return tp_comm_->AllReduceSum(data, n);
+  }
   const size_t bytes = sizeof(float) * n;
   RETURN_IF_ERROR(backend_->CopyToHost(tp_staging_.data(), data, bytes));
   RETURN_IF_ERROR(tp_comm_->AllReduceSum(tp_staging_.data(), n));

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "common/pipeline_schedule.h"
 #include "common/status.h"
+#include "model/op_costs.h"
 
 namespace geotrain::scheduler {
 namespace {
@@ -34,7 +35,7 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
   const double e = m.bytes_per_element;
   LayerCost embedding;
   embedding.name = "embedding";
-  embedding.forward_flops = T * C;  // the add of wte and wpe rows
+  embedding.forward_flops = model::EncoderForwardCost(1, seq_len, config.n_embd).flops;  // wte + wpe rows
   embedding.parameters = static_cast<double>(config.EmbeddingParameters());
   embedding.activation_bytes = T * C * e;
   embedding.output_bytes = T * C * e;
@@ -51,7 +52,7 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
   }
   LayerCost head;
   head.name = "head";
-  head.forward_flops = 2.0 * T * C * Vp;
+  head.forward_flops = model::MatmulForwardCost(seq_len, config.n_embd, config.padded_vocab_size).flops;
   head.parameters = 2 * C;                           // ln_f; the tied wte copy is counted by Simulate when pp > 1
   head.activation_bytes = (C + 2 + 2 * Vp) * T * e;  // ln_f output and stats, logits, probabilities
   head.output_bytes = 0;

@@ -8,12 +8,46 @@
 
 #include "absl/status/statusor.h"
 #include "control.pb.h"
+#include "model/op_costs.h"
 
 namespace geotrain::worker {
 
-// Parses NAME:TFLOPS:MEM_GB (e.g. "T4:65:16"); TFLOPS and MEM_GB may be omitted for known devices
-// ("A30"). Errors name the flag and the expected form.
+// A GPU to emulate: its published peak figures and the fraction of them it achieves. Timed compute
+// (model/timed_backend.h) waits, per op, the roofline of the achieved figures.
+struct DeviceProfile {
+  std::string name;
+  double peak_tflops = 0;  // dense fp16/bf16 tensor-core TFLOP/s
+  double memory_gb = 0;
+  double bandwidth_gbs = 0;  // memory bandwidth
+  // Achieved fractions of the peaks. Defaults: GEMMs at 60% of the tensor peak (cuBLAS on large bf16 GEMMs
+  // reaches 60-75%; llm.c's whole GPT-2 step 50-60% MFU on an A100) and 80% of the memory bandwidth
+  // (streaming kernels); a calibration replaces them with a measured run's.
+  double flops_efficiency = 0.6;
+  double bandwidth_efficiency = 0.8;
+  double launch_us = 5;                                           // per op: kernel launch and the framework's dispatch
+  std::string source = "published peaks x default efficiencies";  // where the achieved figures come from
+  model::Roofline roofline() const;
+};
+
+// Parses NAME[:TFLOPS[:MEM_GB[:BW_GBS]]] (e.g. "T4", "T4:65:16", "X:100:32:900"). Figures left out come from
+// the known-device table (common/spec.h), so an unknown NAME needs TFLOPS and MEM_GB, and a bandwidth (BW_GBS) for
+// timed compute. Errors name the flag and the expected form.
+absl::StatusOr<DeviceProfile> ParseDeviceProfile(const std::string& text);
+// ParseDeviceProfile as the Device a worker offers (kind EMULATED).
 absl::StatusOr<Device> ParseEmulatedDevice(const std::string& text);
+absl::StatusOr<Device> EmulatedDevice(const DeviceProfile& profile);
+// The backend device name of timed compute on `profile` (model::MakeTimedBackend's form); INVALID_ARGUMENT
+// when the profile has no bandwidth.
+absl::StatusOr<std::string> TimedDeviceName(const DeviceProfile& profile);
+
+// Calibration: applies a file of measured figures (JSON lines) to `profile` when one of its lines is for that
+// device (names compared as FindKnownDevice does, a word at a time: "NVIDIA H200" matches H200). Two kinds of
+// line (docs/timed-compute.md):
+//   {"device": "H100", "achieved_tflops": 420, "achieved_bandwidth_gbs": 2700, "launch_us": 4}  (any subset)
+//   a line of bench_gpu_step --out (tests/gpu/run.sh's bench_gpu_step.json): the GEMM efficiency is fitted
+//   so that the timed model of that step (its model, batch and sequence length) takes its median step time.
+// The last matching line wins. Returns whether a line matched; errors name the file, the line and the fix.
+absl::StatusOr<bool> CalibrateDeviceProfile(const std::string& path, DeviceProfile* profile);
 
 // Measured fp32 throughput of this CPU in TFLOP/s: the best of a few single-precision GEMMs
 // (n = 512) through BLAS, taking about 0.2 s.

@@ -3,6 +3,14 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_format.h"
+#include "model/config.h"
+#include "model/timed_backend.h"
 
 namespace geotrain::worker {
 namespace {
@@ -17,9 +25,103 @@ TEST(DevicesTest, ParsesEmulatedDevices) {
   auto known = ParseEmulatedDevice("A30");
   ASSERT_TRUE(known.ok());
   EXPECT_DOUBLE_EQ(known->tflops(), 165);
-  EXPECT_THAT(ParseEmulatedDevice("Z9:x:1").status().message(), ::testing::HasSubstr("NAME:TFLOPS:MEM_GB"));
+  EXPECT_THAT(ParseEmulatedDevice("Z9:x:1").status().message(), ::testing::HasSubstr("NAME[:TFLOPS:MEM_GB"));
   EXPECT_FALSE(ParseEmulatedDevice("Z9").ok());
   EXPECT_FALSE(ParseEmulatedDevice("T4:-1:16").ok());
+}
+
+TEST(DeviceProfileTest, KnownProfilesOverridesAndTheirRoofline) {
+  // The published figures of the GPUs the FABRIC study and this project's machines use.
+  for (const auto& [name, tflops, mem, bw] :
+       std::vector<std::tuple<std::string, double, double, double>>{{"T4", 65, 16, 320},
+                                                                    {"RTX6000", 130.5, 24, 672},
+                                                                    {"A30", 165, 24, 933},
+                                                                    {"A40", 149.7, 48, 696},
+                                                                    {"A100", 312, 80, 2039},
+                                                                    {"H100", 989, 80, 3350},
+                                                                    {"H200", 989, 141, 4800}}) {
+    auto p = ParseDeviceProfile(name);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_DOUBLE_EQ(p->peak_tflops, tflops) << name;
+    EXPECT_DOUBLE_EQ(p->memory_gb, mem) << name;
+    EXPECT_DOUBLE_EQ(p->bandwidth_gbs, bw) << name;
+  }
+  auto h100 = ParseDeviceProfile("h100");
+  ASSERT_TRUE(h100.ok());
+  const model::Roofline r = h100->roofline();
+  EXPECT_DOUBLE_EQ(r.flops_per_s, 989e12 * 0.6);
+  EXPECT_DOUBLE_EQ(r.bytes_per_s, 3350e9 * 0.8);
+  EXPECT_DOUBLE_EQ(r.launch_s, 5e-6);
+  EXPECT_EQ(*TimedDeviceName(*h100), "timed:h100@593.4:2680:5");
+  // Overrides: TFLOPS and memory, and the bandwidth; an unknown device needs all three for timed compute.
+  auto slow = ParseDeviceProfile("T4:10:8:100");
+  ASSERT_TRUE(slow.ok());
+  EXPECT_DOUBLE_EQ(slow->peak_tflops, 10);
+  EXPECT_DOUBLE_EQ(slow->bandwidth_gbs, 100);
+  auto keeps_bw = ParseDeviceProfile("T4:10:8");
+  ASSERT_TRUE(keeps_bw.ok());
+  EXPECT_DOUBLE_EQ(keeps_bw->bandwidth_gbs, 320);
+  auto unknown = ParseDeviceProfile("X1:50:16");
+  ASSERT_TRUE(unknown.ok());
+  EXPECT_THAT(TimedDeviceName(*unknown).status().message(), ::testing::HasSubstr("BW_GBS"));
+  EXPECT_TRUE(TimedDeviceName(*ParseDeviceProfile("X1:50:16:900")).ok());
+  EXPECT_FALSE(ParseDeviceProfile("T4:1:2:3:4").ok());
+  EXPECT_FALSE(ParseDeviceProfile("T4:1:2:-3").ok());
+  // The backend name round-trips into a timed backend.
+  auto backend = model::MakeTimedBackend(*TimedDeviceName(*h100));
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  EXPECT_NEAR((*backend)->roofline().flops_per_s, r.flops_per_s, 1e6);
+}
+
+std::string WriteTemp(const std::string& text) {
+  char path[] = "/tmp/geotrain_profiles_XXXXXX";
+  const int fd = mkstemp(path);
+  close(fd);
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(DeviceProfileTest, CalibratesFromMeasuredFigures) {
+  const std::string file = WriteTemp(
+      "{\"device\": \"A30\", \"achieved_tflops\": 99}\n"
+      "\n"
+      "{\"device\": \"NVIDIA H100 80GB HBM3\", \"achieved_tflops\": 494.5, \"achieved_bandwidth_gbs\": 3015, "
+      "\"launch_us\": 3}\n");
+  auto p = ParseDeviceProfile("H100");
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<bool> matched = CalibrateDeviceProfile(file, &*p);
+  ASSERT_TRUE(matched.ok()) << matched.status();
+  EXPECT_TRUE(*matched);
+  EXPECT_DOUBLE_EQ(p->flops_efficiency, 0.5);
+  EXPECT_DOUBLE_EQ(p->bandwidth_efficiency, 0.9);
+  EXPECT_DOUBLE_EQ(p->launch_us, 3);
+  EXPECT_THAT(p->source, ::testing::HasSubstr("line 3"));
+  auto t4 = ParseDeviceProfile("T4");
+  EXPECT_FALSE(*CalibrateDeviceProfile(file, &*t4));  // no line for it: unchanged
+  EXPECT_DOUBLE_EQ(t4->flops_efficiency, 0.6);
+
+  // A bench_gpu_step line: the GEMM efficiency is fitted so that the timed model of that step takes its time.
+  auto predicted = [](double efficiency) {
+    DeviceProfile h = *ParseDeviceProfile("H200");
+    h.flops_efficiency = efficiency;
+    return *model::PredictTrainingStepSeconds(*GPT2Config::FromPreset("gpt2"), 8, 1024, 1, h.roofline());
+  };
+  const double measured = predicted(0.35);
+  const std::string bench = WriteTemp(
+      absl::StrFormat("{\"bench\": \"gpu_step\", \"device\": \"NVIDIA H200\", \"precision\": \"bf16\", \"model\": "
+                      "\"gpt2\", \"batch\": 8, \"seq_len\": 1024, \"steps\": 20, \"median_step_s\": %.9f, "
+                      "\"achieved_tflops\": 300}\n",
+                      measured));
+  auto h200 = ParseDeviceProfile("H200");
+  ASSERT_TRUE(*CalibrateDeviceProfile(bench, &*h200));
+  EXPECT_NEAR(h200->flops_efficiency, 0.35, 0.35 * 1e-3);
+
+  EXPECT_THAT(CalibrateDeviceProfile(WriteTemp("not json\n"), &*h200).status().message(),
+              ::testing::HasSubstr("line 1"));
+  EXPECT_FALSE(CalibrateDeviceProfile(WriteTemp("{\"device\": \"H200\", \"achieved_tflops\": 2000}\n"), &*h200).ok());
+  EXPECT_EQ(CalibrateDeviceProfile("/nonexistent/profiles", &*h200).status().code(), absl::StatusCode::kNotFound);
+  std::remove(file.c_str());
+  std::remove(bench.c_str());
 }
 
 TEST(DevicesTest, CpuIsMeasuredWhenNothingElse) {

@@ -127,6 +127,12 @@ absl::Status StageActor::Run() {
                    StageTrainer::Create(spec, ranks, config_.peers, services_.collectives.get(), config_.device,
                                         config_.device_index, services_.data));
   int64_t first_step = 1;
+  const bool timed = trainer->timed();
+  if (timed && !config_.resume_from.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "timed compute cannot resume from ", config_.resume_from,
+        ": its stages have no real weights to load; submit the job again (a timed job starts from step 1)"));
+  }
   if (!config_.resume_from.empty()) {
     // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part), from a
     // local copy of the files it needs when the checkpoint is on the head's machine. DiLoCo: the outer state
@@ -148,6 +154,11 @@ absl::Status StageActor::Run() {
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << ranks.replica << ", stage " << ranks.stage << " of "
                << ranks.pp << ", tp rank " << ranks.tp_rank << ", run " << config_.attempt << ") "
                << trainer->Describe();
+  if (timed) {
+    GT_LOG(INFO) << "actor " << me.actor_id()
+                 << ": timed compute: every op waits the emulated device's time and computes nothing; step times are "
+                    "EMULATED, losses are not real (not reported), no checkpoint is written (no real weights)";
+  }
 
   const int64_t steps = spec.train().steps();
   for (int64_t step = first_step; step <= steps; ++step) {
@@ -165,6 +176,11 @@ absl::Status StageActor::Run() {
     report.set_bubble_seconds(stats.bubble_seconds);
     report.set_tokens(static_cast<int64_t>(spec.train().global_batch()) * ranks.seq_len);
     report.set_val_loss(stats.val_loss);
+    if (timed) {  // an emulated step: no real loss to report
+      report.set_timed_compute(true);
+      report.set_loss(0);
+      report.set_val_loss(-1);
+    }
     for (const auto& [pair, bytes] : stats.traffic.wan_bytes) (*report.mutable_wan_bytes())[pair] = bytes;
     if (stats.traffic.encoded_wan_bytes > 0) {
       report.set_compression_ratio(stats.traffic.raw_wan_bytes / stats.traffic.encoded_wan_bytes);
@@ -174,7 +190,8 @@ absl::Status StageActor::Run() {
     // across the tensor-parallel group) into host memory; tensor rank 0 writes it in the background. The
     // head commits the checkpoint once every stage's shard of the step is in.
     const int every = spec.checkpoint().every_steps();
-    if (!spec.checkpoint().dir().empty() && ranks.replica == 0 && ((every > 0 && step % every == 0) || report.done())) {
+    if (!timed && !spec.checkpoint().dir().empty() && ranks.replica == 0 &&
+        ((every > 0 && step % every == 0) || report.done())) {
       const auto snapshot_start = Clock::now();
       ASSIGN_OR_RETURN(
           model::CheckpointSnapshot snapshot,

@@ -16,6 +16,26 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// Timed compute's gradient buckets: the timed backend's memory (address space over one small window, zeros), and
+// copies that move nothing, since both sides hold zeros (model/timed_backend.h). The all-reduces still send
+// every bucket's real size through the real communicator.
+class TimedBucketMemory : public comm::BucketMemory {
+ public:
+  explicit TimedBucketMemory(model::Backend* backend) : backend_(backend) {}
+  absl::StatusOr<float*> Allocate(int64_t elements) override {
+    ASSIGN_OR_RETURN(model::DeviceBuffer buffer,
+                     model::DeviceBuffer::Allocate(*backend_, static_cast<size_t>(elements) * sizeof(float)));
+    buffers_.push_back(std::move(buffer));
+    return buffers_.back().as<float>();
+  }
+  void Copy(float*, const float*, int64_t) override {}
+  comm::BucketFence Fence(int) override { return nullptr; }
+
+ private:
+  model::Backend* backend_;
+  std::vector<model::DeviceBuffer> buffers_;
+};
+
 }  // namespace
 
 StageTrainer::StageTrainer(const JobSpec& spec, ActorRanks ranks) : spec_(spec), ranks_(std::move(ranks)) {}
@@ -27,6 +47,7 @@ StageTrainer::~StageTrainer() {
   for (auto& x : outer_in_flight_) x->thread.join();
   sender_.reset();
   grad_buckets_.reset();
+  timed_bucket_memory_.reset();  // after the buckets, before the backend that owns its memory
 }
 
 absl::StatusOr<std::unique_ptr<StageTrainer>> StageTrainer::Create(const JobSpec& spec, const ActorRanks& ranks,
@@ -53,6 +74,14 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     backend_ = device_backend_.get();
   }
   on_device_ = backend_->is_cuda();
+  // Timed compute (model/timed_backend.h): every op waits the emulated device's time; the stage has no real
+  // weights, so nothing that needs them can run.
+  timed_ = device.starts_with("timed:");
+  if (timed_ && DilocoOn(spec_)) {
+    return absl::FailedPreconditionError(
+        "timed compute does not run DiLoCo (its outer step needs real weights); run the job without --timed-compute "
+        "or without the diloco block");
+  }
   ASSIGN_OR_RETURN(collectives_, factory->Create(ranks_, spec_, actors, backend_, device_index));
 
   model::StageOptions stage_options = model::StageOptions::Split(config_, ranks_.stage, ranks_.pp);
@@ -61,7 +90,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   stage_options.max_batch = Bm;
   stage_options.max_seq_len = T;
   ASSIGN_OR_RETURN(stage_, model::GPT2Stage::Create(config_, stage_options));
-  stage_->InitializeWeights(spec_.train().seed());
+  if (!timed_) stage_->InitializeWeights(spec_.train().seed());
   model::AdamWOptions adam_options;
   adam_options.beta1 = static_cast<float>(spec_.train().beta1());
   adam_options.beta2 = static_cast<float>(spec_.train().beta2());
@@ -137,9 +166,13 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     groups.emplace_back();
     for (absl::Span<float> g : stage_->NonLayerGradientSpans()) groups.back().push_back(dp_view(g));
     const double bucket_mb = spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0;
-    grad_buckets_ =
-        std::make_unique<comm::GradientBuckets>(collectives_->dp_all_reduce, collectives_->dp_bucket_memory,
-                                                std::move(groups), static_cast<int64_t>(bucket_mb * (1 << 20)));
+    comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
+    if (timed_) {
+      timed_bucket_memory_ = std::make_unique<TimedBucketMemory>(backend_);
+      bucket_memory = timed_bucket_memory_.get();
+    }
+    grad_buckets_ = std::make_unique<comm::GradientBuckets>(
+        collectives_->dp_all_reduce, bucket_memory, std::move(groups), static_cast<int64_t>(bucket_mb * (1 << 20)));
     RETURN_IF_ERROR(grad_buckets_->status());
   }
   if (DilocoOn(spec_)) {

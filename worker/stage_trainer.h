@@ -77,7 +77,7 @@ struct StepStats {
 
 class StageTrainer {
  public:
-  // Makes the device backend (`device`: "cpu" or "cuda:N"), the collectives (through `factory`, which must
+  // Makes the device backend (`device`: "cpu", "cuda:N" or "timed:..." for timed compute), the collectives (through `factory`, which must
   // outlive the trainer), the stage with freshly initialised weights (train.seed), AdamW, the data loader
   // (first and last stage, over `data`'s shards) and every buffer and bucket the steps need. Errors name what failed.
   static absl::StatusOr<std::unique_ptr<StageTrainer>> Create(const JobSpec& spec, const ActorRanks& ranks,
@@ -98,6 +98,9 @@ class StageTrainer {
   const ActorRanks& ranks() const { return ranks_; }
   // One line for the actor's log: parameters, layers, device, how gradients are all-reduced.
   std::string Describe() const;
+  // Whether the stage runs on timed compute (device "timed:...", model/timed_backend.h): its times are an
+  // emulated GPU's, its loss and gradient norm are not real, and it has no weights to checkpoint.
+  bool timed() const { return timed_; }
 
  private:
   StageTrainer(const JobSpec& spec, ActorRanks ranks);
@@ -128,6 +131,8 @@ class StageTrainer {
   std::unique_ptr<model::Backend> device_backend_;
   model::Backend* backend_ = nullptr;
   bool on_device_ = false;
+  bool timed_ = false;
+  std::unique_ptr<comm::BucketMemory> timed_bucket_memory_;  // timed compute: the buckets' memory
   std::unique_ptr<StageCollectives> collectives_;
   std::unique_ptr<model::GPT2Stage> stage_;
   std::unique_ptr<model::AdamW> adam_;

@@ -90,6 +90,10 @@ class WorkerServer::Service final : public internal::Worker::Service {
     if (device.kind() == DEVICE_KIND_CUDA) {
       config.device = absl::StrCat("cuda:", device.index());
       config.device_index = device.index();
+    } else if (device.timed_compute()) {
+      absl::StatusOr<std::string> timed = TimedDeviceName(worker_->options_.timed_profiles[a.device_index()]);
+      if (!timed.ok()) return invalid(std::string(timed.status().message()));
+      config.device = *timed;
     }
     if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
     ActorServices services{.mailbox = worker_->tensor_streams_.get(), .links = worker_->links_.get()};
@@ -192,7 +196,23 @@ absl::Status WorkerServer::Start() {
         "worker: no cluster token; pass --token or set GEOTRAIN_TOKEN (the head's <state-dir>/token)");
   }
   RETURN_IF_ERROR(ValidateNodeTls(options_.tls, "worker"));
+  if (options_.timed_compute) {
+    if (options_.emulated_devices.empty() || options_.timed_profiles.size() != options_.emulated_devices.size()) {
+      return absl::InvalidArgumentError(
+          "worker: --timed-compute needs the devices to emulate; pass --emulate-device NAME (e.g. H100)");
+    }
+    for (const DeviceProfile& p : options_.timed_profiles) RETURN_IF_ERROR(TimedDeviceName(p).status());
+  }
   devices_ = DiscoverDevices(options_.emulated_devices);
+  for (Device& d : devices_) {
+    if (!options_.timed_compute || d.kind() != DEVICE_KIND_EMULATED) continue;
+    d.set_timed_compute(true);
+    const DeviceProfile& p = options_.timed_profiles[d.index()];
+    GT_LOG(INFO) << "timed compute: device " << d.index() << " EMULATES a " << p.name << " (" << p.peak_tflops
+                 << " TFLOP/s peak x " << p.flops_efficiency << ", " << p.bandwidth_gbs << " GB/s x "
+                 << p.bandwidth_efficiency << ", " << p.launch_us << " us per op; " << p.source
+                 << "): its step times are emulated, its losses are not real";
+  }
   if (options_.state_dir.empty()) {
     // One directory per worker: workers on one machine must not share a shard cache (one relaying shards to the
     // other would wait on the cache's lock held by the other's fetch).
@@ -221,6 +241,10 @@ absl::Status WorkerServer::Start() {
     for (const Device& d : devices_) {
       devices.Add({{"site", options_.site}, {"name", d.name()}}).Increment();
     }
+    // 1 when this worker's stages wait an emulated GPU's time instead of computing: its figures are emulated.
+    metrics_->Gauges("geotrain_timed_compute", "1 when the worker's compute is emulated (timed compute), else 0")
+        .Add({{"site", options_.site}})
+        .Set(options_.timed_compute ? 1 : 0);
   }
   links_ = std::make_unique<LinkMetrics>(metrics_.get(), options_.site);
 

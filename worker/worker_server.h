@@ -33,6 +33,7 @@
 #include "common/metrics.h"
 #include "common/rpc.h"
 #include "internal.grpc.pb.h"
+#include "worker/devices.h"
 #include "worker/job_staging.h"
 #include "worker/link_metrics.h"
 #include "worker/shard_cache.h"
@@ -58,6 +59,10 @@ struct WorkerOptions {
   std::string token;
   TlsFiles tls;  // one configuration for its server (the head's calls, peers' streams and fetches) and its calls
   std::vector<Device> emulated_devices;
+  // Timed compute (docs/timed-compute.md): the stage actors of emulated device i run on a timed backend of
+  // timed_profiles[i], waiting the device's time instead of computing. Needs one profile per emulated device.
+  bool timed_compute = false;
+  std::vector<DeviceProfile> timed_profiles;
   // Addresses for peers at given sites (site -> host:port), e.g. routes through a WAN emulator.
   std::map<std::string, std::string> address_for_site;
   // How often to probe latency and bandwidth to the other workers; 0 disables probing.

@@ -21,6 +21,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def pss_bytes(pid):
+    """Proportional set size of a process (shared pages divided among their mappings), or 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def wait_for(predicate, timeout, what, interval=0.1):
     deadline = time.monotonic() + timeout
     last = None
@@ -62,9 +74,9 @@ class LocalCluster:
         wait_for(lambda: self.cli(["status", "--json"], check=False).returncode == 0, 15, "the head")
         return self.head
 
-    def start_worker(self, name, site, devices=()):
+    def start_worker(self, name, site, devices=(), extra_args=()):
         args = ["worker", "start", "--site", site, "--worker-id", name, "--metrics-port", "-1",
-                "--probe-interval-ms", "1000"]
+                "--probe-interval-ms", "1000"] + list(extra_args)
         for d in devices:
             args += ["--emulate-device", d]
         self.workers[name] = self._spawn(args, f"worker-{name}.log")
@@ -132,7 +144,7 @@ class ClusterUp:
     """A `geotrain cluster up TOPOLOGY` cluster in its own GEOTRAIN_HOME, whose processes (named as in
     cluster.json: "head", "worker NAME", ...) can be killed with -9 and started again with the same command."""
 
-    def __init__(self, geotrain, topology, prefix="geotrain_cluster_"):
+    def __init__(self, geotrain, topology, prefix="geotrain_cluster_", up_args=()):
         self.geotrain = geotrain
         self.home = tempfile.mkdtemp(prefix=prefix)
         self.env = dict(os.environ, GEOTRAIN_HOME=self.home)
@@ -142,7 +154,7 @@ class ClusterUp:
         self.state = os.path.join(self.home, "cluster")
         self.restarted = {}  # name -> Popen of a process the test started again
         self.killed = {}     # name -> (argv, env) to start it again
-        self.up = self.cli(["cluster", "up", topology]).stdout
+        self.up = self.cli(["cluster", "up", topology] + list(up_args)).stdout
 
     def cli(self, args, check=True, timeout=120):
         r = subprocess.run([self.geotrain] + args, capture_output=True, text=True, env=self.env, timeout=timeout)
