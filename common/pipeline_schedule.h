@@ -9,9 +9,9 @@
 // forwards, then one forward and one backward in turn while forwards remain, then the remaining backwards;
 // D, the pipeline's depth, is max(pp, depth) (pp on the last stage): the microbatches in flight at the
 // first stage. A depth above pp keeps a stage busy while a microbatch crosses a slow link and its gradient
-// comes back (parallel.pipeline_depth, chosen by PipelineDepthFor unless the spec sets it); the extra
-// microbatches in flight cost no memory in the runtime, the stage recomputes their forward before their
-// backward (worker/stage_trainer.h). The planner simulates the same schedules (scheduler/cost_model.h).
+// comes back (parallel.pipeline_depth, chosen by PipelineDepthFor unless the spec sets it); the runtime keeps
+// no activations for the extra microbatches in flight, the stage recomputes their forward before their
+// backward (worker/stage_trainer.h): only their boundary tensors (inputs kept, sends queued) take memory. The planner simulates the same schedules (scheduler/cost_model.h).
 // Every microbatch appears once as a forward and once as a backward, each backward after its forward, and
 // backwards in microbatch order (so the last stage's backwards can start as soon as their forward is done).
 #pragma once

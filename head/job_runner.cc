@@ -161,6 +161,9 @@ void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
     absl::MutexLock lock(&mu_);
     for (auto& [job_id, run] : runs_) {
       if (run.phase != Phase::kRunning) continue;
+      // Only a run this pass completes is ended here: one whose last report completed it is ended by
+      // OnStepReport, after it records that report's step (ending it here could log SUCCEEDED first).
+      bool completed_here = false;
       for (const ActorPlacement& p : run.actors) {
         if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
           hit.push_back({job_id, run.attempt});
@@ -321,6 +324,7 @@ absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, cons
     JobSpec to_plan = job.spec();
     *to_plan.mutable_parallel() = submitted;
     ASSIGN_OR_RETURN(AutoPlan plan, PlanAutoJob(to_plan, FreeDevices(workers, held), registry_->SiteLinks()));
+    plan.parallel.set_pipeline_depth(submitted.pipeline_depth());  // the user's depth, if any, stands
     *planned.mutable_spec()->mutable_parallel() = plan.parallel;
     planned.set_predicted_step_seconds(plan.predicted_step_seconds);
     Check(jobs_->SetPlan(job.job_id(), plan.parallel, plan.predicted_step_seconds), job.job_id(), "recording the plan");
@@ -702,6 +706,9 @@ void JobRunner::Reconcile() {
     absl::MutexLock lock(&mu_);
     for (auto& [job_id, run] : runs_) {
       if (run.phase != Phase::kRunning) continue;
+      // Only a run this pass completes is ended here: one whose last report completed it is ended by
+      // OnStepReport, after it records that report's step (ending it here could log SUCCEEDED first).
+      bool completed_here = false;
       for (const ActorPlacement& p : run.actors) {
         const std::string& id = p.actor.actor_id();
         if (run.done.count(id)) continue;
@@ -712,7 +719,10 @@ void JobRunner::Reconcile() {
           if (it->second.message() == "finished") {
             // Its last report is probably on its way: wait for it, so that the last step is recorded.
             const int64_t first = run.finished_seen_ms.emplace(id, now).first->second;
-            if (now - first >= options_.final_report_grace_ms) run.done.insert(id);
+            if (now - first >= options_.final_report_grace_ms) {
+              run.done.insert(id);
+              completed_here = run.done.size() == run.actors.size();
+            }
           } else if (!absl::StartsWith(it->second.message(), "stopped")) {
             faults.push_back({job_id, run.attempt, absl::StrCat("actor ", id, " died: ", it->second.message())});
             break;
@@ -728,7 +738,7 @@ void JobRunner::Reconcile() {
           break;
         }
       }
-      if (run.phase == Phase::kRunning && run.done.size() == run.actors.size()) succeeded.push_back(job_id);
+      if (completed_here) succeeded.push_back(job_id);
     }
   }
   for (const auto& [job_id, attempt, cause] : faults) Fault(job_id, attempt, cause);

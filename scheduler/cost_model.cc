@@ -118,12 +118,20 @@ double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link) {
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips,
-                                  int depth) {
+                                  int depth, const std::vector<int>& stage_sites) {
   // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier. A pipeline
-  // deeper than pp keeps several sends in flight (worker/async_sender.h): the link is busy for the
-  // serialisation only.
-  const bool overlapped_sends = schedule == Schedule::k1F1B && depth > static_cast<int>(forward_s.size());
-  auto busy_latencies = [&](int s) { return round_trips.empty() || overlapped_sends ? 0.0 : 2 * round_trips[s]; };
+  // deeper than pp keeps a stage's sends in flight together (worker/async_sender.h) when they all go to one
+  // site (first or last stage, or both neighbours in one site): the link is busy for the serialisation only.
+  const int stages = static_cast<int>(forward_s.size());
+  const bool deep = schedule == Schedule::k1F1B && depth > stages;
+  auto overlaps = [&](int sender) {
+    return deep && (sender == 0 || sender == stages - 1 || stage_sites.empty() ||
+                    stage_sites[sender - 1] == stage_sites[sender + 1]);
+  };
+  // Latencies a send over `boundary` by stage `sender` keeps its link busy.
+  auto busy_latencies = [&](int sender, int boundary) {
+    return round_trips.empty() || overlaps(sender) ? 0.0 : 2 * round_trips[boundary];
+  };
   auto arrival_latencies = [&](int s) { return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1; };
   const int p = static_cast<int>(forward_s.size());
   const int m = microbatches;
@@ -172,13 +180,13 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
           forward_done[at] = end;
           if (s + 1 < p) {
             const double send = std::max(end, link_forward_free[s]);
-            link_forward_free[s] = send + transfer_s[s] + busy_latencies(s) * latency_s[s];
+            link_forward_free[s] = send + transfer_s[s] + busy_latencies(s, s) * latency_s[s];
             forward_arrival[at + m] = send + transfer_s[s] + arrival_latencies(s) * latency_s[s];
           }
         } else {
           if (s > 0) {
             const double send = std::max(end, link_backward_free[s - 1]);
-            link_backward_free[s - 1] = send + transfer_s[s - 1] + busy_latencies(s - 1) * latency_s[s - 1];
+            link_backward_free[s - 1] = send + transfer_s[s - 1] + busy_latencies(s, s - 1) * latency_s[s - 1];
             backward_arrival[at - m] = send + transfer_s[s - 1] + arrival_latencies(s - 1) * latency_s[s - 1];
           }
           if (next[s] + 1 == ops[s].size()) {
@@ -396,6 +404,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   int slowest = 0;
   std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp), transfer_of(plan.dp), latency_of(plan.dp),
       round_trips_of(plan.dp);
+  std::vector<std::vector<int>> sites_of(plan.dp, std::vector<int>(pp));
   // (first, last) stage site pairs -> replicas, and when their wte gradients are complete.
   std::map<std::pair<int, int>, int> tied_pairs;
   std::map<std::pair<int, int>, double> tied_ready;
@@ -429,6 +438,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
       const double flops = StageFlops(model, begin, end) * b;
       const int site = cluster.devices[plan.devices[r][s][0]].site;
+      sites_of[r][s] = site;
       const double tp_comm =
           tp > 1 ? StageBlocks(model, begin, end) * 2 *
                        RingAllReduceSeconds(tokens_per_microbatch * model.n_embd * model.bytes_per_element, tp,
@@ -486,12 +496,13 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       signature.insert(signature.end(), part->begin(), part->end());
     }
     signature.push_back(plan.microbatches[r]);
+    signature.insert(signature.end(), sites_of[r].begin(), sites_of[r].end());
     auto known = simulated.find(signature);
     if (known == simulated.end()) {
       known = simulated
                   .emplace(std::move(signature),
                            SimulatePipeline(forward_of[r], backward_of[r], transfer_of[r], latency_of[r],
-                                            plan.microbatches[r], plan.schedule, round_trips_of[r], depth))
+                                            plan.microbatches[r], plan.schedule, round_trips_of[r], depth, sites_of[r]))
                   .first;
     }
     timelines[r] = &known->second;

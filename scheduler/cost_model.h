@@ -173,11 +173,12 @@ struct PipelineTimeline {
 // With round_trips (one per boundary, JobOptions::message_round_trips), a send over boundary s
 // keeps its link (the sender) busy 2 r_s latencies after its serialisation and arrives (2 r_s - 1)
 // latencies after it; empty: a plain link (busy for the serialisation, arriving one latency later). A 1F1B
-// depth above pp overlaps a boundary's sends (the runtime's AsyncSender): busy for the serialisation only.
+// depth above pp overlaps a stage's sends (the runtime's AsyncSender) when they all go to one site: busy for
+// the serialisation only. stage_sites (site of each stage; empty: one neighbour site per stage) says which.
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips = {},
-                                  int depth = 0);
+                                  int depth = 0, const std::vector<int>& stage_sites = {});
 
 // The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
 // activations only consider codecs with for_activations.

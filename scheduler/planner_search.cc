@@ -355,19 +355,19 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
                 lower_bound = std::max(lower_bound, plan.microbatches[r] * stage_time[r][s] + before);
                 before += stage_time[r][s];
               }
-              // 1F1B keeps at most depth - j microbatches in flight at stage j, and each occupies its
-              // slot from j's forward to j's backward: at least the round trip through the later
-              // stages and links. Simulate chooses the depth (at most max(pp, microbatches)).
+              // 1F1B keeps at most min(depth - j, m) microbatches in flight at stage j, and each occupies
+              // its slot from j's forward to j's backward: at least the round trip through the later
+              // stages and links. Simulate chooses one depth for the job, at most max(pp, largest share).
               if (schedule == Schedule::k1F1B) {
-                const int deepest = std::max(pp, plan.microbatches[r]);
+                const int deepest = std::max(pp, *std::max_element(plan.microbatches.begin(), plan.microbatches.end()));
                 double round_trip = 0;
                 for (int j = pp - 2; j >= 0; --j) {
                   const int a = unit_of[r][j]->site, c = unit_of[r][j + 1]->site;
                   const double hop =
                       cluster_.Link(a, c).latency_s + b * model_.layers[begin[j + 1] - 1].output_bytes * hop_spb[r][j];
                   round_trip += 2 * hop + compute_time[r][j + 1];
-                  lower_bound =
-                      std::max(lower_bound, plan.microbatches[r] * (compute_time[r][j] + round_trip) / (deepest - j));
+                  lower_bound = std::max(lower_bound, plan.microbatches[r] * (compute_time[r][j] + round_trip) /
+                                                          std::max(1, std::min(deepest - j, plan.microbatches[r])));
                 }
               }
             }

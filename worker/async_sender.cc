@@ -46,6 +46,7 @@ AsyncSender::~AsyncSender() {
 
 void AsyncSender::Send(int peer, const std::string& peer_site, const float* data, size_t n, std::string tag) {
   absl::MutexLock lock(&mu_);
+  if (!error_.ok()) return;  // the step failed: later sends are moot
   queue_.push_back({peer, peer_site, std::vector<float>(data, data + n), std::move(tag)});
 }
 

@@ -2,8 +2,9 @@
 // next microbatch while the previous one crosses a slow link (a send returns only once the peer holds the
 // tensor: a round trip). With max_in_flight > 1, up to that many sends with different tags run at once (a
 // deeper 1F1B pipeline tags each microbatch's tensors apart, so its sends do not wait for each other's
-// acknowledgements); sends with the same tag, and sends to another site than those in flight, wait. Also the
-// per-step account of bytes sent across sites.
+// acknowledgements); sends with the same tag, and sends to another site than those in flight, wait. So a
+// middle stage whose two neighbours sit in different sites alternates sites and gains no overlap (the
+// planner's simulator models that). Also the per-step account of bytes sent across sites.
 //
 //   AsyncSender sender(collectives.pipeline, [&] { return collectives.BytesSent(TrafficClass::kPipeline); },
 //                      "site-a");

@@ -192,7 +192,11 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   // A failed send ends the receives this actor waits in, so that it reports the failure at once. A pipeline
   // deeper than pp keeps its extra microbatches' sends in flight together, so that none waits for another's
   // acknowledgement across a slow link.
-  const int in_flight = std::max(1, spec_.parallel().pipeline_depth() - ranks_.pp + 1);
+  // At most the microbatches there are, and kAsyncSendsInFlight: a spec's depth (up to max_microbatches) must not
+  // start a thread per microbatch.
+  constexpr int kAsyncSendsInFlight = 16;
+  const int depth = std::min(spec_.parallel().pipeline_depth(), ranks_.microbatches);
+  const int in_flight = std::clamp(depth - ranks_.pp + 1, 1, kAsyncSendsInFlight);
   sender_ = std::make_unique<AsyncSender>(
       collectives_->pipeline, [c = collectives_.get()] { return c->BytesSent(TrafficClass::kPipeline); }, ranks_.site,
       [c = collectives_.get()](const absl::Status&) { c->CancelReceives(); }, in_flight);

@@ -10,8 +10,8 @@
 // A step:
 //   1. the pipeline: the schedule's forwards and backwards (common/pipeline_schedule.h). Activations come
 //      from the previous stage and go to the next over the pipeline communicator; their gradients go back.
-//      Sends run on a background thread (worker/async_sender.h), so a stage computes while the previous
-//      microbatch crosses a slow link. A stage keeps the activations of one microbatch, so a backward whose
+//      Sends run on background threads (worker/async_sender.h), so a stage computes while the previous
+//      microbatch crosses a slow link; a pipeline deeper than pp keeps several sends in flight. A stage keeps the activations of one microbatch, so a backward whose
 //      microbatch is not the latest forward first recomputes that forward from the input it kept
 //      (activation recomputation: exact, at the cost of one extra forward);
 //   2. data parallelism: during the last microbatch's backward each block's gradients go into all-reduce
