@@ -36,6 +36,22 @@ class TokenAuth {
   std::string token_;
 };
 
+// The start of a service method that needs the cluster token: times the call (RpcTimer, common/metrics.h) into
+// `metrics` (a MetricsServer*, may be null) and returns UNAUTHENTICATED unless `auth` (a TokenAuth) accepts
+// `context`. Declares `timer` (set its code on other early returns) and `fail(status)`, which converts an
+// absl::Status (ToGrpc) and records its code on the timer. The user includes common/metrics.h.
+#define GT_CHECKED_RPC(metrics, auth, context, method)                \
+  RpcTimer timer((metrics) ? (metrics)->rpc() : nullptr, method);     \
+  if (grpc::Status s = (auth).Check(context); !s.ok()) {              \
+    timer.set_code(s.error_code());                                   \
+    return s;                                                         \
+  }                                                                   \
+  [[maybe_unused]] auto fail = [&timer](const absl::Status& status) { \
+    grpc::Status converted = ToGrpc(status);                          \
+    timer.set_code(converted.error_code());                           \
+    return converted;                                                 \
+  }
+
 void AttachToken(grpc::ClientContext* context, const std::string& token);
 void SetDeadlineMillis(grpc::ClientContext* context, int64_t millis);
 

@@ -58,18 +58,6 @@ std::string FormatBytesOf(uint64_t part, uint64_t total) {
   return absl::StrFormat("%.1f of %.1f %s", part / scale, total / scale, unit);
 }
 
-#define GT_STAGING_PROLOGUE(method)                             \
-  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method); \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {         \
-    timer.set_code(s.error_code());                             \
-    return s;                                                   \
-  }                                                             \
-  auto fail = [&timer](const absl::Status& status) {            \
-    grpc::Status s = ToGrpc(status);                            \
-    timer.set_code(s.error_code());                             \
-    return s;                                                   \
-  };
-
 HeadStagingService::HeadStagingService(std::string token, std::string state_dir, Hooks hooks, MetricsServer* metrics)
     : token_(token),
       records_path_(absl::StrCat(state_dir, "/staged_shards.json")),
@@ -153,7 +141,7 @@ absl::StatusOr<ShardInfo> HeadStagingService::Describe(const std::string& path, 
 
 grpc::Status HeadStagingService::ListShards(grpc::ServerContext* context, const ListShardsRequest* request,
                                             ListShardsReply* reply) {
-  GT_STAGING_PROLOGUE("ListShards");
+  GT_CHECKED_RPC(metrics_, auth_, context, "ListShards");
   absl::StatusOr<JobInfo> job = LiveJob(request->job_id(), "ListShards");
   if (!job.ok()) return fail(job.status());
   const DataSpec& data = job->spec().data();
@@ -178,7 +166,7 @@ grpc::Status HeadStagingService::ListShards(grpc::ServerContext* context, const 
 
 grpc::Status HeadStagingService::FetchShard(grpc::ServerContext* context, const FetchShardRequest* request,
                                             grpc::ServerWriter<ShardChunk>* writer) {
-  GT_STAGING_PROLOGUE("FetchShard");
+  GT_CHECKED_RPC(metrics_, auth_, context, "FetchShard");
   const std::string what = absl::StrCat("shard ", request->path(), " for worker ", request->requester());
   absl::StatusOr<JobInfo> job = LiveJob(request->job_id(), what);
   if (!job.ok()) return fail(job.status());
@@ -222,7 +210,7 @@ grpc::Status HeadStagingService::FetchShard(grpc::ServerContext* context, const 
 
 grpc::Status HeadStagingService::ReportStaging(grpc::ServerContext* context, const StagingProgress* request,
                                                StagingProgressReply*) {
-  GT_STAGING_PROLOGUE("ReportStaging");
+  GT_CHECKED_RPC(metrics_, auth_, context, "ReportStaging");
   absl::StatusOr<JobInfo> job = hooks_.get_job(request->job_id());
   if (!job.ok()) return fail(job.status());
   if (IsTerminal(job->state())) return grpc::Status::OK;
@@ -248,7 +236,7 @@ grpc::Status HeadStagingService::ReportStaging(grpc::ServerContext* context, con
 grpc::Status HeadStagingService::PutCheckpointFile(grpc::ServerContext* context,
                                                    grpc::ServerReader<CheckpointFileChunk>* reader,
                                                    PutCheckpointFileReply* reply) {
-  GT_STAGING_PROLOGUE("PutCheckpointFile");
+  GT_CHECKED_RPC(metrics_, auth_, context, "PutCheckpointFile");
   absl::StatusOr<std::string> path =
       comm::ReceiveCheckpointFile(reader, [this](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
         ASSIGN_OR_RETURN(JobInfo job, LiveJob(first.job_id(), "PutCheckpointFile"));
@@ -267,7 +255,7 @@ grpc::Status HeadStagingService::PutCheckpointFile(grpc::ServerContext* context,
 grpc::Status HeadStagingService::FetchCheckpointFile(grpc::ServerContext* context,
                                                      const FetchCheckpointFileRequest* request,
                                                      grpc::ServerWriter<FileChunk>* writer) {
-  GT_STAGING_PROLOGUE("FetchCheckpointFile");
+  GT_CHECKED_RPC(metrics_, auth_, context, "FetchCheckpointFile");
   absl::StatusOr<JobInfo> job = LiveJob(request->job_id(), "FetchCheckpointFile");
   if (!job.ok()) return fail(job.status());
   const std::string step_dir = Normal(request->step_dir());
@@ -286,7 +274,5 @@ grpc::Status HeadStagingService::FetchCheckpointFile(grpc::ServerContext* contex
   if (!s.ok()) return fail(WithContext(s, "the head serving a checkpoint file"));
   return grpc::Status::OK;
 }
-
-#undef GT_STAGING_PROLOGUE
 
 }  // namespace geotrain::head

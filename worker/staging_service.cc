@@ -11,25 +11,13 @@
 
 namespace geotrain::worker {
 
-#define GT_WORKER_STAGING_PROLOGUE(method)                      \
-  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method); \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {         \
-    timer.set_code(s.error_code());                             \
-    return s;                                                   \
-  }                                                             \
-  auto fail = [&timer](const absl::Status& status) {            \
-    grpc::Status s = ToGrpc(status);                            \
-    timer.set_code(s.error_code());                             \
-    return s;                                                   \
-  };
-
 WorkerStagingService::WorkerStagingService(ShardCache* cache, const std::string& token, std::string state_dir,
                                            ShardServer head, MetricsServer* metrics)
     : cache_(cache), auth_(token), state_dir_(std::move(state_dir)), head_(std::move(head)), metrics_(metrics) {}
 
 grpc::Status WorkerStagingService::FetchShard(grpc::ServerContext* context, const FetchShardRequest* request,
                                               grpc::ServerWriter<ShardChunk>* writer) {
-  GT_WORKER_STAGING_PROLOGUE("FetchShard");
+  GT_CHECKED_RPC(metrics_, auth_, context, "FetchShard");
   absl::Status s = cache_->Serve(
       *request, head_, [writer](const ShardChunk& chunk) { return writer->Write(chunk); },
       [context] { return context->IsCancelled(); });
@@ -40,7 +28,7 @@ grpc::Status WorkerStagingService::FetchShard(grpc::ServerContext* context, cons
 grpc::Status WorkerStagingService::PutCheckpointFile(grpc::ServerContext* context,
                                                      grpc::ServerReader<CheckpointFileChunk>* reader,
                                                      PutCheckpointFileReply* reply) {
-  GT_WORKER_STAGING_PROLOGUE("PutCheckpointFile");
+  GT_CHECKED_RPC(metrics_, auth_, context, "PutCheckpointFile");
   std::string job_id;
   absl::StatusOr<std::string> path =
       comm::ReceiveCheckpointFile(reader, [&](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
@@ -65,7 +53,7 @@ grpc::Status WorkerStagingService::PutCheckpointFile(grpc::ServerContext* contex
 grpc::Status WorkerStagingService::FetchCheckpointFile(grpc::ServerContext* context,
                                                        const FetchCheckpointFileRequest* request,
                                                        grpc::ServerWriter<FileChunk>* writer) {
-  GT_WORKER_STAGING_PROLOGUE("FetchCheckpointFile");
+  GT_CHECKED_RPC(metrics_, auth_, context, "FetchCheckpointFile");
   if (!model::IsCheckpointFileName(request->job_id()) || !model::IsCheckpointFileName(request->name()) ||
       request->step() <= 0) {
     return fail(absl::InvalidArgumentError("FetchCheckpointFile: a job id, a step and a file name are required"));
@@ -76,7 +64,5 @@ grpc::Status WorkerStagingService::FetchCheckpointFile(grpc::ServerContext* cont
   if (!s.ok()) return fail(WithContext(s, "serving a checkpoint replica"));
   return grpc::Status::OK;
 }
-
-#undef GT_WORKER_STAGING_PROLOGUE
 
 }  // namespace geotrain::worker

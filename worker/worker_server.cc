@@ -23,16 +23,9 @@ class WorkerServer::Service final : public internal::Worker::Service {
   Service(WorkerServer* worker, const std::string& token, MetricsServer* metrics)
       : worker_(worker), auth_(token), metrics_(metrics) {}
 
-#define GT_WORKER_RPC_PROLOGUE(method)                          \
-  RpcTimer timer(metrics_ ? metrics_->rpc() : nullptr, method); \
-  if (grpc::Status s = auth_.Check(context); !s.ok()) {         \
-    timer.set_code(s.error_code());                             \
-    return s;                                                   \
-  }
-
   grpc::Status CreateActor(grpc::ServerContext* context, const CreateActorRequest* request,
                            CreateActorReply* reply) override {
-    GT_WORKER_RPC_PROLOGUE("CreateActor");
+    GT_CHECKED_RPC(metrics_, auth_, context, "CreateActor");
     const ActorRecord& a = request->actor();
     if (a.actor_id().empty() || a.job_id().empty()) {
       timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
@@ -123,7 +116,7 @@ class WorkerServer::Service final : public internal::Worker::Service {
 
   grpc::Status StopActor(grpc::ServerContext* context, const StopActorRequest* request,
                          StopActorReply* reply) override {
-    GT_WORKER_RPC_PROLOGUE("StopActor");
+    GT_CHECKED_RPC(metrics_, auth_, context, "StopActor");
     absl::MutexLock lock(&worker_->mu_);
     auto it = worker_->actors_.find(request->actor_id());
     if (it == worker_->actors_.end()) {
@@ -137,24 +130,23 @@ class WorkerServer::Service final : public internal::Worker::Service {
   }
 
   grpc::Status ListActors(grpc::ServerContext* context, const ListActorsRequest*, ListActorsReply* reply) override {
-    GT_WORKER_RPC_PROLOGUE("ListActors");
+    GT_CHECKED_RPC(metrics_, auth_, context, "ListActors");
     for (const ActorRecord& a : worker_->Actors()) *reply->add_actors() = a;
     return grpc::Status::OK;
   }
 
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
-    GT_WORKER_RPC_PROLOGUE("Ping");
+    GT_CHECKED_RPC(metrics_, auth_, context, "Ping");
     EchoPing(*request, reply);
     return grpc::Status::OK;
   }
 
   grpc::Status PingStream(grpc::ServerContext* context,
                           grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
-    GT_WORKER_RPC_PROLOGUE("PingStream");
+    GT_CHECKED_RPC(metrics_, auth_, context, "PingStream");
     EchoPingStream(stream);
     return grpc::Status::OK;
   }
-#undef GT_WORKER_RPC_PROLOGUE
 
  private:
   WorkerServer* worker_;
