@@ -75,13 +75,15 @@ class Client:
     GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE, else the recorded head's token file); tls_ca: the CA certificate (PEM file)
     that signed a TLS head's certificate; tls_cert and tls_key: this client's certificate and key (PEM files), which a
     head serving mutual TLS asks for (`deploy/make-certs.sh` makes node certificates valid for clients too).
-    timeout: seconds for each call but follow()'s stream.
+    timeout: seconds for each call but follow()'s stream. connect_timeout: seconds a call waits for the connection to
+    the head (TCP, then the TLS handshake) while it is not up, before it fails with UnavailableError.
     """
 
     def __init__(self, head=None, token=None, tls_ca=None, *, tls_cert=None, tls_key=None, token_file=None,
-                 timeout=30.0):
+                 timeout=30.0, connect_timeout=5.0):
         self.endpoint = resolve_head(head, token, token_file)
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         options = [("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.initial_reconnect_backoff_ms", 200),
                    ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
@@ -102,6 +104,9 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(self.endpoint.address, options)
         self._metadata = ((TOKEN_METADATA_KEY, self.endpoint.token),)
+        # False until a call gets through, and again after one found the head unreachable: the next call first
+        # waits for the connection (_wait_connected). A plain bool: a race costs one needless wait, nothing more.
+        self._reachable = False
         self._jobs = jobs_pb2_grpc.JobsStub(self._channel)
         self._cluster = cluster_pb2_grpc.ClusterStub(self._channel)
         self._planner = planner_pb2_grpc.PlannerStub(self._channel)
@@ -149,29 +154,36 @@ class Client:
         gave_up_at = None
         while True:
             request = jobs_pb2.WatchJobRequest(job_id=job_id, follow=True, after_seq=after)
+            self._wait_connected(self.connect_timeout if gave_up_at is None
+                                 else max(0.0, min(self.connect_timeout, gave_up_at - time.monotonic())))
             try:
                 for event in self._jobs.WatchJob(request, metadata=self._metadata):
                     gave_up_at = None
+                    self._reachable = True
                     after = event.seq
                     yield Event.from_proto(event)
                 return
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise from_rpc_error(e, self.endpoint.address) from None
+                self._reachable = False
                 gave_up_at = gave_up_at or time.monotonic() + reconnect_seconds
                 if time.monotonic() > gave_up_at:
                     raise from_rpc_error(e, self.endpoint.address) from None
-                time.sleep(0.5)
+                time.sleep(0.2)
 
     def logs(self, job_id) -> List[str]:
         """The job's log so far, one line per event ("2026-12-02 15:24:27 actors created: ...")."""
         lines = []
+        self._wait_connected(min(self.connect_timeout, self.timeout))
         try:
             for event in self._jobs.WatchJob(jobs_pb2.WatchJobRequest(job_id=job_id), metadata=self._metadata,
                                              timeout=self.timeout):
                 lines.append(str(Event.from_proto(event)))
         except grpc.RpcError as e:
+            self._note_failure(e)
             raise from_rpc_error(e, self.endpoint.address) from None
+        self._reachable = True
         return lines
 
     def wait(self, job_id) -> jobs_pb2.Job:
@@ -198,10 +210,33 @@ class Client:
     # ----
 
     def _call(self, method, request, timeout=None):
+        timeout = timeout or self.timeout
+        self._wait_connected(min(self.connect_timeout, timeout))
         try:
-            return method(request, metadata=self._metadata, timeout=timeout or self.timeout)
+            response = method(request, metadata=self._metadata, timeout=timeout)
         except grpc.RpcError as e:
+            self._note_failure(e)
             raise from_rpc_error(e, self.endpoint.address) from None
+        self._reachable = True
+        return response
+
+    def _note_failure(self, error):
+        self._reachable = error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def _wait_connected(self, seconds):
+        """Gives a channel that is not connected up to `seconds` to connect; the call that follows fails fast, with
+        gRPC's reason, if it did not. gRPC Python moves a connection attempt (the TLS handshake's round trips, the
+        retry after a refused connect) forward only while a thread waits on the channel, and a fail-fast call does
+        not wait: without this, a client whose first calls came before its TLS head listened never connected."""
+        if self._reachable:
+            return
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=seconds)
+        except grpc.FutureTimeoutError:
+            pass
+        finally:
+            ready.cancel()
 
 
 def _spec_request(request, spec):
