@@ -15,7 +15,7 @@ FUZZ_SECONDS ?= 60
 # TSan runs the tests with threads of their own: the runtime, control-plane and comm tests.
 TSAN_TESTS ?= ^(comm_(stream|collective|rendezvous)|netem\.Emulator|control_plane|cluster_up|prometheus_scrape|runtime_|StageActorTest|Collectives|RegistryTest|JobManagerTest|PlaceActorsTest|AuthTest|RpcTest)
 
-.PHONY: all deps configure build demo test clean format asan-configure fuzz-build fuzz test-asan test-tsan
+.PHONY: all deps configure build demo test study clean format asan-configure fuzz-build fuzz test-asan test-tsan
 
 all: build
 
@@ -30,6 +30,11 @@ build: configure
 
 demo: build
 	bash deploy/demo.sh
+
+# Issue 17's study at GPU scale by timed compute (EMULATED; docs/geo-study.md): the FABRIC experiment and the
+# planner's validation on timed clusters, written to docs/geo/. About 30-40 minutes on this 2-core machine.
+study: build
+	bash bench/geo/run_all.sh $(BUILD)
 
 # The suite includes a short run of every fuzz target (fuzz.<target>), so the fuzz build comes first.
 test: build fuzz-build

@@ -57,6 +57,7 @@ struct PlanFlags {
   double message_round_trips = 1;
   double message_window_kib = 0;
   std::string shared_host_scale;  // N=SCALE,...
+  bool sites_share_one_host = false;
   bool codecs_given = false;
 };
 
@@ -205,6 +206,7 @@ int RunPlan(const PlanFlags& flags) {
   job.sequential_sync = job.sequential_sync || flags.sequential_sync;
   job.message_round_trips = flags.message_round_trips;
   job.message_window_bytes = flags.message_window_kib * 1024;
+  job.sites_share_one_host = flags.sites_share_one_host;
   for (absl::string_view item : absl::StrSplit(flags.shared_host_scale, ',', absl::SkipEmpty())) {
     std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
     int n = 0;
@@ -321,6 +323,9 @@ void AddPlanCommands(CLI::App& app, Context& context) {
   plan->add_option("--shared-host-scale", flags->shared_host_scale,
                    "devices sharing one host: N=SCALE,... multiplies every device's efficiency "
                    "when the plan uses N devices");
+  plan->add_flag("--sites-share-one-host", flags->sites_share_one_host,
+                 "every site's traffic inside the site goes through one host (a timed or emulated cluster on one "
+                 "machine): the sites a plan uses share the bandwidth inside a site");
   plan->add_option("--step-overhead-ms", flags->step_overhead_ms,
                    "fixed cost per optimizer step (optimizer, step barrier), in ms (default 0)");
   plan->add_flag("--json", flags->json, "print the result as JSON");

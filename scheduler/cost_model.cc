@@ -368,6 +368,20 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
     }
   }
+  if (job.sites_share_one_host) {
+    std::set<int> sites_used;
+    for (const auto& replica : plan.devices)
+      for (const auto& stage : replica)
+        for (int d : stage) sites_used.insert(cluster.devices[d].site);
+    const int k = static_cast<int>(sites_used.size());
+    if (k > 1) {
+      Cluster shared = cluster;
+      for (int a = 0; a < shared.num_sites(); ++a) shared.links[a][a].bandwidth_bytes_per_s /= k;
+      JobOptions once = job;
+      once.sites_share_one_host = false;  // divided once
+      return Simulate(shared, model, once, plan);
+    }
+  }
   int total_sequences = 0;
   for (int m : plan.microbatches) {
     if (m < 1) return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");

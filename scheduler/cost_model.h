@@ -106,6 +106,11 @@ struct JobOptions {
   // other down: with n devices in use, every device's efficiency is multiplied by
   // shared_host_scale[n] (absent: 1). Calibrated by running devices alone and together.
   std::map<int, double> shared_host_scale;
+  // Every site's traffic inside the site goes through one host (a cluster emulated on one machine, as timed
+  // compute runs it: collectives inside a site are gRPC on loopback, all sites sharing the host's cores). The
+  // sites a plan uses then divide the bandwidth inside a site among them: each site's local collectives and
+  // sends run at the same time as the others'. Off for real clusters, where each site has its own hosts.
+  bool sites_share_one_host = false;
   double EfficiencyOf(const std::string& device) const;
 };
 

@@ -381,5 +381,31 @@ TEST(CostModelTest, SharedHostScaleSlowsComputeWithTheDevicesInUse) {
   EXPECT_NEAR(p2->stage_forward_s[0], p1->stage_forward_s[0], 1e-12);
 }
 
+// On one host (a timed cluster), the sites a plan uses share the bandwidth inside a site: a plan over both sites
+// is predicted as on a cluster whose intra-site links have half the bandwidth; a plan inside one site is not
+// changed.
+TEST(CostModelTest, SitesSharingOneHostDivideTheBandwidthInsideASite) {
+  const Cluster c = TwoSites("RTX6000", 2, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions shared = TinyJob();
+  shared.sites_share_one_host = true;
+  const Plan both = DataParallel(model, 4, 1);  // devices 0, 1 in utah and 2, 3 in amsterdam
+  const Plan one_site = DataParallel(model, 2, 1);
+  Cluster halved = c;
+  for (int a = 0; a < halved.num_sites(); ++a) halved.links[a][a].bandwidth_bytes_per_s /= 2;
+
+  absl::StatusOr<Prediction> on_one_host = Simulate(c, model, shared, both);
+  absl::StatusOr<Prediction> as_halved = Simulate(halved, model, TinyJob(), both);
+  absl::StatusOr<Prediction> apart = Simulate(c, model, TinyJob(), both);
+  ASSERT_TRUE(on_one_host.ok() && as_halved.ok() && apart.ok());
+  EXPECT_DOUBLE_EQ(on_one_host->step_time_s, as_halved->step_time_s);
+  EXPECT_GT(on_one_host->step_time_s, apart->step_time_s);
+
+  absl::StatusOr<Prediction> local_shared = Simulate(c, model, shared, one_site);
+  absl::StatusOr<Prediction> local = Simulate(c, model, TinyJob(), one_site);
+  ASSERT_TRUE(local_shared.ok() && local.ok());
+  EXPECT_DOUBLE_EQ(local_shared->step_time_s, local->step_time_s);
+}
+
 }  // namespace
 }  // namespace geotrain::scheduler

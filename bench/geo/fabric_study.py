@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""EMULATED: the FABRIC study's experiment (GPT-2 medium and large, Utah-Amsterdam) on timed compute.
+
+"Performance of Small Language Model Pretraining on FABRIC" found data parallelism across Utah and Amsterdam
+(103 ms round trip) 13.75x slower than its pipeline+shard plan. This runs the same question on a timed cluster
+(docs/timed-compute.md): two sites of --devices emulated GPUs each (default 2x A40, FABRIC's 48 GB GPU, so that a GPT-2 large replica fits),
+one WAN link of --bandwidth-mbps at each round trip of --rtt-ms (0, 10, 30, 103), and for each model these plans:
+
+  dp        DP over all devices: the gradient all-reduce crosses the WAN
+  pp        PP over all devices, 1F1B: one stage boundary crosses the WAN
+  dpxpp     DP inside each site x PP across the sites: activations cross the WAN, gradients stay in a site
+  tpxpp     TP inside each site x PP across the sites (the study's pipeline + shard plan)
+  auto      the planner's choice (plan: auto) on the cluster as it is
+
+All plans send bf16 across the WAN. For each run: the median step time of the steps after the first, the
+emulated compute, and WAN bytes per step; and the planner's prediction of that very plan (`geotrain plan
+--predict`), so that the table shows how far the planner is from what ran. Writes CSV, a markdown table and a PNG
+to --out (default docs/geo/fabric). Every figure is EMULATED: the GPUs' compute is waited, not run; the
+communication (gRPC, codecs, the WAN emulator) really runs, on this machine's cores.
+
+Usage: /usr/bin/python3 bench/geo/fabric_study.py [--geotrain build/bin/geotrain] [--out docs/geo/fabric]
+           [--models gpt2-medium,gpt2-large] [--rtt-ms 0,10,30,103] [--plans dp,pp,dpxpp,tpxpp,auto] [--steps 3]
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
+import timed_lib  # noqa: E402
+
+SITES = ("utah", "amsterdam")
+
+
+def parallel_section(plan, devices, batch):
+    """The spec's parallel section of a plan on two sites of `devices` devices each (placement by site)."""
+    n = 2 * devices
+    if plan == "dp":  # one sequence per microbatch, so that a GPT-2 large replica fits a 24 GB GPU
+        return f"{{plan: manual, dp: {n}, microbatches: {max(1, batch // n)}}}"
+    if plan == "pp":
+        place = ", ".join(f"{{replica: 0, stage: {s}, site: {SITES[s // devices]}}}" for s in range(n))
+        return f"{{plan: manual, pp: {n}, microbatches: {2 * n}, schedule: 1f1b, placement: [{place}]}}"
+    if plan == "dpxpp":
+        place = ", ".join(f"{{replica: {r}, stage: {s}, site: {SITES[s]}}}" for r in range(devices) for s in (0, 1))
+        return f"{{plan: manual, dp: {devices}, pp: 2, microbatches: 4, schedule: 1f1b, placement: [{place}]}}"
+    if plan == "tpxpp":
+        place = ", ".join(f"{{replica: 0, stage: {s}, tp_rank: {t}, site: {SITES[s]}}}"
+                          for s in (0, 1) for t in range(devices))
+        return f"{{plan: manual, tp: {devices}, pp: 2, microbatches: 8, schedule: 1f1b, placement: [{place}]}}"
+    if plan == "auto":
+        return "{plan: auto}"
+    raise SystemExit(f"unknown plan {plan!r}: use dp, pp, dpxpp, tpxpp or auto")
+
+
+def cluster_up(geotrain, topology):
+    return ClusterUp(geotrain, topology, prefix="geotrain_fabric_", up_args=["--timed-compute"])
+
+
+def run_one(c, work, topo, model, plan, args, data, flags):
+    """One plan on the cluster: its measured figures and the calibrated planner's prediction. `auto` is the
+    calibrated planner's choice (`geotrain plan --job`, as the head plans `plan: auto`), run as a manual plan."""
+    spec = os.path.join(work, f"{model}-{plan}.yaml")
+    if plan == "auto":
+        timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, "{plan: auto}", args.steps, args.batch)
+        chosen = timed_lib.plan_json(args.geotrain, topo, spec, flags, top=1)["ranked"][0]
+        parallel = timed_lib.parallel_of(chosen)
+        summary = f"dp {chosen['dp']} x pp {chosen['pp']} x tp {chosen['tp']} on {chosen['subset']}"
+    else:
+        parallel = parallel_section(plan, args.devices, args.batch)
+        summary = ""
+    timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, parallel, args.steps, args.batch)
+    row = {"model": model, "plan": plan, "summary": summary}
+    row.update(timed_lib.run_job(c, spec, args.job_timeout))
+    try:
+        row["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, flags), 4)
+    except RuntimeError as e:
+        print(f"  (no prediction: {e})", flush=True)
+        row["predicted_s"] = ""
+    return row
+
+
+def report(rows, args, out):
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fields = ["model", "rtt_ms", "plan", "state", "step_s", "compute_s", "comm_wait_s", "wan_mb", "predicted_s",
+              "wall_s", "summary", "message"]
+    with open(out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    plans = args.plans.split(",")
+    lines = [f"EMULATED (timed compute): 2 sites x {args.devices} {args.device}, {args.bandwidth_mbps:g} Mbit/s WAN, "
+             f"global batch {args.batch} x 1024 tokens, bf16 on the WAN; step seconds, median of steps 2..{args.steps} "
+             "(the calibrated planner's prediction in brackets). DP / best: DP's step over the best plan that uses "
+             "every device (the study's comparison); auto: the planner's choice, which may leave devices out.", "",
+             "| model | RTT ms | " + " | ".join(plans) + " | auto's plan | DP / best all-device plan | "
+             "WAN MB per step (dp / that plan) |",
+             "|---|---|" + "---|" * len(plans) + "---|---|---|"]
+    for model in args.models.split(","):
+        for rtt in [float(x) for x in args.rtt_ms.split(",")]:
+            got = {r["plan"]: r for r in rows if r["model"] == model and r["rtt_ms"] == rtt}
+            cells = []
+            for p in plans:
+                r = got.get(p)
+                if not r or r["step_s"] == "":
+                    cells.append(r["state"] if r else "-")
+                else:
+                    cells.append(f"{r['step_s']:.2f}" + (f" [{r['predicted_s']:.2f}]" if r["predicted_s"] != "" else ""))
+            done = [r for p, r in got.items() if r["step_s"] != "" and p != "auto"]
+            best = min(done, key=lambda r: r["step_s"]) if done else None
+            dp = got.get("dp")
+            ratio = wan = ""
+            if best and dp and dp["step_s"] != "":
+                ratio = f"{dp['step_s'] / best['step_s']:.2f}x ({best['plan']})"
+                wan = f"{dp['wan_mb']} / {best['wan_mb']}"
+            auto = got.get("auto", {}).get("summary", "")
+            lines.append(f"| {model} | {rtt:g} | " + " | ".join(cells) + f" | {auto} | {ratio} | {wan} |")
+    errors = [abs(r["predicted_s"] - r["step_s"]) / r["step_s"] for r in rows
+              if r["step_s"] != "" and r["predicted_s"] != ""]
+    if errors:
+        lines += ["", f"Calibrated planner vs measured over {len(errors)} runs: median relative error "
+                  f"{100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%."]
+    lines += ["", "The FABRIC study (GPUs, Alpa): DP / pipeline+shard = 13.75x at 103 ms (1,375 vs 100 minutes)."]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no matplotlib: no PNG)")
+        return
+    models = args.models.split(",")
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for p in plans:
+            pts = sorted((r["rtt_ms"], r["step_s"]) for r in rows
+                         if r["model"] == model and r["plan"] == p and r["step_s"] != "")
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_title(f"{model}, 2 sites x {args.devices} {args.device} (EMULATED)")
+        ax.set_xlabel("round trip between the sites (ms)")
+        ax.set_ylabel("step time (s, emulated GPUs)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+    print(f"wrote {out}.csv, {out}.md, {out}.png")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geotrain", default=os.path.join(ROOT, "build", "bin", "geotrain"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "geo", "fabric"))
+    ap.add_argument("--models", default="gpt2-medium,gpt2-large")
+    ap.add_argument("--rtt-ms", default="0,10,30,103")
+    ap.add_argument("--plans", default="dp,pp,dpxpp,tpxpp,auto")
+    ap.add_argument("--device", default="A40")
+    ap.add_argument("--devices", type=int, default=2, help="devices per site")
+    ap.add_argument("--bandwidth-mbps", type=float, default=1000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--job-timeout", type=float, default=1200)
+    args = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix="geotrain_fabric_")
+    data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
+    started = time.monotonic()
+    calibration = timed_lib.calibrate(args.geotrain, lambda t: cluster_up(args.geotrain, t), work, data,
+                                      args.models.split(",")[0], [args.device], args.device, args.steps,
+                                      args.job_timeout)
+    print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
+    with open(args.out + "-calibration.json", "w") as f:
+        json.dump(calibration, f, indent=1)
+    flags = timed_lib.planner_flags(calibration)
+    rows = []
+    for rtt in [float(x) for x in args.rtt_ms.split(",")]:
+        topo = os.path.join(work, f"topology-{rtt:g}.yaml")
+        timed_lib.write_topology(topo, [(s, [(args.device, args.devices)]) for s in SITES],
+                                 [(SITES[0], SITES[1], rtt / 2, args.bandwidth_mbps)])
+        c = cluster_up(args.geotrain, topo)
+        try:
+            for model in args.models.split(","):
+                for plan in args.plans.split(","):
+                    row = run_one(c, work, topo, model, plan, args, data, flags)
+                    row["rtt_ms"] = rtt
+                    rows.append(row)
+                    print(f"EMULATED [{time.monotonic() - started:6.0f} s] " + json.dumps(row), flush=True)
+        finally:
+            c.close()
+    report(rows, args, args.out)
+
+
+if __name__ == "__main__":
+    main()

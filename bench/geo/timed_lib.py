@@ -1,0 +1,155 @@
+"""What the timed-compute studies share (bench/geo/fabric_study.py, bench/geo/validate_timed.py): topologies and job
+specs, running one plan on a `cluster up --timed-compute` cluster, the planner's prediction of a plan, and the
+calibration of the planner's model to this machine.
+
+Calibration. A timed cluster computes in the emulated GPUs' time but communicates through this machine: inside a
+site, a collective goes over gRPC on loopback, all actors sharing two cores, not over NVLink or a 100 Gbit/s NIC.
+The planner's defaults describe real nodes, so before predicting, three figures are fitted on a profiling cluster
+(one site, two devices) with jobs that no study plan is:
+  - each device type's efficiency: the planner's compute time of a microbatch at efficiency 1 over what the timed
+    backend waits for it (`geotrain model timed-step`);
+  - the bandwidth inside a site: bisection on --intra-site-gbps until the planner's prediction of DP2 inside the
+    site (gradients all-reduced over loopback) equals its measured step;
+  - the latency inside a site: the same on --intra-site-latency-ms for TP2 inside the site (many small
+    all-reduces), with that bandwidth.
+The links between sites are the topology's configured ones; nothing is fitted to a study's own runs. Every
+prediction also says that the sites share one host (`--sites-share-one-host`): the sites a plan uses divide the
+bandwidth inside a site, since their local collectives run at once on the same two cores. Without that term the
+planner predicted half the measured step of TP inside both sites x PP (GPT-2 medium: 7.5 s vs 15.0 s).
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+
+STEP_LINE = re.compile(r"step (\d+) EMULATED \(timed compute\) loss n/a \d+ tokens/s step ([\d.]+) s "
+                       r"\(compute ([\d.]+), comm wait ([\d.]+), bubble ([\d.]+)[^)]*\) wan bytes (\d+)")
+
+
+def write_topology(path, sites, links):
+    """sites: [(name, [(device, count per worker), ...])]; links: [(a, b, one-way ms, Mbit/s)]."""
+    with open(path, "w") as f:
+        f.write("sites:\n")
+        for name, workers in sites:
+            ws = ", ".join(f"{{device: {d}, count: {n}}}" for d, n in workers)
+            f.write(f"  - {{name: {name}, workers: [{ws}]}}\n")
+        if links:
+            f.write("links:\n")
+            for a, b, ms, mbps in links:
+                f.write(f"  - {{a: {a}, b: {b}, latency_ms: {ms:g}, bandwidth_mbps: {mbps:g}, jitter_ms: 0}}\n")
+
+
+def write_job(path, name, model, data, parallel, steps, batch, codec="bf16"):
+    with open(path, "w") as f:
+        f.write(f"name: {name}\nmodel: {{preset: {model}}}\ndata: {{train: '{data}'}}\n"
+                f"train: {{steps: {steps}, global_batch: {batch}, seq_len: 1024}}\n"
+                f"parallel: {parallel}\ncomm: {{wan_codec: {codec}}}\n")
+
+
+def run_job(cluster, spec, timeout):
+    """Runs a job spec on the cluster; returns a dict: state, message, step_s, compute_s, comm_wait_s, wan_mb (medians
+    of the steps after the first), wall_s."""
+    started = time.monotonic()
+    job_id = cluster.cli(["job", "submit", spec]).stdout.split()[1]
+    job = cluster.wait_job(job_id, timeout)
+    out = {"state": job["state"].replace("JOB_", ""), "message": "", "step_s": "", "compute_s": "",
+           "comm_wait_s": "", "wan_mb": "", "wall_s": round(time.monotonic() - started, 1)}
+    if job["state"] != "JOB_SUCCEEDED":
+        out["message"] = (job.get("message") or "")[:300]
+        return out
+    log = cluster.logs(job_id)
+    steps = [m for m in STEP_LINE.finditer(log) if int(m.group(1)) > 1] or list(STEP_LINE.finditer(log))
+    out.update(step_s=round(statistics.median(float(m.group(2)) for m in steps), 4),
+               compute_s=round(statistics.median(float(m.group(3)) for m in steps), 4),
+               comm_wait_s=round(statistics.median(float(m.group(4)) for m in steps), 4),
+               wan_mb=round(statistics.median(int(m.group(6)) for m in steps) / 1e6, 1))
+    return out
+
+
+def plan_json(geotrain, topology, spec, flags, predict=False, top=5):
+    args = [geotrain, "plan", "--topology", topology, "--job", spec, "--json"] + list(flags)
+    args += ["--predict"] if predict else ["--top", str(top)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"geotrain plan failed: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout)
+
+
+def predict(geotrain, topology, spec, flags):
+    """The planner's step time (s) for the spec's manual plan as placed."""
+    return plan_json(geotrain, topology, spec, flags, predict=True)["step_time_s"]
+
+
+def parallel_of(plan):
+    """A ranked plan of `geotrain plan --json` as a spec's parallel section (placement by worker id)."""
+    place = ", ".join(f"{{replica: {p['replica']}, stage: {p['stage']}, tp_rank: {p['tp_rank']}, "
+                      f"worker: {p['site']}-{p['worker']}}}" for p in plan["placement"])
+    return (f"{{plan: manual, dp: {plan['dp']}, pp: {plan['pp']}, tp: {plan['tp']}, "
+            f"microbatches: {plan['microbatches'][0]}, schedule: {plan['schedule']}, "
+            f"pipeline_depth: {plan['pipeline_depth']}, placement: [{place}]}}")
+
+
+def planner_flags(calibration):
+    eff = ",".join(f"{name}={e:.5f}" for name, e in calibration["efficiency"].items())
+    return ["--efficiency-by-device", eff, "--intra-site-gbps", f"{calibration['intra_site_gbps']:.4f}",
+            "--intra-site-latency-ms", f"{calibration['intra_site_latency_ms']:.4f}", "--sites-share-one-host"]
+
+
+def _bisect(f, target, lo, hi, increasing, iterations=18):
+    """x in [lo, hi] (geometric bisection) with f(x) = target; f monotonic."""
+    for _ in range(iterations):
+        mid = (lo * hi) ** 0.5
+        value = f(mid)
+        if (value < target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
+
+
+def calibrate(geotrain, cluster_up, work, data, model, device_types, device, steps, timeout):
+    """Fits the planner to this machine (see the module's comment). cluster_up(topology) -> a ClusterUp."""
+    efficiency = {}
+    for d in device_types:
+        topo = os.path.join(work, f"calib-{d}.yaml")
+        write_topology(topo, [("calib", [(d, 1)])], [])
+        spec = os.path.join(work, f"calib-{d}.yaml.job")
+        write_job(spec, "calib", model, data, "{plan: manual, dp: 1, microbatches: 8}", steps, 16)
+        at_one = plan_json(geotrain, topo, spec, ["--efficiency", "1"], predict=True)["compute_bound_s"]
+        r = subprocess.run([geotrain, "model", "timed-step", "--model", model, "--device", d, "--batch", "2",
+                            "--seq-len", "1024", "--microbatches", "8", "--json"], capture_output=True, text=True,
+                           check=True)
+        waited = json.loads(r.stdout.strip().splitlines()[-1])["step_seconds"]
+        efficiency[d] = at_one / waited
+    topo = os.path.join(work, "calib.yaml")  # `cluster up` needs two sites: the jobs run in the first
+    write_topology(topo, [("calib", [(device, 2)]), ("idle", [(device, 1)])], [("calib", "idle", 1, 1000)])
+    measured = {}
+    c = cluster_up(topo)
+    try:
+        for name, parallel in (("dp2", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, "
+                                       "site: calib}, {replica: 1, stage: 0, site: calib}]}"),
+                               ("tp2", "{plan: manual, tp: 2, microbatches: 8, placement: [{replica: 0, stage: 0, "
+                                       "tp_rank: 0, site: calib}, {replica: 0, stage: 0, tp_rank: 1, site: calib}]}")):
+            spec = os.path.join(work, f"calib-{name}.yaml")
+            write_job(spec, f"calib-{name}", model, data, parallel, steps, 16)
+            r = run_job(c, spec, timeout)
+            if r["state"] != "SUCCEEDED":
+                raise RuntimeError(f"calibration job {name} ended {r['state']}: {r['message']}")
+            measured[name] = (spec, r["step_s"])
+    finally:
+        c.close()
+    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_latency_ms": 0.05}
+
+    def with_(key, value, name):
+        trial = dict(cal, **{key: value})
+        return predict(geotrain, topo, measured[name][0], planner_flags(trial))
+    cal["intra_site_gbps"] = _bisect(lambda g: with_("intra_site_gbps", g, "dp2"), measured["dp2"][1], 0.05, 400,
+                                     increasing=False)
+    cal["intra_site_latency_ms"] = _bisect(lambda ms: with_("intra_site_latency_ms", ms, "tp2"), measured["tp2"][1],
+                                           0.001, 50, increasing=True)
+    cal["measured"] = {name: step for name, (_, step) in measured.items()}
+    cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
+                                  for name, (spec, _) in measured.items()}
+    return cal

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""EMULATED: the planner validated at scale on timed clusters (issue 17 point 3).
+
+Topologies of three sites with mixed emulated GPUs (FABRIC's RTX 6000, A30 and T4), different links, and 8 to 16
+devices, brought up with `geotrain cluster up --timed-compute`. The planner is first calibrated to this machine
+on a separate profiling cluster (bench/geo/timed_lib.py: device efficiencies from the timed backend, the bandwidth
+and latency inside a site from two profiling jobs); the topologies' links are their configured ones. Per
+topology, the calibrated planner (`geotrain plan --job`, as the head plans `plan: auto`) ranks plans; its top
+--top plans run, and so do DP over every device and TP inside each site x PP across the sites. For each run: the
+measured step (median of the steps after the first) and the planner's prediction of that very plan
+(`geotrain plan --predict`). Criteria (issue 17): median relative error <= 10%, Spearman >= 0.9 over all runs, and
+the chosen plan within 5% of the best measured on every topology. Writes CSV, a markdown table and a PNG to --out
+(default docs/geo/validation-timed). Every figure is EMULATED.
+
+Usage: /usr/bin/python3 bench/geo/validate_timed.py [--geotrain build/bin/geotrain] [--out docs/geo/validation-timed]
+           [--model gpt2-medium] [--steps 3] [--top 3] [--topologies t8,t12,t16]
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
+from validate_planner import spearman  # noqa: E402
+import timed_lib  # noqa: E402
+
+# name -> (sites [(site, [(device, devices per worker), ...])], links [(a, b, one-way ms, Mbit/s)], WAN codec,
+# global batch: a multiple of the device count, so that DP over every device runs)
+TOPOLOGIES = {
+    "t8": ([("utah", [("RTX6000", 2), ("RTX6000", 2)]), ("tacc", [("A30", 2)]), ("star", [("T4", 2)])],
+           [("utah", "tacc", 12, 1000), ("utah", "star", 14, 1000), ("tacc", "star", 11, 500)], "bf16", 16),
+    "t12": ([("utah", [("RTX6000", 2), ("RTX6000", 2)]), ("amst", [("A30", 2), ("A30", 2)]), ("star", [("T4", 2), ("T4", 2)])],
+            [("utah", "amst", 51.5, 1000), ("utah", "star", 14, 2000), ("amst", "star", 45, 1000)], "int8", 24),
+    "t16": ([("utah", [("RTX6000", 3), ("RTX6000", 3)]), ("tacc", [("A30", 3), ("A30", 3)]), ("star", [("T4", 2), ("T4", 2)])],
+            [("utah", "tacc", 12, 10000), ("utah", "star", 14, 10000), ("tacc", "star", 11, 10000)], "bf16", 16),
+}
+def fixed_plans(sites, batch):
+    """DP over every device, and TP inside each site x PP across the sites (stage s in site s)."""
+    devices = [(name, w, d) for name, workers in sites for w, (_, n) in enumerate(workers) for d in range(n)]
+    n = len(devices)
+    dp = "{plan: manual, dp: %d, microbatches: %d}" % (n, max(1, batch // n))
+    tp = min(sum(c for _, c in workers) for _, workers in sites)
+    tp = 1 << (tp.bit_length() - 1)  # a power of two every site has
+    place = ", ".join(f"{{replica: 0, stage: {s}, tp_rank: {t}, site: {name}}}"
+                      for s, (name, _) in enumerate(sites) for t in range(tp))
+    tpxpp = (f"{{plan: manual, tp: {tp}, pp: {len(sites)}, microbatches: 8, schedule: 1f1b, "
+             f"placement: [{place}]}}")
+    return [("dp-all", dp), (f"tp{tp}-in-site-x-pp{len(sites)}", tpxpp)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geotrain", default=os.path.join(ROOT, "build", "bin", "geotrain"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "geo", "validation-timed"))
+    ap.add_argument("--model", default="gpt2-medium")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--topologies", default="t8,t12,t16")
+    ap.add_argument("--job-timeout", type=float, default=1200)
+    args = ap.parse_args()
+
+    def up(topology):
+        return ClusterUp(args.geotrain, topology, prefix="geotrain_validate_timed_", up_args=["--timed-compute"])
+
+    work = tempfile.mkdtemp(prefix="geotrain_validate_timed_")
+    data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
+    started = time.monotonic()
+    calibration = timed_lib.calibrate(args.geotrain, up, work, data, args.model, ["RTX6000", "A30", "T4"],
+                                      "RTX6000", args.steps, args.job_timeout)
+    print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
+    flags = timed_lib.planner_flags(calibration)
+    rows = []
+    for name in args.topologies.split(","):
+        sites, links, codec, batch = TOPOLOGIES[name]
+        topo = os.path.join(work, f"{name}.yaml")
+        timed_lib.write_topology(topo, sites, links)
+        auto = os.path.join(work, f"{name}-auto.yaml")
+        timed_lib.write_job(auto, "auto", args.model, data, "{plan: auto}", args.steps, batch, codec)
+        ranked = timed_lib.plan_json(args.geotrain, topo, auto, flags, top=args.top)["ranked"][:args.top]
+        plans = [(f"planner-{i + 1}", timed_lib.parallel_of(p)) for i, p in enumerate(ranked)] + fixed_plans(sites, batch)
+        c = up(topo)
+        try:
+            for label, parallel in plans:
+                spec = os.path.join(work, f"{name}-{label}.yaml")
+                timed_lib.write_job(spec, f"{name}-{label}", args.model, data, parallel, args.steps, batch, codec)
+                row = {"topology": name, "plan": label, "parallel": parallel}
+                row.update(timed_lib.run_job(c, spec, args.job_timeout))
+                try:
+                    row["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, flags), 4)
+                except RuntimeError as e:
+                    row["predicted_s"] = ""
+                    row["message"] = (row["message"] + " " + str(e))[:300]
+                rows.append(row)
+                print(f"EMULATED [{time.monotonic() - started:6.0f} s] " + json.dumps(row), flush=True)
+        finally:
+            c.close()
+    report(rows, calibration, args, time.monotonic() - started)
+
+
+def report(rows, calibration, args, seconds):
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fields = ["topology", "plan", "state", "step_s", "predicted_s", "compute_s", "comm_wait_s", "wan_mb", "wall_s",
+              "parallel", "message"]
+    with open(args.out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    ok = [r for r in rows if r["step_s"] != "" and r["predicted_s"] != ""]
+    errors = [abs(r["predicted_s"] - r["step_s"]) / r["step_s"] for r in ok]
+    rho = spearman([r["predicted_s"] for r in ok], [r["step_s"] for r in ok]) if len(ok) > 2 else float("nan")
+    lines = [f"EMULATED (timed compute), {args.model}, global batch 16-24 x 1024 (a multiple of the devices); calibration: "
+             f"efficiency {', '.join(f'{k} {v:.3f}' for k, v in calibration['efficiency'].items())}, inside a site "
+             f"{calibration['intra_site_gbps']:.2f} Gbit/s and {calibration['intra_site_latency_ms']:.3f} ms", "",
+             "| topology | plan | measured s | predicted s | error | WAN MB/step |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        err = f"{100 * (r['predicted_s'] - r['step_s']) / r['step_s']:+.0f}%" if r in ok else r["state"]
+        lines.append(f"| {r['topology']} | {r['plan']} | {r['step_s']} | {r['predicted_s']} | {err} | {r['wan_mb']} |")
+    chosen_ok = []
+    for name in sorted({r["topology"] for r in rows}):
+        got = [r for r in rows if r["topology"] == name and r["step_s"] != ""]
+        chosen = next((r for r in got if r["plan"] == "planner-1"), None)
+        if got and chosen:
+            best = min(got, key=lambda r: r["step_s"])
+            chosen_ok.append((name, chosen["step_s"] / best["step_s"], best["plan"]))
+    lines += ["", f"Over {len(ok)} runs: median relative error {100 * statistics.median(errors):.1f}% (goal <= 10%), "
+              f"Spearman {rho:.2f} (goal >= 0.9); chosen plan / best measured: " +
+              ", ".join(f"{n} {x:.2f} (best {b})" for n, x, b in chosen_ok) + " (goal <= 1.05 each). "
+              f"Whole run {seconds / 60:.1f} min."] if errors else ["", "no run succeeded"]
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for name in sorted({r["topology"] for r in ok}):
+        pts = [(r["predicted_s"], r["step_s"]) for r in ok if r["topology"] == name]
+        ax.scatter([p for p, _ in pts], [m for _, m in pts], label=name)
+    if ok:
+        lo = min(min(r["predicted_s"], r["step_s"]) for r in ok) * 0.8
+        hi = max(max(r["predicted_s"], r["step_s"]) for r in ok) * 1.2
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("predicted step (s)")
+    ax.set_ylabel("measured step (s, EMULATED GPUs)")
+    ax.set_title("planner vs timed clusters (EMULATED)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
