@@ -54,8 +54,6 @@ def parallel_section(plan, devices, batch):
         place = ", ".join(f"{{replica: 0, stage: {s}, tp_rank: {t}, site: {SITES[s]}}}"
                           for s in (0, 1) for t in range(devices))
         return f"{{plan: manual, tp: {devices}, pp: 2, microbatches: 8, schedule: 1f1b, placement: [{place}]}}"
-    if plan == "auto":
-        return "{plan: auto}"
     raise SystemExit(f"unknown plan {plan!r}: use dp, pp, dpxpp, tpxpp or auto")
 
 
@@ -91,7 +89,7 @@ def report(rows, args, out):
     fields = ["model", "rtt_ms", "plan", "state", "step_s", "compute_s", "comm_wait_s", "wan_mb", "predicted_s",
               "wall_s", "summary", "message"]
     with open(out + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     plans = args.plans.split(",")

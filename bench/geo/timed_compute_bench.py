@@ -14,17 +14,14 @@ Usage: /usr/bin/python3 bench/geo/timed_compute_bench.py [--geotrain build/bin/g
 import argparse
 import json
 import os
-import re
-import statistics
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
-
-STEP_LINE = re.compile(r"step (\d+) EMULATED \(timed compute\) loss n/a \d+ tokens/s step ([\d.]+) s "
-                       r"\(compute ([\d.]+), comm wait ([\d.]+), bubble ([\d.]+)[^)]*\) wan bytes (\d+)")
+import timed_lib  # noqa: E402
 
 
 def main():
@@ -42,32 +39,19 @@ def main():
     rows = []
     for latency in [float(x) for x in args.latency_ms.split(",")]:
         topology = os.path.join(work, f"topology-{latency}.yaml")
-        with open(topology, "w") as f:
-            f.write(f"sites:\n  - {{name: a, workers: [{{device: {args.device}, count: 1}}]}}\n"
-                    f"  - {{name: b, workers: [{{device: {args.device}, count: 1}}]}}\n"
-                    f"links:\n  - {{a: a, b: b, latency_ms: {latency}, bandwidth_mbps: {args.bandwidth_mbps}, "
-                    "jitter_ms: 0}\n")
+        timed_lib.write_topology(topology, [("a", [(args.device, 1)]), ("b", [(args.device, 1)])],
+                                 [("a", "b", latency, args.bandwidth_mbps)])
         spec = os.path.join(work, "dp2.yaml")
-        with open(spec, "w") as f:
-            f.write(f"name: timed-medium-dp2\nmodel: {{preset: gpt2-medium}}\ndata: {{train: '{data}'}}\n"
-                    f"train: {{steps: {args.steps}, global_batch: {args.batch}, seq_len: 1024}}\n"
-                    "parallel: {plan: manual, dp: 2, microbatches: 1}\ncomm: {wan_codec: bf16}\n")
+        timed_lib.write_job(spec, "timed-medium-dp2", "gpt2-medium", data, "{plan: manual, dp: 2, microbatches: 1}",
+                            args.steps, args.batch)
         c = ClusterUp(args.geotrain, topology, prefix="geotrain_timed_bench_", up_args=["--timed-compute"])
         try:
-            job_id = c.cli(["job", "submit", spec]).stdout.split()[1]
-            job = c.wait_job(job_id, 900)
-            log = c.logs(job_id)
-            if job["state"] != "JOB_SUCCEEDED":
-                print(log + c.process_logs())
-                sys.exit(f"the job ended {job['state']}")
-            steps = [m for m in STEP_LINE.finditer(log) if int(m.group(1)) > 1]
-            row = {
-                "latency_ms": latency,
-                "step_s": statistics.median(float(m.group(2)) for m in steps),
-                "compute_s": statistics.median(float(m.group(3)) for m in steps),
-                "comm_wait_s": statistics.median(float(m.group(4)) for m in steps),
-                "wan_bytes": int(statistics.median(int(m.group(6)) for m in steps)),
-            }
+            r = timed_lib.run_job(c, spec, 900)
+            if r["state"] != "SUCCEEDED":
+                print(r["message"] + "\n" + c.process_logs())
+                sys.exit(f"the job ended {r['state']}")
+            row = {"latency_ms": latency, "step_s": r["step_s"], "compute_s": r["compute_s"],
+                   "comm_wait_s": r["comm_wait_s"], "wan_bytes": r["wan_bytes"]}
             rows.append(row)
             print("EMULATED " + json.dumps(row), flush=True)
         finally:

@@ -49,8 +49,8 @@ def write_job(path, name, model, data, parallel, steps, batch, codec="bf16"):
 
 
 def run_job(cluster, spec, timeout):
-    """Runs a job spec on the cluster; returns a dict: state, message, step_s, compute_s, comm_wait_s, wan_mb (medians
-    of the steps after the first), wall_s."""
+    """Runs a job spec on the cluster; returns a dict: state, message, step_s, compute_s, comm_wait_s, wan_mb and
+    wan_bytes (medians of the steps after the first), wall_s."""
     started = time.monotonic()
     job_id = cluster.cli(["job", "submit", spec]).stdout.split()[1]
     job = cluster.wait_job(job_id, timeout)
@@ -64,7 +64,8 @@ def run_job(cluster, spec, timeout):
     out.update(step_s=round(statistics.median(float(m.group(2)) for m in steps), 4),
                compute_s=round(statistics.median(float(m.group(3)) for m in steps), 4),
                comm_wait_s=round(statistics.median(float(m.group(4)) for m in steps), 4),
-               wan_mb=round(statistics.median(int(m.group(6)) for m in steps) / 1e6, 1))
+               wan_bytes=int(statistics.median(int(m.group(6)) for m in steps)))
+    out["wan_mb"] = round(out["wan_bytes"] / 1e6, 1)
     return out
 
 
