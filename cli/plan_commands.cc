@@ -58,6 +58,8 @@ struct PlanFlags {
   double message_window_kib = 0;
   std::string shared_host_scale;  // N=SCALE,...
   bool sites_share_one_host = false;
+  bool grpc_collectives = false;
+  double wan_window_mb = 0;
   bool codecs_given = false;
 };
 
@@ -207,6 +209,12 @@ int RunPlan(const PlanFlags& flags) {
   job.message_round_trips = flags.message_round_trips;
   job.message_window_bytes = flags.message_window_kib * 1024;
   job.sites_share_one_host = flags.sites_share_one_host;
+  job.grpc_collectives = job.grpc_collectives || flags.grpc_collectives;
+  if (flags.wan_window_mb < 0) {
+    std::fprintf(stderr, "geotrain plan: --wan-window-mb must be 0 (no cap) or a positive number of MB\n");
+    return 2;
+  }
+  job.wan_window_bytes = flags.wan_window_mb * 1e6;
   for (absl::string_view item : absl::StrSplit(flags.shared_host_scale, ',', absl::SkipEmpty())) {
     std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
     int n = 0;
@@ -325,7 +333,14 @@ void AddPlanCommands(CLI::App& app, Context& context) {
                    "when the plan uses N devices");
   plan->add_flag("--sites-share-one-host", flags->sites_share_one_host,
                  "every site's traffic inside the site goes through one host (a timed or emulated cluster on one "
-                 "machine): the sites a plan uses share the bandwidth inside a site");
+                 "machine): the sites a plan uses share the bandwidth inside a site, a collective's ranks the "
+                 "host's throughput");
+  plan->add_flag("--grpc-collectives", flags->grpc_collectives,
+                 "collectives run on gRPC (CPU or timed-compute workers, no NCCL): data parallelism across sites "
+                 "is one flat ring");
+  plan->add_option("--wan-window-mb", flags->wan_window_mb,
+                   "flow-control window of one stream across sites, in MB: a stream carries at most window / "
+                   "round trip (default 0: no cap)");
   plan->add_option("--step-overhead-ms", flags->step_overhead_ms,
                    "fixed cost per optimizer step (optimizer, step barrier), in ms (default 0)");
   plan->add_flag("--json", flags->json, "print the result as JSON");

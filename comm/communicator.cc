@@ -224,8 +224,47 @@ absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector
 }
 
 absl::Status GrpcCommunicator::AllReduceSum(absl::Span<float> data, std::string_view tag) {
+  if (size() == 2 && data.size() <= kPairMaxElements) return PairAllReduce(data, tag);
   return options_.all_reduce == AllReduceAlgorithm::kHierarchical ? HierarchicalAllReduce(data, tag)
                                                                   : RingAllReduce(data, tag);
+}
+
+absl::Status GrpcCommunicator::PairAllReduce(absl::Span<float> data, std::string_view tag) {
+  RETURN_IF_ERROR(config_status_);
+  if (size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("PairAllReduce needs 2 ranks, this group has ", size()));
+  }
+  const Call call = Begin("pair-allreduce", tag);
+  const int peer = 1 - rank_;
+  const Codec& codec = LinkCodec(rank_, peer);
+  const int64_t elements = static_cast<int64_t>(data.size());
+  // Element-wise codecs stream (SendTo encodes each chunk as it goes), and a lossy one's own operand is rounded
+  // once the send has read it; the others are encoded once, before the send (top-k's error feedback sees the
+  // tensor once).
+  const bool streamed = EncodedElementBytes(codec) > 0;
+  Bytes encoded;
+  if (!streamed) {
+    std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(call.prefix + "/x") : nullptr;
+    RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
+  }
+  AsyncStatus sent([&] {
+    return streamed ? SendTo(call, "x", peer, data, codec, call.prefix + "/x")
+                    : SendEncodedTo(call, "x", peer, codec, encoded, elements);
+  });
+  absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "x", peer);
+  absl::Status status = got.status();
+  if (status.ok()) status = CheckElements(*got, data.size());
+  if (status.ok() && got->codec != codec.ToString()) {
+    status = absl::InvalidArgumentError(absl::StrCat("pair all-reduce tensor uses codec ", got->codec, ", expected ",
+                                                     codec.ToString(), "; do both ranks use the same codecs?"));
+  }
+  RETURN_IF_ERROR(sent.Wait());
+  RETURN_IF_ERROR(status);
+  if (!codec.lossless()) {  // the operand the peer adds: this rank's tensor as the peer decodes it
+    if (streamed) RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded));
+    RETURN_IF_ERROR(DecodeTensor(encoded.span(), data));
+  }
+  return got->DecodeAddInto(data);
 }
 
 absl::Status GrpcCommunicator::RingAllReduce(absl::Span<float> data, std::string_view tag) {

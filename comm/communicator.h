@@ -2,7 +2,9 @@
 // point-to-point send/recv among `size()` ranks, plus a bucketed gradient all-reduce that overlaps with
 // backward. GrpcCommunicator implements them over tensor streams (comm/tensor_stream.h): a ring for any
 // ranks and sites, and a hierarchical all-reduce (reduce inside each site to a leader, ring all-reduce among
-// the site leaders through the WAN codec, broadcast inside each site).
+// the site leaders through the WAN codec, broadcast inside each site). Two ranks all-reduce a tensor of up to
+// 32 MiB by one exchange: each sends the other its whole tensor, one message and one round trip where a ring of
+// two takes two, the same bytes (what a pipeline's step end pays across a WAN: the tied embedding and the gradient norm).
 //
 //   GrpcCommunicator comm(rank, peers, &stream_server, &stream_client, options);
 //   RETURN_IF_ERROR(comm.AllReduceSum(absl::MakeSpan(grads), "grads"));
@@ -96,8 +98,15 @@ class GrpcCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(peers_.size()); }
 
-  // Uses options.all_reduce.
+  // Uses options.all_reduce; two ranks and at most kPairMaxElements: PairAllReduce.
   absl::Status AllReduceSum(absl::Span<float> data, std::string_view tag) override;
+  // size() == 2: both ranks send each other the whole tensor (encoded once; with a lossy codec each keeps its
+  // own decoded copy) and add, so both hold the same two operands' sum (a + b == b + a, bit for bit).
+  // AllReduceSum uses it up to kPairMaxElements: on loopback a larger exchange is slower than the ring's two
+  // half-size rounds (bench/comm/allreduce_bench.cc --ranks 2: 200 MB 0.54 s vs 0.33 s), and there one round
+  // trip more is small next to the bytes. scheduler/cost_model.h's kPairAllReduceMaxBytes is the same bound.
+  static constexpr size_t kPairMaxElements = size_t{8} << 20;  // 32 MiB of fp32
+  absl::Status PairAllReduce(absl::Span<float> data, std::string_view tag);
   absl::Status RingAllReduce(absl::Span<float> data, std::string_view tag);
   absl::Status HierarchicalAllReduce(absl::Span<float> data, std::string_view tag);
 

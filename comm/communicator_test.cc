@@ -1,7 +1,7 @@
 // Collective tests: 4 ranks in one process, each with its own gRPC endpoint on loopback, in 2 sites
-// (ranks 0,1 in "east", 2,3 in "west"). Ring and hierarchical all-reduce against the exact sum (lossless) and
-// the codec bounds (bf16, int8), identical results on every rank, the other collectives, the bucketed
-// all-reduce and deadlines.
+// (ranks 0,1 in "east", 2,3 in "west"), and 2 ranks in 2 sites. Ring, hierarchical and two-rank all-reduce
+// against the exact sum (lossless) and the codec bounds (bf16, int8), identical results on every rank, the other
+// collectives, the bucketed all-reduce and deadlines.
 #include "comm/communicator.h"
 
 #include <grpcpp/grpcpp.h>
@@ -58,6 +58,7 @@ class Cluster {
     }
   }
   GrpcCommunicator& comm(int r) { return *ranks_[r].comm; }
+  TensorStreamClient& client(int r) { return *ranks_[r].client; }
   int size() const { return static_cast<int>(ranks_.size()); }
 
   // Runs fn(rank) on one thread per rank; returns each rank's status.
@@ -150,6 +151,34 @@ INSTANTIATE_TEST_SUITE_P(
                       // top-k keeping everything is exact (exercises the residual plumbing).
                       AllReduceCase{"none", "topk:1", AllReduceAlgorithm::kHierarchical, 1e-6}),
     [](const auto& info) { return "Case" + std::to_string(info.index); });
+
+TEST(Collectives, TwoRanksAllReduceByOneExchangeAndAgreeForEveryCodec) {
+  // Two ranks in two sites: one tensor each way (a ring of two sends two), the exact sum without a codec, and
+  // the same result on both ranks with a lossy one (each adds its own decoded operand to the peer's).
+  for (const char* wan : {"none", "bf16", "int8", "topk:0.5"}) {
+    Cluster cluster(2, {"east", "west"}, Options("none", wan, AllReduceAlgorithm::kRing));
+    const size_t count = 10007;
+    auto data = RankData(2, count, /*positive=*/true);
+    for (int round = 0; round < 2; ++round) {
+      auto work = data;
+      const uint64_t sent_before = cluster.client(0).stats().tensors_sent;
+      ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).AllReduceSum(absl::MakeSpan(work[r]), "g"); }));
+      EXPECT_EQ(cluster.client(0).stats().tensors_sent - sent_before, 1u) << wan;
+      EXPECT_EQ(work[1], work[0]) << wan << ": the ranks disagree";
+      if (std::string(wan) == "none") {
+        for (size_t i = 0; i < count; ++i) ASSERT_EQ(work[0][i], data[0][i] + data[1][i]) << "element " << i;
+      } else if (std::string(wan) != "topk:0.5") {
+        double worst =
+            0;  // one rounding of each operand: bf16 2^-9 of it, int8 at most 1.5 / 254 (inputs in [0.5, 1.5])
+        for (size_t i = 0; i < count; ++i) {
+          const double sum = static_cast<double>(data[0][i]) + data[1][i];
+          worst = std::max(worst, std::fabs(work[0][i] - sum) / sum);
+        }
+        EXPECT_LE(worst, std::string(wan) == "bf16" ? 0x1p-8 : 3.0 / 254) << wan;
+      }
+    }
+  }
+}
 
 TEST(Collectives, TopKErrorFeedbackDeliversDroppedGradientsLater) {
   // The same gradients every step with top-k 25% across the WAN: without error feedback three quarters of the

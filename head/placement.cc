@@ -56,6 +56,8 @@ struct PlanningCluster {
   scheduler::Cluster cluster;
   int alive_workers = 0;
   std::map<std::pair<std::string, int>, int> device_of;  // (worker id, device index) -> Cluster::devices index
+  // Some device is not CUDA: collectives run on gRPC, data parallelism as one flat ring (worker/collectives.h).
+  bool grpc_collectives = false;
 };
 
 absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>& workers,
@@ -87,6 +89,7 @@ absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>
       device.name = w->devices(d).name();
       device.tflops = std::max(1e-3, w->devices(d).tflops());
       device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
+      out.grpc_collectives = out.grpc_collectives || w->devices(d).kind() != DEVICE_KIND_CUDA;
       out.device_of[{w->worker_id(), d}] = static_cast<int>(cluster.devices.size());
       cluster.devices.push_back(device);
     }
@@ -269,6 +272,7 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
   planning.options.max_ranked = std::max(planning.options.max_ranked, max_plans);
   RankedAutoPlans out;
   ASSIGN_OR_RETURN(PlanningCluster planning_cluster, ClusterForPlanning(workers, links));
+  planning.job.grpc_collectives = planning_cluster.grpc_collectives;
   out.cluster = std::move(planning_cluster.cluster);
   const scheduler::Cluster& cluster = out.cluster;
   out.alive_workers = planning_cluster.alive_workers;
@@ -351,9 +355,10 @@ absl::StatusOr<PipelineDepthChoice> ChoosePipelineDepth(const JobSpec& spec,
     out.depth = std::max(parallel.pp(), parallel.pipeline_depth());
     return out;
   }
-  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
+  ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
   ASSIGN_OR_RETURN(scheduler::Plan plan, scheduler::RuntimePlanShape(spec, planning.model));
   ASSIGN_OR_RETURN(const PlanningCluster planning_cluster, ClusterForPlanning(workers, links));
+  planning.job.grpc_collectives = planning_cluster.grpc_collectives;
   plan.devices.assign(plan.dp, std::vector<std::vector<int>>(plan.pp, std::vector<int>(plan.tp, -1)));
   std::set<int> sites;
   for (const ActorPlacement& p : placement) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,17 @@ double GB(double bytes) { return bytes / 1e9; }
 // What `+zstd` does to a codec in the model: wire bytes x kZstdRatio, at most kZstdThroughput.
 constexpr double kZstdRatio = 0.9;
 constexpr double kZstdThroughput = 1e9;
+
+// The ranks that communicate at once in the calibration a one-host cluster's bandwidth inside a site comes from
+// (bench/geo/timed_lib.py: DP2 and TP2 inside a site).
+constexpr int kOneHostCalibrationRanks = 2;
+
+// The link inside site `site` as a collective sees it: collective_scale of its bandwidth.
+LinkSpec CollectiveLink(const Cluster& cluster, int site, double collective_scale) {
+  LinkSpec link = cluster.Link(site, site);
+  link.bandwidth_bytes_per_s *= collective_scale;
+  return link;
+}
 
 }  // namespace
 
@@ -68,7 +80,11 @@ double ModelCosts::TotalForwardFlops() const {
 }
 
 double Codec::SecondsPerByte(const LinkSpec& link) const {
-  return ratio / link.bandwidth_bytes_per_s + (throughput_bytes_per_s > 0 ? 2.0 / throughput_bytes_per_s : 0);
+  const double wire = ratio / link.bandwidth_bytes_per_s;
+  if (throughput_bytes_per_s <= 0) return wire;
+  // The sender encodes the next chunk while the last one is on the wire (comm/tensor_stream.h); the receiver
+  // decodes once the whole tensor is in.
+  return std::max(wire, 1.0 / throughput_bytes_per_s) + 1.0 / throughput_bytes_per_s;
 }
 
 absl::StatusOr<Codec> ParseCodec(const std::string& name) {
@@ -110,9 +126,13 @@ double JobOptions::EfficiencyOf(const std::string& device) const {
   return it != efficiency_by_device.end() ? it->second : efficiency;
 }
 
+int AllReduceRounds(int n, double bytes) {
+  return n <= 1 ? 0 : n == 2 && bytes <= kPairAllReduceMaxBytes ? 1 : 2 * (n - 1);
+}
+
 double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link) {
   if (n <= 1) return 0;
-  return 2.0 * (n - 1) / n * bytes / link.bandwidth_bytes_per_s + 2.0 * (n - 1) * link.latency_s;
+  return 2.0 * (n - 1) / n * bytes / link.bandwidth_bytes_per_s + AllReduceRounds(n, bytes) * link.latency_s;
 }
 
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
@@ -270,7 +290,7 @@ double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
 // Returns the seconds and adds the wire bytes of every cross-site hop to traffic[a][b] (ordered by
 // direction).
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
-                             const std::vector<int>& member_sites, double bytes_per_rank,
+                             const std::vector<int>& member_sites, double bytes_per_rank, double collective_scale,
                              std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec) {
   const int n = static_cast<int>(member_sites.size());
   if (n <= 1 || bytes_per_rank <= 0) return 0;
@@ -282,7 +302,7 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   }
   const int tp = plan.tp;
   if (sites.size() == 1) {
-    return RingAllReduceSeconds(bytes_per_rank, n, cluster.Link(sites[0], sites[0]));
+    return RingAllReduceSeconds(bytes_per_rank, n, CollectiveLink(cluster, sites[0], collective_scale));
   }
   auto codec_of = [&](int a, int b) {
     if (!plan.gradient_codec.empty()) return plan.gradient_codec[a][b];
@@ -299,23 +319,30 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
     worst_seconds_per_byte = std::max(worst_seconds_per_byte, spb);
     worst_wan_latency = std::max(worst_wan_latency, link.latency_s);
   }
-  double intra_latency = 0;
-  for (int s : sites) intra_latency = std::max(intra_latency, cluster.Link(s, s).latency_s);
-  // Flat ring over all n members: every step crosses the slowest WAN hop, shared by the tp rings.
-  const double flat = 2.0 * (n - 1) / n * bytes_per_rank * tp * worst_seconds_per_byte +
-                      2.0 * (n - 1) * std::max(worst_wan_latency, intra_latency);
+  double intra_latency = 0, intra_seconds_per_byte = 0;
+  for (int s : sites) {
+    const LinkSpec link = CollectiveLink(cluster, s, collective_scale);
+    intra_latency = std::max(intra_latency, link.latency_s);
+    if (count[s] > 1) intra_seconds_per_byte = std::max(intra_seconds_per_byte, 1.0 / link.bandwidth_bytes_per_s);
+  }
+  // Flat ring over all n members: every step is paced by its slowest hop, a WAN hop (shared by the tp rings) or
+  // a hop inside a site.
+  const double flat =
+      2.0 * (n - 1) / n * bytes_per_rank * std::max(tp * worst_seconds_per_byte, intra_seconds_per_byte) +
+      AllReduceRounds(n, bytes_per_rank) * std::max(worst_wan_latency, intra_latency);
   // Hierarchical: reduce to a leader per site, ring among the S leaders over the WAN, broadcast
   // back.
   double intra = 0;
   for (int s : sites) {
     const int k = count[s];
     if (k <= 1) continue;
-    const LinkSpec& l = cluster.Link(s, s);
+    const LinkSpec l = CollectiveLink(cluster, s, collective_scale);
     intra = std::max(intra, (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
   }
-  const double hierarchical =
-      2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + 2.0 * (S - 1) * worst_wan_latency;
-  const bool use_flat = flat < hierarchical;
+  const double hierarchical = 2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte +
+                              AllReduceRounds(S, bytes_per_rank) * worst_wan_latency;
+  // gRPC collectives have the flat ring only (the hierarchical all-reduce is NCCL's, worker/collectives.h).
+  const bool use_flat = job.grpc_collectives || flat < hierarchical;
   const double per_hop = use_flat ? 2.0 * (n - 1) / n : 2.0 * (S - 1) / S;
   for (int i = 0; i < S; ++i) {
     const int a = sites[i], b = sites[(i + 1) % S];
@@ -327,6 +354,11 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
 }
 
 std::string CodecName(const JobOptions& job, int c) { return c < 0 ? "none" : job.codecs[c].name; }
+
+// Simulate after its checks, on the links as the plan sees them; collectives inside a site get
+// collective_scale of the bandwidth inside the site (a shared host's arithmetic, JobOptions::sites_share_one_host).
+absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                           const Plan& plan, double collective_scale, const std::vector<char>& used);
 
 }  // namespace
 
@@ -368,6 +400,9 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
     }
   }
+  // The links as this plan sees them (see JobOptions): a shared host's arithmetic and the WAN streams' window.
+  std::optional<Cluster> adjusted;
+  double collective_scale = 1;
   if (job.sites_share_one_host) {
     std::set<int> sites_used;
     for (const auto& replica : plan.devices)
@@ -375,13 +410,29 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         for (int d : stage) sites_used.insert(cluster.devices[d].site);
     const int k = static_cast<int>(sites_used.size());
     if (k > 1) {
-      Cluster shared = cluster;
-      for (int a = 0; a < shared.num_sites(); ++a) shared.links[a][a].bandwidth_bytes_per_s /= k;
-      JobOptions once = job;
-      once.sites_share_one_host = false;  // divided once
-      return Simulate(shared, model, once, plan);
+      adjusted = cluster;
+      for (int a = 0; a < adjusted->num_sites(); ++a) adjusted->links[a][a].bandwidth_bytes_per_s /= k;
+    }
+    const int ranks = plan.dp * plan.pp * plan.tp;
+    collective_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) * k / ranks);
+  }
+  if (job.wan_window_bytes > 0) {
+    if (!adjusted) adjusted = cluster;
+    for (int a = 0; a < adjusted->num_sites(); ++a) {
+      for (int b = 0; b < adjusted->num_sites(); ++b) {
+        LinkSpec& link = adjusted->links[a][b];
+        if (a == b || link.latency_s <= 0) continue;
+        link.bandwidth_bytes_per_s = std::min(link.bandwidth_bytes_per_s, job.wan_window_bytes / (2 * link.latency_s));
+      }
     }
   }
+  return SimulateChecked(adjusted ? *adjusted : cluster, model, job, plan, collective_scale, used);
+}
+
+namespace {
+
+absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
+                                           const Plan& plan, double collective_scale, const std::vector<char>& used) {
   int total_sequences = 0;
   for (int m : plan.microbatches) {
     if (m < 1) return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");
@@ -456,7 +507,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       const double tp_comm =
           tp > 1 ? StageBlocks(model, begin, end) * 2 *
                        RingAllReduceSeconds(tokens_per_microbatch * model.n_embd * model.bytes_per_element, tp,
-                                            cluster.Link(site, site))
+                                            CollectiveLink(cluster, site, collective_scale))
                  : 0;
       const double overhead = (end - begin) * job.layer_overhead_s;
       forward[s] = flops / (tp * slowest_flops) + tp_comm + overhead;
@@ -554,9 +605,11 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
                                                   : plan.gradient_codec[first][last];
       const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
       const double bytes = model.tied_parameters * model.bytes_per_element * replicas;
-      const double wire = bytes / 2 * (c < 0 ? 1.0 : job.codecs[c].ratio);  // per ring step
+      // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
+      const int rounds = AllReduceRounds(2, model.tied_parameters * model.bytes_per_element);
+      const double wire = bytes * (c < 0 ? 1.0 : job.codecs[c].ratio) / rounds;  // one round's message each way
       epilogue_start =
-          std::max(epilogue_start, tied_ready[pair] + bytes * spb + 4 * round_trips(wire) * link.latency_s);
+          std::max(epilogue_start, tied_ready[pair] + bytes * spb + rounds * 2 * round_trips(wire) * link.latency_s);
     }
   }
   // Gradient all-reduce per stage, overlapped with the last microbatch's backward (one bucket per
@@ -573,8 +626,8 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     std::vector<int> member_sites;
     for (int r = 0; r < plan.dp; ++r) member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
     const double bytes = StageParameters(model, begin, end, pp) / tp * model.bytes_per_element;
-    const double seconds =
-        DataParallelAllReduce(cluster, job, plan, member_sites, bytes, &traffic_gradient, &gradient_codec_used);
+    const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale,
+                                                 &traffic_gradient, &gradient_codec_used);
     out.stage_allreduce_s[s] = seconds;
     if (seconds <= 0) continue;
     if (job.sequential_sync) {
@@ -592,8 +645,9 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
         ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
         break;
       }
-      const double chunk = bytes * tp / plan.dp * ratio;
-      const double extra = 2.0 * (plan.dp - 1) * (2 * round_trips(chunk) - 1) * worst_latency;
+      const int rounds = AllReduceRounds(plan.dp, bytes);
+      const double chunk = bytes * tp / (rounds == 1 ? 1 : plan.dp) * ratio;  // one round's message
+      const double extra = rounds * (2 * round_trips(chunk) - 1) * worst_latency;
       out.stage_allreduce_s[s] = seconds + extra;
       finish = std::max(finish, epilogue_start + seconds + extra);
       earliest_start = std::min(earliest_start, epilogue_start);
@@ -623,7 +677,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       for (size_t i = 0; i < sites.size(); ++i) {
         worst = std::max(worst, cluster.Link(sites[i], sites[(i + 1) % sites.size()]).latency_s);
       }
-      return 2.0 * (static_cast<double>(sites.size()) - 1) * 2 * job.message_round_trips * worst;
+      return AllReduceRounds(static_cast<int>(sites.size()), sizeof(float)) * 2 * job.message_round_trips * worst;
     };
     double norm = 0;
     std::vector<int> last_sites;
@@ -688,6 +742,8 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   }
   return out;
 }
+
+}  // namespace
 
 absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                            const Plan& plan, const std::vector<double>& measured_stage_compute_s) {

@@ -50,14 +50,15 @@ struct ModelCosts {
 };
 
 // A gradient/activation codec on cross-site links: wire bytes = ratio x raw bytes; encoding and
-// decoding cost raw bytes / throughput each. Lossy codecs (int8, top-k) are used for gradients
-// only.
+// decoding cost raw bytes / throughput each, the encoding overlapped with the wire. Lossy codecs (int8,
+// top-k) are used for gradients only.
 struct Codec {
   std::string name;
   double ratio = 1;
   double throughput_bytes_per_s = 0;  // 0: free (no codec)
   bool for_activations = true;
-  // Seconds per raw byte sent over `link`: ratio / bandwidth + 2 / throughput (encode + decode).
+  // Seconds per raw byte sent over `link`: max(ratio / bandwidth, 1 / throughput) + 1 / throughput (the sender
+  // encodes chunk k + 1 while chunk k is on the wire; the receiver decodes the whole tensor).
   double SecondsPerByte(const LinkSpec& link) const;
 };
 // The cost of a codec name as the runtime parses it (ParseCodecSpec, common/codec_spec.h): none (ratio 1),
@@ -108,9 +109,21 @@ struct JobOptions {
   std::map<int, double> shared_host_scale;
   // Every site's traffic inside the site goes through one host (a cluster emulated on one machine, as timed
   // compute runs it: collectives inside a site are gRPC on loopback, all sites sharing the host's cores). The
-  // sites a plan uses then divide the bandwidth inside a site among them: each site's local collectives and
-  // sends run at the same time as the others'. Off for real clusters, where each site has its own hosts.
+  // bandwidth inside a site is then what each of two ranks gets when they communicate at once (the calibration:
+  // DP2 and TP2 inside a site), so the host moves at most twice that. The sites a plan uses divide it for sends
+  // between stages (each site's sends run at the same time as the others'), and a collective, whose members all
+  // send at once, gets at most the host's throughput over every rank of the plan: 2 / (dp pp tp) of it. Off for
+  // real clusters, where each site has its own hosts.
   bool sites_share_one_host = false;
+  // Collectives run on gRPC rings (workers that compute on CPU or by timed compute, or a build without NCCL):
+  // data parallelism across sites is then one flat ring over every replica, as the runtime's GrpcCommunicator
+  // runs it. false: NCCL's hierarchical all-reduce (worker/collectives.h) when it is the faster.
+  bool grpc_collectives = false;
+  // The flow-control window of one stream across sites (gRPC's HTTP/2 window as its BDP probing grows it): one
+  // stream carries at most window / round trip (twice the link's latency), whatever the link's bandwidth. 0: no
+  // cap. Calibrated from a run across a long link (bench/geo/timed_lib.py); inside a site the latency is a
+  // per-message cost, not a round trip, so no cap applies there.
+  double wan_window_bytes = 0;
   double EfficiencyOf(const std::string& device) const;
 };
 
@@ -163,8 +176,14 @@ struct Prediction {
   std::vector<LinkTraffic> cross_site;
 };
 
-// Seconds of a ring all-reduce of `bytes` among n members whose slowest hop is `link`:
-// 2(n-1)/n bytes / bandwidth + 2(n-1) latency.
+// Rounds of messages an all-reduce of `bytes` (fp32, per member) among n members takes: a ring's 2(n-1), or 1
+// for two members and at most kPairAllReduceMaxBytes, who exchange their whole tensors at once
+// (GrpcCommunicator::PairAllReduce and its kPairMaxElements).
+inline constexpr double kPairAllReduceMaxBytes = 32.0 * 1024 * 1024;
+int AllReduceRounds(int n, double bytes);
+
+// Seconds of an all-reduce of `bytes` among n members whose slowest hop is `link`:
+// 2(n-1)/n bytes / bandwidth + AllReduceRounds(n, bytes) latency.
 double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link);
 
 // Event-by-event simulation of one pipeline: per-stage forward/backward seconds per microbatch and

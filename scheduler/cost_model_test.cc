@@ -81,6 +81,12 @@ TEST(CostModelTest, RingAllReduceFormula) {
   // 2(n-1)/n * bytes / bw + 2(n-1) * latency, n = 4, 1 GB.
   EXPECT_DOUBLE_EQ(RingAllReduceSeconds(1e9, 4, link), 1.5 + 0.06);
   EXPECT_EQ(RingAllReduceSeconds(1e9, 1, link), 0);
+  // Two members exchange a tensor of up to 32 MiB in one round; a larger one goes as a ring of two's two rounds.
+  EXPECT_DOUBLE_EQ(RingAllReduceSeconds(1e6, 2, link), 1e6 / 1e9 + 0.01);
+  EXPECT_DOUBLE_EQ(RingAllReduceSeconds(1e9, 2, link), 1.0 + 0.02);
+  EXPECT_EQ(AllReduceRounds(2, kPairAllReduceMaxBytes), 1);
+  EXPECT_EQ(AllReduceRounds(2, kPairAllReduceMaxBytes + 4), 2);
+  EXPECT_EQ(AllReduceRounds(3, 4), 4);
 }
 
 TEST(CostModelTest, PipelineBubbleMatchesTheFormulaForEqualStages) {
@@ -320,8 +326,8 @@ JobOptions TinyJob() {
 }
 
 // The runtime's step end (sequential_sync): two replicas across a 50 ms link pay the compute, the
-// gradient ring (its bytes once plus 2 x 2r latencies) and the loss ring (2 x 2r latencies) one
-// after the other; nothing hides under the backward.
+// gradient exchange (its bytes once plus 2r latencies: the message and its acknowledgement) and the loss
+// exchange (2r latencies) one after the other; nothing hides under the backward.
 TEST(CostModelTest, SequentialSyncAddsTheRuntimesRingsAfterTheSchedule) {
   Cluster c = TwoSites("RTX6000", 1, 50, 1000);
   const ModelCosts model = Costs("gpt2-tiny-test", 32);
@@ -339,13 +345,13 @@ TEST(CostModelTest, SequentialSyncAddsTheRuntimesRingsAfterTheSchedule) {
   double parameters = 0;
   for (const LayerCost& l : model.layers) parameters += l.parameters;
   const double l = 0.050, W = 1000e6 / 8;
-  const double gradients = parameters * 4 / W + 2 * 2 * l;  // ring of two: bytes once, 2 steps
+  const double gradients = parameters * 4 / W + 2 * l;  // two members: one exchange, bytes once
   EXPECT_NEAR(p->dp_exposed_s, gradients, 1e-9);
-  EXPECT_NEAR(p->scalar_sync_s, 2 * 2 * l, 1e-12);  // the loss ring; one stage: no norm ring
-  EXPECT_NEAR(p->step_time_s, p->pipeline_time_s + gradients + 2 * 2 * l, 1e-9);
+  EXPECT_NEAR(p->scalar_sync_s, 2 * l, 1e-12);  // the loss exchange; one stage: no norm all-reduce
+  EXPECT_NEAR(p->step_time_s, p->pipeline_time_s + gradients + 2 * l, 1e-9);
   EXPECT_GT(p->step_time_s, overlapped->step_time_s);
-  // A flow-control window adds a round trip per window of each ring step's bytes.
-  job.message_window_bytes = parameters * 4 / 2;  // one window per chunk of the two-member ring
+  // A flow-control window adds a round trip per window of each message's bytes.
+  job.message_window_bytes = parameters * 4 / 2;  // the exchanged tensor is two windows
   absl::StatusOr<Prediction> windowed = Simulate(c, model, job, plan);
   ASSERT_TRUE(windowed.ok());
   EXPECT_NEAR(windowed->dp_exposed_s - p->dp_exposed_s, 2 * 2 * l, 1e-9);
@@ -405,6 +411,61 @@ TEST(CostModelTest, SitesSharingOneHostDivideTheBandwidthInsideASite) {
   absl::StatusOr<Prediction> local = Simulate(c, model, TinyJob(), one_site);
   ASSERT_TRUE(local_shared.ok() && local.ok());
   EXPECT_DOUBLE_EQ(local_shared->step_time_s, local->step_time_s);
+}
+
+// With gRPC collectives (CPU and timed workers) data parallelism across sites is one flat ring over every replica,
+// paced by its slowest hop: 2(n-1)/n of the bytes over the WAN and 2(n-1) latencies, where NCCL's hierarchical
+// all-reduce would send 2(S-1)/S of them.
+TEST(CostModelTest, GrpcCollectivesRunDataParallelismAcrossSitesAsOneFlatRing) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  const Plan plan = DataParallel(model, 8, 1);
+  absl::StatusOr<Prediction> nccl = Simulate(c, model, job, plan);
+  job.grpc_collectives = true;
+  absl::StatusOr<Prediction> grpc = Simulate(c, model, job, plan);
+  ASSERT_TRUE(nccl.ok() && grpc.ok());
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  const double bytes = parameters * 4, W = 1000e6 / 8, l = 0.010;
+  EXPECT_NEAR(grpc->stage_allreduce_s[0], 2.0 * 7 / 8 * bytes / W + 2 * 7 * l, 1e-9);
+  EXPECT_LT(nccl->stage_allreduce_s[0], grpc->stage_allreduce_s[0]);
+}
+
+// On one host a collective's ranks all send at once: they share the host's throughput, twice the bandwidth
+// inside a site (what each of the calibration's two ranks gets), so four ranks in one site get half of it each.
+TEST(CostModelTest, OneHostCollectivesShareTheHostsThroughput) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.sites_share_one_host = true;
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  LinkSpec half = c.Link(0, 0);
+  half.bandwidth_bytes_per_s /= 2;
+  absl::StatusOr<Prediction> four = Simulate(c, model, job, DataParallel(model, 4, 1));
+  absl::StatusOr<Prediction> two = Simulate(c, model, job, DataParallel(model, 2, 1));
+  ASSERT_TRUE(four.ok() && two.ok());
+  EXPECT_NEAR(four->stage_allreduce_s[0], RingAllReduceSeconds(parameters * 4, 4, half), 1e-12);
+  EXPECT_NEAR(two->stage_allreduce_s[0], RingAllReduceSeconds(parameters * 4, 2, c.Link(0, 0)), 1e-12);
+}
+
+// A stream's flow-control window caps it across sites at window / round trip, whatever the link's bandwidth.
+TEST(CostModelTest, WanWindowCapsAStreamAcrossSites) {
+  const Cluster c = TwoSites("RTX6000", 1, 50, 100000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.grpc_collectives = true;
+  Plan plan = DataParallel(model, 2, 1);
+  plan.devices = {{{0}}, {{1}}};
+  absl::StatusOr<Prediction> open = Simulate(c, model, job, plan);
+  job.wan_window_bytes = 1e5;
+  absl::StatusOr<Prediction> capped = Simulate(c, model, job, plan);
+  ASSERT_TRUE(open.ok() && capped.ok());
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  EXPECT_NEAR(open->stage_allreduce_s[0], parameters * 4 / (100000e6 / 8) + 0.050, 1e-9);
+  EXPECT_NEAR(capped->stage_allreduce_s[0], parameters * 4 / (1e5 / 0.100) + 0.050, 1e-9);
 }
 
 }  // namespace

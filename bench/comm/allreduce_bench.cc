@@ -1,9 +1,11 @@
 // All-reduce of a 100 MB fp32 buffer among 4 ranks in 2 sites (ranks 0,1 "east", 2,3 "west"), each rank with
 // its own gRPC endpoint, all in one process on loopback (no WAN delay or bandwidth limit: this measures the
 // algorithms' CPU and transport cost, not a WAN). Ring vs hierarchical, alternating, medians; algbw = bytes /
-// time and busbw = algbw x 2(n-1)/n (the nccl-tests convention).
+// time and busbw = algbw x 2(n-1)/n (the nccl-tests convention). With --ranks 2 (one rank per site): the ring
+// of two vs the pair exchange that AllReduceSum uses for two ranks.
 //
-//   build/bench/comm/comm_allreduce_bench [--mb 100] [--reps 3] [--wan-codec none]
+//   build/bench/comm/comm_allreduce_bench [--mb 100] [--reps 3] [--wan-codec none] [--ranks 4|2]
+//       [--only first|second]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -30,15 +32,24 @@ int main(int argc, char** argv) {
   std::printf("load average (1 min) at the start: %s\n", LoadAverage().c_str());
   size_t mb = 100;
   int reps = 3;
+  int n = 4;
+  std::string only;  // "first" or "second": one algorithm per process (the other's freed buffers can slow it)
   std::vector<std::string> wan_codecs = {"none", "bf16"};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--mb") mb = std::stoul(argv[i + 1]);
     if (flag == "--reps") reps = std::stoi(argv[i + 1]);
     if (flag == "--wan-codec") wan_codecs = {argv[i + 1]};
+    if (flag == "--ranks") n = std::stoi(argv[i + 1]);
+    if (flag == "--only") only = argv[i + 1];
   }
-  const int n = 4;
-  const std::vector<std::string> sites = {"east", "east", "west", "west"};
+  if (n != 2 && n != 4) {
+    std::fprintf(stderr, "--ranks must be 2 or 4, got %d\n", n);
+    return 2;
+  }
+  const bool pair = n == 2;
+  const std::vector<std::string> sites =
+      pair ? std::vector<std::string>{"east", "west"} : std::vector<std::string>{"east", "east", "west", "west"};
   const std::string token = "bench-token";
   std::vector<std::unique_ptr<TensorStreamServer>> streams;
   std::vector<std::unique_ptr<grpc::Server>> servers;
@@ -83,26 +94,33 @@ int main(int argc, char** argv) {
       std::vector<std::thread> threads;
       std::vector<absl::Status> statuses(n);
       for (int r = 0; r < n; ++r) {
-        threads.emplace_back([&, r] { statuses[r] = comms[r]->AllReduceSum(absl::MakeSpan(data[r]), tag); });
+        threads.emplace_back([&, r] {
+          const absl::Span<float> span = absl::MakeSpan(data[r]);
+          // Two ranks: "ring" is the ring of two, "hier" the pair exchange (AllReduceSum's choice for two).
+          statuses[r] = !pair           ? comms[r]->AllReduceSum(span, tag)
+                        : tag == "ring" ? comms[r]->RingAllReduce(span, tag)
+                                        : comms[r]->PairAllReduce(span, tag);
+        });
       }
       for (auto& t : threads) t.join();
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       for (int r = 0; r < n; ++r) {
         if (!statuses[r].ok()) std::fprintf(stderr, "rank %d: %s\n", r, std::string(statuses[r].message()).c_str());
-        if (data[r][count / 2] != 10.0f) std::fprintf(stderr, "rank %d: wrong sum %f\n", r, data[r][count / 2]);
+        if (data[r][count / 2] != static_cast<float>(n * (n + 1) / 2))
+          std::fprintf(stderr, "rank %d: wrong sum %f\n", r, data[r][count / 2]);
       }
       return seconds;
     };
     std::vector<double> ring_times, hier_times;
     for (int rep = 0; rep < reps + 1; ++rep) {  // the first round warms up and is dropped
-      const double a = run(ring, "ring");
-      const double b = run(hier, "hier");
+      const double a = only == "second" ? 0 : run(ring, "ring");
+      const double b = only == "first" ? 0 : run(hier, "hier");
       if (rep == 0) continue;
       ring_times.push_back(a);
       hier_times.push_back(b);
     }
     rows.push_back({"ring, WAN codec " + wan, Median(ring_times)});
-    rows.push_back({"hierarchical, WAN codec " + wan, Median(hier_times)});
+    rows.push_back({(pair ? "pair exchange, WAN codec " : "hierarchical, WAN codec ") + wan, Median(hier_times)});
     for (size_t i = rows.size() - 2; i < rows.size(); ++i) {
       const double algbw = bytes / rows[i].seconds / 1e9;
       std::printf("%-32s %.3f s  algbw %.3f GB/s  busbw %.3f GB/s\n", rows[i].name.c_str(), rows[i].seconds, algbw,

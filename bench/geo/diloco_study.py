@@ -4,18 +4,24 @@
 Two parts, both on the same tokens for every run:
 
 quality  `geotrain train --local` of the same job (4 replicas, two per site: sites a a b b), synchronous DP and
-         DiLoCo with inner_steps 8, 32 and 128 (outer lr 0.7, Nesterov momentum 0.9, int8 pseudo-gradients are
-         a cluster matter: the simulation averages exactly). The simulation is the cluster's algorithm (the
-         stage-actor tests check that a two-site cluster run equals it); validation loss every --eval-every
-         steps. Writes diloco_quality.csv and diloco_val_loss.png.
+         DiLoCo with each of --inner-steps under each outer optimizer of --outer (LR:MOMENTUM, Nesterov; int8
+         pseudo-gradients are a cluster matter: the simulation averages exactly). The simulation is the cluster's
+         algorithm (the stage-actor tests check that a two-site cluster run equals it); validation loss every
+         --eval-every steps. Writes diloco_quality.csv and diloco_val_loss.png.
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
-         (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients): median step time after the
-         first step and WAN bytes per step from the head's step log. Writes diloco_cluster.csv.
+         (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
+         the first --outer optimizer), --repeats times with the latencies in turn: wall time per step (the mean
+         step after the first, sync steps included) and WAN bytes per step from the head's step log. Writes
+         diloco_cluster.csv.
+
+Data: the Debian fortunes corpus tokenized by `geotrain data prepare` (GPT-2 BPE, 1% for validation) and the
+gpt2-demo model, as `make demo` trains; `--data synthetic` takes the structured synthetic tokens and a 512-token
+vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin).
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
-           [--data DIR (train_*.bin, val_*.bin from `geotrain data prepare`; default: synthetic tokens)]
-           [--steps 256] [--parts quality,cluster]
+           [--data fortunes|synthetic|DIR] [--steps 384] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
+           [--parts quality,cluster] [--repeats 3] [--cluster-steps 33] [--cluster-fragments 4]
 """
 import argparse
 import csv
@@ -33,7 +39,8 @@ SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
         "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
 
 
-def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16"):
+def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
+              outer=(0.7, 0.9), fragments=1):
     text = (f"name: {name}\nmodel: {model}\n"
             f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
             f"train: {{global_batch: 16, seq_len: 64, steps: {steps}, lr: 2.0e-3, warmup_steps: 10, "
@@ -41,22 +48,25 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
             f"parallel: {{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}\n"
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":
-        text += f"diloco: {{inner_steps: {inner_steps}, outer_lr: 0.7, outer_momentum: 0.9, codec: {codec}}}\n"
+        text += (f"diloco: {{inner_steps: {inner_steps}, outer_lr: {outer[0]:g}, outer_momentum: {outer[1]:g}, "
+                 f"codec: {codec}, fragments: {fragments}}}\n")
     return text
 
 
 def quality(args, geotrain, data, work):
     rows = []
-    runs = [("sync-dp", "sync", 0)] + [(f"diloco-h{h}", "diloco", h) for h in args.inner_steps]
-    for name, sync, h in runs:
+    runs = [("sync-dp", "sync", 0, None)] + [(diloco_name(h, o, args.outer), "diloco", h, o)
+                                              for h in args.inner_steps for o in args.outer]
+    for name, sync, h, outer in runs:
         path = os.path.join(work, f"{name}.yaml")
         with open(path, "w") as f:
-            f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h))
+            f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h, outer=outer or (0.7, 0.9)))
         out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
         for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
             if m.group(3):
-                rows.append({"run": name, "inner_steps": h, "step": int(m.group(1)), "train_loss": float(m.group(2)),
-                             "val_loss": float(m.group(3))})
+                rows.append({"run": name, "inner_steps": h, "outer_lr": outer[0] if outer else "",
+                             "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
+                             "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
         final = [r for r in rows if r["run"] == name][-1]
         print(f"quality {name}: final val loss {final['val_loss']:.4f} at step {final['step']}", flush=True)
     with open(os.path.join(args.out, "diloco_quality.csv"), "w", newline="") as f:
@@ -66,39 +76,61 @@ def quality(args, geotrain, data, work):
     return rows
 
 
+def diloco_name(h, outer, all_outer):
+    """diloco-h8, or diloco-h8-lr1-m0 when several outer optimizers run."""
+    return f"diloco-h{h}" + (f"-lr{outer[0]:g}-m{outer[1]:g}" if len(all_outer) > 1 else "")
+
+
 def cluster(args, geotrain, data, work, env):
+    """Each repeat runs every latency in turn (a fresh cluster each), so that the machine's load drifts over all of
+    them alike; each run reports its wall time per step (mean of the steps after the first)."""
+    runs = [("sync-dp", "sync", 0), (f"diloco-h{args.cluster_inner_steps}", "diloco", args.cluster_inner_steps)]
+    per_run = {}
+    for repeat in range(args.repeats):
+        for lat in (0.0, args.latency_ms):
+            topo = os.path.join(work, f"topo-{lat}.yaml")
+            with open(topo, "w") as f:
+                f.write("sites:\n  - {name: a, workers: [{device: RTX6000}, {device: RTX6000}]}\n"
+                        "  - {name: b, workers: [{device: RTX6000}, {device: RTX6000}]}\n"
+                        f"links:\n  - {{a: a, b: b, latency_ms: {lat}, bandwidth_mbps: {args.bandwidth_mbps}, "
+                        "jitter_ms: 0}\n")
+            run([geotrain, "cluster", "up", topo], env)
+            try:
+                for name, sync, h in runs:
+                    path = os.path.join(work, f"cluster-{name}-{lat}.yaml")
+                    with open(path, "w") as f:
+                        f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h,
+                                          outer=args.outer[0], fragments=args.cluster_fragments))
+                    out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
+                    steps = [(float(m.group(1)), int(m.group(2))) for m in re.finditer(
+                        r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
+                    if len(steps) != args.cluster_steps:
+                        raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps:\n{out[-3000:]}")
+                    later = [t for t, _ in steps[1:]]
+                    r = per_run.setdefault((lat, name), {"latency_ms": lat, "bandwidth_mbps": args.bandwidth_mbps,
+                                                          "run": name, "inner_steps": h, "steps": len(steps),
+                                                          "step_s_mean": [], "step_s_median": [],
+                                                          "wan_bytes_per_step": sum(b for _, b in steps) / len(steps)})
+                    r["step_s_mean"].append(sum(later) / len(later))
+                    r["step_s_median"].append(statistics.median(later))
+                    print(f"cluster repeat {repeat + 1} {lat} ms {name}: {sum(later) / len(later):.3f} s per step",
+                          flush=True)
+            finally:
+                subprocess.run([geotrain, "cluster", "down"], env=env, capture_output=True)
     rows = []
-    for lat in (0.0, args.latency_ms):
-        topo = os.path.join(work, f"topo-{lat}.yaml")
-        with open(topo, "w") as f:
-            f.write("sites:\n  - {name: a, workers: [{device: RTX6000}, {device: RTX6000}]}\n"
-                    "  - {name: b, workers: [{device: RTX6000}, {device: RTX6000}]}\n"
-                    f"links:\n  - {{a: a, b: b, latency_ms: {lat}, bandwidth_mbps: {args.bandwidth_mbps}, "
-                    "jitter_ms: 0}\n")
-        run([geotrain, "cluster", "up", topo], env)
-        try:
-            for name, sync, h in [("sync-dp", "sync", 0), (f"diloco-h{args.cluster_inner_steps}", "diloco",
-                                                           args.cluster_inner_steps)]:
-                path = os.path.join(work, f"cluster-{name}-{lat}.yaml")
-                with open(path, "w") as f:
-                    f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h))
-                out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
-                steps = [(float(m.group(1)), int(m.group(2))) for m in
-                         re.finditer(r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
-                if len(steps) != args.cluster_steps:
-                    raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps:\n{out[-3000:]}")
-                later = steps[1:]
-                row = {"latency_ms": lat, "bandwidth_mbps": args.bandwidth_mbps, "run": name, "inner_steps": h,
-                       "steps": len(steps), "step_s_median": statistics.median(s[0] for s in later),
-                       "wan_bytes_per_step": sum(s[1] for s in steps) / len(steps)}
-                rows.append(row)
-                print("cluster " + ",".join(str(v) for v in row.values()), flush=True)
-        finally:
-            subprocess.run([geotrain, "cluster", "down"], env=env, capture_output=True)
+    for r in per_run.values():
+        r = dict(r, repeats=len(r["step_s_mean"]), step_s_mean_runs=" ".join(f"{x:.3f}" for x in r["step_s_mean"]))
+        r["step_s_mean"] = statistics.median(r["step_s_mean"])
+        r["step_s_median"] = statistics.median(r["step_s_median"])
+        rows.append(r)
     with open(os.path.join(args.out, "diloco_cluster.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    for name, _, _ in runs:
+        at = {r["latency_ms"]: r["step_s_mean"] for r in rows if r["run"] == name}
+        print(f"cluster {name}: {at[args.latency_ms]:.3f} s per step at {args.latency_ms:g} ms, {at[0.0]:.3f} s at "
+              f"0 ms: {at[args.latency_ms] / at[0.0]:.2f}x (median over {args.repeats} repeats)", flush=True)
     return rows
 
 
@@ -124,24 +156,32 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geotrain", default="build/bin/geotrain")
     ap.add_argument("--out", default="docs/geo")
-    ap.add_argument("--data", default="", help="a directory of train_*.bin and val_*.bin; default: synthetic")
+    ap.add_argument("--data", default="fortunes",
+                    help="fortunes (default), synthetic, or a directory of train_*.bin and val_*.bin")
     ap.add_argument("--model", default="{preset: gpt2-demo}")
-    ap.add_argument("--steps", type=int, default=256)
-    ap.add_argument("--eval-every", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=384)
+    ap.add_argument("--eval-every", type=int, default=32)
     ap.add_argument("--inner-steps", default="8,32,128")
+    ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
-    ap.add_argument("--cluster-steps", type=int, default=17)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cluster-steps", type=int, default=33)
     ap.add_argument("--cluster-inner-steps", type=int, default=8)
+    ap.add_argument("--cluster-fragments", type=int, default=4)
     args = ap.parse_args()
     args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
+    args.outer = [tuple(float(v) for v in o.split(":")) for o in args.outer.split(",")]
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)
     work, env = private_cluster_env("geotrain_diloco_")
     try:
-        data = os.path.abspath(args.data) if args.data else os.path.join(work, "data")
-        if not args.data:
+        data = os.path.abspath(args.data) if args.data not in ("fortunes", "synthetic") else os.path.join(work, "data")
+        if args.data == "fortunes":
+            run([geotrain, "data", "prepare", "/usr/share/games/fortunes", "--out", data, "--val-fraction", "0.01"],
+                env)
+        elif args.data == "synthetic":
             os.makedirs(data)
             write_tokens(os.path.join(data, "train_000000.bin"), 400000, 512, seed=3)
             write_tokens(os.path.join(data, "val_000000.bin"), 20000, 512, seed=3)

@@ -12,8 +12,8 @@ one WAN link of --bandwidth-mbps at each round trip of --rtt-ms (0, 10, 30, 103)
   tpxpp     TP inside each site x PP across the sites (the study's pipeline + shard plan)
   auto      the planner's choice (plan: auto) on the cluster as it is
 
-All plans send bf16 across the WAN. For each run: the median step time of the steps after the first, the
-emulated compute, and WAN bytes per step; and the planner's prediction of that very plan (`geotrain plan
+All plans send bf16 across the WAN. For each run: the median step time of the steps after the warm-up
+(timed_lib.steady_steps), the emulated compute, and WAN bytes per step; and the planner's prediction of that very plan (`geotrain plan
 --predict`), so that the table shows how far the planner is from what ran. Writes CSV, a markdown table and a PNG
 to --out (default docs/geo/fabric). Every figure is EMULATED: the GPUs' compute is waited, not run; the
 communication (gRPC, codecs, the WAN emulator) really runs, on this machine's cores.
@@ -73,14 +73,11 @@ def run_one(c, work, topo, model, plan, args, data, flags):
     else:
         parallel = parallel_section(plan, args.devices, args.batch)
         summary = ""
-    timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, parallel, args.steps, args.batch)
     row = {"model": model, "plan": plan, "summary": summary}
-    row.update(timed_lib.run_job(c, spec, args.job_timeout))
-    try:
-        row["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, flags), 4)
-    except RuntimeError as e:
-        print(f"  (no prediction: {e})", flush=True)
-        row["predicted_s"] = ""
+    row.update(timed_lib.measure_plan(
+        c, args.geotrain, topo, flags, spec,
+        lambda steps: timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, parallel, steps, args.batch),
+        args.job_timeout))
     return row
 
 
@@ -94,8 +91,8 @@ def report(rows, args, out):
         w.writerows(rows)
     plans = args.plans.split(",")
     lines = [f"EMULATED (timed compute): 2 sites x {args.devices} {args.device}, {args.bandwidth_mbps:g} Mbit/s WAN, "
-             f"global batch {args.batch} x 1024 tokens, bf16 on the WAN; step seconds, median of steps 2..{args.steps} "
-             "(the calibrated planner's prediction in brackets). DP / best: DP's step over the best plan that uses "
+             f"global batch {args.batch} x 1024 tokens, bf16 on the WAN; step seconds, median of the steps after the "
+             "warm-up (the calibrated planner's prediction in brackets). DP / best: DP's step over the best plan that uses "
              "every device (the study's comparison); auto: the planner's choice, which may leave devices out.", "",
              "| model | RTT ms | " + " | ".join(plans) + " | auto's plan | DP / best all-device plan | "
              "WAN MB per step (dp / that plan) |",
@@ -164,7 +161,7 @@ def main():
     ap.add_argument("--device", default="A40")
     ap.add_argument("--devices", type=int, default=2, help="devices per site")
     ap.add_argument("--bandwidth-mbps", type=float, default=1000)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps of the calibration's jobs, at least")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--job-timeout", type=float, default=1200)
     args = ap.parse_args()

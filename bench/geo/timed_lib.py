@@ -11,11 +11,15 @@ The planner's defaults describe real nodes, so before predicting, three figures 
   - the bandwidth inside a site: bisection on --intra-site-gbps until the planner's prediction of DP2 inside the
     site (gradients all-reduced over loopback) equals its measured step;
   - the latency inside a site: the same on --intra-site-latency-ms for TP2 inside the site (many small
-    all-reduces), with that bandwidth.
+    all-reduces), with that bandwidth;
+  - the flow-control window of a stream across sites: the same on --wan-window-mb for DP2 across two sites over a
+    1 Gbit/s link of 40 ms one way (a stream carries at most window / round trip).
 The links between sites are the topology's configured ones; nothing is fitted to a study's own runs. Every
-prediction also says that the sites share one host (`--sites-share-one-host`): the sites a plan uses divide the
-bandwidth inside a site, since their local collectives run at once on the same two cores. Without that term the
-planner predicted half the measured step of TP inside both sites x PP (GPT-2 medium: 7.5 s vs 15.0 s).
+prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide the
+bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same two
+cores) and that collectives are gRPC rings (`--grpc-collectives`: data parallelism is one flat ring, as the runtime
+runs it without NCCL). Without the first, the planner predicted half the measured step of TP inside both sites x PP
+(GPT-2 medium: 7.5 s vs 15.0 s) and a tenth of DP over 16 devices.
 """
 import json
 import os
@@ -23,6 +27,9 @@ import re
 import statistics
 import subprocess
 import time
+
+# The link of the calibration's window job (one way, ms): unlike any link of the studies.
+CALIBRATION_WAN_MS = 40
 
 STEP_LINE = re.compile(r"step (\d+) EMULATED \(timed compute\) loss n/a \d+ tokens/s step ([\d.]+) s "
                        r"\(compute ([\d.]+), comm wait ([\d.]+), bubble ([\d.]+)[^)]*\) wan bytes (\d+)")
@@ -48,9 +55,17 @@ def write_job(path, name, model, data, parallel, steps, batch, codec="bf16"):
                 f"parallel: {parallel}\ncomm: {{wan_codec: {codec}}}\n")
 
 
-def run_job(cluster, spec, timeout):
+def steady_steps(expected_s):
+    """(steps to run, first steps left out of the medians) for a plan expected to take expected_s seconds per step.
+    A job's first steps are slower (connections open, flow-control windows grow, buffers are allocated): GPT-2
+    medium PP4 on timed A30s took 1.07, 1.04 and 0.76 s in steps 2-4 of its first run, 0.63-0.81 s after. Short
+    steps run 8 and skip 3; long ones, where that costs little, run 3 and skip 1."""
+    return (8, 3) if expected_s < 5 else (3, 1)
+
+
+def run_job(cluster, spec, timeout, warmup=1):
     """Runs a job spec on the cluster; returns a dict: state, message, step_s, compute_s, comm_wait_s, wan_mb and
-    wan_bytes (medians of the steps after the first), wall_s."""
+    wan_bytes (medians of the steps after the first `warmup`), wall_s."""
     started = time.monotonic()
     job_id = cluster.cli(["job", "submit", spec]).stdout.split()[1]
     job = cluster.wait_job(job_id, timeout)
@@ -60,13 +75,31 @@ def run_job(cluster, spec, timeout):
         out["message"] = (job.get("message") or "")[:300]
         return out
     log = cluster.logs(job_id)
-    steps = [m for m in STEP_LINE.finditer(log) if int(m.group(1)) > 1] or list(STEP_LINE.finditer(log))
+    steps = [m for m in STEP_LINE.finditer(log) if int(m.group(1)) > warmup] or list(STEP_LINE.finditer(log))
     out.update(step_s=round(statistics.median(float(m.group(2)) for m in steps), 4),
                compute_s=round(statistics.median(float(m.group(3)) for m in steps), 4),
                comm_wait_s=round(statistics.median(float(m.group(4)) for m in steps), 4),
                wan_bytes=int(statistics.median(int(m.group(6)) for m in steps)))
     out["wan_mb"] = round(out["wan_bytes"] / 1e6, 1)
     return out
+
+
+def measure_plan(cluster, geotrain, topology, flags, spec, write_spec, timeout):
+    """The planner's prediction of the plan `write_spec(steps)` writes to `spec`, and run_job's figures of it run for
+    steady_steps(prediction) steps: a dict as run_job's plus predicted_s ("" with the error in message when the
+    planner cannot predict it)."""
+    write_spec(steady_steps(0)[0])
+    try:
+        predicted, error = round(predict(geotrain, topology, spec, flags), 4), ""
+    except RuntimeError as e:
+        predicted, error = "", str(e)
+    steps, warmup = steady_steps(predicted if predicted != "" else 0)
+    write_spec(steps)
+    row = run_job(cluster, spec, timeout, warmup)
+    row["predicted_s"] = predicted
+    if error:
+        row["message"] = (row["message"] + " " + error)[:300]
+    return row
 
 
 def plan_json(geotrain, topology, spec, flags, predict=False, top=5):
@@ -94,8 +127,12 @@ def parallel_of(plan):
 
 def planner_flags(calibration):
     eff = ",".join(f"{name}={e:.5f}" for name, e in calibration["efficiency"].items())
-    return ["--efficiency-by-device", eff, "--intra-site-gbps", f"{calibration['intra_site_gbps']:.4f}",
-            "--intra-site-latency-ms", f"{calibration['intra_site_latency_ms']:.4f}", "--sites-share-one-host"]
+    flags = ["--efficiency-by-device", eff, "--intra-site-gbps", f"{calibration['intra_site_gbps']:.4f}",
+             "--intra-site-latency-ms", f"{calibration['intra_site_latency_ms']:.4f}", "--sites-share-one-host",
+             "--grpc-collectives"]
+    if calibration.get("wan_window_mb"):
+        flags += ["--wan-window-mb", f"{calibration['wan_window_mb']:.4f}"]
+    return flags
 
 
 def _bisect(f, target, lo, hi, increasing, iterations=18):
@@ -124,24 +161,28 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
                            check=True)
         waited = json.loads(r.stdout.strip().splitlines()[-1])["step_seconds"]
         efficiency[d] = at_one / waited
-    topo = os.path.join(work, "calib.yaml")  # `cluster up` needs two sites: the jobs run in the first
-    write_topology(topo, [("calib", [(device, 2)]), ("idle", [(device, 1)])], [("calib", "idle", 1, 1000)])
+    topo = os.path.join(work, "calib.yaml")
+    write_topology(topo, [("calib", [(device, 2)]), ("far", [(device, 1)])], [("calib", "far", CALIBRATION_WAN_MS, 1000)])
     measured = {}
     c = cluster_up(topo)
     try:
-        for name, parallel in (("dp2", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, "
-                                       "site: calib}, {replica: 1, stage: 0, site: calib}]}"),
-                               ("tp2", "{plan: manual, tp: 2, microbatches: 8, placement: [{replica: 0, stage: 0, "
-                                       "tp_rank: 0, site: calib}, {replica: 0, stage: 0, tp_rank: 1, site: calib}]}")):
+        for name, parallel, expected_s in (
+                ("dp2", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
+                        "{replica: 1, stage: 0, site: calib}]}", 2),
+                ("tp2", "{plan: manual, tp: 2, microbatches: 8, placement: [{replica: 0, stage: 0, tp_rank: 0, "
+                        "site: calib}, {replica: 0, stage: 0, tp_rank: 1, site: calib}]}", 10),
+                ("wan", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
+                        "{replica: 1, stage: 0, site: far}]}", 2)):
             spec = os.path.join(work, f"calib-{name}.yaml")
-            write_job(spec, f"calib-{name}", model, data, parallel, steps, 16)
-            r = run_job(c, spec, timeout)
+            run_steps, warmup = steady_steps(expected_s)
+            write_job(spec, f"calib-{name}", model, data, parallel, max(steps, run_steps), 16)
+            r = run_job(c, spec, timeout, warmup)
             if r["state"] != "SUCCEEDED":
                 raise RuntimeError(f"calibration job {name} ended {r['state']}: {r['message']}")
             measured[name] = (spec, r["step_s"])
     finally:
         c.close()
-    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_latency_ms": 0.05}
+    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
 
     def with_(key, value, name):
         trial = dict(cal, **{key: value})
@@ -150,6 +191,8 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
                                      increasing=False)
     cal["intra_site_latency_ms"] = _bisect(lambda ms: with_("intra_site_latency_ms", ms, "tp2"), measured["tp2"][1],
                                            0.001, 50, increasing=True)
+    cal["wan_window_mb"] = _bisect(lambda mb: with_("wan_window_mb", mb, "wan"), measured["wan"][1], 0.05, 2000,
+                                   increasing=False)
     cal["measured"] = {name: step for name, (_, step) in measured.items()}
     cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
                                   for name, (spec, _) in measured.items()}

@@ -7,13 +7,14 @@ on a separate profiling cluster (bench/geo/timed_lib.py: device efficiencies fro
 and latency inside a site from two profiling jobs); the topologies' links are their configured ones. Per
 topology, the calibrated planner (`geotrain plan --job`, as the head plans `plan: auto`) ranks plans; its top
 --top plans run, and so do DP over every device and TP inside each site x PP across the sites. For each run: the
-measured step (median of the steps after the first) and the planner's prediction of that very plan
+measured step (median of the steps after the warm-up: 8 steps skipping 3 when the step is short, 3 skipping 1
+when it is long, timed_lib.steady_steps) and the planner's prediction of that very plan
 (`geotrain plan --predict`). Criteria (issue 17): median relative error <= 10%, Spearman >= 0.9 over all runs, and
 the chosen plan within 5% of the best measured on every topology. Writes CSV, a markdown table and a PNG to --out
 (default docs/geo/validation-timed). Every figure is EMULATED.
 
 Usage: /usr/bin/python3 bench/geo/validate_timed.py [--geotrain build/bin/geotrain] [--out docs/geo/validation-timed]
-           [--model gpt2-medium] [--steps 3] [--top 3] [--topologies t8,t12,t16]
+           [--model gpt2-medium] [--steps 3 (calibration)] [--top 3] [--topologies t8,t12,t16]
 """
 import argparse
 import csv
@@ -60,7 +61,7 @@ def main():
     ap.add_argument("--geotrain", default=os.path.join(ROOT, "build", "bin", "geotrain"))
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "geo", "validation-timed"))
     ap.add_argument("--model", default="gpt2-medium")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps of the calibration's jobs, at least")
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--topologies", default="t8,t12,t16")
     ap.add_argument("--job-timeout", type=float, default=1200)
@@ -89,14 +90,11 @@ def main():
         try:
             for label, parallel in plans:
                 spec = os.path.join(work, f"{name}-{label}.yaml")
-                timed_lib.write_job(spec, f"{name}-{label}", args.model, data, parallel, args.steps, batch, codec)
+
+                def write_spec(steps, label=label, parallel=parallel, spec=spec):
+                    timed_lib.write_job(spec, f"{name}-{label}", args.model, data, parallel, steps, batch, codec)
                 row = {"topology": name, "plan": label, "parallel": parallel}
-                row.update(timed_lib.run_job(c, spec, args.job_timeout))
-                try:
-                    row["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, flags), 4)
-                except RuntimeError as e:
-                    row["predicted_s"] = ""
-                    row["message"] = (row["message"] + " " + str(e))[:300]
+                row.update(timed_lib.measure_plan(c, args.geotrain, topo, flags, spec, write_spec, args.job_timeout))
                 rows.append(row)
                 print(f"EMULATED [{time.monotonic() - started:6.0f} s] " + json.dumps(row), flush=True)
         finally:
