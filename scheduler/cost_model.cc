@@ -339,8 +339,9 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
     const LinkSpec l = CollectiveLink(cluster, s, collective_scale);
     intra = std::max(intra, (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
   }
-  const double hierarchical = 2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte +
-                              AllReduceRounds(S, bytes_per_rank) * worst_wan_latency;
+  // NCCL's (the only hierarchical one): its ring of leaders takes 2(S-1) rounds, two leaders included.
+  const double hierarchical =
+      2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + 2.0 * (S - 1) * worst_wan_latency;
   // gRPC collectives have the flat ring only (the hierarchical all-reduce is NCCL's, worker/collectives.h).
   const bool use_flat = job.grpc_collectives || flat < hierarchical;
   const double per_hop = use_flat ? 2.0 * (n - 1) / n : 2.0 * (S - 1) / S;
