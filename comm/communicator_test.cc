@@ -503,5 +503,16 @@ TEST(Collectives, AMissingRankMakesTheOthersFailAtTheDeadline) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
 }
 
+TEST(Collectives, APairWhosePeerNeverComesFailsAtTheDeadlineAndKeepsItsTensor) {
+  CommunicatorOptions options = Options("none", "bf16", AllReduceAlgorithm::kRing);
+  options.timeout = absl::Milliseconds(500);
+  Cluster cluster(2, {"east", "west"}, options);
+  std::vector<float> data(1000, 1.1f);  // not a bf16 value: rounding it would show
+  const std::vector<float> before = data;
+  const absl::Status status = cluster.comm(0).AllReduceSum(absl::MakeSpan(data), "alone");
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_EQ(data, before) << "a failed exchange must not change the caller's tensor";
+}
+
 }  // namespace
 }  // namespace geotrain::comm
