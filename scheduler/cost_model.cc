@@ -356,10 +356,16 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
 
 std::string CodecName(const JobOptions& job, int c) { return c < 0 ? "none" : job.codecs[c].name; }
 
-// Simulate after its checks, on the links as the plan sees them; collectives inside a site get
-// collective_scale of the bandwidth inside the site (a shared host's arithmetic, JobOptions::sites_share_one_host).
+// A shared host's arithmetic (JobOptions::sites_share_one_host): collectives inside a site get collective_scale of
+// the bandwidth inside the site, and each send between stages at most p2p_bytes_per_s.
+struct HostShare {
+  double collective_scale = 1;
+  double p2p_bytes_per_s = kInf;
+};
+
+// Simulate after its checks, on the links as the plan sees them.
 absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                                           const Plan& plan, double collective_scale, const std::vector<char>& used);
+                                           const Plan& plan, const HostShare& host, const std::vector<char>& used);
 
 }  // namespace
 
@@ -403,19 +409,37 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
   }
   // The links as this plan sees them (see JobOptions): a shared host's arithmetic and the WAN streams' window.
   std::optional<Cluster> adjusted;
-  double collective_scale = 1;
+  std::optional<JobOptions> shared_job;
+  HostShare host;
   if (job.sites_share_one_host) {
     std::set<int> sites_used;
     for (const auto& replica : plan.devices)
       for (const auto& stage : replica)
         for (int d : stage) sites_used.insert(cluster.devices[d].site);
     const int k = static_cast<int>(sites_used.size());
+    // The sends between stages run on the host at the same time: one at a time per boundary of each replica (and
+    // per tp rank's copy). GPipe's forward and backward phases go one way at a time; in 1F1B a stage's next
+    // forward waits for its backward, and a send (4 MB for GPT-2 medium) outlasts a stage's compute of a
+    // microbatch on an emulated GPU, so the two directions take turns.
+    if (plan.pp > 1) {
+      double inside = 0;
+      for (int a : sites_used) inside = std::max(inside, cluster.links[a][a].bandwidth_bytes_per_s);
+      const int streams = plan.dp * plan.tp * (plan.pp - 1);
+      host.p2p_bytes_per_s = kOneHostCalibrationRanks * inside / streams;
+    }
     if (k > 1) {
       adjusted = cluster;
       for (int a = 0; a < adjusted->num_sites(); ++a) adjusted->links[a][a].bandwidth_bytes_per_s /= k;
     }
     const int ranks = plan.dp * plan.pp * plan.tp;
-    collective_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) * k / ranks);
+    host.collective_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) * k / ranks);
+    // The codecs' encoding and decoding run on the same cores: when more ranks than the host runs at full speed
+    // code at once (a collective's members all do), each gets its share of their throughput.
+    const double codec_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) / ranks);
+    if (codec_scale < 1) {
+      shared_job = job;
+      for (Codec& codec : shared_job->codecs) codec.throughput_bytes_per_s *= codec_scale;
+    }
   }
   if (job.wan_window_bytes > 0) {
     if (!adjusted) adjusted = cluster;
@@ -427,13 +451,14 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
     }
   }
-  return SimulateChecked(adjusted ? *adjusted : cluster, model, job, plan, collective_scale, used);
+  return SimulateChecked(adjusted ? *adjusted : cluster, model, shared_job ? *shared_job : job, plan, host, used);
 }
 
 namespace {
 
 absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                                           const Plan& plan, double collective_scale, const std::vector<char>& used) {
+                                           const Plan& plan, const HostShare& host, const std::vector<char>& used) {
+  const double collective_scale = host.collective_scale;
   int total_sequences = 0;
   for (int m : plan.microbatches) {
     if (m < 1) return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");
@@ -515,7 +540,8 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       backward[s] = 2 * flops / (tp * slowest_flops) + tp_comm + 2 * overhead;
       if (s + 1 < pp) {
         const int next_site = cluster.devices[plan.devices[r][s + 1][0]].site;
-        const LinkSpec& link = cluster.Link(site, next_site);
+        LinkSpec link = cluster.Link(site, next_site);
+        link.bandwidth_bytes_per_s = std::min(link.bandwidth_bytes_per_s, host.p2p_bytes_per_s);
         const double bytes = model.layers[end - 1].output_bytes * b;
         int c = -1;
         if (site != next_site) c = activation_codec_of(site, next_site);

@@ -112,7 +112,9 @@ struct JobOptions {
   // bandwidth inside a site is then what each of two ranks gets when they communicate at once (the calibration:
   // DP2 and TP2 inside a site), so the host moves at most twice that. The sites a plan uses divide it for sends
   // between stages (each site's sends run at the same time as the others'), and a collective, whose members all
-  // send at once, gets at most the host's throughput over every rank of the plan: 2 / (dp pp tp) of it. Off for
+  // send at once, gets at most the host's throughput over every rank of the plan: 2 / (dp pp tp) of it. Sends
+  // between stages share it too: each gets at most 2 / (dp tp (pp - 1)) of it (one send per boundary at a time).
+  // And with more than two ranks, codecs run at 2 / (dp pp tp) of their throughput (the same cores). Off for
   // real clusters, where each site has its own hosts.
   bool sites_share_one_host = false;
   // Collectives run on gRPC rings (workers that compute on CPU or by timed compute, or a build without NCCL):

@@ -450,6 +450,58 @@ TEST(CostModelTest, OneHostCollectivesShareTheHostsThroughput) {
   EXPECT_NEAR(two->stage_allreduce_s[0], RingAllReduceSeconds(parameters * 4, 2, c.Link(0, 0)), 1e-12);
 }
 
+// On one host the pipeline's sends between stages run at once and share the host's throughput (twice the bandwidth
+// inside a site): with three boundaries each send gets two thirds of that bandwidth, with one it keeps all of it.
+TEST(CostModelTest, OneHostPipelineSendsShareTheHostsThroughput) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions shared = TinyJob();
+  shared.sites_share_one_host = true;
+  auto pipeline = [&](int pp) {
+    Plan p;
+    p.pp = pp;
+    p.microbatches = {8};
+    p.devices.emplace_back();
+    for (int s = 0; s <= pp; ++s) p.stage_begin.push_back(s * model.num_layers() / pp);
+    for (int s = 0; s < pp; ++s) p.devices[0].push_back({s});  // all in utah
+    return p;
+  };
+  ASSERT_GE(model.num_layers(), 4);
+  Cluster two_thirds = c;
+  two_thirds.links[0][0].bandwidth_bytes_per_s *= 2.0 / 3;
+  absl::StatusOr<Prediction> four_shared = Simulate(c, model, shared, pipeline(4));
+  absl::StatusOr<Prediction> four_slower = Simulate(two_thirds, model, TinyJob(), pipeline(4));
+  absl::StatusOr<Prediction> four_apart = Simulate(c, model, TinyJob(), pipeline(4));
+  ASSERT_TRUE(four_shared.ok() && four_slower.ok() && four_apart.ok());
+  EXPECT_DOUBLE_EQ(four_shared->pipeline_time_s, four_slower->pipeline_time_s);
+  EXPECT_GT(four_shared->pipeline_time_s, four_apart->pipeline_time_s);
+  absl::StatusOr<Prediction> two_shared = Simulate(c, model, shared, pipeline(2));
+  absl::StatusOr<Prediction> two_apart = Simulate(c, model, TinyJob(), pipeline(2));
+  ASSERT_TRUE(two_shared.ok() && two_apart.ok());
+  EXPECT_DOUBLE_EQ(two_shared->pipeline_time_s, two_apart->pipeline_time_s);
+}
+
+// On one host the codecs of a collective's ranks share its cores: DP4 over two sites codes at half the codec's
+// throughput (the host runs two ranks at full speed), as a cluster with half the bandwidth inside each site and a
+// codec of half the throughput predicts it.
+TEST(CostModelTest, OneHostCodecsShareTheHostsCores) {
+  const Cluster c = TwoSites("RTX6000", 2, 10, 100000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions shared = TinyJob();
+  shared.grpc_collectives = true;
+  shared.codecs.push_back(*ParseCodec("int8"));
+  JobOptions slow_codec = shared;
+  slow_codec.codecs[0].throughput_bytes_per_s /= 2;
+  shared.sites_share_one_host = true;
+  Cluster halved = c;
+  for (int a = 0; a < halved.num_sites(); ++a) halved.links[a][a].bandwidth_bytes_per_s /= 2;
+  absl::StatusOr<Prediction> on_one_host = Simulate(c, model, shared, DataParallel(model, 4, 1));
+  absl::StatusOr<Prediction> as_slow = Simulate(halved, model, slow_codec, DataParallel(model, 4, 1));
+  ASSERT_TRUE(on_one_host.ok() && as_slow.ok());
+  EXPECT_DOUBLE_EQ(on_one_host->step_time_s, as_slow->step_time_s);
+  EXPECT_GT(on_one_host->stage_allreduce_s[0], 0);
+}
+
 // A stream's flow-control window caps it across sites at window / round trip, whatever the link's bandwidth.
 TEST(CostModelTest, WanWindowCapsAStreamAcrossSites) {
   const Cluster c = TwoSites("RTX6000", 1, 50, 100000);

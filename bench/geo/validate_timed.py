@@ -7,7 +7,7 @@ on a separate profiling cluster (bench/geo/timed_lib.py: device efficiencies fro
 and latency inside a site from two profiling jobs); the topologies' links are their configured ones. Per
 topology, the calibrated planner (`geotrain plan --job`, as the head plans `plan: auto`) ranks plans; its top
 --top plans run, and so do DP over every device and TP inside each site x PP across the sites. For each run: the
-measured step (median of the steps after the warm-up: 8 steps skipping 3 when the step is short, 3 skipping 1
+measured step (median of the steps after the warm-up: 12 steps skipping 3 when the step is short, 3 skipping 1
 when it is long, timed_lib.steady_steps) and the planner's prediction of that very plan
 (`geotrain plan --predict`). Criteria (issue 17): median relative error <= 10%, Spearman >= 0.9 over all runs, and
 the chosen plan within 5% of the best measured on every topology. Writes CSV, a markdown table and a PNG to --out
