@@ -45,6 +45,7 @@ struct PlanFlags {
   double memory_headroom = 0.10;
   double intra_site_gbps = 100;
   double intra_site_latency_ms = 0.05;
+  double intra_site_activation_gbps = 0;  // 0: intra_site_gbps
   std::string tp_degrees = "1,2,4,8";
   bool no_subsets = false;
   std::string job_spec;  // --job: model, batch, seq_len and WAN codec from a job spec
@@ -209,6 +210,15 @@ int RunPlan(const PlanFlags& flags) {
   job.message_round_trips = flags.message_round_trips;
   job.message_window_bytes = flags.message_window_kib * 1024;
   job.sites_share_one_host = flags.sites_share_one_host;
+  if (flags.intra_site_activation_gbps < 0 || flags.intra_site_gbps <= 0) {
+    std::fprintf(stderr,
+                 "geotrain plan: --intra-site-gbps must be positive and --intra-site-activation-gbps 0 (the same) "
+                 "or positive\n");
+    return 2;
+  }
+  if (flags.intra_site_activation_gbps > 0) {
+    job.activation_bandwidth_scale = flags.intra_site_activation_gbps / flags.intra_site_gbps;
+  }
   job.grpc_collectives = job.grpc_collectives || flags.grpc_collectives;
   if (flags.wan_window_mb < 0) {
     std::fprintf(stderr, "geotrain plan: --wan-window-mb must be 0 (no cap) or a positive number of MB\n");
@@ -357,6 +367,9 @@ void AddPlanCommands(CLI::App& app, Context& context) {
   plan->add_option("--memory-headroom", flags->memory_headroom,
                    "fraction of each device's memory kept free (default 0.1)");
   plan->add_option("--intra-site-gbps", flags->intra_site_gbps, "bandwidth inside a site (default 100)");
+  plan->add_option("--intra-site-activation-gbps", flags->intra_site_activation_gbps,
+                   "bandwidth inside a site for activations (pipeline sends, tensor-parallel all-reduces; default: "
+                   "--intra-site-gbps)");
   plan->add_option("--intra-site-latency-ms", flags->intra_site_latency_ms,
                    "one-way latency inside a site (default 0.05)");
   plan->add_option("--tp-degrees", flags->tp_degrees, "tensor-parallel degrees to try (default 1,2,4,8)");

@@ -36,6 +36,13 @@ LinkSpec CollectiveLink(const Cluster& cluster, int site, double collective_scal
   return link;
 }
 
+// The link from site a to site b as messages of activations see it (JobOptions::activation_bandwidth_scale).
+LinkSpec ActivationLink(const Cluster& cluster, const JobOptions& job, int a, int b) {
+  LinkSpec link = cluster.Link(a, b);
+  if (a == b) link.bandwidth_bytes_per_s *= job.activation_bandwidth_scale;
+  return link;
+}
+
 }  // namespace
 
 ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
@@ -423,7 +430,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     // microbatch on an emulated GPU, so the two directions take turns.
     if (plan.pp > 1) {
       double inside = 0;
-      for (int a : sites_used) inside = std::max(inside, cluster.links[a][a].bandwidth_bytes_per_s);
+      for (int a : sites_used) inside = std::max(inside, ActivationLink(cluster, job, a, a).bandwidth_bytes_per_s);
       const int streams = plan.dp * plan.tp * (plan.pp - 1);
       host.p2p_bytes_per_s = kOneHostCalibrationRanks * inside / streams;
     }
@@ -530,17 +537,18 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       const double flops = StageFlops(model, begin, end) * b;
       const int site = cluster.devices[plan.devices[r][s][0]].site;
       sites_of[r][s] = site;
+      LinkSpec tp_link = ActivationLink(cluster, job, site, site);
+      tp_link.bandwidth_bytes_per_s *= collective_scale;
       const double tp_comm =
           tp > 1 ? StageBlocks(model, begin, end) * 2 *
-                       RingAllReduceSeconds(tokens_per_microbatch * model.n_embd * model.bytes_per_element, tp,
-                                            CollectiveLink(cluster, site, collective_scale))
+                       RingAllReduceSeconds(tokens_per_microbatch * model.n_embd * model.bytes_per_element, tp, tp_link)
                  : 0;
       const double overhead = (end - begin) * job.layer_overhead_s;
       forward[s] = flops / (tp * slowest_flops) + tp_comm + overhead;
       backward[s] = 2 * flops / (tp * slowest_flops) + tp_comm + 2 * overhead;
       if (s + 1 < pp) {
         const int next_site = cluster.devices[plan.devices[r][s + 1][0]].site;
-        LinkSpec link = cluster.Link(site, next_site);
+        LinkSpec link = ActivationLink(cluster, job, site, next_site);
         link.bandwidth_bytes_per_s = std::min(link.bandwidth_bytes_per_s, host.p2p_bytes_per_s);
         const double bytes = model.layers[end - 1].output_bytes * b;
         int c = -1;

@@ -117,6 +117,12 @@ struct JobOptions {
   // And with more than two ranks, codecs run at 2 / (dp pp tp) of their throughput (the same cores). Off for
   // real clusters, where each site has its own hosts.
   bool sites_share_one_host = false;
+  // The bandwidth inside a site for messages of one microbatch's activations (the pipeline's sends between
+  // stages, tensor parallelism's all-reduces), over the bandwidth inside a site that gradients and the tied
+  // embedding get (hundreds of MB per message). 1 on real links; on one host's loopback a message of a few MB
+  // moves at another rate per byte than one of hundreds (docs/benchmarks/comm.md (d)), so the timed studies
+  // calibrate the two apart (bench/geo/timed_lib.py).
+  double activation_bandwidth_scale = 1;
   // Collectives run on gRPC rings (workers that compute on CPU or by timed compute, or a build without NCCL):
   // data parallelism across sites is then one flat ring over every replica, as the runtime's GrpcCommunicator
   // runs it. false: NCCL's hierarchical all-reduce (worker/collectives.h) when it is the faster.

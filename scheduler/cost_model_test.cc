@@ -502,6 +502,40 @@ TEST(CostModelTest, OneHostCodecsShareTheHostsCores) {
   EXPECT_GT(on_one_host->stage_allreduce_s[0], 0);
 }
 
+// Activations (the pipeline's sends, tensor parallelism's all-reduces) can be given their own bandwidth inside a
+// site; gradients keep the link's.
+TEST(CostModelTest, ActivationsInsideASiteTakeTheirOwnBandwidth) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.activation_bandwidth_scale = 2;
+  Cluster doubled = c;
+  for (int a = 0; a < doubled.num_sites(); ++a) doubled.links[a][a].bandwidth_bytes_per_s *= 2;
+  Plan pp2;
+  pp2.pp = 2;
+  pp2.microbatches = {4};
+  pp2.stage_begin = {0, model.num_layers() / 2, model.num_layers()};
+  pp2.devices = {{{0}, {1}}};
+  Plan tp2;
+  tp2.tp = 2;
+  tp2.microbatches = {4};
+  tp2.stage_begin = {0, model.num_layers()};
+  tp2.devices = {{{0, 1}}};
+  for (const Plan& plan : {pp2, tp2}) {
+    absl::StatusOr<Prediction> scaled = Simulate(c, model, job, plan);
+    absl::StatusOr<Prediction> faster = Simulate(doubled, model, TinyJob(), plan);
+    absl::StatusOr<Prediction> plain = Simulate(c, model, TinyJob(), plan);
+    ASSERT_TRUE(scaled.ok() && faster.ok() && plain.ok());
+    EXPECT_DOUBLE_EQ(scaled->pipeline_time_s, faster->pipeline_time_s) << "pp " << plan.pp << " tp " << plan.tp;
+    EXPECT_LT(scaled->pipeline_time_s, plain->pipeline_time_s) << "pp " << plan.pp << " tp " << plan.tp;
+  }
+  absl::StatusOr<Prediction> dp_scaled = Simulate(c, model, job, DataParallel(model, 2, 1));
+  absl::StatusOr<Prediction> dp_plain = Simulate(c, model, TinyJob(), DataParallel(model, 2, 1));
+  ASSERT_TRUE(dp_scaled.ok() && dp_plain.ok());
+  EXPECT_GT(dp_plain->stage_allreduce_s[0], 0);
+  EXPECT_DOUBLE_EQ(dp_scaled->stage_allreduce_s[0], dp_plain->stage_allreduce_s[0]);
+}
+
 // A stream's flow-control window caps it across sites at window / round trip, whatever the link's bandwidth.
 TEST(CostModelTest, WanWindowCapsAStreamAcrossSites) {
   const Cluster c = TwoSites("RTX6000", 1, 50, 100000);

@@ -21,7 +21,8 @@ vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin)
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
            [--data fortunes|synthetic|DIR] [--steps 384] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
-           [--parts quality,cluster] [--repeats 3] [--cluster-steps 33] [--cluster-fragments 4]
+           [--quality-fragments 1] [--parts quality,cluster] [--repeats 3] [--cluster-steps 33]
+           [--cluster-fragments 4]
 """
 import argparse
 import csv
@@ -60,7 +61,8 @@ def quality(args, geotrain, data, work):
     for name, sync, h, outer in runs:
         path = os.path.join(work, f"{name}.yaml")
         with open(path, "w") as f:
-            f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h, outer=outer or (0.7, 0.9)))
+            f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h, outer=outer or (0.7, 0.9),
+                              fragments=args.quality_fragments))
         out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
         for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
             if m.group(3):
@@ -163,6 +165,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=32)
     ap.add_argument("--inner-steps", default="8,32,128")
     ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
+    ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)

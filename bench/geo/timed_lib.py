@@ -8,10 +8,14 @@ The planner's defaults describe real nodes, so before predicting, three figures 
 (one site, two devices) with jobs that no study plan is:
   - each device type's efficiency: the planner's compute time of a microbatch at efficiency 1 over what the timed
     backend waits for it (`geotrain model timed-step`);
-  - the bandwidth inside a site: bisection on --intra-site-gbps until the planner's prediction of DP2 inside the
-    site (gradients all-reduced over loopback) equals its measured step;
-  - the latency inside a site: the same on --intra-site-latency-ms for TP2 inside the site (many small
-    all-reduces), with that bandwidth;
+  - the bandwidth inside a site for gradients: bisection on --intra-site-gbps until the planner's prediction of
+    DP2 inside the site (1.4 GB of gradients all-reduced over loopback for GPT-2 medium) equals its measured step;
+  - the bandwidth inside a site for activations: the same on --intra-site-activation-gbps for TP2 inside the site
+    (many all-reduces of one microbatch's activations, 4 MB each), with that bandwidth for the rest. Messages of
+    a few MB and of hundreds of MB move at different rates per byte on loopback (docs/benchmarks/comm.md (d)):
+    fitted as one bandwidth, the TP2 job was predicted 12-30% slow at the least latency allowed (2026-12-04), and
+    the pipelines' sends, which are activations too, with it. The latency inside a site stays the planner's
+    default (0.05 ms);
   - the flow-control window of a stream across sites: the same on --wan-window-mb for DP2 across two sites over a
     1 Gbit/s link of 40 ms one way (a stream carries at most window / round trip).
 The links between sites are the topology's configured ones; nothing is fitted to a study's own runs. Every
@@ -131,6 +135,8 @@ def planner_flags(calibration):
     flags = ["--efficiency-by-device", eff, "--intra-site-gbps", f"{calibration['intra_site_gbps']:.4f}",
              "--intra-site-latency-ms", f"{calibration['intra_site_latency_ms']:.4f}", "--sites-share-one-host",
              "--grpc-collectives"]
+    if calibration.get("intra_site_activation_gbps"):
+        flags += ["--intra-site-activation-gbps", f"{calibration['intra_site_activation_gbps']:.4f}"]
     if calibration.get("wan_window_mb"):
         flags += ["--wan-window-mb", f"{calibration['wan_window_mb']:.4f}"]
     return flags
@@ -183,15 +189,16 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
             measured[name] = (spec, r["step_s"])
     finally:
         c.close()
-    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
+    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
+           "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
 
     def with_(key, value, name):
         trial = dict(cal, **{key: value})
         return predict(geotrain, topo, measured[name][0], planner_flags(trial))
     cal["intra_site_gbps"] = _bisect(lambda g: with_("intra_site_gbps", g, "dp2"), measured["dp2"][1], 0.05, 400,
                                      increasing=False)
-    cal["intra_site_latency_ms"] = _bisect(lambda ms: with_("intra_site_latency_ms", ms, "tp2"), measured["tp2"][1],
-                                           0.001, 50, increasing=True)
+    cal["intra_site_activation_gbps"] = _bisect(lambda g: with_("intra_site_activation_gbps", g, "tp2"),
+                                                measured["tp2"][1], 0.05, 400, increasing=False)
     cal["wan_window_mb"] = _bisect(lambda mb: with_("wan_window_mb", mb, "wan"), measured["wan"][1], 0.05, 2000,
                                    increasing=False)
     cal["measured"] = {name: step for name, (_, step) in measured.items()}

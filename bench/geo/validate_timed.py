@@ -4,8 +4,8 @@
 Topologies of three sites with mixed emulated GPUs (FABRIC's RTX 6000, A30 and T4), different links, and 8 to 16
 devices, brought up with `geotrain cluster up --timed-compute`. The planner is first calibrated to this machine
 on a separate profiling cluster (bench/geo/timed_lib.py: device efficiencies from the timed backend, the bandwidth
-and latency inside a site from two profiling jobs); the topologies' links are their configured ones. Per
-topology, the calibrated planner (`geotrain plan --job`, as the head plans `plan: auto`) ranks plans; its top
+inside a site for gradients and for activations from two profiling jobs); the topologies' links are their
+configured ones. Per topology, the calibrated planner (`geotrain plan --job`, as the head plans `plan: auto`) ranks plans; its top
 --top plans run, and so do DP over every device and TP inside each site x PP across the sites. For each run: the
 measured step (median of the steps after the warm-up: 12 steps skipping 3 when the step is short, 3 skipping 1
 when it is long, timed_lib.steady_steps) and the planner's prediction of that very plan
@@ -115,7 +115,9 @@ def report(rows, calibration, args, seconds):
     rho = spearman([r["predicted_s"] for r in ok], [r["step_s"] for r in ok]) if len(ok) > 2 else float("nan")
     lines = [f"EMULATED (timed compute), {args.model}, global batch 16-24 x 1024 (a multiple of the devices); calibration: "
              f"efficiency {', '.join(f'{k} {v:.3f}' for k, v in calibration['efficiency'].items())}, inside a site "
-             f"{calibration['intra_site_gbps']:.2f} Gbit/s and {calibration['intra_site_latency_ms']:.3f} ms", "",
+             f"{calibration['intra_site_gbps']:.2f} Gbit/s for gradients, "
+             f"{calibration.get('intra_site_activation_gbps') or calibration['intra_site_gbps']:.2f} Gbit/s for "
+             f"activations, {calibration['intra_site_latency_ms']:.3f} ms", "",
              "| topology | plan | measured s | predicted s | error | WAN MB/step |", "|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{100 * (r['predicted_s'] - r['step_s']) / r['step_s']:+.0f}%" if r in ok else r["state"]
