@@ -39,6 +39,13 @@ ModelCosts Costs(const std::string& preset, int seq_len) {
   return ModelCosts::FromConfig(*config, seq_len);
 }
 
+// The cluster with every site's inside bandwidth multiplied by `factor`.
+Cluster InsideBandwidthTimes(const Cluster& c, double factor) {
+  Cluster out = c;
+  for (int a = 0; a < out.num_sites(); ++a) out.links[a][a].bandwidth_bytes_per_s *= factor;
+  return out;
+}
+
 // Pure data parallelism over the first n devices, equal shares.
 Plan DataParallel(const ModelCosts& model, int n, int microbatches_per_replica) {
   Plan p;
@@ -397,8 +404,7 @@ TEST(CostModelTest, SitesSharingOneHostDivideTheBandwidthInsideASite) {
   shared.sites_share_one_host = true;
   const Plan both = DataParallel(model, 4, 1);  // devices 0, 1 in utah and 2, 3 in amsterdam
   const Plan one_site = DataParallel(model, 2, 1);
-  Cluster halved = c;
-  for (int a = 0; a < halved.num_sites(); ++a) halved.links[a][a].bandwidth_bytes_per_s /= 2;
+  const Cluster halved = InsideBandwidthTimes(c, 0.5);
 
   absl::StatusOr<Prediction> on_one_host = Simulate(c, model, shared, both);
   absl::StatusOr<Prediction> as_halved = Simulate(halved, model, TinyJob(), both);
@@ -493,8 +499,7 @@ TEST(CostModelTest, OneHostCodecsShareTheHostsCores) {
   JobOptions slow_codec = shared;
   slow_codec.codecs[0].throughput_bytes_per_s /= 2;
   shared.sites_share_one_host = true;
-  Cluster halved = c;
-  for (int a = 0; a < halved.num_sites(); ++a) halved.links[a][a].bandwidth_bytes_per_s /= 2;
+  const Cluster halved = InsideBandwidthTimes(c, 0.5);
   absl::StatusOr<Prediction> on_one_host = Simulate(c, model, shared, DataParallel(model, 4, 1));
   absl::StatusOr<Prediction> as_slow = Simulate(halved, model, slow_codec, DataParallel(model, 4, 1));
   ASSERT_TRUE(on_one_host.ok() && as_slow.ok());
@@ -509,8 +514,7 @@ TEST(CostModelTest, ActivationsInsideASiteTakeTheirOwnBandwidth) {
   const ModelCosts model = Costs("gpt2-tiny-test", 32);
   JobOptions job = TinyJob();
   job.activation_bandwidth_scale = 2;
-  Cluster doubled = c;
-  for (int a = 0; a < doubled.num_sites(); ++a) doubled.links[a][a].bandwidth_bytes_per_s *= 2;
+  const Cluster doubled = InsideBandwidthTimes(c, 2);
   Plan pp2;
   pp2.pp = 2;
   pp2.microbatches = {4};
