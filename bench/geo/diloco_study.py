@@ -7,7 +7,8 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          DiLoCo with each of --inner-steps under each outer optimizer of --outer (LR:MOMENTUM, Nesterov; int8
          pseudo-gradients are a cluster matter: the simulation averages exactly). The simulation is the cluster's
          algorithm (the stage-actor tests check that a two-site cluster run equals it); validation loss every
-         --eval-every steps. Writes diloco_quality.csv and diloco_val_loss.png.
+         --eval-every steps; every run once per initialisation seed of --seeds, with the gap to synchronous DP
+         per seed and its mean. Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
@@ -21,7 +22,8 @@ vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin)
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
            [--data fortunes|synthetic|DIR] [--steps 384] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
-           [--quality-fragments 1] [--parts quality,cluster] [--repeats 3] [--cluster-steps 33]
+           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--parts quality,cluster] [--repeats 3]
+           [--cluster-steps 33]
            [--cluster-fragments 4]
 """
 import argparse
@@ -41,11 +43,11 @@ SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
 
 
 def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
-              outer=(0.7, 0.9), fragments=1):
+              outer=(0.7, 0.9), fragments=1, lr=2.0e-3, seed=1):
     text = (f"name: {name}\nmodel: {model}\n"
             f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
-            f"train: {{global_batch: 16, seq_len: 64, steps: {steps}, lr: 2.0e-3, warmup_steps: 10, "
-            f"weight_decay: 0.1, grad_clip: 1.0, seed: 1, eval_every: {eval_every}, eval_batches: 4}}\n"
+            f"train: {{global_batch: 16, seq_len: 64, steps: {steps}, lr: {lr:g}, warmup_steps: 10, "
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: {seed}, eval_every: {eval_every}, eval_batches: 4}}\n"
             f"parallel: {{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}\n"
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":
@@ -55,26 +57,38 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
 
 
 def quality(args, geotrain, data, work):
+    """Every run under every seed of --seeds (the weights' initialisation; the tokens stay the same). Prints each
+    DiLoCo run's final validation loss against synchronous DP's of the same seed, and the mean over the seeds."""
     rows = []
     runs = [("sync-dp", "sync", 0, None)] + [(diloco_name(h, o, args.outer), "diloco", h, o)
                                               for h in args.inner_steps for o in args.outer]
-    for name, sync, h, outer in runs:
-        path = os.path.join(work, f"{name}.yaml")
-        with open(path, "w") as f:
-            f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h, outer=outer or (0.7, 0.9),
-                              fragments=args.quality_fragments))
-        out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
-        for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
-            if m.group(3):
-                rows.append({"run": name, "inner_steps": h, "outer_lr": outer[0] if outer else "",
-                             "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
-                             "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
-        final = [r for r in rows if r["run"] == name][-1]
-        print(f"quality {name}: final val loss {final['val_loss']:.4f} at step {final['step']}", flush=True)
+    for seed in args.seeds:
+        for name, sync, h, outer in runs:
+            path = os.path.join(work, f"{name}-s{seed}.yaml")
+            with open(path, "w") as f:
+                f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
+                                  outer=outer or (0.7, 0.9), fragments=args.quality_fragments, lr=args.lr, seed=seed))
+            out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
+            for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
+                if m.group(3):
+                    rows.append({"run": name, "seed": seed, "inner_steps": h, "outer_lr": outer[0] if outer else "",
+                                 "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
+                                 "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
+            final = [r for r in rows if r["run"] == name and r["seed"] == seed][-1]
+            print(f"quality {name} seed {seed}: final val loss {final['val_loss']:.4f} at step {final['step']}",
+                  flush=True)
     with open(os.path.join(args.out, "diloco_quality.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    final = {}
+    for r in rows:
+        final[(r["run"], r["seed"])] = r["val_loss"]  # the last evaluation of each run
+    for name, _, _, _ in runs[1:]:
+        gaps = [100 * (final[(name, s)] / final[("sync-dp", s)] - 1) for s in args.seeds]
+        print(f"quality {name}: final val loss vs synchronous DP " +
+              ", ".join(f"{g:+.2f}% (seed {s})" for g, s in zip(gaps, args.seeds)) +
+              f"; mean {statistics.mean(gaps):+.2f}%", flush=True)
     return rows
 
 
@@ -102,7 +116,7 @@ def cluster(args, geotrain, data, work, env):
                     path = os.path.join(work, f"cluster-{name}-{lat}.yaml")
                     with open(path, "w") as f:
                         f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h,
-                                          outer=args.outer[0], fragments=args.cluster_fragments))
+                                          outer=args.outer[0], fragments=args.cluster_fragments, lr=args.lr))
                     out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
                     steps = [(float(m.group(1)), int(m.group(2))) for m in re.finditer(
                         r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
@@ -137,13 +151,19 @@ def cluster(args, geotrain, data, work, env):
 
 
 def plot(rows, out):
+    """Validation loss per run: the mean over the seeds at each evaluated step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    seeds = sorted({r["seed"] for r in rows})
     plt.figure(figsize=(7, 4))
     for name in dict.fromkeys(r["run"] for r in rows):
-        pts = [(r["step"], r["val_loss"]) for r in rows if r["run"] == name]
-        plt.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name)
+        steps = sorted({r["step"] for r in rows if r["run"] == name})
+        mean = [statistics.mean(r["val_loss"] for r in rows if r["run"] == name and r["step"] == step)
+                for step in steps]
+        own = sorted({r["seed"] for r in rows if r["run"] == name})
+        note = f" (mean of {len(own)} seeds)" if len(own) > 1 else f" (seed {own[0]})"
+        plt.plot(steps, mean, marker=".", label=name + (note if len(seeds) > 1 else ""))
     plt.xlabel("step")
     plt.ylabel("validation loss")
     plt.title("4 replicas in 2 sites: synchronous DP vs DiLoCo (same tokens)", fontsize=10)
@@ -166,6 +186,8 @@ def main():
     ap.add_argument("--inner-steps", default="8,32,128")
     ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
     ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
+    ap.add_argument("--seeds", default="1", help="initialisation seeds of the quality runs, comma-separated")
+    ap.add_argument("--lr", type=float, default=2.0e-3, help="inner (and synchronous) AdamW learning rate")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
@@ -175,6 +197,7 @@ def main():
     ap.add_argument("--cluster-fragments", type=int, default=4)
     args = ap.parse_args()
     args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
     args.outer = [tuple(float(v) for v in o.split(":")) for o in args.outer.split(",")]
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)

@@ -18,11 +18,15 @@ The planner's defaults describe real nodes, so before predicting, three figures 
     default (0.05 ms);
   - the flow-control window of a stream across sites: the same on --wan-window-mb for DP2 across two sites over a
     1 Gbit/s link of 40 ms one way (a stream carries at most window / round trip).
-The links between sites are the topology's configured ones; nothing is fitted to a study's own runs. Every
-prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide the
-bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same two
-cores) and that collectives are gRPC rings (`--grpc-collectives`: data parallelism is one flat ring, as the runtime
-runs it without NCCL). Without the first, the planner predicted half the measured step of TP inside both sites x PP
+bench/geo/validate_timed.py fits the two bandwidths inside a site again on each topology's own cluster before its
+plans run (refit_inside_site: the same DP2 and TP2 jobs, on two devices of its first site), since this host drifts
+between spells of minutes. The links between sites are the topology's configured ones; nothing is fitted to a
+study's own runs (the profiling jobs are none of the plans studied).
+
+Every prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide
+the bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same
+two cores) and that collectives are gRPC rings (`--grpc-collectives`: data parallelism is one flat ring, as the
+runtime runs it without NCCL). Without the first, the planner predicted half the measured step of TP inside both sites x PP
 (GPT-2 medium: 7.5 s vs 15.0 s) and a tenth of DP over 16 devices.
 """
 import json
@@ -154,6 +158,39 @@ def _bisect(f, target, lo, hi, increasing, iterations=18):
     return (lo * hi) ** 0.5
 
 
+def _inside_site_jobs(site):
+    """The profiling jobs inside one site: (name, parallel, expected step s)."""
+    return (("dp2", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: %s}, "
+                    "{replica: 1, stage: 0, site: %s}]}" % (site, site), 2),
+            ("tp2", "{plan: manual, tp: 2, microbatches: 8, placement: [{replica: 0, stage: 0, tp_rank: 0, "
+                    "site: %s}, {replica: 0, stage: 0, tp_rank: 1, site: %s}]}" % (site, site), 10))
+
+
+def _run_profiling_jobs(cluster, work, data, model, jobs, steps, timeout, tag):
+    """Runs (name, parallel, expected s) jobs on the cluster; returns {name: (spec, measured step s)}."""
+    measured = {}
+    for name, parallel, expected_s in jobs:
+        spec = os.path.join(work, f"calib-{tag}-{name}.yaml")
+        run_steps, warmup = steady_steps(expected_s)
+        write_job(spec, f"calib-{tag}-{name}", model, data, parallel, max(steps, run_steps), 16)
+        r = run_job(cluster, spec, timeout, warmup)
+        if r["state"] != "SUCCEEDED":
+            raise RuntimeError(f"calibration job {name} ended {r['state']}: {r['message']}")
+        measured[name] = (spec, r["step_s"])
+    return measured
+
+
+def _fit(geotrain, topo, cal, key, spec, target, hi):
+    """Bisection on cal[key] until the planner's prediction of spec on topo equals target seconds."""
+    return _bisect(lambda v: predict(geotrain, topo, spec, planner_flags(dict(cal, **{key: v}))), target, 0.05, hi,
+                   increasing=False)
+
+
+def _fit_inside_site(geotrain, topo, cal, measured):
+    cal["intra_site_gbps"] = _fit(geotrain, topo, cal, "intra_site_gbps", *measured["dp2"], 400)
+    cal["intra_site_activation_gbps"] = _fit(geotrain, topo, cal, "intra_site_activation_gbps", *measured["tp2"], 400)
+
+
 def calibrate(geotrain, cluster_up, work, data, model, device_types, device, steps, timeout):
     """Fits the planner to this machine (see the module's comment). cluster_up(topology) -> a ClusterUp."""
     efficiency = {}
@@ -170,38 +207,35 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
         efficiency[d] = at_one / waited
     topo = os.path.join(work, "calib.yaml")
     write_topology(topo, [("calib", [(device, 2)]), ("far", [(device, 1)])], [("calib", "far", CALIBRATION_WAN_MS, 1000)])
-    measured = {}
+    jobs = _inside_site_jobs("calib") + (
+        ("wan", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
+                "{replica: 1, stage: 0, site: far}]}", 2),)
     c = cluster_up(topo)
     try:
-        for name, parallel, expected_s in (
-                ("dp2", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
-                        "{replica: 1, stage: 0, site: calib}]}", 2),
-                ("tp2", "{plan: manual, tp: 2, microbatches: 8, placement: [{replica: 0, stage: 0, tp_rank: 0, "
-                        "site: calib}, {replica: 0, stage: 0, tp_rank: 1, site: calib}]}", 10),
-                ("wan", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
-                        "{replica: 1, stage: 0, site: far}]}", 2)):
-            spec = os.path.join(work, f"calib-{name}.yaml")
-            run_steps, warmup = steady_steps(expected_s)
-            write_job(spec, f"calib-{name}", model, data, parallel, max(steps, run_steps), 16)
-            r = run_job(c, spec, timeout, warmup)
-            if r["state"] != "SUCCEEDED":
-                raise RuntimeError(f"calibration job {name} ended {r['state']}: {r['message']}")
-            measured[name] = (spec, r["step_s"])
+        measured = _run_profiling_jobs(c, work, data, model, jobs, steps, timeout, "profile")
     finally:
         c.close()
     cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
            "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
-
-    def with_(key, value, name):
-        trial = dict(cal, **{key: value})
-        return predict(geotrain, topo, measured[name][0], planner_flags(trial))
-    cal["intra_site_gbps"] = _bisect(lambda g: with_("intra_site_gbps", g, "dp2"), measured["dp2"][1], 0.05, 400,
-                                     increasing=False)
-    cal["intra_site_activation_gbps"] = _bisect(lambda g: with_("intra_site_activation_gbps", g, "tp2"),
-                                                measured["tp2"][1], 0.05, 400, increasing=False)
-    cal["wan_window_mb"] = _bisect(lambda mb: with_("wan_window_mb", mb, "wan"), measured["wan"][1], 0.05, 2000,
-                                   increasing=False)
+    _fit_inside_site(geotrain, topo, cal, measured)
+    cal["wan_window_mb"] = _fit(geotrain, topo, cal, "wan_window_mb", *measured["wan"], 2000)
     cal["measured"] = {name: step for name, (_, step) in measured.items()}
+    cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
+                                  for name, (spec, _) in measured.items()}
+    return cal
+
+
+def refit_inside_site(geotrain, cluster, topo, site, work, data, model, steps, timeout, calibration):
+    """The calibration with the bandwidths inside a site refitted on a study's own cluster, just before its plans
+    run: the DP2 and TP2 profiling jobs on two devices of `site` (the efficiencies and the window across sites
+    stay). This host's loopback throughput drifts by up to a third between spells of a few minutes (DP2: 2.29 s
+    and 3.38 s per step half an hour apart, 2026-12-04), and a cluster of 8-16 worker processes is not the
+    profiling cluster of 3: a calibration taken on the cluster under test, minutes before its plans, follows both."""
+    measured = _run_profiling_jobs(cluster, work, data, model, _inside_site_jobs(site), steps, timeout,
+                                   os.path.basename(topo))
+    cal = dict(calibration)
+    _fit_inside_site(geotrain, topo, cal, measured)
+    cal["measured"] = dict(calibration.get("measured", {}), **{name: step for name, (_, step) in measured.items()})
     cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
                                   for name, (spec, _) in measured.items()}
     return cal
