@@ -59,7 +59,7 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
 def quality(args, geotrain, data, work):
     """Every run under every seed of --seeds (the weights' initialisation; the tokens stay the same). Prints each
     DiLoCo run's final validation loss against synchronous DP's of the same seed, and the mean over the seeds."""
-    rows = []
+    rows, final = [], {}
     runs = [("sync-dp", "sync", 0, None)] + [(diloco_name(h, o, args.outer), "diloco", h, o)
                                               for h in args.inner_steps for o in args.outer]
     for seed in args.seeds:
@@ -74,16 +74,16 @@ def quality(args, geotrain, data, work):
                     rows.append({"run": name, "seed": seed, "inner_steps": h, "outer_lr": outer[0] if outer else "",
                                  "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
                                  "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
-            final = [r for r in rows if r["run"] == name and r["seed"] == seed][-1]
-            print(f"quality {name} seed {seed}: final val loss {final['val_loss']:.4f} at step {final['step']}",
-                  flush=True)
+            if not rows or (rows[-1]["run"], rows[-1]["seed"]) != (name, seed):
+                raise RuntimeError(f"quality {name} seed {seed}: no validation loss in the output of {path}:\n"
+                                   f"{out[-2000:]}")
+            final[(name, seed)] = rows[-1]["val_loss"]  # its last evaluation
+            print(f"quality {name} seed {seed}: final val loss {rows[-1]['val_loss']:.4f} at step "
+                  f"{rows[-1]['step']}", flush=True)
     with open(os.path.join(args.out, "diloco_quality.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    final = {}
-    for r in rows:
-        final[(r["run"], r["seed"])] = r["val_loss"]  # the last evaluation of each run
     for name, _, _, _ in runs[1:]:
         gaps = [100 * (final[(name, s)] / final[("sync-dp", s)] - 1) for s in args.seeds]
         print(f"quality {name}: final val loss vs synchronous DP " +

@@ -26,8 +26,8 @@ study's own runs (the profiling jobs are none of the plans studied).
 Every prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide
 the bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same
 two cores) and that collectives are gRPC rings (`--grpc-collectives`: data parallelism is one flat ring, as the
-runtime runs it without NCCL). Without the first, the planner predicted half the measured step of TP inside both sites x PP
-(GPT-2 medium: 7.5 s vs 15.0 s) and a tenth of DP over 16 devices.
+runtime runs it without NCCL). Without the first, the planner predicted half the measured step of TP inside both
+sites x PP (GPT-2 medium: 7.5 s vs 15.0 s) and a tenth of DP over 16 devices.
 """
 import json
 import os
@@ -186,6 +186,15 @@ def _fit(geotrain, topo, cal, key, spec, target, hi):
                    increasing=False)
 
 
+def _with_fit_record(geotrain, topo, cal, measured):
+    """cal with what its profiling jobs measured (added to any earlier record) and the fitted planner's predictions
+    of them."""
+    cal["measured"] = dict(cal.get("measured", {}), **{name: step for name, (_, step) in measured.items()})
+    cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
+                                  for name, (spec, _) in measured.items()}
+    return cal
+
+
 def _fit_inside_site(geotrain, topo, cal, measured):
     cal["intra_site_gbps"] = _fit(geotrain, topo, cal, "intra_site_gbps", *measured["dp2"], 400)
     cal["intra_site_activation_gbps"] = _fit(geotrain, topo, cal, "intra_site_activation_gbps", *measured["tp2"], 400)
@@ -219,10 +228,7 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
            "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
     _fit_inside_site(geotrain, topo, cal, measured)
     cal["wan_window_mb"] = _fit(geotrain, topo, cal, "wan_window_mb", *measured["wan"], 2000)
-    cal["measured"] = {name: step for name, (_, step) in measured.items()}
-    cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
-                                  for name, (spec, _) in measured.items()}
-    return cal
+    return _with_fit_record(geotrain, topo, cal, measured)
 
 
 def refit_inside_site(geotrain, cluster, topo, site, work, data, model, steps, timeout, calibration):
@@ -235,7 +241,4 @@ def refit_inside_site(geotrain, cluster, topo, site, work, data, model, steps, t
                                    os.path.basename(topo))
     cal = dict(calibration)
     _fit_inside_site(geotrain, topo, cal, measured)
-    cal["measured"] = dict(calibration.get("measured", {}), **{name: step for name, (_, step) in measured.items()})
-    cal["predicted_after_fit"] = {name: predict(geotrain, topo, spec, planner_flags(cal))
-                                  for name, (spec, _) in measured.items()}
-    return cal
+    return _with_fit_record(geotrain, topo, cal, measured)

@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--topologies", default="t8,t12,t16")
     ap.add_argument("--job-timeout", type=float, default=1200)
     ap.add_argument("--no-refit", action="store_true",
-                    help="predict every topology with the profiling cluster's calibration (no refit on its own cluster)")
+                    help="predict every topology with the profiling cluster's calibration (no refit on its cluster)")
     args = ap.parse_args()
 
     def up(topology):
@@ -115,13 +115,13 @@ def main():
                 print(f"EMULATED [{time.monotonic() - started:6.0f} s] " + json.dumps(row), flush=True)
         finally:
             c.close()
-    with open(args.out + "-calibration.json", "w") as f:
-        json.dump({"profiling_cluster": calibration, "refitted_per_topology": refits}, f, indent=1)
     report(rows, calibration, refits, args, time.monotonic() - started)
 
 
 def report(rows, calibration, refits, args, seconds):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + "-calibration.json", "w") as f:
+        json.dump({"profiling_cluster": calibration, "refitted_per_topology": refits}, f, indent=1)
     fields = ["topology", "plan", "state", "step_s", "predicted_s", "compute_s", "comm_wait_s", "wan_mb", "wall_s",
               "parallel", "message"]
     with open(args.out + ".csv", "w", newline="") as f:
