@@ -26,7 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "comm/tensor_chunks.h"
-#include "common/rpc.h"  // FromGrpc, ToGrpc
+#include "common/rpc.h"  // FromGrpc, ToGrpc, SetReconnectBackoff
 #include "common/status.h"
 #include "tensor.grpc.pb.h"
 #include "tensor.pb.h"
@@ -692,11 +692,9 @@ std::unique_ptr<TensorStreamClient::Stream> TensorStreamClient::TakeStream(const
     // A separate connection per client object (not shared through gRPC's global subchannel pool), so that
     // benchmarks and tests with several endpoints in one process behave like separate processes.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    // After a link outage the connection comes back within a second of the link (gRPC's default backoff
-    // grows to two minutes): senders retry until their deadline (comm/communicator.h).
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    // After a link outage the connection comes back within a second of the link: senders retry until their
+    // deadline (comm/communicator.h).
+    SetReconnectBackoff(&args, /*initial_backoff_ms=*/200, /*max_backoff_ms=*/1000);
     ApplyTransportOptions(options_, &args);
     peer.channel = grpc::CreateCustomChannel(
         address, options_.channel_credentials ? options_.channel_credentials : grpc::InsecureChannelCredentials(),

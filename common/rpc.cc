@@ -167,16 +167,19 @@ TlsFiles TlsFromFlagsOrEnvironment(const TlsFiles& flags) {
   return flags;
 }
 
+void SetReconnectBackoff(grpc::ChannelArguments* args, int initial_backoff_ms, int max_backoff_ms) {
+  args->SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, initial_backoff_ms);
+  args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, max_backoff_ms);
+  args->SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kMinConnectTimeoutMs);
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls) {
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  // Reconnect quickly after a peer restarts (the default backoff grows to two minutes).
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  SetReconnectBackoff(&args, /*initial_backoff_ms=*/200, /*max_backoff_ms=*/2000);
   args.SetMaxReceiveMessageSize(64 << 20);
   return grpc::CreateCustomChannel(address, creds, args);
 }

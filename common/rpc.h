@@ -86,6 +86,16 @@ TlsFiles TlsFromFlagsOrEnvironment(const TlsFiles& flags);
 // A channel to `address` with keepalive settings suited to long-lived control streams.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, const TlsFiles& tls);
 
+// How long one connection attempt (TCP connect, TLS handshake, HTTP/2 SETTINGS) may take. gRPC takes it from
+// GRPC_ARG_MIN_RECONNECT_BACKOFF_MS (doc/connection-backoff.md: an attempt gets max(backoff, this)), so a small
+// "min backoff" also cuts every handshake short: at 200 ms a TLS connection across a 100 ms link, or to a loaded
+// head under ASan, timed out before its SETTINGS frame, and a fail-fast call then failed at once.
+inline constexpr int kMinConnectTimeoutMs = 5000;
+// Reconnects quickly after a peer restarts or a link comes back (gRPC's default backoff grows to two minutes):
+// the first retry after initial_backoff_ms, later ones at most max_backoff_ms apart, and each attempt allowed
+// kMinConnectTimeoutMs. A refused or reset connection fails at once, so this bounds only silent peers.
+void SetReconnectBackoff(grpc::ChannelArguments* args, int initial_backoff_ms, int max_backoff_ms);
+
 // The one conversion between gRPC and absl statuses (their codes are the same numbers). FromGrpc prefixes
 // the message with `context` when one is given ("context: message").
 absl::Status FromGrpc(const grpc::Status& status, absl::string_view context = {});

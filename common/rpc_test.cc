@@ -1,13 +1,22 @@
-// Token resolution order, the cluster record, atomic writes with their mode, the token check and the status
-// conversion.
+// Token resolution order, the cluster record, atomic writes with their mode, the token check, the status
+// conversion and how long a channel's connection attempt may take.
 #include "common/rpc.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/server_posix.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
+
+#include "absl/strings/str_cat.h"
 
 namespace geotrain {
 namespace {
@@ -120,6 +129,51 @@ TEST_F(RpcTest, TlsNeedsCertAndKey) {
 }
 
 // The one token check (TokenAuth and the tensor streams): equal and non-empty, nothing else.
+// A peer that answers the HTTP/2 handshake late (a TLS handshake across a 100 ms link, a head loaded under ASan) is
+// connected on the first attempt: the channel never passes through TRANSIENT_FAILURE, where a fail-fast call fails at
+// once. The peer here is a listening socket accepted only after kLate, then handed to a real gRPC server. With the
+// minimum connect timeout at 200 ms, as it was, the attempt was cut after 200 ms.
+TEST(ChannelTest, LateHandshakeConnectsOnTheFirstAttempt) {
+  constexpr auto kLate = std::chrono::milliseconds(1500);
+  static_assert(kLate < std::chrono::milliseconds(kMinConnectTimeoutMs));
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  auto channel = MakeChannel(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), TlsFiles{});
+  ASSERT_TRUE(channel.ok()) << channel.status();
+
+  // The kernel completes the TCP handshake; the client's HTTP/2 preface waits unanswered until the accept.
+  bool saw_failure = false;
+  const auto answer_at = std::chrono::system_clock::now() + kLate;
+  grpc_connectivity_state state = (*channel)->GetState(/*try_to_connect=*/true);
+  while (std::chrono::system_clock::now() < answer_at) {
+    saw_failure |= state == GRPC_CHANNEL_TRANSIENT_FAILURE;
+    (*channel)->WaitForStateChange(state, answer_at);
+    state = (*channel)->GetState(false);
+  }
+  saw_failure |= state == GRPC_CHANNEL_TRANSIENT_FAILURE;
+  EXPECT_FALSE(saw_failure) << "the connection attempt was given up before the peer answered";
+  EXPECT_EQ(state, GRPC_CHANNEL_CONNECTING);
+
+  grpc::CallbackGenericService service;  // answers UNIMPLEMENTED; the handshake is what counts
+  grpc::ServerBuilder builder;
+  builder.RegisterCallbackGenericService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const int fd = ::accept(listener, nullptr, nullptr);
+  ASSERT_GE(fd, 0);
+  grpc::AddInsecureChannelFromFd(server.get(), fd);
+  EXPECT_TRUE((*channel)->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5)));
+  server->Shutdown();
+  ::close(listener);
+}
+
 TEST(TokenMatchesTest, OnlyTheSameNonEmptyTokenMatches) {
   EXPECT_TRUE(TokenMatches("abc", "abc"));
   EXPECT_FALSE(TokenMatches("abd", "abc"));

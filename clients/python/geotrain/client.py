@@ -84,9 +84,11 @@ class Client:
         self.endpoint = resolve_head(head, token, token_file)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        # As the C++ channels (common/rpc.h SetReconnectBackoff): retries 200 ms to 2 s apart, and each connection
+        # attempt (TCP, TLS, HTTP/2 SETTINGS) allowed 5 s, which gRPC takes from min_reconnect_backoff_ms.
         options = [("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.initial_reconnect_backoff_ms", 200),
-                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
+                   ("grpc.min_reconnect_backoff_ms", 5000), ("grpc.max_reconnect_backoff_ms", 2000),
                    ("grpc.max_receive_message_length", 64 << 20)]
         if tls_ca:
             with open(tls_ca, "rb") as f:
