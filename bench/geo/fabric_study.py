@@ -20,6 +20,9 @@ communication (gRPC, codecs, the WAN emulator) really runs, on this machine's co
 
 Usage: /usr/bin/python3 bench/geo/fabric_study.py [--geotrain build/bin/geotrain] [--out docs/geo/fabric]
            [--models gpt2-medium,gpt2-large] [--rtt-ms 0,10,30,103] [--plans dp,pp,dpxpp,tpxpp,auto] [--steps 3]
+           [--calibration docs/geo/fabric-calibration.json]
+--calibration reuses a calibration this script wrote instead of profiling again (about 4 minutes), for a quick
+rerun of some plans; the plans run in the order given, all of one round trip on one cluster.
 """
 import argparse
 import csv
@@ -164,17 +167,22 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="steps of the calibration's jobs, at least")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--job-timeout", type=float, default=1200)
+    ap.add_argument("--calibration", help="a calibration JSON this script wrote (skips profiling)")
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="geotrain_fabric_")
     data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
     started = time.monotonic()
-    calibration = timed_lib.calibrate(args.geotrain, lambda t: cluster_up(args.geotrain, t), work, data,
-                                      args.models.split(",")[0], [args.device], args.device, args.steps,
-                                      args.job_timeout)
+    if args.calibration:
+        calibration = timed_lib.load_calibration(args.calibration)
+    else:
+        calibration = timed_lib.calibrate(args.geotrain, lambda t: cluster_up(args.geotrain, t), work, data,
+                                          args.models.split(",")[0], [args.device], args.device, args.steps,
+                                          args.job_timeout)
     print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
-    with open(args.out + "-calibration.json", "w") as f:
-        json.dump(calibration, f, indent=1)
+    if not args.calibration:
+        with open(args.out + "-calibration.json", "w") as f:
+            json.dump(calibration, f, indent=1)
     flags = timed_lib.planner_flags(calibration)
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",")]:

@@ -146,6 +146,17 @@ def planner_flags(calibration):
     return flags
 
 
+def load_calibration(path):
+    """A calibration that calibrate() fitted and a script wrote as JSON, checked for what planner_flags needs."""
+    with open(path) as f:
+        cal = json.load(f)
+    missing = [k for k in ("efficiency", "intra_site_gbps", "intra_site_latency_ms") if k not in cal]
+    if missing or not isinstance(cal.get("efficiency"), dict) or not cal["efficiency"]:
+        raise SystemExit(f"{path}: not a calibration (missing {', '.join(missing) or 'efficiency by device'}); "
+                         "give a -calibration.json that fabric_study.py or validate_timed.py wrote")
+    return cal
+
+
 def _bisect(f, target, lo, hi, increasing, iterations=18):
     """x in [lo, hi] (geometric bisection) with f(x) = target; f monotonic."""
     for _ in range(iterations):
