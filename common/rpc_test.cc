@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 
@@ -128,7 +129,6 @@ TEST_F(RpcTest, TlsNeedsCertAndKey) {
   EXPECT_TRUE(MakeServerCredentials(TlsFiles{}).ok());
 }
 
-// The one token check (TokenAuth and the tensor streams): equal and non-empty, nothing else.
 // A peer that answers the HTTP/2 handshake late (a TLS handshake across a 100 ms link, a head loaded under ASan) is
 // connected on the first attempt: the channel never passes through TRANSIENT_FAILURE, where a fail-fast call fails at
 // once. The peer here is a listening socket accepted only after kLate, then handed to a real gRPC server. With the
@@ -138,6 +138,7 @@ TEST(ChannelTest, LateHandshakeConnectsOnTheFirstAttempt) {
   static_assert(kLate < std::chrono::milliseconds(kMinConnectTimeoutMs));
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(listener, 0);
+  const std::unique_ptr<const int, void (*)(const int*)> close_listener(&listener, [](const int* fd) { ::close(*fd); });
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -171,9 +172,9 @@ TEST(ChannelTest, LateHandshakeConnectsOnTheFirstAttempt) {
   grpc::AddInsecureChannelFromFd(server.get(), fd);
   EXPECT_TRUE((*channel)->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5)));
   server->Shutdown();
-  ::close(listener);
 }
 
+// The one token check (TokenAuth and the tensor streams): equal and non-empty, nothing else.
 TEST(TokenMatchesTest, OnlyTheSameNonEmptyTokenMatches) {
   EXPECT_TRUE(TokenMatches("abc", "abc"));
   EXPECT_FALSE(TokenMatches("abd", "abc"));

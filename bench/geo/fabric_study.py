@@ -28,6 +28,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -170,19 +171,25 @@ def main():
     ap.add_argument("--calibration", help="a calibration JSON this script wrote (skips profiling)")
     args = ap.parse_args()
 
+    loaded = timed_lib.load_calibration(args.calibration) if args.calibration else None
     work = tempfile.mkdtemp(prefix="geotrain_fabric_")
+    try:
+        study(args, work, loaded)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def study(args, work, calibration):
+    """Calibrates (unless given a calibration), runs every plan at every round trip and writes the report."""
     data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
     started = time.monotonic()
-    if args.calibration:
-        calibration = timed_lib.load_calibration(args.calibration)
-    else:
+    if calibration is None:
         calibration = timed_lib.calibrate(args.geotrain, lambda t: cluster_up(args.geotrain, t), work, data,
                                           args.models.split(",")[0], [args.device], args.device, args.steps,
                                           args.job_timeout)
-    print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
-    if not args.calibration:
         with open(args.out + "-calibration.json", "w") as f:
             json.dump(calibration, f, indent=1)
+    print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
     flags = timed_lib.planner_flags(calibration)
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",")]:

@@ -147,13 +147,18 @@ def planner_flags(calibration):
 
 
 def load_calibration(path):
-    """A calibration that calibrate() fitted and a script wrote as JSON, checked for what planner_flags needs."""
-    with open(path) as f:
-        cal = json.load(f)
-    missing = [k for k in ("efficiency", "intra_site_gbps", "intra_site_latency_ms") if k not in cal]
+    """A calibration that calibrate() fitted and fabric_study.py wrote as JSON, checked for what planner_flags
+    needs. Exits with a message naming the file when it cannot be read or is not one."""
+    hint = "give the -calibration.json that fabric_study.py wrote (docs/geo/fabric-calibration.json)"
+    try:
+        with open(path) as f:
+            cal = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read a calibration ({e}); {hint}")
+    missing = [k for k in ("efficiency", "intra_site_gbps", "intra_site_latency_ms")
+               if not isinstance(cal, dict) or k not in cal]
     if missing or not isinstance(cal.get("efficiency"), dict) or not cal["efficiency"]:
-        raise SystemExit(f"{path}: not a calibration (missing {', '.join(missing) or 'efficiency by device'}); "
-                         "give a -calibration.json that fabric_study.py or validate_timed.py wrote")
+        raise SystemExit(f"{path}: not a calibration (missing {', '.join(missing) or 'efficiency by device'}); {hint}")
     return cal
 
 

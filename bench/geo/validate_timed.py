@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,6 +78,14 @@ def main():
         return ClusterUp(args.geotrain, topology, prefix="geotrain_validate_timed_", up_args=["--timed-compute"])
 
     work = tempfile.mkdtemp(prefix="geotrain_validate_timed_")
+    try:
+        validate(args, work, up)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def validate(args, work, up):
+    """Calibrates, then runs each topology's plans on its own cluster (after the refit) and writes the report."""
     data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
     started = time.monotonic()
     calibration = timed_lib.calibrate(args.geotrain, up, work, data, args.model, ["RTX6000", "A30", "T4"],
