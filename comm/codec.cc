@@ -169,7 +169,11 @@ absl::StatusOr<const uint8_t*> RawPayload(const Header& h, absl::Span<const uint
 
 absl::Status CheckTopK(const uint8_t* raw, const Header& h, uint64_t* k_out) {
   const uint64_t k = Get<uint64_t>(raw);
-  if (k * 8 + 8 != h.raw_bytes) return absl::DataLossError("top-k count does not match its payload size");
+  // ReadHeader checked raw_bytes >= 8 and (raw_bytes - 8) % 8 == 0; compared by division, as k * 8 may wrap.
+  if (k != (h.raw_bytes - 8) / 8) {
+    return absl::DataLossError(absl::StrCat("top-k count ", k, " does not match its payload of ", h.raw_bytes,
+                                            " bytes (8 + 8 per kept element)"));
+  }
   const uint8_t* indices = raw + 8;
   uint64_t previous = 0;
   for (uint64_t j = 0; j < k; ++j) {

@@ -340,6 +340,17 @@ TEST(CodecCorruption, ForgedHeadersWithValidChecksumsAreRejected) {
   std::memcpy(bad.data() + 40, &k, 8);
   reseal(bad);
   EXPECT_EQ(DecodeTensor(bad, absl::MakeSpan(out)).code(), absl::StatusCode::kDataLoss);
+  // A k whose 8 * k wraps to the payload's size (the fuzzer's find: the check compared 8 * k + 8, and decode
+  // then read indices past the payload; ASan reports the overread).
+  bad = forged;
+  uint64_t kept = 0;
+  std::memcpy(&kept, bad.data() + 40, 8);
+  const uint64_t wrapped = kept + (uint64_t{1} << 61);
+  std::memcpy(bad.data() + 40, &wrapped, 8);
+  reseal(bad);
+  const absl::Status wraps = DecodeTensor(bad, absl::MakeSpan(out));
+  EXPECT_EQ(wraps.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(wraps.message()), ::testing::HasSubstr("does not match its payload"));
   // An element count far beyond the payload.
   Bytes int8_wire;
   ASSERT_TRUE(EncodeTensor(MustParse("int8"), input, &int8_wire).ok());

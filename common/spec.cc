@@ -377,6 +377,15 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateLinkFigures(std::string_view what, double latency_ms, double bandwidth_mbps, double jitter_ms) {
+  const SpecLimits& l = kSpecLimits;
+  const absl::string_view link(what.data(), what.size());
+  // CheckRange's comparisons are false for NaN, so NaN is refused too.
+  RETURN_IF_ERROR(CheckRange(link, "latency_ms", latency_ms, 0.0, l.max_link_latency_ms));
+  RETURN_IF_ERROR(CheckRange(link, "bandwidth_mbps", bandwidth_mbps, 0.0, l.max_link_bandwidth_mbps));
+  return CheckRange(link, "jitter_ms", jitter_ms, 0.0, l.max_link_latency_ms);
+}
+
 absl::Status ValidateTopology(Topology* topology) {
   if (topology->sites_size() == 0) {
     return absl::InvalidArgumentError("topology: no sites; list at least one under 'sites'");
@@ -429,14 +438,8 @@ absl::Status ValidateTopology(Topology* topology) {
       return absl::InvalidArgumentError(
           absl::StrCat("topology: link ", link.a(), "-", link.b(), " joins a site to itself"));
     }
-    if (link.latency_ms() < 0 || link.bandwidth_mbps() < 0 || link.jitter_ms() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(),
-                                                     ": latency, bandwidth and jitter must not be negative"));
-    }
-    const std::string name = absl::StrCat("link ", link.a(), "-", link.b());
-    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat(name, ": latency_ms"), link.latency_ms(), 0.0, 1e5));
-    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat(name, ": bandwidth_mbps"), link.bandwidth_mbps(), 0.0, 1e9));
-    RETURN_IF_ERROR(CheckRange("topology", absl::StrCat(name, ": jitter_ms"), link.jitter_ms(), 0.0, 1e5));
+    RETURN_IF_ERROR(ValidateLinkFigures(absl::StrCat("topology: link ", link.a(), "-", link.b()), link.latency_ms(),
+                                        link.bandwidth_mbps(), link.jitter_ms()));
     auto key = std::minmax(link.a(), link.b());
     if (!seen.insert({key.first, key.second}).second) {
       return absl::InvalidArgumentError(absl::StrCat("topology: link ", link.a(), "-", link.b(), " appears twice"));

@@ -53,8 +53,16 @@ struct SpecLimits {
   int32_t max_sites = 1024;        // topology
   int32_t max_workers_per_site = 1 << 16;
   int32_t max_devices_per_worker = 1024;
+  double max_link_latency_ms = 1e5;      // a link's latency_ms and jitter_ms (100 s)
+  double max_link_bandwidth_mbps = 1e9;  // a link's bandwidth_mbps (1 Pbit/s; 0 = no cap)
 };
 inline constexpr SpecLimits kSpecLimits;
+
+// Checks one link's figures against kSpecLimits: each finite, not negative, latency and jitter at most
+// max_link_latency_ms, bandwidth at most max_link_bandwidth_mbps. `what` names the link in the error
+// ("topology: link a-b"). Used for topology files and for the WAN emulator's `set` command, so both accept
+// the same figures.
+absl::Status ValidateLinkFigures(std::string_view what, double latency_ms, double bandwidth_mbps, double jitter_ms);
 
 // Makes the spec's relative paths (data.train, data.val, checkpoint.dir, checkpoint.resume_from) absolute
 // against `base_dir`, an absolute directory (the submitting client's working directory): workers may run

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/log.h"
+#include "common/spec.h"
 #include "common/status.h"
 #include "netem/delay_line.h"
 #include "netem/strings.h"
@@ -77,10 +78,11 @@ struct LinkDirection {
     if (options.max_buffer_bytes > 0) {
       max_buffer_bytes = std::max(options.max_buffer_bytes, chunk_bytes);
     } else if (rate > 0) {
+      // Clamped as a double before the conversion: a fast, long link's product can exceed int64.
       const double delay_s = (p.latency_ms + p.jitter_ms) / 1000;
-      max_buffer_bytes =
-          std::clamp<int64_t>(static_cast<int64_t>(1.25 * rate * delay_s) + bucket.burst_bytes() + 2 * chunk_bytes,
-                              kMinBufferBytes, kMaxBufferBytes);
+      const double wanted = 1.25 * rate * delay_s + static_cast<double>(bucket.burst_bytes() + 2 * chunk_bytes);
+      max_buffer_bytes = static_cast<int64_t>(
+          std::clamp(wanted, static_cast<double>(kMinBufferBytes), static_cast<double>(kMaxBufferBytes)));
     } else {
       max_buffer_bytes = kUncappedBufferBytes;
     }
@@ -529,10 +531,8 @@ class Emulator::Impl {
   }
 
   absl::Status SetLinkParams(std::string_view src, std::string_view dst, const LinkParams& params, bool both) {
-    if (params.latency_ms < 0 || params.bandwidth_mbps < 0 || params.jitter_ms < 0) {
-      return absl::InvalidArgumentError(
-          "latency_ms, bandwidth_mbps and jitter_ms must not be negative (bandwidth 0 = no cap)");
-    }
+    RETURN_IF_ERROR(ValidateLinkFigures(absl::StrCat("netem: link ", ToAbsl(src), "-", ToAbsl(dst)), params.latency_ms,
+                                        params.bandwidth_mbps, params.jitter_ms));
     return RunOnLoop([&]() -> absl::Status {
       ASSIGN_OR_RETURN(auto pair, FindLink(src, dst));
       const TimePoint now = SteadyClock::now();
@@ -791,10 +791,8 @@ absl::StatusOr<std::unique_ptr<Emulator>> Emulator::Create(const Topology& topol
                                                      " is not between two known sites; load the "
                                                      "topology with LoadTopologyFile, which validates it"));
     }
-    if (link.latency_ms() < 0 || link.bandwidth_mbps() < 0 || link.jitter_ms() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topology link ", link.a(), "-", link.b(), ": figures must not be negative"));
-    }
+    RETURN_IF_ERROR(ValidateLinkFigures(absl::StrCat("topology link ", link.a(), "-", link.b()), link.latency_ms(),
+                                        link.bandwidth_mbps(), link.jitter_ms()));
     links.insert(std::minmax(link.a(), link.b()));
   }
   if (routes.empty()) {

@@ -407,6 +407,36 @@ TEST(EmulatorTest, ControlPortCommandsAndStats) {
   CloseFd(server);
 }
 
+// `set` accepts the figures a topology file may hold, no more. Regression: the fuzzer's
+// "set b a latency_ms=01e9" then "set a b bandwidth_mbps=1e9" overflowed the queue bound's conversion
+// to int64 (1.6e20 bytes), undefined behaviour that UBSan reported.
+TEST(EmulatorTest, SetRefusesFiguresOutsideTheTopologyLimits) {
+  Fixture f(2, 0, 0);
+  for (const char* bad : {"set b a latency_ms=01e9", "set a b bandwidth_mbps=2e9", "set a b jitter_ms=100001",
+                          "set a b latency_ms=nan", "set a b latency_ms=inf"}) {
+    absl::StatusOr<std::string> r = f.emulator().ExecuteCommand(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+  }
+  EXPECT_THAT(std::string(f.emulator().ExecuteCommand("set a b latency_ms=1e6").status().message()),
+              HasSubstr("netem: link a-b: latency_ms must be in [0, 100000] (got 1e+06)"));
+  EXPECT_DOUBLE_EQ(f.emulator().Stats()[0].params.latency_ms, 2);  // a refused set changes nothing
+
+  // The largest figures are accepted, and the link still carries bytes.
+  ASSERT_TRUE(f.emulator().ExecuteCommand("set a b latency_ms=100000 bandwidth_mbps=1e9 jitter_ms=100000").ok());
+  ASSERT_TRUE(f.emulator().ExecuteCommand("set a b latency_ms=1 jitter_ms=0").ok());
+  auto [client, server] = f.Connect();
+  std::vector<char> data(100000, 'q');
+  ASSERT_TRUE(WriteAll(client, data.data(), data.size()));
+  ASSERT_TRUE(ReadExact(server, data.data(), data.size()));
+  CloseFd(client);
+  CloseFd(server);
+
+  // A topology with a figure out of range is refused when the emulator is made.
+  auto e = Emulator::Create(TwoSites(1e6, 0, 0), {{0, "a", "b", "127.0.0.1", 9}});
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("topology link a-b: latency_ms must be in [0, 100000]"));
+}
+
 TEST(EmulatorTest, BadConfigurationsNameTheProblemAndTheFix) {
   const Topology t = TwoSites(10, 100, 0);
   auto error = [&](std::vector<RouteSpec> routes) {
