@@ -2,63 +2,71 @@
 #include "comm/buffer_pool.h"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <vector>
+#include <iterator>
 
 namespace geotrain::comm {
 
-namespace {
+BufferPool::~BufferPool() {
+  absl::MutexLock lock(&mu_);
+  for (const Cached& c : lru_) delete[] c.p;
+}
 
-// Recycles large buffers: a fresh multi-megabyte allocation is mmap'ed and every page is faulted in and
-// zeroed by the kernel on first touch, which costs more than encoding it. Tensors of the same size recur
-// every step, so buffers are kept per size class (64 KiB granularity) up to a total cap.
-class BufferPool {
- public:
-  static constexpr size_t kMinPooled = size_t{1} << 20;
-  static constexpr size_t kGranularity = size_t{64} << 10;
-  static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
-  static constexpr size_t kMaxPerClass = 8;
+BufferPool& BufferPool::Global() {
+  static BufferPool* pool = new BufferPool(size_t{1} << 30, 8);
+  return *pool;
+}
 
-  static BufferPool& Get() {
-    static BufferPool* pool = new BufferPool();
-    return *pool;
-  }
-  static size_t ClassOf(size_t size) { return (size + kGranularity - 1) / kGranularity * kGranularity; }
-
-  uint8_t* Take(size_t capacity) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(capacity);
-      if (it != free_.end() && !it->second.empty()) {
-        uint8_t* p = it->second.back();
-        it->second.pop_back();
-        cached_ -= capacity;
-        return p;
-      }
+uint8_t* BufferPool::Take(size_t capacity) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = classes_.find(capacity);
+    if (it != classes_.end() && !it->second.empty()) {
+      const Lru::iterator newest = it->second.back();  // the warmest in cache
+      uint8_t* p = newest->p;
+      it->second.pop_back();
+      if (it->second.empty()) classes_.erase(it);
+      lru_.erase(newest);
+      stats_.cached_bytes -= capacity;
+      --stats_.cached_buffers;
+      ++stats_.hits;
+      return p;
     }
-    return new uint8_t[capacity];
+    ++stats_.misses;
   }
-  void Give(uint8_t* p, size_t capacity) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      std::vector<uint8_t*>& list = free_[capacity];
-      if (cached_ + capacity <= kMaxCachedBytes && list.size() < kMaxPerClass) {
-        list.push_back(p);
-        cached_ += capacity;
-        return;
-      }
-    }
+  return new uint8_t[capacity];
+}
+
+void BufferPool::EvictLocked(Lru::iterator it) {
+  auto cls = classes_.find(it->capacity);
+  std::deque<Lru::iterator>& entries = cls->second;  // at most max_per_class_ entries
+  entries.erase(std::find(entries.begin(), entries.end(), it));
+  if (entries.empty()) classes_.erase(cls);
+  stats_.cached_bytes -= it->capacity;
+  --stats_.cached_buffers;
+  ++stats_.evicted;
+  delete[] it->p;
+  lru_.erase(it);
+}
+
+void BufferPool::Give(uint8_t* p, size_t capacity) {
+  if (capacity > max_cached_bytes_ || max_per_class_ == 0) {
     delete[] p;
+    return;
   }
+  absl::MutexLock lock(&mu_);
+  auto cls = classes_.find(capacity);
+  if (cls != classes_.end() && cls->second.size() >= max_per_class_) EvictLocked(cls->second.front());
+  while (stats_.cached_bytes + capacity > max_cached_bytes_) EvictLocked(std::prev(lru_.end()));
+  lru_.push_front(Cached{p, capacity});
+  classes_[capacity].push_back(lru_.begin());
+  stats_.cached_bytes += capacity;
+  ++stats_.cached_buffers;
+}
 
- private:
-  std::mutex mu_;
-  std::map<size_t, std::vector<uint8_t*>> free_;
-  size_t cached_ = 0;
-};
-
-}  // namespace
+BufferPool::Stats BufferPool::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
 
 Bytes::Bytes(size_t size) : size_(size), capacity_(size) {
   if (size == 0) return;
@@ -68,8 +76,8 @@ Bytes::Bytes(size_t size) : size_(size), capacity_(size) {
   }
   capacity_ = BufferPool::ClassOf(size);
   const size_t capacity = capacity_;
-  data_ = std::shared_ptr<uint8_t[]>(BufferPool::Get().Take(capacity),
-                                     [capacity](uint8_t* p) { BufferPool::Get().Give(p, capacity); });
+  data_ = std::shared_ptr<uint8_t[]>(BufferPool::Global().Take(capacity),
+                                     [capacity](uint8_t* p) { BufferPool::Global().Give(p, capacity); });
 }
 
 void Bytes::Shrink(size_t size) { size_ = std::min(size, capacity_); }

@@ -46,7 +46,9 @@ class WaitingReceiver {
     const absl::Time give_up = absl::Now() + absl::Seconds(10);
     while (streams->stats().receivers_waiting == 0 && absl::Now() < give_up) absl::SleepFor(absl::Microseconds(50));
   }
-  ~WaitingReceiver() { Join(); }
+  ~WaitingReceiver() {
+    if (thread_.joinable()) thread_.join();
+  }
   absl::Status Join() {
     if (thread_.joinable()) thread_.join();
     return status_;
