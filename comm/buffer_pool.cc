@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <vector>
 
 namespace geotrain::comm {
 
@@ -36,7 +37,7 @@ uint8_t* BufferPool::Take(size_t capacity) {
   return new uint8_t[capacity];
 }
 
-void BufferPool::EvictLocked(Lru::iterator it) {
+uint8_t* BufferPool::EvictLocked(Lru::iterator it) {
   auto cls = classes_.find(it->capacity);
   std::deque<Lru::iterator>& entries = cls->second;  // at most max_per_class_ entries
   entries.erase(std::find(entries.begin(), entries.end(), it));
@@ -44,8 +45,9 @@ void BufferPool::EvictLocked(Lru::iterator it) {
   stats_.cached_bytes -= it->capacity;
   --stats_.cached_buffers;
   ++stats_.evicted;
-  delete[] it->p;
+  uint8_t* p = it->p;
   lru_.erase(it);
+  return p;
 }
 
 void BufferPool::Give(uint8_t* p, size_t capacity) {
@@ -53,14 +55,20 @@ void BufferPool::Give(uint8_t* p, size_t capacity) {
     delete[] p;
     return;
   }
-  absl::MutexLock lock(&mu_);
-  auto cls = classes_.find(capacity);
-  if (cls != classes_.end() && cls->second.size() >= max_per_class_) EvictLocked(cls->second.front());
-  while (stats_.cached_bytes + capacity > max_cached_bytes_) EvictLocked(std::prev(lru_.end()));
-  lru_.push_front(Cached{p, capacity});
-  classes_[capacity].push_back(lru_.begin());
-  stats_.cached_bytes += capacity;
-  ++stats_.cached_buffers;
+  std::vector<uint8_t*> evicted;  // freed after the lock: freeing a large buffer unmaps it, which takes a while
+  {
+    absl::MutexLock lock(&mu_);
+    auto cls = classes_.find(capacity);
+    if (cls != classes_.end() && cls->second.size() >= max_per_class_) {
+      evicted.push_back(EvictLocked(cls->second.front()));
+    }
+    while (capacity > max_cached_bytes_ - stats_.cached_bytes) evicted.push_back(EvictLocked(std::prev(lru_.end())));
+    lru_.push_front(Cached{p, capacity});
+    classes_[capacity].push_back(lru_.begin());
+    stats_.cached_bytes += capacity;
+    ++stats_.cached_buffers;
+  }
+  for (uint8_t* e : evicted) delete[] e;
 }
 
 BufferPool::Stats BufferPool::stats() const {

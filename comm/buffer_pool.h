@@ -69,7 +69,8 @@ class BufferPool {
     size_t capacity;
   };
   using Lru = std::list<Cached>;  // front: the most recently given back
-  void EvictLocked(Lru::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets a cached buffer and returns it, for the caller to free once the lock is released.
+  uint8_t* EvictLocked(Lru::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t max_cached_bytes_;
   const size_t max_per_class_;

@@ -747,9 +747,9 @@ absl::StatusOr<std::string> Emulator::Impl::ExecuteCommand(std::string_view line
     for (size_t i = 3; i < words.size(); ++i) {
       std::pair<std::string, std::string> kv = absl::StrSplit(words[i], absl::MaxSplits('=', 1));
       double value = 0;
-      if (!ParseNonNegative(kv.second, &value)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("set: '", words[i], "' is not key=value with a non-negative number"));
+      // Any number parses; SetLinkParams (ValidateLinkFigures) says which range a figure must be in.
+      if (!absl::SimpleAtod(kv.second, &value)) {
+        return absl::InvalidArgumentError(absl::StrCat("set: '", words[i], "' is not key=value with a number"));
       }
       if (kv.first == "latency_ms") {
         params.latency_ms = value;
@@ -791,7 +791,7 @@ absl::StatusOr<std::unique_ptr<Emulator>> Emulator::Create(const Topology& topol
                                                      " is not between two known sites; load the "
                                                      "topology with LoadTopologyFile, which validates it"));
     }
-    RETURN_IF_ERROR(ValidateLinkFigures(absl::StrCat("topology link ", link.a(), "-", link.b()), link.latency_ms(),
+    RETURN_IF_ERROR(ValidateLinkFigures(absl::StrCat("topology: link ", link.a(), "-", link.b()), link.latency_ms(),
                                         link.bandwidth_mbps(), link.jitter_ms()));
     links.insert(std::minmax(link.a(), link.b()));
   }

@@ -419,6 +419,16 @@ TEST(EmulatorTest, SetRefusesFiguresOutsideTheTopologyLimits) {
   }
   EXPECT_THAT(std::string(f.emulator().ExecuteCommand("set a b latency_ms=1e6").status().message()),
               HasSubstr("netem: link a-b: latency_ms must be in [0, 100000] (got 1e+06)"));
+  EXPECT_THAT(std::string(f.emulator().ExecuteCommand("set a b bandwidth_mbps=2e9").status().message()),
+              HasSubstr("netem: link a-b: bandwidth_mbps must be in [0, 1e+09] (got 2e+09)"));
+  EXPECT_THAT(std::string(f.emulator().ExecuteCommand("set a b jitter_ms=-1").status().message()),
+              HasSubstr("jitter_ms must be in [0, 100000] (got -1)"));
+  EXPECT_THAT(std::string(f.emulator().ExecuteCommand("set a b latency_ms=fast").status().message()),
+              HasSubstr("'latency_ms=fast' is not key=value with a number"));
+  LinkParams nan_latency;
+  nan_latency.latency_ms = std::nan("");
+  EXPECT_THAT(std::string(f.emulator().SetLinkParams("a", "b", nan_latency, /*both=*/true).message()),
+              HasSubstr("latency_ms must be in [0, 100000] (got nan)"));
   EXPECT_DOUBLE_EQ(f.emulator().Stats()[0].params.latency_ms, 2);  // a refused set changes nothing
 
   // The largest figures are accepted, and the link still carries bytes.
@@ -434,7 +444,7 @@ TEST(EmulatorTest, SetRefusesFiguresOutsideTheTopologyLimits) {
   // A topology with a figure out of range is refused when the emulator is made.
   auto e = Emulator::Create(TwoSites(1e6, 0, 0), {{0, "a", "b", "127.0.0.1", 9}});
   ASSERT_FALSE(e.ok());
-  EXPECT_THAT(std::string(e.status().message()), HasSubstr("topology link a-b: latency_ms must be in [0, 100000]"));
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("topology: link a-b: latency_ms must be in [0, 100000]"));
 }
 
 TEST(EmulatorTest, BadConfigurationsNameTheProblemAndTheFix) {
