@@ -19,7 +19,8 @@
 namespace {
 
 struct Fixture {
-  std::string dir;
+  std::string root;  // the temporary directory, removed at exit
+  std::string dir;   // the checkpoint in it
   std::unique_ptr<geotrain::model::GPT2Stage> stage;
   std::unique_ptr<geotrain::model::AdamW> adam;
 };
@@ -33,7 +34,7 @@ void Fail(const absl::Status& s) {
 void RemoveDir() {
   if (fixture != nullptr) {
     std::error_code ec;
-    std::filesystem::remove_all(fixture->dir, ec);
+    std::filesystem::remove_all(fixture->root, ec);  // not dir: that left root behind
   }
 }
 
@@ -43,6 +44,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   fixture = new Fixture();
   char pattern[] = "/tmp/geotrain_fuzz_ckpt_XXXXXX";
   if (::mkdtemp(pattern) == nullptr) Fail(absl::InternalError("mkdtemp failed"));
+  fixture->root = pattern;
   fixture->dir = pattern;
   std::atexit(RemoveDir);
   geotrain::GPT2Config config;

@@ -73,23 +73,34 @@ TEST(DeviceProfileTest, KnownProfilesOverridesAndTheirRoofline) {
   EXPECT_NEAR((*backend)->roofline().flops_per_s, r.flops_per_s, 1e6);
 }
 
-std::string WriteTemp(const std::string& text) {
-  char path[] = "/tmp/geotrain_profiles_XXXXXX";
-  const int fd = mkstemp(path);
-  close(fd);
-  std::ofstream(path) << text;
-  return path;
-}
+// A file of `text` in /tmp, removed when the object goes (a failed assertion included).
+class TempFile {
+ public:
+  explicit TempFile(const std::string& text) {
+    char path[] = "/tmp/geotrain_profiles_XXXXXX";
+    const int fd = mkstemp(path);
+    close(fd);
+    std::ofstream(path) << text;
+    path_ = path;
+  }
+  ~TempFile() { std::remove(path_.c_str()); }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 TEST(DeviceProfileTest, CalibratesFromMeasuredFigures) {
-  const std::string file = WriteTemp(
+  const TempFile file(
       "{\"device\": \"A30\", \"achieved_tflops\": 99}\n"
       "\n"
       "{\"device\": \"NVIDIA H100 80GB HBM3\", \"achieved_tflops\": 494.5, \"achieved_bandwidth_gbs\": 3015, "
       "\"launch_us\": 3}\n");
   auto p = ParseDeviceProfile("H100");
   ASSERT_TRUE(p.ok());
-  absl::StatusOr<bool> matched = CalibrateDeviceProfile(file, &*p);
+  absl::StatusOr<bool> matched = CalibrateDeviceProfile(file.path(), &*p);
   ASSERT_TRUE(matched.ok()) << matched.status();
   EXPECT_TRUE(*matched);
   EXPECT_DOUBLE_EQ(p->flops_efficiency, 0.5);
@@ -97,7 +108,7 @@ TEST(DeviceProfileTest, CalibratesFromMeasuredFigures) {
   EXPECT_DOUBLE_EQ(p->launch_us, 3);
   EXPECT_THAT(p->source, ::testing::HasSubstr("line 3"));
   auto t4 = ParseDeviceProfile("T4");
-  EXPECT_FALSE(*CalibrateDeviceProfile(file, &*t4));  // no line for it: unchanged
+  EXPECT_FALSE(*CalibrateDeviceProfile(file.path(), &*t4));  // no line for it: unchanged
   EXPECT_DOUBLE_EQ(t4->flops_efficiency, 0.6);
 
   // A bench_gpu_step line: the GEMM efficiency is fitted so that the timed model of that step takes its time.
@@ -107,21 +118,20 @@ TEST(DeviceProfileTest, CalibratesFromMeasuredFigures) {
     return *model::PredictTrainingStepSeconds(*GPT2Config::FromPreset("gpt2"), 8, 1024, 1, h.roofline());
   };
   const double measured = predicted(0.35);
-  const std::string bench = WriteTemp(
+  const TempFile bench(
       absl::StrFormat("{\"bench\": \"gpu_step\", \"device\": \"NVIDIA H200\", \"precision\": \"bf16\", \"model\": "
                       "\"gpt2\", \"batch\": 8, \"seq_len\": 1024, \"steps\": 20, \"median_step_s\": %.9f, "
                       "\"achieved_tflops\": 300}\n",
                       measured));
   auto h200 = ParseDeviceProfile("H200");
-  ASSERT_TRUE(*CalibrateDeviceProfile(bench, &*h200));
+  ASSERT_TRUE(*CalibrateDeviceProfile(bench.path(), &*h200));
   EXPECT_NEAR(h200->flops_efficiency, 0.35, 0.35 * 1e-3);
 
-  EXPECT_THAT(CalibrateDeviceProfile(WriteTemp("not json\n"), &*h200).status().message(),
+  EXPECT_THAT(CalibrateDeviceProfile(TempFile("not json\n").path(), &*h200).status().message(),
               ::testing::HasSubstr("line 1"));
-  EXPECT_FALSE(CalibrateDeviceProfile(WriteTemp("{\"device\": \"H200\", \"achieved_tflops\": 2000}\n"), &*h200).ok());
+  EXPECT_FALSE(
+      CalibrateDeviceProfile(TempFile("{\"device\": \"H200\", \"achieved_tflops\": 2000}\n").path(), &*h200).ok());
   EXPECT_EQ(CalibrateDeviceProfile("/nonexistent/profiles", &*h200).status().code(), absl::StatusCode::kNotFound);
-  std::remove(file.c_str());
-  std::remove(bench.c_str());
 }
 
 TEST(DevicesTest, CpuIsMeasuredWhenNothingElse) {
