@@ -347,15 +347,20 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     file.tls_ca = state_dir + "/certs/ca.pem";
   }
   std::filesystem::remove(netem_spec.ready_file);
-  auto netem_pid = Spawn(netem::EmulatorCommandLine(netem_spec), state_dir + "/logs/netem.log");
-  if (!netem_pid.ok()) return fail(netem_pid.status());
-  file.processes.push_back({"netem", *netem_pid});
-  auto ready = netem::WaitForReadyFile(netem_spec.ready_file, std::chrono::seconds(15), *netem_pid);
-  if (!ready.ok()) {
-    return fail(absl::UnavailableError(absl::StrCat("the WAN emulator did not start: ", ready.status().message(),
-                                                    "; see ", state_dir, "/logs/netem.log")));
+  // A topology without links between sites (one site) has no cross-site traffic: no emulator.
+  netem::ReadyInfo emulator;
+  if (!routes.empty()) {
+    auto netem_pid = Spawn(netem::EmulatorCommandLine(netem_spec), state_dir + "/logs/netem.log");
+    if (!netem_pid.ok()) return fail(netem_pid.status());
+    file.processes.push_back({"netem", *netem_pid});
+    auto ready = netem::WaitForReadyFile(netem_spec.ready_file, std::chrono::seconds(15), *netem_pid);
+    if (!ready.ok()) {
+      return fail(absl::UnavailableError(absl::StrCat("the WAN emulator did not start: ", ready.status().message(),
+                                                      "; see ", state_dir, "/logs/netem.log")));
+    }
+    emulator = *std::move(ready);
   }
-  file.netem_control_port = ready->control_port;
+  file.netem_control_port = emulator.control_port;
 
   auto head_port = FreePort();
   auto metrics_port = FreePort();
@@ -436,7 +441,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       // Peers at `site` dial the emulator's route at their own side: their bridge, or loopback.
       const std::string route_host = up.isolate ? net.gateway_by_site[site] : "127.0.0.1";
       argv.insert(argv.end(),
-                  {"--advertise-for", absl::StrCat(site, "=", route_host, ":", ready->routes[index].bound_port)});
+                  {"--advertise-for", absl::StrCat(site, "=", route_host, ":", emulator.routes[index].bound_port)});
     }
     if (up.isolate) {
       std::vector<std::string> others;
@@ -467,10 +472,12 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  std::printf(
-      "cluster up: head at %s, %zu workers in %d sites, WAN emulator with %zu routes "
-      "(control port %d)\n",
-      file.head_address.c_str(), workers.size(), topology.sites_size(), routes.size(), file.netem_control_port);
+  std::printf("cluster up: head at %s, %zu workers in %d sites, %s\n", file.head_address.c_str(), workers.size(),
+              topology.sites_size(),
+              routes.empty() ? "no WAN emulator (no links between sites)"
+                             : absl::StrCat("WAN emulator with ", routes.size(), " routes (control port ",
+                                            file.netem_control_port, ")")
+                                   .c_str());
   if (up.timed_compute) {
     std::printf(
         "  timed compute: every worker waits its emulated GPU's time instead of computing; step times are "
@@ -511,7 +518,11 @@ absl::Status ClusterShow(const std::string& state_dir) {
   ASSIGN_OR_RETURN(auto status, HeadStatus(file.head_address, file.tls_ca));
   std::map<std::pair<std::string, std::string>, v1::SiteLink> measured;
   for (const v1::SiteLink& l : status.site_links()) measured[{l.a(), l.b()}] = l;
-  std::printf("head %s; WAN emulator control port %d\n\n", file.head_address.c_str(), file.netem_control_port);
+  if (file.netem_control_port > 0) {
+    std::printf("head %s; WAN emulator control port %d\n\n", file.head_address.c_str(), file.netem_control_port);
+  } else {
+    std::printf("head %s; no WAN emulator (no links between sites)\n\n", file.head_address.c_str());
+  }
   std::printf("%-12s %-12s %10s %10s %12s %12s\n", "SITE A", "SITE B", "CONF MS", "MEAS MS", "CONF MBIT/S",
               "MEAS MBIT/S");
   for (const TopologyLink& l : topology.links()) {
@@ -522,7 +533,9 @@ absl::Status ClusterShow(const std::string& state_dir) {
                 l.bandwidth_mbps(),
                 it == measured.end() ? "-" : std::to_string(static_cast<int>(it->second.bandwidth_mbps())).c_str());
   }
-  auto stats = netem::QueryStats(file.netem_control_port);
+  auto stats = file.netem_control_port > 0
+                   ? netem::QueryStats(file.netem_control_port)
+                   : absl::StatusOr<std::vector<netem::LinkDirectionStats>>(absl::NotFoundError("no emulator"));
   if (stats.ok()) {
     std::printf("\n%-24s %14s %8s\n", "EMULATED LINK", "BYTES", "CONNS");
     for (const netem::LinkDirectionStats& s : *stats) {

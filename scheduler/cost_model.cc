@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <optional>
 #include <set>
@@ -34,6 +35,15 @@ LinkSpec CollectiveLink(const Cluster& cluster, int site, double collective_scal
   LinkSpec link = cluster.Link(site, site);
   link.bandwidth_bytes_per_s *= collective_scale;
   return link;
+}
+
+// Seconds one message of `wire` bytes from one site to another takes beyond its serialisation, because of its
+// stream's flow-control window (JobOptions::wan_window_bytes): the first window goes at the link's rate, the rest
+// at window / round trip when that is the slower.
+double WindowSeconds(const JobOptions& job, const LinkSpec& link, double wire) {
+  if (job.wan_window_bytes <= 0 || wire <= job.wan_window_bytes) return 0;
+  const double per_byte = 2 * link.latency_s / job.wan_window_bytes - 1 / link.bandwidth_bytes_per_s;
+  return per_byte > 0 ? (wire - job.wan_window_bytes) * per_byte : 0;
 }
 
 // The link from site a to site b as messages of activations see it (JobOptions::activation_bandwidth_scale).
@@ -146,19 +156,19 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips,
                                   int depth, const std::vector<int>& stage_sites) {
-  // A message of r round trips: busy until serialisation + 2 r latency, arrives 1 latency earlier. A pipeline
-  // deeper than pp keeps a stage's sends in flight together (worker/async_sender.h) when they all go to one
-  // site (first or last stage, or both neighbours in one site): the link is busy for the serialisation only.
+  // A message of r round trips (the runtime's sends wait for the peer's ack): it holds its link direction for its
+  // serialisation, arrives (2 r - 1) latencies after it and is acknowledged 2 r latencies after it. Each stage
+  // sends as the runtime's AsyncSender (worker/async_sender.h) does, in its ops' order: up to `in_flight` sends at
+  // once when they all go to one site (a pipeline deeper than pp: depth - pp + 1 of them), one otherwise, and a
+  // send to another site than those in flight waits for their acks. So a middle stage whose neighbours sit in
+  // two sites overlaps runs of sends one way (a deep pipeline's warm-up forwards, its drain's backwards) and
+  // waits a round trip where its sends alternate. Without round trips: a plain link (busy for the serialisation,
+  // arriving one latency later).
   const int stages = static_cast<int>(forward_s.size());
-  const bool deep = schedule == Schedule::k1F1B && depth > stages;
-  auto overlaps = [&](int sender) {
-    return deep && (sender == 0 || sender == stages - 1 || stage_sites.empty() ||
-                    stage_sites[sender - 1] == stage_sites[sender + 1]);
-  };
-  // Latencies a send over `boundary` by stage `sender` keeps its link busy.
-  auto busy_latencies = [&](int sender, int boundary) {
-    return round_trips.empty() || overlaps(sender) ? 0.0 : 2 * round_trips[boundary];
-  };
+  constexpr int kMaxSendsInFlight = 16;  // the runtime's cap (worker/stage_trainer.cc)
+  const int in_flight = schedule == Schedule::k1F1B && depth > stages
+                            ? std::clamp(std::min(depth, microbatches) - stages + 1, 1, kMaxSendsInFlight)
+                            : 1;
   auto arrival_latencies = [&](int s) { return round_trips.empty() ? 1.0 : 2 * round_trips[s] - 1; };
   const int p = static_cast<int>(forward_s.size());
   const int m = microbatches;
@@ -179,6 +189,36 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
       forward_done(forward_arrival);
   std::vector<double> stage_free(p, 0), link_forward_free(p, 0), link_backward_free(p, 0);
   std::vector<size_t> next(p, 0);
+  // Per stage: the acks of its sends in flight (in order) and the site they go to.
+  std::vector<std::deque<double>> acks(p);
+  std::vector<int> in_flight_site(p, -1);
+  // Stage s sends, once it is `ready`, over boundary `boundary` to stage `to`, on the link direction whose
+  // serialisation is free at `wire_free`; returns the arrival.
+  auto send = [&](int s, int boundary, int to, double ready, double& wire_free) {
+    const double transfer = transfer_s[boundary], latency = latency_s[boundary];
+    if (round_trips.empty()) {
+      const double start = std::max(ready, wire_free);
+      wire_free = start + transfer;
+      return start + transfer + latency;
+    }
+    const int site = stage_sites.empty() ? 0 : stage_sites[to];
+    std::deque<double>& pending = acks[s];
+    double start = ready;
+    while (!pending.empty() && pending.front() <= start) pending.pop_front();
+    if (site != in_flight_site[s]) {
+      for (double ack : pending) start = std::max(start, ack);
+      pending.clear();
+      in_flight_site[s] = site;
+    }
+    while (static_cast<int>(pending.size()) >= in_flight) {
+      start = std::max(start, pending.front());
+      pending.pop_front();
+    }
+    start = std::max(start, wire_free);
+    wire_free = start + transfer;
+    pending.push_back(start + transfer + 2 * round_trips[boundary] * latency);
+    return start + transfer + arrival_latencies(boundary) * latency;
+  };
   size_t remaining = static_cast<size_t>(2) * p * m;
   // Sweeps alternate direction: forwards flow down the stages, backwards up, so each sweep carries
   // a wave of either all the way and the number of sweeps grows with m, not m x p.
@@ -205,17 +245,9 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
         out.busy[s] += duration;
         if (forward) {
           forward_done[at] = end;
-          if (s + 1 < p) {
-            const double send = std::max(end, link_forward_free[s]);
-            link_forward_free[s] = send + transfer_s[s] + busy_latencies(s, s) * latency_s[s];
-            forward_arrival[at + m] = send + transfer_s[s] + arrival_latencies(s) * latency_s[s];
-          }
+          if (s + 1 < p) forward_arrival[at + m] = send(s, s, s + 1, end, link_forward_free[s]);
         } else {
-          if (s > 0) {
-            const double send = std::max(end, link_backward_free[s - 1]);
-            link_backward_free[s - 1] = send + transfer_s[s - 1] + busy_latencies(s, s - 1) * latency_s[s - 1];
-            backward_arrival[at - m] = send + transfer_s[s - 1] + arrival_latencies(s - 1) * latency_s[s - 1];
-          }
+          if (s > 0) backward_arrival[at - m] = send(s, s - 1, s - 1, end, link_backward_free[s - 1]);
           if (next[s] + 1 == ops[s].size()) {
             out.last_backward_start[s] = start;
             out.last_backward_end[s] = end;
@@ -245,6 +277,29 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
     }
   }
   return best;
+}
+
+std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int end, int pp, int tp,
+                                        double bucket_bytes) {
+  constexpr double kBucketElementBytes = sizeof(float);
+  std::vector<double> groups;
+  double others = pp > 1 && end == model.num_layers() && begin > 0 ? model.tied_parameters : 0;
+  for (int l = end - 1; l >= begin; --l) {
+    if (model.layers[l].tensor_parallel_comm) {
+      groups.push_back(model.layers[l].parameters);
+    } else {
+      others += model.layers[l].parameters;
+    }
+  }
+  groups.push_back(others);
+  std::vector<double> buckets;
+  for (double parameters : groups) {
+    const double bytes = parameters / tp * kBucketElementBytes;
+    if (bytes <= 0) continue;
+    if (buckets.empty() || buckets.back() >= bucket_bytes) buckets.push_back(0);
+    buckets.back() += bytes;
+  }
+  return buckets;
 }
 
 double StateBytesPerParameter(const ModelCosts& model, const JobOptions& job, int dp) {
@@ -414,7 +469,7 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       }
     }
   }
-  // The links as this plan sees them (see JobOptions): a shared host's arithmetic and the WAN streams' window.
+  // The links as this plan sees them (see JobOptions): a shared host's arithmetic.
   std::optional<Cluster> adjusted;
   std::optional<JobOptions> shared_job;
   HostShare host;
@@ -446,16 +501,6 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
     if (codec_scale < 1) {
       shared_job = job;
       for (Codec& codec : shared_job->codecs) codec.throughput_bytes_per_s *= codec_scale;
-    }
-  }
-  if (job.wan_window_bytes > 0) {
-    if (!adjusted) adjusted = cluster;
-    for (int a = 0; a < adjusted->num_sites(); ++a) {
-      for (int b = 0; b < adjusted->num_sites(); ++b) {
-        LinkSpec& link = adjusted->links[a][b];
-        if (a == b || link.latency_s <= 0) continue;
-        link.bandwidth_bytes_per_s = std::min(link.bandwidth_bytes_per_s, job.wan_window_bytes / (2 * link.latency_s));
-      }
     }
   }
   return SimulateChecked(adjusted ? *adjusted : cluster, model, shared_job ? *shared_job : job, plan, host, used);
@@ -554,6 +599,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
         int c = -1;
         if (site != next_site) c = activation_codec_of(site, next_site);
         transfer[s] = bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
+        if (site != next_site) transfer[s] += WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
         latency[s] = link.latency_s;
         if (job.sequential_sync) {
           message_round_trips.push_back(round_trips(bytes * (c < 0 ? 1.0 : job.codecs[c].ratio)));
@@ -643,8 +689,9 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
       const int rounds = AllReduceRounds(2, model.tied_parameters * model.bytes_per_element);
       const double wire = bytes * (c < 0 ? 1.0 : job.codecs[c].ratio) / rounds;  // one round's message each way
-      epilogue_start =
-          std::max(epilogue_start, tied_ready[pair] + bytes * spb + rounds * 2 * round_trips(wire) * link.latency_s);
+      const double window = first == last ? 0 : rounds * WindowSeconds(job, link, wire);
+      epilogue_start = std::max(
+          epilogue_start, tied_ready[pair] + bytes * spb + window + rounds * 2 * round_trips(wire) * link.latency_s);
     }
   }
   // Gradient all-reduce per stage, overlapped with the last microbatch's backward (one bucket per
@@ -668,9 +715,11 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     if (job.sequential_sync) {
       // Each of the ring's 2 (n - 1) steps waits 2 r latencies instead of one.
       double worst_latency = 0;
+      LinkSpec worst_wan;  // the slowest cross-site hop, whose window paces the ring's messages
       for (size_t i = 0; i < member_sites.size(); ++i) {
-        worst_latency = std::max(worst_latency,
-                                 cluster.Link(member_sites[i], member_sites[(i + 1) % member_sites.size()]).latency_s);
+        const int a = member_sites[i], b = member_sites[(i + 1) % member_sites.size()];
+        worst_latency = std::max(worst_latency, cluster.Link(a, b).latency_s);
+        if (a != b && cluster.Link(a, b).latency_s >= worst_wan.latency_s) worst_wan = cluster.Link(a, b);
       }
       double ratio = 1;  // the codec of the group's first cross-site pair
       for (int m : member_sites) {
@@ -680,9 +729,16 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
         ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
         break;
       }
-      const int rounds = AllReduceRounds(plan.dp, bytes);
-      const double chunk = bytes * tp / (rounds == 1 ? 1 : plan.dp) * ratio;  // one round's message
-      const double extra = rounds * (2 * round_trips(chunk) - 1) * worst_latency;
+      // Each bucket is an all-reduce of its own, after the last: each of its rounds waits 2 r latencies, and its
+      // message the window across sites. `seconds` counted the stage's rounds once, at one latency each.
+      double waited = 0;
+      for (double bucket : GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes)) {
+        const int rounds = AllReduceRounds(plan.dp, bucket);
+        const double chunk = bucket * tp / (rounds == 1 ? 1 : plan.dp) * ratio;  // one round's message
+        const double window = worst_wan.bandwidth_bytes_per_s > 0 ? WindowSeconds(job, worst_wan, chunk) : 0;
+        waited += rounds * (2 * round_trips(chunk) * worst_latency + window);
+      }
+      const double extra = waited - AllReduceRounds(plan.dp, bytes) * worst_latency;
       out.stage_allreduce_s[s] = seconds + extra;
       finish = std::max(finish, epilogue_start + seconds + extra);
       earliest_start = std::min(earliest_start, epilogue_start);
@@ -742,7 +798,9 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       gradient_codec_used[std::min(first, last)][std::max(first, last)] = c;
     }
     const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
-    tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + link.latency_s);
+    const double window =
+        first == last ? 0 : WindowSeconds(job, link, bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio));
+    tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + window + link.latency_s);
   }
   if (!job.sequential_sync) {
     out.tied_sync_s = std::max(0.0, tied_sync - finish);

@@ -103,6 +103,10 @@ struct JobOptions {
   // ... plus one round trip per message_window_bytes of the message's wire bytes (a flow-control
   // window: at most that many bytes in flight per round trip). 0: no window.
   double message_window_bytes = 0;
+  // With sequential_sync: the runtime's gradient buckets (comm.grad_bucket_mb, comm::GradientBuckets). Each
+  // bucket is its own all-reduce, one after another on one thread, so each pays its ring's round trips: across
+  // a 100 ms link, GPT-2 medium's 25 buckets over a ring of 4 wait 25 x 6 round trips, 15 s per step.
+  double grad_bucket_bytes = 25.0 * (1 << 20);
   // Devices that share one host (the CPU workers of an emulated cluster on one machine) slow each
   // other down: with n devices in use, every device's efficiency is multiplied by
   // shared_host_scale[n] (absent: 1). Calibrated by running devices alone and together.
@@ -127,10 +131,12 @@ struct JobOptions {
   // data parallelism across sites is then one flat ring over every replica, as the runtime's GrpcCommunicator
   // runs it. false: NCCL's hierarchical all-reduce (worker/collectives.h) when it is the faster.
   bool grpc_collectives = false;
-  // The flow-control window of one stream across sites (gRPC's HTTP/2 window as its BDP probing grows it): one
-  // stream carries at most window / round trip (twice the link's latency), whatever the link's bandwidth. 0: no
-  // cap. Calibrated from a run across a long link (bench/geo/timed_lib.py); inside a site the latency is a
-  // per-message cost, not a round trip, so no cap applies there.
+  // The flow-control window of one stream across sites (gRPC's HTTP/2 window as its BDP probing grows it). The
+  // runtime sends each tensor on a stream of its own and waits for its ack, so a message starts with the whole
+  // window open: its first window goes at the link's rate, the rest at most at window / round trip (twice the
+  // link's latency). Applied to each message across sites: the pipeline's sends, the tied exchange's rounds and,
+  // with sequential_sync, each gradient bucket's ring messages. 0: no window. Calibrated from a run across a long
+  // link (bench/geo/timed_lib.py); inside a site the latency is a per-message cost, not a round trip.
   double wan_window_bytes = 0;
   double EfficiencyOf(const std::string& device) const;
 };
@@ -202,11 +208,12 @@ struct PipelineTimeline {
   double makespan = 0;
   std::vector<double> last_backward_start, last_backward_end, busy;
 };
-// With round_trips (one per boundary, JobOptions::message_round_trips), a send over boundary s
-// keeps its link (the sender) busy 2 r_s latencies after its serialisation and arrives (2 r_s - 1)
-// latencies after it; empty: a plain link (busy for the serialisation, arriving one latency later). A 1F1B
-// depth above pp overlaps a stage's sends (the runtime's AsyncSender) when they all go to one site: busy for
-// the serialisation only. stage_sites (site of each stage; empty: one neighbour site per stage) says which.
+// With round_trips (one per boundary, JobOptions::message_round_trips), a send over boundary s holds its link
+// direction for its serialisation, arrives (2 r_s - 1) latencies after it and is acknowledged 2 r_s latencies
+// after it; each stage sends as the runtime's AsyncSender: one send at a time, or with a 1F1B depth above pp
+// up to min(depth, microbatches) - pp + 1 at once while they go to one site; a send to another site waits for
+// the acks of those in flight. Empty round_trips: a plain link (busy for the serialisation, arriving one
+// latency later). stage_sites (site of each stage; empty: all in one site) says where sends go.
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips = {},
@@ -215,6 +222,13 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
 // The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
 // activations only consider codecs with for_activations.
 int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations);
+
+// The runtime's gradient buckets of layers [begin, end) at a stage of pp, per tp rank, in bytes (fp32), as
+// comm::GradientBuckets packs them: the blocks in the order backward finishes them, then the stage's other
+// parameters (embeddings, final LayerNorm, the last stage's tied wte copy) as one group; a bucket is closed once
+// it holds bucket_bytes, and a group is never split.
+std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int end, int pp, int tp,
+                                        double bucket_bytes);
 
 // Bytes per parameter of a stage's state: parameters, gradients and optimizer state, plus, with
 // data parallelism (dp > 1), the gradient buckets' copy of the gradients (comm::GradientBuckets).

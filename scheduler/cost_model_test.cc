@@ -149,9 +149,12 @@ TEST(CostModelTest, AMiddleStageBetweenTwoSitesDoesNotOverlapItsSends) {
   const PipelineTimeline two_sites =
       SimulatePipeline(f, b, transfer, latency, m, Schedule::k1F1B, trips, depth, {0, 1, 2});
   EXPECT_DOUBLE_EQ(one_site_each.makespan, unknown.makespan);
-  // Stage 1's sends in each direction go one per round trip (2 x 5). (The runtime alternates the two
-  // directions on one sender, which the simulator's per-direction links do not capture: an underestimate.)
-  EXPECT_GT(two_sites.makespan, m * 10.0 * 0.9);
+  // In 1F1B's steady phase stage 1 alternates a forward and a backward, its sends alternate sites, and each
+  // waits for the ack of the one before (2 x 5): two round trips per microbatch, as on the runtime's one sender.
+  // The warm-up's forwards and the drain's backwards go one way each and overlap: less than two round trips for
+  // every microbatch.
+  EXPECT_GT(two_sites.makespan, (m - depth) * 2 * 10.0);
+  EXPECT_LT(two_sites.makespan, m * 2 * 10.0);
   EXPECT_LT(one_site_each.makespan, 0.75 * two_sites.makespan);
 }
 
@@ -540,22 +543,85 @@ TEST(CostModelTest, ActivationsInsideASiteTakeTheirOwnBandwidth) {
   EXPECT_DOUBLE_EQ(dp_scaled->stage_allreduce_s[0], dp_plain->stage_allreduce_s[0]);
 }
 
-// A stream's flow-control window caps it across sites at window / round trip, whatever the link's bandwidth.
-TEST(CostModelTest, WanWindowCapsAStreamAcrossSites) {
-  const Cluster c = TwoSites("RTX6000", 1, 50, 100000);
+// The runtime's buckets (comm::GradientBuckets): the blocks last to first, then the stage's other parameters as
+// one group; a bucket is closed once it holds bucket_bytes, and a group is never split.
+TEST(CostModelTest, GradientBucketsPackAsTheRuntimePacksThem) {
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  const int L = model.num_layers();  // embedding, two blocks, head
+  ASSERT_EQ(L, 4);
+  const double block = model.layers[1].parameters * 4,
+               others = (model.layers[0].parameters + model.layers[3].parameters) * 4;
+  // Every group its own bucket.
+  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 1, 1), testing::ElementsAre(block, block, others));
+  // The second block joins the first's bucket (it held less than bucket_bytes); the rest start a new one.
+  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 1, block + 1), testing::ElementsAre(2 * block, others));
+  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 1, 1e12), testing::ElementsAre(2 * block + others));
+  // Tensor parallelism: each rank's shard. The last of two stages adds its tied wte copy to its other group.
+  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 2, 1), testing::ElementsAre(block / 2, block / 2, others / 2));
+  EXPECT_THAT(GradientBucketBytes(model, 2, L, 2, 1, 1),
+              testing::ElementsAre(block, (model.layers[3].parameters + model.tied_parameters) * 4));
+  // A middle stage holds blocks only.
+  EXPECT_THAT(GradientBucketBytes(model, 1, 2, 3, 1, 1), testing::ElementsAre(block));
+}
+
+// Two replicas across a 50 ms link (a pair exchange per bucket): with sequential_sync each bucket is an all-reduce
+// of its own and waits its round trip, so three buckets pay two more round trips than one.
+TEST(CostModelTest, SequentialSyncPaysEachGradientBucketsRoundTrip) {
+  const Cluster c = TwoSites("RTX6000", 1, 50, 1000);
   const ModelCosts model = Costs("gpt2-tiny-test", 32);
   JobOptions job = TinyJob();
-  job.grpc_collectives = true;
+  job.sequential_sync = true;
   Plan plan = DataParallel(model, 2, 1);
   plan.devices = {{{0}}, {{1}}};
-  absl::StatusOr<Prediction> open = Simulate(c, model, job, plan);
-  job.wan_window_bytes = 1e5;
-  absl::StatusOr<Prediction> capped = Simulate(c, model, job, plan);
-  ASSERT_TRUE(open.ok() && capped.ok());
+  job.grad_bucket_bytes = 1e12;
+  absl::StatusOr<Prediction> one = Simulate(c, model, job, plan);
+  job.grad_bucket_bytes = 1;
+  absl::StatusOr<Prediction> three = Simulate(c, model, job, plan);
+  ASSERT_TRUE(one.ok() && three.ok());
+  EXPECT_NEAR(three->stage_allreduce_s[0] - one->stage_allreduce_s[0], 2 * 2 * 0.050, 1e-9);
+  EXPECT_NEAR(three->step_time_s - one->step_time_s, 2 * 2 * 0.050, 1e-9);
+}
+
+// A stream's flow-control window across sites: a message starts with the window open, so its first window goes
+// at the link's rate and the rest at window / round trip. A message within the window pays nothing.
+TEST(CostModelTest, WanWindowSlowsEachMessageBeyondItsFirstWindow) {
+  const Cluster c = TwoSites("RTX6000", 1, 50, 1000);
+  const double bandwidth = 1000e6 / 8, round_trip = 0.100;
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.sequential_sync = true;
+  job.grad_bucket_bytes = 1e12;  // one bucket: one pair exchange of every gradient
+  Plan plan = DataParallel(model, 2, 1);
+  plan.devices = {{{0}}, {{1}}};
   double parameters = 0;
   for (const LayerCost& l : model.layers) parameters += l.parameters;
-  EXPECT_NEAR(open->stage_allreduce_s[0], parameters * 4 / (100000e6 / 8) + 0.050, 1e-9);
-  EXPECT_NEAR(capped->stage_allreduce_s[0], parameters * 4 / (1e5 / 0.100) + 0.050, 1e-9);
+  const double message = parameters * 4;
+  absl::StatusOr<Prediction> open = Simulate(c, model, job, plan);
+  job.wan_window_bytes = message / 4;
+  absl::StatusOr<Prediction> capped = Simulate(c, model, job, plan);
+  job.wan_window_bytes = message;
+  absl::StatusOr<Prediction> within = Simulate(c, model, job, plan);
+  ASSERT_TRUE(open.ok() && capped.ok() && within.ok());
+  EXPECT_NEAR(capped->stage_allreduce_s[0] - open->stage_allreduce_s[0],
+              (message - message / 4) * (round_trip / (message / 4) - 1 / bandwidth), 1e-9);
+  EXPECT_DOUBLE_EQ(within->stage_allreduce_s[0], open->stage_allreduce_s[0]);
+
+  // A pipeline's sends across sites: one microbatch, its activations forward and their gradient back.
+  Plan pipeline;
+  pipeline.pp = 2;
+  pipeline.microbatch_size = 4;
+  pipeline.stage_begin = {0, 2, model.num_layers()};
+  pipeline.devices = {{{0}, {1}}};
+  pipeline.microbatches = {1};
+  pipeline.schedule = Schedule::kGPipe;
+  const double activations = 4.0 * 32 * 32 * 4;  // b x T x C fp32
+  job = TinyJob();
+  absl::StatusOr<Prediction> plain = Simulate(c, model, job, pipeline);
+  job.wan_window_bytes = activations / 2;
+  absl::StatusOr<Prediction> windowed = Simulate(c, model, job, pipeline);
+  ASSERT_TRUE(plain.ok() && windowed.ok()) << plain.status() << windowed.status();
+  EXPECT_NEAR(windowed->pipeline_time_s - plain->pipeline_time_s,
+              2 * (activations / 2) * (round_trip / (activations / 2) - 1 / bandwidth), 1e-9);
 }
 
 }  // namespace

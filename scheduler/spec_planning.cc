@@ -14,6 +14,7 @@ absl::StatusOr<SpecPlanning> PlanningForSpec(const JobSpec& spec) {
   planning.job.global_batch = spec.train().global_batch();
   planning.job.seq_len = spec.train().seq_len();
   planning.job.sequential_sync = true;  // the runtime ends a step as the validated model says (docs/planner.md)
+  if (spec.comm().grad_bucket_mb() > 0) planning.job.grad_bucket_bytes = spec.comm().grad_bucket_mb() * (1 << 20);
   if (!spec.comm().wan_codec().empty()) {
     absl::StatusOr<Codec> codec = ParseCodec(spec.comm().wan_codec());
     if (!codec.ok()) return WithContext(codec.status(), "comm.wan_codec");

@@ -186,7 +186,7 @@ def study(args, work, calibration):
     if calibration is None:
         calibration = timed_lib.calibrate(args.geotrain, lambda t: cluster_up(args.geotrain, t), work, data,
                                           args.models.split(",")[0], [args.device], args.device, args.steps,
-                                          args.job_timeout)
+                                          args.job_timeout, wan_check=True)
         with open(args.out + "-calibration.json", "w") as f:
             json.dump(calibration, f, indent=1)
     print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)

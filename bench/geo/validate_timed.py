@@ -4,7 +4,7 @@
 Topologies of three sites with mixed emulated GPUs (FABRIC's RTX 6000, A30 and T4), different links, and 8 to 16
 devices, brought up with `geotrain cluster up --timed-compute`. The planner is first calibrated to this machine on a
 separate profiling cluster (bench/geo/timed_lib.py: device efficiencies from the timed backend, the bandwidth inside
-a site for gradients and for activations from two profiling jobs, the window of a stream across sites from a third).
+a site for gradients and for activations from two profiling jobs; nothing is fitted across sites).
 Per topology, the two bandwidths inside a site are fitted again on the topology's own cluster, just before its plans
 run (timed_lib.refit_inside_site; --no-refit keeps the profiling cluster's): this host's loopback drifts between
 spells of minutes. The topologies' links are their configured ones. Per topology, the calibrated planner (`geotrain
@@ -146,7 +146,7 @@ def report(rows, calibration, refits, args, seconds):
     lines = [f"EMULATED (timed compute), {args.model}, global batch 16-24 x 1024 (a multiple of the devices); calibration: "
              f"efficiency {', '.join(f'{k} {v:.3f}' for k, v in calibration['efficiency'].items())}, inside a site "
              f"{inside(calibration)} on the profiling cluster, latency {calibration['intra_site_latency_ms']:.3f} ms, "
-             f"window across sites {calibration['wan_window_mb']:.2f} MB" +
+             "nothing fitted across sites" +
              "".join(f"; {name} refitted on its own cluster: {inside(cal)}" for name, cal in refits.items()), "",
              "| topology | plan | measured s | predicted s | error | WAN MB/step |", "|---|---|---|---|---|---|"]
     for r in rows:

@@ -1,6 +1,7 @@
 """`geotrain cluster up/status/down` on a shipped topology: a head, the WAN emulator and four workers
 come up; cross-site paths measured by the workers show the configured one-way latency; `status` needs
-no flags; `down` leaves none of the started processes running.
+no flags; `down` leaves none of the started processes running. A one-site topology (no links) comes up without
+the emulator, says so, and its workers join.
 
 Usage: cluster_up_test.py PATH/TO/geotrain REPO_ROOT
 """
@@ -20,19 +21,25 @@ GEOTRAIN = sys.argv.pop(1)
 ROOT = sys.argv.pop(1)
 
 
+def cli_in(home):
+    """A function that runs geotrain with GEOTRAIN_HOME=home (and no head or token from this environment)."""
+    env = dict(os.environ, GEOTRAIN_HOME=home)
+    for k in ("GEOTRAIN_HEAD", "GEOTRAIN_TOKEN", "GEOTRAIN_TOKEN_FILE"):
+        env.pop(k, None)
+
+    def run(*args, check=True):
+        r = subprocess.run([GEOTRAIN] + list(args), capture_output=True, text=True, env=env, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{args} failed: {r.stdout}\n{r.stderr}")
+        return r
+    return run
+
+
 class ClusterUpTest(unittest.TestCase):
     def test_up_status_down(self):
         home = tempfile.mkdtemp(prefix="geotrain_cluster_")
-        env = dict(os.environ, GEOTRAIN_HOME=home)
-        env.pop("GEOTRAIN_HEAD", None)
-        env.pop("GEOTRAIN_TOKEN", None)
         state = os.path.join(home, "cluster")
-
-        def run(*args, check=True):
-            r = subprocess.run([GEOTRAIN] + list(args), capture_output=True, text=True, env=env, timeout=120)
-            if check and r.returncode != 0:
-                raise AssertionError(f"{args} failed: {r.stdout}\n{r.stderr}")
-            return r
+        run = cli_in(home)
 
         try:
             topo = os.path.join(ROOT, "deploy", "topologies", "two-sites-30ms.yaml")
@@ -70,6 +77,25 @@ class ClusterUpTest(unittest.TestCase):
             for name in sorted(os.listdir(os.path.join(state, "logs"))) if os.path.isdir(os.path.join(state, "logs")) else []:
                 with open(os.path.join(state, "logs", name), errors="replace") as f:
                     print(f"==== {name}\n{f.read()[-3000:]}")
+            run("cluster", "down", check=False)
+            raise
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+    def test_one_site_needs_no_emulator(self):
+        home = tempfile.mkdtemp(prefix="geotrain_cluster_")
+        run = cli_in(home)
+        try:
+            topo = os.path.join(home, "one-site.yaml")
+            with open(topo, "w") as f:
+                f.write("sites:\n  - {name: lab, workers: [{device: T4, count: 1}, {device: T4, count: 1}]}\n")
+            out = run("cluster", "up", topo).stdout
+            self.assertIn("2 workers in 1 sites, no WAN emulator (no links between sites)", out)
+            shown = run("cluster", "status").stdout
+            self.assertIn("no WAN emulator", shown)
+            self.assertIn("2 of 2 workers alive", shown)
+            self.assertIn("stopped 3 process(es)", run("cluster", "down").stdout)  # head, two workers
+        except Exception:
             run("cluster", "down", check=False)
             raise
         finally:
