@@ -347,7 +347,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     file.tls_ca = state_dir + "/certs/ca.pem";
   }
   std::filesystem::remove(netem_spec.ready_file);
-  // A topology without links between sites (one site) has no cross-site traffic: no emulator.
+  // A topology without links between sites (one site, or sites left unlinked) has no emulated traffic: no emulator.
   netem::ReadyInfo emulator;
   if (!routes.empty()) {
     auto netem_pid = Spawn(netem::EmulatorCommandLine(netem_spec), state_dir + "/logs/netem.log");

@@ -221,7 +221,7 @@ int RunPlan(const PlanFlags& flags) {
   }
   job.grpc_collectives = job.grpc_collectives || flags.grpc_collectives;
   if (flags.wan_window_mb < 0) {
-    std::fprintf(stderr, "geotrain plan: --wan-window-mb must be 0 (no cap) or a positive number of MB\n");
+    std::fprintf(stderr, "geotrain plan: --wan-window-mb must be 0 (no window) or a positive number of MB\n");
     return 2;
   }
   job.wan_window_bytes = flags.wan_window_mb * 1e6;
@@ -349,8 +349,8 @@ void AddPlanCommands(CLI::App& app, Context& context) {
                  "collectives run on gRPC (CPU or timed-compute workers, no NCCL): data parallelism across sites "
                  "is one flat ring");
   plan->add_option("--wan-window-mb", flags->wan_window_mb,
-                   "flow-control window of one stream across sites, in MB: a stream carries at most window / "
-                   "round trip (default 0: no cap)");
+                   "flow-control window of one stream across sites, in MB: each message across sites sends its "
+                   "first window at the link's rate and the rest at most at window / round trip (default 0: none)");
   plan->add_option("--step-overhead-ms", flags->step_overhead_ms,
                    "fixed cost per optimizer step (optimizer, step barrier), in ms (default 0)");
   plan->add_flag("--json", flags->json, "print the result as JSON");

@@ -515,6 +515,10 @@ GradientBuckets::GradientBuckets(AllReduceFn all_reduce, BucketMemory* memory,
     int64_t size = 0;
     for (const absl::Span<float>& piece : groups_[g]) size += static_cast<int64_t>(piece.size());
     elements_ += size;
+    if (size == 0) {  // nothing to sum (a middle stage's non-layer group): no bucket, no all-reduce
+      bucket_of_group_[g] = -1;
+      continue;
+    }
     if (buckets_.empty() || buckets_.back().elements >= bucket_elements) {
       buckets_.push_back(Bucket{static_cast<int>(g), static_cast<int>(g), 0, nullptr, 0});
     }
@@ -548,6 +552,7 @@ void GradientBuckets::GroupReady(int group) {
   }
   ready_[group] = true;
   const int b = bucket_of_group_[group];
+  if (b < 0) return;  // an empty group
   Bucket& bucket = buckets_[b];
   float* out = bucket.data + offset_in_bucket_[group];
   for (const absl::Span<float>& piece : groups_[group]) {
@@ -569,6 +574,7 @@ absl::Status GradientBuckets::Finish() {
   RETURN_IF_ERROR(status);
   if (!complete) return absl::FailedPreconditionError("gradient all-reduce finished before every group was ready");
   for (size_t g = 0; g < groups_.size(); ++g) {
+    if (bucket_of_group_[g] < 0) continue;
     const float* in = buckets_[bucket_of_group_[g]].data + offset_in_bucket_[g];
     for (const absl::Span<float>& piece : groups_[g]) {
       memory_->Copy(piece.data(), in, static_cast<int64_t>(piece.size()));

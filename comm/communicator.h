@@ -219,7 +219,7 @@ class BucketMemory {
 // A stage's gradient all-reduce, bucketed and overlapped with backward. The gradient pieces come in
 // groups, in the order backward finishes them (the last block's first, then earlier blocks, then the
 // embeddings and final LayerNorm); consecutive groups are packed into buckets of about `bucket_bytes`
-// (a group is never split). GroupReady(g) copies group g into its bucket; once every group of a bucket is
+// (a group is never split; an empty group, such as a middle stage's non-layer group, has no bucket). GroupReady(g) copies group g into its bucket; once every group of a bucket is
 // in, the bucket's all-reduce starts on BucketedAllReduce's thread while the caller's backward goes on.
 // Finish() waits for every bucket and copies the sums back into the pieces.
 //

@@ -440,6 +440,43 @@ class QueuedCopyMemory : public BucketMemory {
   int fences_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// A middle pipeline stage has no embeddings: its last group is empty. It gets no bucket (an empty all-reduce still
+// exchanges messages, a round trip per ring step across sites), and reporting it is still required once.
+TEST(Collectives, GradientBucketsGiveAnEmptyGroupNoBucket) {
+  std::vector<float> a(1000, 1.0f), b(1000, 2.0f);
+  std::atomic<int> calls{0};
+  AllReduceFn all_reduce = [&calls](absl::Span<float> data, std::string_view) {
+    ++calls;
+    for (float& x : data) x *= 3.0f;  // a stand-in sum: three ranks of equal values
+    return absl::OkStatus();
+  };
+  QueuedCopyMemory memory;
+  // Both blocks fill their bucket; the empty group comes after a full bucket, where a group would open a new one.
+  GradientBuckets buckets(all_reduce, &memory, {{absl::MakeSpan(a)}, {absl::MakeSpan(b)}, {}},
+                          /*bucket_bytes=*/4 * 1000);
+  ASSERT_TRUE(buckets.status().ok());
+  EXPECT_EQ(buckets.num_buckets(), 2);
+  for (int step = 0; step < 2; ++step) {
+    buckets.GroupReady(0);
+    buckets.GroupReady(1);
+    EXPECT_EQ(buckets.Finish().code(), absl::StatusCode::kFailedPrecondition) << "the empty group was not reported";
+    buckets.GroupReady(0);
+    buckets.GroupReady(1);
+    buckets.GroupReady(2);
+    buckets.GroupReady(2);
+    EXPECT_EQ(buckets.Finish().code(), absl::StatusCode::kInternal) << "the empty group reported twice";
+    buckets.GroupReady(2);
+    buckets.GroupReady(0);
+    buckets.GroupReady(1);
+    ASSERT_TRUE(buckets.Finish().ok());
+  }
+  // Per step: both buckets ran before each of the three Finish calls, none for the empty group.
+  EXPECT_EQ(calls.load(), 2 * 3 * 2);
+  // Only a Finish that returns OK writes the sums back: once per step.
+  EXPECT_EQ(a[0], 9.0f);
+  EXPECT_EQ(b[0], 18.0f);
+}
+
 TEST(Collectives, GradientBucketsWaitForEachBucketsFenceInTheirMemory) {
   Cluster cluster(2, {"east", "east"}, Options("none", "none", AllReduceAlgorithm::kRing));
   std::vector<std::vector<float>> grads(2);

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <limits>
 #include <optional>
 #include <set>
@@ -155,7 +154,7 @@ double RingAllReduceSeconds(double bytes, int n, const LinkSpec& link) {
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips,
-                                  int depth, const std::vector<int>& stage_sites) {
+                                  int depth, const std::vector<int>& stage_sites, const std::vector<double>& stall_s) {
   // A message of r round trips (the runtime's sends wait for the peer's ack): it holds its link direction for its
   // serialisation, arrives (2 r - 1) latencies after it and is acknowledged 2 r latencies after it. Each stage
   // sends as the runtime's AsyncSender (worker/async_sender.h) does, in its ops' order: up to `in_flight` sends at
@@ -189,35 +188,38 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
       forward_done(forward_arrival);
   std::vector<double> stage_free(p, 0), link_forward_free(p, 0), link_backward_free(p, 0);
   std::vector<size_t> next(p, 0);
-  // Per stage: the acks of its sends in flight (in order) and the site they go to.
-  std::vector<std::deque<double>> acks(p);
+  // Per stage: the acks of its sends in flight (the two directions' sends to one site may be acknowledged out of
+  // order: a slot frees at the earliest) and the site they go to.
+  std::vector<std::multiset<double>> acks(p);
   std::vector<int> in_flight_site(p, -1);
   // Stage s sends, once it is `ready`, over boundary `boundary` to stage `to`, on the link direction whose
-  // serialisation is free at `wire_free`; returns the arrival.
+  // serialisation is free at `wire_free`; returns the arrival. A stream's window stall (stall_s) delays the message
+  // but leaves the link to the other streams.
   auto send = [&](int s, int boundary, int to, double ready, double& wire_free) {
     const double transfer = transfer_s[boundary], latency = latency_s[boundary];
+    const double stall = stall_s.empty() ? 0.0 : stall_s[boundary];
     if (round_trips.empty()) {
       const double start = std::max(ready, wire_free);
       wire_free = start + transfer;
-      return start + transfer + latency;
+      return start + transfer + stall + latency;
     }
     const int site = stage_sites.empty() ? 0 : stage_sites[to];
-    std::deque<double>& pending = acks[s];
+    std::multiset<double>& pending = acks[s];
     double start = ready;
-    while (!pending.empty() && pending.front() <= start) pending.pop_front();
+    pending.erase(pending.begin(), pending.upper_bound(start));  // acknowledged by now
     if (site != in_flight_site[s]) {
-      for (double ack : pending) start = std::max(start, ack);
+      if (!pending.empty()) start = std::max(start, *pending.rbegin());
       pending.clear();
       in_flight_site[s] = site;
     }
     while (static_cast<int>(pending.size()) >= in_flight) {
-      start = std::max(start, pending.front());
-      pending.pop_front();
+      start = std::max(start, *pending.begin());
+      pending.erase(pending.begin());
     }
     start = std::max(start, wire_free);
     wire_free = start + transfer;
-    pending.push_back(start + transfer + 2 * round_trips[boundary] * latency);
-    return start + transfer + arrival_latencies(boundary) * latency;
+    pending.insert(start + transfer + stall + 2 * round_trips[boundary] * latency);
+    return start + transfer + stall + arrival_latencies(boundary) * latency;
   };
   size_t remaining = static_cast<size_t>(2) * p * m;
   // Sweeps alternate direction: forwards flow down the stages, backwards up, so each sweep carries
@@ -348,13 +350,24 @@ double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
   return p;
 }
 
+// The ring a stage's DP all-reduce runs its rounds on, as DataParallelAllReduce chose it: what each gradient
+// bucket pays again with sequential_sync.
+struct DpRing {
+  int members = 1;             // the flat ring's ranks, or the hierarchical all-reduce's site leaders
+  double round_latency = 0;    // latency of one of its rounds
+  double counted_latency = 0;  // latency seconds the returned time already holds for those rounds
+  LinkSpec wan;                // its slowest hop across sites (a message's window); bandwidth 0 when none
+};
+
 // Gradient all-reduce of one stage's DP group (one per tp rank; the tp rings share the WAN).
-// Returns the seconds and adds the wire bytes of every cross-site hop to traffic[a][b] (ordered by
-// direction).
+// Returns the seconds, describes its ring in *ring and adds the wire bytes of every cross-site hop to
+// traffic[a][b] (ordered by direction).
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
                              const std::vector<int>& member_sites, double bytes_per_rank, double collective_scale,
-                             std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec) {
+                             std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec,
+                             DpRing* ring) {
   const int n = static_cast<int>(member_sites.size());
+  *ring = DpRing{};
   if (n <= 1 || bytes_per_rank <= 0) return 0;
   std::vector<int> count(cluster.num_sites(), 0);
   for (int s : member_sites) ++count[s];
@@ -364,7 +377,9 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   }
   const int tp = plan.tp;
   if (sites.size() == 1) {
-    return RingAllReduceSeconds(bytes_per_rank, n, CollectiveLink(cluster, sites[0], collective_scale));
+    const LinkSpec link = CollectiveLink(cluster, sites[0], collective_scale);
+    *ring = DpRing{n, link.latency_s, AllReduceRounds(n, bytes_per_rank) * link.latency_s, LinkSpec{}};
+    return RingAllReduceSeconds(bytes_per_rank, n, link);
   }
   auto codec_of = [&](int a, int b) {
     if (!plan.gradient_codec.empty()) return plan.gradient_codec[a][b];
@@ -373,12 +388,14 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   // The sites' cyclic ring order is their index order; the slowest hop paces the ring.
   const int S = static_cast<int>(sites.size());
   double worst_seconds_per_byte = 0, worst_wan_latency = 0;
+  LinkSpec worst_wan;
   for (int i = 0; i < S; ++i) {
     const int a = sites[i], b = sites[(i + 1) % S];
     const LinkSpec& link = cluster.Link(a, b);
     const int c = codec_of(a, b);
     const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
     worst_seconds_per_byte = std::max(worst_seconds_per_byte, spb);
+    if (link.latency_s >= worst_wan_latency) worst_wan = link;
     worst_wan_latency = std::max(worst_wan_latency, link.latency_s);
   }
   double intra_latency = 0, intra_seconds_per_byte = 0;
@@ -406,6 +423,12 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
       2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + 2.0 * (S - 1) * worst_wan_latency;
   // gRPC collectives have the flat ring only (the hierarchical all-reduce is NCCL's, worker/collectives.h).
   const bool use_flat = job.grpc_collectives || flat < hierarchical;
+  if (use_flat) {
+    const double latency = std::max(worst_wan_latency, intra_latency);
+    *ring = DpRing{n, latency, AllReduceRounds(n, bytes_per_rank) * latency, worst_wan};
+  } else {
+    *ring = DpRing{S, worst_wan_latency, 2.0 * (S - 1) * worst_wan_latency, worst_wan};
+  }
   const double per_hop = use_flat ? 2.0 * (n - 1) / n : 2.0 * (S - 1) / S;
   for (int i = 0; i < S; ++i) {
     const int a = sites[i], b = sites[(i + 1) % S];
@@ -546,13 +569,13 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
   double slowest_makespan = -1;
   int slowest = 0;
   std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp), transfer_of(plan.dp), latency_of(plan.dp),
-      round_trips_of(plan.dp);
+      round_trips_of(plan.dp), stall_of(plan.dp);
   std::vector<std::vector<int>> sites_of(plan.dp, std::vector<int>(pp));
   // (first, last) stage site pairs -> replicas, and when their wte gradients are complete.
   std::map<std::pair<int, int>, int> tied_pairs;
   std::map<std::pair<int, int>, double> tied_ready;
   for (int r = 0; r < plan.dp; ++r) {
-    std::vector<double> forward(pp), backward(pp), transfer(std::max(pp - 1, 0)), latency(transfer),
+    std::vector<double> forward(pp), backward(pp), transfer(std::max(pp - 1, 0)), latency(transfer), stall(transfer),
         message_round_trips;
     for (int s = 0; s < pp; ++s) {
       const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
@@ -599,7 +622,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
         int c = -1;
         if (site != next_site) c = activation_codec_of(site, next_site);
         transfer[s] = bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
-        if (site != next_site) transfer[s] += WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
+        if (site != next_site) stall[s] = WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
         latency[s] = link.latency_s;
         if (job.sequential_sync) {
           message_round_trips.push_back(round_trips(bytes * (c < 0 ? 1.0 : job.codecs[c].ratio)));
@@ -616,6 +639,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     backward_of[r] = std::move(backward);
     transfer_of[r] = std::move(transfer);
     latency_of[r] = std::move(latency);
+    stall_of[r] = std::move(stall);
     round_trips_of[r] = std::move(message_round_trips);
   }
   // The 1F1B depth: the plan's, or the one that covers the slowest replica boundary's round trip.
@@ -628,7 +652,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
         if (s + 1 >= pp) continue;
         // Arrival, as SimulatePipeline counts it: serialisation plus one latency, or 2 r - 1 with round trips.
         const double latencies = round_trips_of[r].empty() ? 1.0 : 2 * round_trips_of[r][s] - 1;
-        one_way = std::max(one_way, transfer_of[r][s] + latencies * latency_of[r][s]);
+        one_way = std::max(one_way, transfer_of[r][s] + stall_of[r][s] + latencies * latency_of[r][s]);
       }
       depth = std::max(depth, PipelineDepthFor(pp, plan.microbatches[r], one_way, microbatch));
     }
@@ -637,8 +661,9 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
   for (int r = 0; r < plan.dp; ++r) {
     // Replicas on identical devices and links behave identically: simulate each kind once.
     std::vector<double> signature;
-    signature.reserve(4 * pp + 1);
-    for (const auto* part : {&forward_of[r], &backward_of[r], &transfer_of[r], &latency_of[r], &round_trips_of[r]}) {
+    signature.reserve(6 * pp + 1);
+    for (const auto* part :
+         {&forward_of[r], &backward_of[r], &transfer_of[r], &latency_of[r], &round_trips_of[r], &stall_of[r]}) {
       signature.insert(signature.end(), part->begin(), part->end());
     }
     signature.push_back(plan.microbatches[r]);
@@ -646,9 +671,9 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     auto known = simulated.find(signature);
     if (known == simulated.end()) {
       known = simulated
-                  .emplace(std::move(signature),
-                           SimulatePipeline(forward_of[r], backward_of[r], transfer_of[r], latency_of[r],
-                                            plan.microbatches[r], plan.schedule, round_trips_of[r], depth, sites_of[r]))
+                  .emplace(std::move(signature), SimulatePipeline(forward_of[r], backward_of[r], transfer_of[r],
+                                                                  latency_of[r], plan.microbatches[r], plan.schedule,
+                                                                  round_trips_of[r], depth, sites_of[r], stall_of[r]))
                   .first;
     }
     timelines[r] = &known->second;
@@ -688,7 +713,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       const double bytes = model.tied_parameters * model.bytes_per_element * replicas;
       // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
       const int rounds = AllReduceRounds(2, model.tied_parameters * model.bytes_per_element);
-      const double wire = bytes * (c < 0 ? 1.0 : job.codecs[c].ratio) / rounds;  // one round's message each way
+      const double wire = bytes / replicas * (c < 0 ? 1.0 : job.codecs[c].ratio) / rounds;  // a round's message
       const double window = first == last ? 0 : rounds * WindowSeconds(job, link, wire);
       epilogue_start = std::max(
           epilogue_start, tied_ready[pair] + bytes * spb + window + rounds * 2 * round_trips(wire) * link.latency_s);
@@ -708,19 +733,12 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     std::vector<int> member_sites;
     for (int r = 0; r < plan.dp; ++r) member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
     const double bytes = StageParameters(model, begin, end, pp) / tp * model.bytes_per_element;
+    DpRing ring;
     const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale,
-                                                 &traffic_gradient, &gradient_codec_used);
+                                                 &traffic_gradient, &gradient_codec_used, &ring);
     out.stage_allreduce_s[s] = seconds;
     if (seconds <= 0) continue;
     if (job.sequential_sync) {
-      // Each of the ring's 2 (n - 1) steps waits 2 r latencies instead of one.
-      double worst_latency = 0;
-      LinkSpec worst_wan;  // the slowest cross-site hop, whose window paces the ring's messages
-      for (size_t i = 0; i < member_sites.size(); ++i) {
-        const int a = member_sites[i], b = member_sites[(i + 1) % member_sites.size()];
-        worst_latency = std::max(worst_latency, cluster.Link(a, b).latency_s);
-        if (a != b && cluster.Link(a, b).latency_s >= worst_wan.latency_s) worst_wan = cluster.Link(a, b);
-      }
       double ratio = 1;  // the codec of the group's first cross-site pair
       for (int m : member_sites) {
         if (m == member_sites[0]) continue;
@@ -729,16 +747,17 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
         ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
         break;
       }
-      // Each bucket is an all-reduce of its own, after the last: each of its rounds waits 2 r latencies, and its
-      // message the window across sites. `seconds` counted the stage's rounds once, at one latency each.
+      // Each bucket is an all-reduce of its own, after the last: each of its ring's rounds waits 2 r latencies
+      // (a message and its ack), and its message the window across sites. A round's message is one stream's (one
+      // tp rank's). `seconds` counted the stage's rounds once, at one latency each.
       double waited = 0;
       for (double bucket : GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes)) {
-        const int rounds = AllReduceRounds(plan.dp, bucket);
-        const double chunk = bucket * tp / (rounds == 1 ? 1 : plan.dp) * ratio;  // one round's message
-        const double window = worst_wan.bandwidth_bytes_per_s > 0 ? WindowSeconds(job, worst_wan, chunk) : 0;
-        waited += rounds * (2 * round_trips(chunk) * worst_latency + window);
+        const int rounds = AllReduceRounds(ring.members, bucket);
+        const double chunk = bucket / (rounds == 1 ? 1 : ring.members) * ratio;
+        const double window = ring.wan.bandwidth_bytes_per_s > 0 ? WindowSeconds(job, ring.wan, chunk) : 0;
+        waited += rounds * (2 * round_trips(chunk) * ring.round_latency + window);
       }
-      const double extra = waited - AllReduceRounds(plan.dp, bytes) * worst_latency;
+      const double extra = waited - ring.counted_latency;
       out.stage_allreduce_s[s] = seconds + extra;
       finish = std::max(finish, epilogue_start + seconds + extra);
       earliest_start = std::min(earliest_start, epilogue_start);
@@ -798,8 +817,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       gradient_codec_used[std::min(first, last)][std::max(first, last)] = c;
     }
     const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
-    const double window =
-        first == last ? 0 : WindowSeconds(job, link, bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio));
+    const double window = first == last ? 0 : WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
     tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + window + link.latency_s);
   }
   if (!job.sequential_sync) {

@@ -105,7 +105,8 @@ struct JobOptions {
   double message_window_bytes = 0;
   // With sequential_sync: the runtime's gradient buckets (comm.grad_bucket_mb, comm::GradientBuckets). Each
   // bucket is its own all-reduce, one after another on one thread, so each pays its ring's round trips: across
-  // a 100 ms link, GPT-2 medium's 25 buckets over a ring of 4 wait 25 x 6 round trips, 15 s per step.
+  // a link of 103 ms round trip, GPT-2 medium's 25 buckets over a ring of 4 wait 25 x 6 round trips, 15 s per
+  // step. Bytes (fp32), 25 MiB by default as in the runtime.
   double grad_bucket_bytes = 25.0 * (1 << 20);
   // Devices that share one host (the CPU workers of an emulated cluster on one machine) slow each
   // other down: with n devices in use, every device's efficiency is multiplied by
@@ -213,11 +214,14 @@ struct PipelineTimeline {
 // after it; each stage sends as the runtime's AsyncSender: one send at a time, or with a 1F1B depth above pp
 // up to min(depth, microbatches) - pp + 1 at once while they go to one site; a send to another site waits for
 // the acks of those in flight. Empty round_trips: a plain link (busy for the serialisation, arriving one
-// latency later). stage_sites (site of each stage; empty: all in one site) says where sends go.
+// latency later). stage_sites (site of each stage; empty: all in one site) says where sends go. stall_s (per
+// boundary; empty: none): a message's flow-control stall (JobOptions::wan_window_bytes), which delays its arrival
+// and ack but does not hold the link.
 PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const std::vector<double>& backward_s,
                                   const std::vector<double>& transfer_s, const std::vector<double>& latency_s,
                                   int microbatches, Schedule schedule, const std::vector<double>& round_trips = {},
-                                  int depth = 0, const std::vector<int>& stage_sites = {});
+                                  int depth = 0, const std::vector<int>& stage_sites = {},
+                                  const std::vector<double>& stall_s = {});
 
 // The codec (index into job.codecs, -1 for none) that minimises seconds per raw byte on `link`;
 // activations only consider codecs with for_activations.

@@ -582,6 +582,42 @@ TEST(CostModelTest, SequentialSyncPaysEachGradientBucketsRoundTrip) {
   EXPECT_NEAR(three->step_time_s - one->step_time_s, 2 * 2 * 0.050, 1e-9);
 }
 
+// With NCCL's hierarchical all-reduce (not --grpc-collectives) each bucket pays the sites' leaders' ring, not the
+// flat ring over every replica: four replicas in two sites, a pair exchange of the leaders per bucket.
+TEST(CostModelTest, EachBucketPaysTheRoundsOfTheRingItRunsOn) {
+  const Cluster c = TwoSites("RTX6000", 2, 50, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  Plan plan = DataParallel(model, 4, 1);
+  plan.devices = {{{0}}, {{1}}, {{2}}, {{3}}};  // two replicas per site
+  auto extra_for_two_more_buckets = [&](bool grpc) {
+    JobOptions job = TinyJob();
+    job.sequential_sync = true;
+    job.grpc_collectives = grpc;
+    job.grad_bucket_bytes = 1e12;
+    absl::StatusOr<Prediction> one = Simulate(c, model, job, plan);
+    job.grad_bucket_bytes = 1;
+    absl::StatusOr<Prediction> three = Simulate(c, model, job, plan);
+    EXPECT_TRUE(one.ok() && three.ok());
+    return three->stage_allreduce_s[0] - one->stage_allreduce_s[0];
+  };
+  EXPECT_NEAR(extra_for_two_more_buckets(true), 2 * 6 * 2 * 0.050, 1e-9);   // the flat ring of 4: 6 rounds
+  EXPECT_NEAR(extra_for_two_more_buckets(false), 2 * 1 * 2 * 0.050, 1e-9);  // two leaders: one exchange
+}
+
+// A message's window stall delays it but leaves the link to the other streams: a deep pipeline's sends to one
+// site stall side by side, where serialised stalls would add up.
+TEST(CostModelTest, WindowStallsOfSendsInFlightOverlap) {
+  const std::vector<double> f = {1, 1}, b = {1, 1}, trips = {1}, latency = {0.001};
+  const int m = 8, depth = 8;
+  const PipelineTimeline plain = SimulatePipeline(f, b, {0}, latency, m, Schedule::k1F1B, trips, depth, {0, 1});
+  const PipelineTimeline stalled =
+      SimulatePipeline(f, b, {0}, latency, m, Schedule::k1F1B, trips, depth, {0, 1}, /*stall_s=*/{5});
+  const PipelineTimeline serialised = SimulatePipeline(f, b, {5}, latency, m, Schedule::k1F1B, trips, depth, {0, 1});
+  EXPECT_GT(stalled.makespan, plain.makespan + 5);
+  EXPECT_LT(stalled.makespan, plain.makespan + 4 * 5);
+  EXPECT_GT(serialised.makespan, stalled.makespan + 3 * 5);
+}
+
 // A stream's flow-control window across sites: a message starts with the window open, so its first window goes
 // at the link's rate and the rest at window / round trip. A message within the window pays nothing.
 TEST(CostModelTest, WanWindowSlowsEachMessageBeyondItsFirstWindow) {

@@ -34,6 +34,7 @@ absl::StatusOr<Plan> RuntimePlanShape(const JobSpec& spec, const ModelCosts& mod
   plan.pp = parallel.pp();
   plan.tp = parallel.tp();
   plan.schedule = parallel.schedule() == "gpipe" ? Schedule::kGPipe : Schedule::k1F1B;
+  plan.pipeline_depth = parallel.pipeline_depth();  // 0: the simulator's (the head's) choice
   plan.microbatch_size = spec.train().global_batch() / (plan.dp * parallel.microbatches());
   plan.microbatches.assign(plan.dp, parallel.microbatches());
   plan.stage_begin = RuntimeStageBegin(model, plan.pp);

@@ -59,6 +59,12 @@ TEST(SpecPlanningTest, TheRuntimePlanShapeSplitsTheBatchEvenly) {
   EXPECT_EQ(plan->schedule, Schedule::kGPipe);
   EXPECT_EQ(plan->stage_begin, RuntimeStageBegin(planning->model, 2));
   EXPECT_FALSE(RuntimePlanShape(Spec("bf16", 1, 3, 1, "1f1b"), planning->model).ok());  // 2 blocks
+  EXPECT_EQ(plan->pipeline_depth, 0);  // none given: the simulator chooses, as the head does
+  JobSpec deep = Spec("bf16", 1, 2, 8, "1f1b");
+  deep.mutable_parallel()->set_pipeline_depth(5);  // the runtime runs the spec's depth: so is it predicted
+  absl::StatusOr<Plan> given = RuntimePlanShape(deep, planning->model);
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(given->pipeline_depth, 5);
 }
 
 TEST(SpecPlanningTest, StageMemoryIsTheSimulatorsCount) {
