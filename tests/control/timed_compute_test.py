@@ -15,6 +15,7 @@ Usage: timed_compute_test.py PATH/TO/geotrain
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +58,10 @@ class TimedComputeTest(unittest.TestCase):
         cls.dir = tempfile.mkdtemp(prefix="geotrain_timed_")
         cls.data = write_tiny_corpus(os.path.join(cls.dir, "data"), vocab=512)
         cls.timed_steps = None
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)  # the corpus and specs; the clusters remove their own homes
 
     def test_1_dp2_waits_the_predicted_time_and_says_emulated(self):
         topology = os.path.join(self.dir, "topology.yaml")
