@@ -46,6 +46,18 @@ Cluster InsideBandwidthTimes(const Cluster& c, double factor) {
   return out;
 }
 
+// Two stages on devices 0 and 1, split before layer `split`: one replica of `microbatches` microbatches of
+// `microbatch_size` sequences.
+Plan TwoStages(const ModelCosts& model, int split, int microbatches, int microbatch_size = 1) {
+  Plan p;
+  p.pp = 2;
+  p.microbatch_size = microbatch_size;
+  p.stage_begin = {0, split, model.num_layers()};
+  p.devices = {{{0}, {1}}};
+  p.microbatches = {microbatches};
+  return p;
+}
+
 // Pure data parallelism over the first n devices, equal shares.
 Plan DataParallel(const ModelCosts& model, int n, int microbatches_per_replica) {
   Plan p;
@@ -166,11 +178,7 @@ TEST(CostModelTest, SimulateChoosesTheDepthThatCoversTheLink) {
   job.global_batch = 32;
   job.seq_len = 1024;
   const Cluster cluster = TwoSites("A100", 1, 50.0, 10000);
-  Plan plan;
-  plan.pp = 2;
-  plan.stage_begin = {0, model.num_layers() / 2, model.num_layers()};
-  plan.devices = {{{0}, {1}}};
-  plan.microbatches = {32};
+  Plan plan = TwoStages(model, model.num_layers() / 2, 32);
   absl::StatusOr<Prediction> chosen = Simulate(cluster, model, job, plan);
   ASSERT_TRUE(chosen.ok()) << chosen.status();
   const double microbatch = chosen->stage_forward_s[0] + chosen->stage_backward_s[0];
@@ -274,12 +282,7 @@ TEST(CostModelTest, CrossSitePipelineTrafficCountsActivationsBothWays) {
   job.seq_len = 1024;
   job.codecs.push_back(*ParseCodec("bf16"));
   Cluster c = TwoSites("A100", 1, 50, 1000);
-  Plan p;
-  p.pp = 2;
-  p.microbatch_size = 2;
-  p.stage_begin = {0, 7, model.num_layers()};
-  p.devices = {{{0}, {1}}};
-  p.microbatches = {4};
+  const Plan p = TwoStages(model, 7, 4, 2);
   absl::StatusOr<Prediction> pr = Simulate(c, model, job, p);
   ASSERT_TRUE(pr.ok()) << pr.status();
   ASSERT_EQ(pr->cross_site.size(), 1u);
@@ -298,11 +301,7 @@ TEST(CostModelTest, CalibrationRecoversTheEfficiencyOfMeasuredStageTimes) {
   job.seq_len = 1024;
   job.efficiency = 0.37;
   Cluster c = TwoSites("A100", 1, 0, 100000);
-  Plan p;
-  p.pp = 2;
-  p.stage_begin = {0, 6, model.num_layers()};
-  p.devices = {{{0}, {1}}};
-  p.microbatches = {8};
+  const Plan p = TwoStages(model, 6, 8);
   absl::StatusOr<Prediction> pr = Simulate(c, model, job, p);
   ASSERT_TRUE(pr.ok());
   std::vector<double> measured;
@@ -643,12 +642,7 @@ TEST(CostModelTest, WanWindowSlowsEachMessageBeyondItsFirstWindow) {
   EXPECT_DOUBLE_EQ(within->stage_allreduce_s[0], open->stage_allreduce_s[0]);
 
   // A pipeline's sends across sites: one microbatch, its activations forward and their gradient back.
-  Plan pipeline;
-  pipeline.pp = 2;
-  pipeline.microbatch_size = 4;
-  pipeline.stage_begin = {0, 2, model.num_layers()};
-  pipeline.devices = {{{0}, {1}}};
-  pipeline.microbatches = {1};
+  Plan pipeline = TwoStages(model, 2, 1, 4);
   pipeline.schedule = Schedule::kGPipe;
   const double activations = 4.0 * 32 * 32 * 4;  // b x T x C fp32
   job = TinyJob();
