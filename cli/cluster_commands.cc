@@ -26,7 +26,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cli/cluster_isolation.h"
@@ -50,20 +52,56 @@ std::string SelfDirectory() {
   return ec ? std::string(".") : exe.parent_path().string();
 }
 
-absl::StatusOr<int> FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    return absl::UnavailableError("cannot find a free port on 127.0.0.1");
+// A port on 127.0.0.1 held by a bound socket until Release(), just before the process that listens on it starts.
+// While held, the kernel hands it out to no later pick, ours or the WAN emulator's. Picked and closed at once, one
+// cluster's ports could repeat: on 2026-12-05 two workers of a 6-worker `cluster up` got port 33667, and the second
+// could not listen.
+class ReservedPort {
+ public:
+  static absl::StatusOr<ReservedPort> Pick() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      if (fd >= 0) ::close(fd);
+      return absl::UnavailableError("cannot find a free port on 127.0.0.1");
+    }
+    return ReservedPort(fd, ntohs(addr.sin_port));
   }
-  const int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
+  ReservedPort(ReservedPort&& other) noexcept : fd_(std::exchange(other.fd_, -1)), port_(other.port_) {}
+  ReservedPort& operator=(ReservedPort&& other) noexcept {
+    if (this != &other) {
+      Release();
+      fd_ = std::exchange(other.fd_, -1);
+      port_ = other.port_;
+    }
+    return *this;
+  }
+  ~ReservedPort() { Release(); }
+
+  int port() const { return port_; }
+  void Release() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  ReservedPort(int fd, int port) : fd_(fd), port_(port) {}
+  int fd_;
+  int port_;
+};
+
+// The last non-empty line of a log file, or "" when it cannot be read.
+std::string LastLogLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  return last;
 }
 
 // Starts argv[0] in its own session with stdout and stderr appended to `log`; returns its pid.
@@ -278,6 +316,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   struct PlannedWorker {
     std::string id, site;
     int port;
+    std::optional<ReservedPort> reservation;  // until the worker starts (not with isolate: its own namespace)
     std::vector<std::string> devices;
     std::map<std::string, size_t> route_index_by_site;
   };
@@ -307,8 +346,9 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       if (up.isolate) {
         p.port = kIsolatedWorkerPort;  // its own namespace: the port is free
       } else {
-        ASSIGN_OR_RETURN(auto port, FreePort());
-        p.port = port;
+        ASSIGN_OR_RETURN(ReservedPort port, ReservedPort::Pick());
+        p.port = port.port();
+        p.reservation = std::move(port);
       }
       const std::string host = up.isolate ? net.nodes[worker_index].ip : "127.0.0.1";
       ++worker_index;
@@ -362,24 +402,27 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
   }
   file.netem_control_port = emulator.control_port;
 
-  auto head_port = FreePort();
-  auto metrics_port = FreePort();
-  if (!head_port.ok() || !metrics_port.ok()) return fail(absl::UnavailableError("no free ports"));
-  file.head_address = absl::StrCat("127.0.0.1:", *head_port);
+  absl::StatusOr<ReservedPort> head_reserved = ReservedPort::Pick();
+  absl::StatusOr<ReservedPort> metrics_reserved = ReservedPort::Pick();
+  if (!head_reserved.ok() || !metrics_reserved.ok()) return fail(absl::UnavailableError("no free ports"));
+  const int head_port = head_reserved->port(), metrics_port = metrics_reserved->port();
+  file.head_address = absl::StrCat("127.0.0.1:", head_port);
   std::vector<std::string> head_argv = {geotrain,
                                         "head",
                                         "start",
                                         "--bind",
                                         up.isolate ? "0.0.0.0" : "127.0.0.1",
                                         "--port",
-                                        std::to_string(*head_port),
+                                        std::to_string(head_port),
                                         "--metrics-port",
-                                        std::to_string(*metrics_port),
+                                        std::to_string(metrics_port),
                                         "--metrics-bind",
                                         "127.0.0.1",
                                         "--state-dir",
                                         state_dir + "/head"};
   head_argv.insert(head_argv.end(), tls_flags.begin(), tls_flags.end());
+  head_reserved->Release();
+  metrics_reserved->Release();
   auto head_pid = Spawn(head_argv, state_dir + "/logs/head.log");
   if (!head_pid.ok()) return fail(head_pid.status());
   file.processes.push_back({"head", *head_pid});
@@ -402,13 +445,14 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     std::filesystem::create_directories(absl::StrCat(state_dir, "/nodes/", w.id));
     hidden.push_back(std::filesystem::absolute(absl::StrCat(state_dir, "/nodes/", w.id)).string());
   }
+  std::vector<pid_t> worker_pids;  // by index in workers
   for (size_t i = 0; i < workers.size(); ++i) {
     const PlannedWorker& w = workers[i];
     const std::string node_dir = absl::StrCat(state_dir, "/nodes/", w.id);
     std::filesystem::create_directories(node_dir);
     if (absl::Status s = WriteFileAtomically(node_dir + "/token", *token, 0600); !s.ok()) return fail(s);
     const std::string head_address =
-        up.isolate ? absl::StrCat(net.nodes[i].gateway, ":", *head_port) : file.head_address;
+        up.isolate ? absl::StrCat(net.nodes[i].gateway, ":", head_port) : file.head_address;
     const std::string own_host = up.isolate ? net.nodes[i].ip : "127.0.0.1";
     std::vector<std::string> argv = {geotrain,
                                      "worker",
@@ -451,9 +495,11 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       }
       argv = IsolatedCommand(net.nodes[i], others, argv);
     }
+    workers[i].reservation.reset();
     auto pid = Spawn(argv, absl::StrCat(state_dir, "/logs/worker-", w.id, ".log"));
     if (!pid.ok()) return fail(pid.status());
     file.processes.push_back({"worker " + w.id, *pid});
+    worker_pids.push_back(*pid);
   }
   if (absl::Status s = WriteClusterFile(state_dir, file); !s.ok()) return fail(s);
 
@@ -466,6 +512,14 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       for (const v1::Worker& w : status->workers()) alive += w.state() == v1::WORKER_ALIVE;
     }
     if (alive == static_cast<int>(workers.size())) break;
+    for (size_t i = 0; i < workers.size(); ++i) {
+      // A worker that exits will never join: say why now rather than after the deadline.
+      if (::waitpid(worker_pids[i], nullptr, WNOHANG) == 0) continue;
+      const std::string log = absl::StrCat(state_dir, "/logs/worker-", workers[i].id, ".log");
+      const std::string why = LastLogLine(log);
+      return fail(absl::UnavailableError(absl::StrCat("worker ", workers[i].id, " exited before it joined",
+                                                      why.empty() ? "" : absl::StrCat(": ", why), "; see ", log)));
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       return fail(absl::DeadlineExceededError(absl::StrCat("only ", alive, " of ", workers.size(),
                                                            " workers joined within 60 s; see ", state_dir, "/logs/")));

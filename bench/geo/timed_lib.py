@@ -8,7 +8,7 @@ The planner's defaults describe real nodes, so before predicting, three figures 
 (one site, two devices) with jobs that no study plan is:
   - each device type's efficiency: the planner's compute time of a microbatch at efficiency 1 over what the timed
     backend waits for it (`geotrain model timed-step`);
-  - the bandwidth inside a site for gradients: bisection on --intra-site-gbps until the planner's prediction of
+  - the bandwidth inside a site for gradients: --intra-site-gbps solved so that the planner's prediction of
     DP2 inside the site (1.4 GB of gradients all-reduced over loopback for GPT-2 medium) equals its measured step;
   - the bandwidth inside a site for activations: the same on --intra-site-activation-gbps for TP2 inside the site
     (many all-reduces of one microbatch's activations, 4 MB each), with that bandwidth for the rest. Messages of
@@ -111,9 +111,40 @@ def measure_plan(cluster, geotrain, topology, flags, spec, write_spec, timeout):
     write_spec(steps)
     row = run_job(cluster, spec, timeout, warmup)
     row["predicted_s"] = predicted
+    row["warmup"] = warmup
     if error:
         row["message"] = (row["message"] + " " + error)[:300]
     return row
+
+
+def measure_plans(cluster, geotrain, topology, flags, plans, timeout, rounds=1, progress=None):
+    """measure_plan for each (spec, write_spec) of `plans`, in order; then, for the plans with a short step
+    (steady_steps' 12 steps), rounds - 1 more rounds of their jobs, interleaved (all of them once, then again), and
+    their figures the median over the rounds (each round's step in rounds_s). One job of a plan inside a site
+    varies by about 10% from the next on this host (GPT-2 medium PP4 on A30s: 0.654-0.724 s, then on RTX 6000s
+    0.674-0.861 s, in turn, 2026-12-05), as much as the planner's top plans differ: one job each ranked them by that
+    spread. A long step is steady within a job and costs minutes a round: one round. progress(index, figures) after
+    each job. Returns one dict per plan, as measure_plan's."""
+    def report(i, figures):
+        if progress:
+            progress(i, figures)
+        return figures
+    rows = [report(i, measure_plan(cluster, geotrain, topology, flags, spec, write_spec, timeout))
+            for i, (spec, write_spec) in enumerate(plans)]
+    short = [i for i, row in enumerate(rows) if row["warmup"] == steady_steps(0)[1] and row["step_s"] != ""]
+    runs = {i: [dict(rows[i])] for i in short}
+    for _ in range(rounds - 1):
+        for i in short:
+            runs[i].append(report(i, run_job(cluster, plans[i][0], timeout, rows[i]["warmup"])))
+    for i in short:
+        done = [r for r in runs[i] if r["step_s"] != ""]
+        rows[i]["rounds_s"] = ";".join(str(r["step_s"]) for r in runs[i])
+        for key in ("step_s", "compute_s", "comm_wait_s"):
+            rows[i][key] = round(statistics.median(r[key] for r in done), 4)
+        rows[i]["wall_s"] = round(sum(r["wall_s"] for r in runs[i]), 1)
+        if len(done) < len(runs[i]):
+            rows[i]["message"] = (rows[i]["message"] + f" {len(runs[i]) - len(done)} round(s) failed")[:300]
+    return rows
 
 
 def plan_json(geotrain, topology, spec, flags, predict=False, top=5):
@@ -167,16 +198,35 @@ def load_calibration(path):
     return cal
 
 
-def _bisect(f, target, lo, hi, increasing, iterations=18):
-    """x in [lo, hi] (geometric bisection) with f(x) = target; f monotonic."""
+def _solve(f, target, lo, hi, tolerance=1e-4, iterations=40):
+    """x in [lo, hi] with f(x) = target for f decreasing in x and close to a + b / x (a step time against a
+    bandwidth): regula falsi (the Illinois variant) on 1 / x, where f is close to a line. Each f is a `geotrain plan
+    --predict` (0.6 s of CPU here): about 6 of them, where bisection took 18 for the same precision."""
+    def g(u):
+        return f(1 / u) - target
+    a, b = 1 / hi, 1 / lo
+    ga, gb = g(a), g(b)
+    if ga >= 0:
+        return hi
+    if gb <= 0:
+        return lo
+    side, c = 0, a
     for _ in range(iterations):
-        mid = (lo * hi) ** 0.5
-        value = f(mid)
-        if (value < target) == increasing:
-            lo = mid
+        c = (a * gb - b * ga) / (gb - ga)
+        gc = g(c)
+        if abs(gc) <= tolerance * target:
+            break
+        if gc > 0:
+            b, gb = c, gc
+            if side == -1:
+                ga /= 2
+            side = -1
         else:
-            hi = mid
-    return (lo * hi) ** 0.5
+            a, ga = c, gc
+            if side == 1:
+                gb /= 2
+            side = 1
+    return 1 / c
 
 
 def _inside_site_jobs(site):
@@ -202,9 +252,8 @@ def _run_profiling_jobs(cluster, work, data, model, jobs, steps, timeout, tag):
 
 
 def _fit(geotrain, topo, cal, key, spec, target, hi):
-    """Bisection on cal[key] until the planner's prediction of spec on topo equals target seconds."""
-    return _bisect(lambda v: predict(geotrain, topo, spec, planner_flags(dict(cal, **{key: v}))), target, 0.05, hi,
-                   increasing=False)
+    """cal[key] such that the planner's prediction of spec on topo equals target seconds."""
+    return _solve(lambda v: predict(geotrain, topo, spec, planner_flags(dict(cal, **{key: v}))), target, 0.05, hi)
 
 
 def _with_fit_record(geotrain, topo, cal, measured):
@@ -221,9 +270,12 @@ def _fit_inside_site(geotrain, topo, cal, measured):
     cal["intra_site_activation_gbps"] = _fit(geotrain, topo, cal, "intra_site_activation_gbps", *measured["tp2"], 400)
 
 
-def calibrate(geotrain, cluster_up, work, data, model, device_types, device, steps, timeout, wan_check=False):
+def calibrate(geotrain, cluster_up, work, data, model, device_types, device, steps, timeout, wan_check=False,
+              inside_site=True):
     """Fits the planner to this machine (see the module's comment). cluster_up(topology) -> a ClusterUp. wan_check:
-    also runs DP2 across a link of CALIBRATION_WAN_MS and records its prediction (nothing is fitted to it)."""
+    also runs DP2 across a link of CALIBRATION_WAN_MS and records its prediction (nothing is fitted to it).
+    inside_site=False: the efficiencies only, for a caller that fits the bandwidths inside a site on its own
+    clusters (refit_inside_site); no profiling cluster runs, and the calibration's bandwidths stay unfitted."""
     efficiency = {}
     for d in device_types:
         topo = os.path.join(work, f"calib-{d}.yaml")
@@ -236,6 +288,10 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
                            check=True)
         waited = json.loads(r.stdout.strip().splitlines()[-1])["step_seconds"]
         efficiency[d] = at_one / waited
+    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
+           "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
+    if not inside_site:
+        return cal
     topo = os.path.join(work, "calib.yaml")
     sites = [("calib", [(device, 2)])] + ([("far", [(device, 1)])] if wan_check else [])
     write_topology(topo, sites, [("calib", "far", CALIBRATION_WAN_MS, 1000)] if wan_check else [])
@@ -247,8 +303,6 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
         measured = _run_profiling_jobs(c, work, data, model, jobs, steps, timeout, "profile")
     finally:
         c.close()
-    cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
-           "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
     _fit_inside_site(geotrain, topo, cal, measured)
     return _with_fit_record(geotrain, topo, cal, measured)
 

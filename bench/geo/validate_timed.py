@@ -2,23 +2,24 @@
 """EMULATED: the planner validated at scale on timed clusters (issue 17 point 3).
 
 Topologies of three sites with mixed emulated GPUs (FABRIC's RTX 6000, A30 and T4), different links, and 8 to 16
-devices, brought up with `geotrain cluster up --timed-compute`. The planner is first calibrated to this machine on a
-separate profiling cluster (bench/geo/timed_lib.py: device efficiencies from the timed backend, the bandwidth inside
-a site for gradients and for activations from two profiling jobs; nothing is fitted across sites).
-Per topology, the two bandwidths inside a site are fitted again on the topology's own cluster, just before its plans
-run (timed_lib.refit_inside_site; --no-refit keeps the profiling cluster's): this host's loopback drifts between
-spells of minutes. The topologies' links are their configured ones. Per topology, the calibrated planner (`geotrain
-plan --job`, as the head plans `plan: auto`) ranks plans; its top --top plans run, and so do DP over every device
+devices, brought up with `geotrain cluster up --timed-compute`. The planner is calibrated to this machine
+(bench/geo/timed_lib.py; nothing is fitted across sites): the device efficiencies from the timed backend, and per
+topology the bandwidth inside a site for gradients and for activations from two profiling jobs on the topology's own
+cluster, just before its plans run (timed_lib.refit_inside_site), since this host's loopback drifts between spells
+of minutes. --no-refit fits those bandwidths once instead, on a separate profiling cluster, for every topology.
+The topologies' links are their configured ones. Per topology, the calibrated planner (`geotrain plan --job`, as the
+head plans `plan: auto`) ranks plans; its top --top plans run, and so do DP over every device
 and TP inside each site x PP across the sites. For each run: the measured step (median of the steps after the
-warm-up: 12 steps skipping 3 when the step is short, 3 skipping 1 when it is long, timed_lib.steady_steps) and the
-planner's prediction of that very plan (`geotrain plan --predict`). Criteria (issue 17): median relative error <=
+warm-up: 12 steps skipping 3 when the step is short, 3 skipping 1 when it is long, timed_lib.steady_steps; a plan
+with a short step runs --rounds jobs, interleaved with the topology's other short plans, and reports their
+median: timed_lib.measure_plans) and the planner's prediction of that very plan (`geotrain plan --predict`). Criteria (issue 17): median relative error <=
 10%, Spearman >= 0.9 over all runs, and the chosen plan within 5% of the best measured on every topology. Writes
 CSV, a markdown table, a PNG and the calibrations (-calibration.json) to --out (default docs/geo/validation-timed).
 Every figure is EMULATED.
 
 Usage: /usr/bin/python3 bench/geo/validate_timed.py [--geotrain build/bin/geotrain] [--out docs/geo/validation-timed]
            [--model gpt2-medium] [--steps 3 (calibration)] [--top 3] [--topologies t8,t12,t16]
-           [--no-refit]
+           [--rounds 3] [--no-refit]
 """
 import argparse
 import csv
@@ -70,6 +71,8 @@ def main():
     ap.add_argument("--top", type=int, default=3)
     ap.add_argument("--topologies", default="t8,t12,t16")
     ap.add_argument("--job-timeout", type=float, default=1200)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of each plan with a short step, interleaved; its step is their median")
     ap.add_argument("--no-refit", action="store_true",
                     help="predict every topology with the profiling cluster's calibration (no refit on its cluster)")
     args = ap.parse_args()
@@ -89,7 +92,7 @@ def validate(args, work, up):
     data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
     started = time.monotonic()
     calibration = timed_lib.calibrate(args.geotrain, up, work, data, args.model, ["RTX6000", "A30", "T4"],
-                                      "RTX6000", args.steps, args.job_timeout)
+                                      "RTX6000", args.steps, args.job_timeout, inside_site=args.no_refit)
     print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
     rows, refits = [], {}
     for name in args.topologies.split(","):
@@ -113,13 +116,22 @@ def validate(args, work, up):
             ranked = timed_lib.plan_json(args.geotrain, topo, auto, flags, top=args.top)["ranked"][:args.top]
             plans = ([(f"planner-{i + 1}", timed_lib.parallel_of(p)) for i, p in enumerate(ranked)] +
                      fixed_plans(sites, batch))
+            jobs = []
             for label, parallel in plans:
                 spec = os.path.join(work, f"{name}-{label}.yaml")
 
                 def write_spec(steps, label=label, parallel=parallel, spec=spec):
                     timed_lib.write_job(spec, f"{name}-{label}", args.model, data, parallel, steps, batch, codec)
+                jobs.append((spec, write_spec))
+
+            def progress(i, measured, name=name, plans=plans):
+                print(f"EMULATED [{time.monotonic() - started:6.0f} s] {name} {plans[i][0]}: {measured['state']} "
+                      f"{measured['step_s']} s per step", flush=True)
+            measured = timed_lib.measure_plans(c, args.geotrain, topo, flags, jobs, args.job_timeout, args.rounds,
+                                               progress)
+            for (label, parallel), m in zip(plans, measured):
                 row = {"topology": name, "plan": label, "parallel": parallel}
-                row.update(timed_lib.measure_plan(c, args.geotrain, topo, flags, spec, write_spec, args.job_timeout))
+                row.update(m)
                 rows.append(row)
                 print(f"EMULATED [{time.monotonic() - started:6.0f} s] " + json.dumps(row), flush=True)
         finally:
@@ -130,9 +142,9 @@ def validate(args, work, up):
 def report(rows, calibration, refits, args, seconds):
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + "-calibration.json", "w") as f:
-        json.dump({"profiling_cluster": calibration, "refitted_per_topology": refits}, f, indent=1)
+        json.dump({"base": calibration, "refitted_per_topology": refits}, f, indent=1)
     fields = ["topology", "plan", "state", "step_s", "predicted_s", "compute_s", "comm_wait_s", "wan_mb", "wall_s",
-              "parallel", "message"]
+              "rounds_s", "parallel", "message"]
     with open(args.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -143,15 +155,17 @@ def report(rows, calibration, refits, args, seconds):
     def inside(cal):
         return (f"{cal['intra_site_gbps']:.2f} Gbit/s for gradients, "
                 f"{cal.get('intra_site_activation_gbps') or cal['intra_site_gbps']:.2f} Gbit/s for activations")
+    profiled = f", inside a site {inside(calibration)} on the profiling cluster" if "measured" in calibration else ""
     lines = [f"EMULATED (timed compute), {args.model}, global batch 16-24 x 1024 (a multiple of the devices); calibration: "
-             f"efficiency {', '.join(f'{k} {v:.3f}' for k, v in calibration['efficiency'].items())}, inside a site "
-             f"{inside(calibration)} on the profiling cluster, latency {calibration['intra_site_latency_ms']:.3f} ms, "
-             "nothing fitted across sites" +
+             f"efficiency {', '.join(f'{k} {v:.3f}' for k, v in calibration['efficiency'].items())}{profiled}, "
+             f"latency inside a site {calibration['intra_site_latency_ms']:.3f} ms, nothing fitted across sites" +
              "".join(f"; {name} refitted on its own cluster: {inside(cal)}" for name, cal in refits.items()), "",
-             "| topology | plan | measured s | predicted s | error | WAN MB/step |", "|---|---|---|---|---|---|"]
+             "| topology | plan | measured s | predicted s | error | WAN MB/step | rounds (s) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{100 * (r['predicted_s'] - r['step_s']) / r['step_s']:+.0f}%" if r in ok else r["state"]
-        lines.append(f"| {r['topology']} | {r['plan']} | {r['step_s']} | {r['predicted_s']} | {err} | {r['wan_mb']} |")
+        lines.append(f"| {r['topology']} | {r['plan']} | {r['step_s']} | {r['predicted_s']} | {err} | {r['wan_mb']} | "
+                     f"{r.get('rounds_s', '').replace(';', ', ') or '-'} |")
     chosen_ok = []
     for name in sorted({r["topology"] for r in rows}):
         got = [r for r in rows if r["topology"] == name and r["step_s"] != ""]

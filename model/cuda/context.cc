@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "model/cuda/cublas_loader.h"
 #include "model/cuda/cuda_check.h"
 #include "model/cuda/ops_cuda.h"
 
@@ -56,18 +57,21 @@ absl::StatusOr<std::unique_ptr<CudaContext>> CudaContext::Create(int device, Gem
     return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", device, " (this machine has ", count,
                                                       "); check nvidia-smi and CUDA_VISIBLE_DEVICES"));
   }
+  absl::StatusOr<const CublasApi*> cublas = LoadCublas();
+  if (!cublas.ok()) return cublas.status();
   std::unique_ptr<CudaContext> ctx(new CudaContext(device, precision));
+  ctx->cublas_api_ = *cublas;
   cudaError_t error = cudaSetDevice(device);
   if (error == cudaSuccess) error = cudaStreamCreateWithFlags(&ctx->stream_, cudaStreamNonBlocking);
   if (error != cudaSuccess) {
     cudaGetLastError();
     return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, ": ", CudaErrorText(error)));
   }
-  cublasStatus_t status = cublasCreate(&ctx->cublas_);
-  if (status == CUBLAS_STATUS_SUCCESS) status = cublasSetStream(ctx->cublas_, ctx->stream_);
+  cublasStatus_t status = (*cublas)->create(&ctx->cublas_);
+  if (status == CUBLAS_STATUS_SUCCESS) status = (*cublas)->set_stream(ctx->cublas_, ctx->stream_);
   if (status != CUBLAS_STATUS_SUCCESS) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cuBLAS on CUDA device ", device, ": ", cublasGetStatusString(status)));
+        absl::StrCat("cuBLAS on CUDA device ", device, ": ", (*cublas)->status_string(status)));
   }
   return ctx;
 }
@@ -75,7 +79,7 @@ absl::StatusOr<std::unique_ptr<CudaContext>> CudaContext::Create(int device, Gem
 CudaContext::~CudaContext() {
   cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (cublas_ != nullptr) cublas_api_->destroy(cublas_);
   if (workspace_ != nullptr) cudaFree(workspace_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
   cudaGetLastError();
@@ -203,8 +207,9 @@ void CheckLaunch(CudaContext& ctx, const char* op) {
 
 void CheckCublas(CudaContext& ctx, int status, const char* op) {
   if (status == CUBLAS_STATUS_SUCCESS) return;
-  ctx.RecordError(absl::InternalError(absl::StrCat(op, " on CUDA device ", ctx.device(), ": cuBLAS ",
-                                                   cublasGetStatusString(static_cast<cublasStatus_t>(status)))));
+  ctx.RecordError(
+      absl::InternalError(absl::StrCat(op, " on CUDA device ", ctx.device(), ": cuBLAS ",
+                                       ctx.cublas_api().status_string(static_cast<cublasStatus_t>(status)))));
 }
 
 int SmCount(CudaContext& ctx) {

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 
+#include "model/cuda/cublas_loader.h"
 #include "model/cuda/cuda_check.h"
 #include "model/cuda/device_util.cuh"
 #include "model/cuda/ops_cuda.h"
@@ -63,9 +64,10 @@ cublasStatus_t Gemm(CudaContext& ctx, cublasOperation_t transa, cublasOperation_
                     int64_t k, const Operand& a, const void* a_ptr, int64_t lda, const Operand& b, const void* b_ptr,
                     int64_t ldb, float beta, float* c, int64_t ldc) {
   const float alpha = 1.0f;
-  return cublasGemmEx(ctx.cublas(), transa, transb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                      &alpha, a_ptr, a.type, static_cast<int>(lda), b_ptr, b.type, static_cast<int>(ldb), &beta, c,
-                      CUDA_R_32F, static_cast<int>(ldc), ComputeType(ctx), CUBLAS_GEMM_DEFAULT);
+  return ctx.cublas_api().gemm_ex(ctx.cublas(), transa, transb, static_cast<int>(m), static_cast<int>(n),
+                                  static_cast<int>(k), &alpha, a_ptr, a.type, static_cast<int>(lda), b_ptr, b.type,
+                                  static_cast<int>(ldb), &beta, c, CUDA_R_32F, static_cast<int>(ldc), ComputeType(ctx),
+                                  CUBLAS_GEMM_DEFAULT);
 }
 
 }  // namespace

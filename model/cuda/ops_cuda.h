@@ -32,6 +32,8 @@ typedef struct cublasContext* cublasHandle_t;
 
 namespace geotrain::model::cuda {
 
+struct CublasApi;  // cublas_loader.h
+
 enum class GemmPrecision { kFp32, kBf16 };
 
 // Number of CUDA devices visible (0 when there is no driver or no device; never an error).
@@ -42,8 +44,9 @@ absl::StatusOr<std::string> DeviceDescription(int device);
 // One device, one stream, one cuBLAS handle and a growable workspace.
 class CudaContext {
  public:
-  // Selects `device`, creates a non-blocking stream and a cuBLAS handle bound to it. FAILED_PRECONDITION
-  // with the CUDA error when there is no such device.
+  // Selects `device`, creates a non-blocking stream and a cuBLAS handle bound to it (opening cuBLAS on the first
+  // call: cublas_loader.h). FAILED_PRECONDITION with the CUDA error when there is no such device, or with the
+  // loader's when cuBLAS cannot be opened.
   static absl::StatusOr<std::unique_ptr<CudaContext>> Create(int device, GemmPrecision precision);
   ~CudaContext();
   CudaContext(const CudaContext&) = delete;
@@ -52,6 +55,8 @@ class CudaContext {
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
   cublasHandle_t cublas() const { return cublas_; }
+  // The cuBLAS entry points to call with cublas() (never null once Create succeeded).
+  const CublasApi& cublas_api() const { return *cublas_api_; }
   GemmPrecision precision() const { return precision_; }
   void set_precision(GemmPrecision precision) { precision_ = precision; }
 
@@ -81,6 +86,7 @@ class CudaContext {
   GemmPrecision precision_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  const CublasApi* cublas_api_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   absl::Status first_error_;

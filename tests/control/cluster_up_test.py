@@ -1,7 +1,8 @@
 """`geotrain cluster up/status/down` on a shipped topology: a head, the WAN emulator and four workers
 come up; cross-site paths measured by the workers show the configured one-way latency; `status` needs
 no flags; `down` leaves none of the started processes running. A one-site topology (no links) comes up without
-the emulator, says so, and its workers join.
+the emulator, says so, and its workers join. A worker that exits before it joins fails `cluster up` at once, with
+the worker's last log line.
 
 Usage: cluster_up_test.py PATH/TO/geotrain REPO_ROOT
 """
@@ -99,6 +100,44 @@ class ClusterUpTest(unittest.TestCase):
             run("cluster", "down", check=False)
             raise
         finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+    def test_a_worker_that_exits_fails_up_at_once(self):
+        # `cluster up` starts its processes from its own directory: a copy of geotrain next to a script named
+        # geotrain that makes worker lab-1 exit as a worker that cannot listen does, and runs the real binary
+        # for everything else.
+        home = tempfile.mkdtemp(prefix="geotrain_cluster_")
+        run = cli_in(home)
+        try:
+            bin_dir = os.path.join(home, "bin")
+            os.makedirs(bin_dir)
+            real = os.path.join(bin_dir, "geotrain-real")
+            shutil.copy(GEOTRAIN, real)
+            wrapper = os.path.join(bin_dir, "geotrain")
+            with open(wrapper, "w") as f:
+                f.write('#!/bin/sh\n'
+                        'case " $* " in *" --worker-id lab-1 "*)\n'
+                        '  echo "geotrain: worker: cannot listen on 127.0.0.1:1 (port in use?); choose another with '
+                        '--port" >&2; exit 1;;\n'
+                        'esac\n'
+                        f'exec "{real}" "$@"\n')
+            os.chmod(wrapper, 0o755)
+            topo = os.path.join(home, "one-site.yaml")
+            with open(topo, "w") as f:
+                f.write("sites:\n  - {name: lab, workers: [{device: T4, count: 1}, {device: T4, count: 1}]}\n")
+            started = time.monotonic()
+            r = subprocess.run([real, "cluster", "up", topo], capture_output=True, text=True, timeout=120,
+                               env=dict(os.environ, GEOTRAIN_HOME=home))
+            self.assertNotEqual(r.returncode, 0, r.stdout)
+            self.assertLess(time.monotonic() - started, 30, "cluster up waited for a worker that had exited")
+            self.assertIn("worker lab-1 exited before it joined", r.stderr)
+            self.assertIn("cannot listen on 127.0.0.1:1 (port in use?)", r.stderr)
+            self.assertIn("worker-lab-1.log", r.stderr)
+            # No cluster is recorded. (The head it started runs geotrain-real, which `cluster up` does not stop: it
+            # stops only processes whose binary is named geotrain, in case a pid was reused. The finally does.)
+            self.assertNotEqual(run("cluster", "status", check=False).returncode, 0)
+        finally:
+            subprocess.run(["pkill", "-9", "-f", os.path.join(home, "bin")], capture_output=True)
             shutil.rmtree(home, ignore_errors=True)
 
 
