@@ -297,7 +297,7 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
     write_topology(topo, sites, [("calib", "far", CALIBRATION_WAN_MS, 1000)] if wan_check else [])
     jobs = _inside_site_jobs("calib") + ((
         ("wan", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
-                "{replica: 1, stage: 0, site: far}]}", 2),) if wan_check else ())
+                "{replica: 1, stage: 0, site: far}]}", 10),) if wan_check else ())  # 10.3-10.8 s per step
     c = cluster_up(topo)
     try:
         measured = _run_profiling_jobs(c, work, data, model, jobs, steps, timeout, "profile")
