@@ -201,7 +201,8 @@ def load_calibration(path):
 def _solve(f, target, lo, hi, tolerance=1e-4, iterations=40):
     """x in [lo, hi] with f(x) = target for f decreasing in x and close to a + b / x (a step time against a
     bandwidth): regula falsi (the Illinois variant) on 1 / x, where f is close to a line. Each f is a `geotrain plan
-    --predict` (0.6 s of CPU here): about 6 of them, where bisection took 18 for the same precision."""
+    --predict` (0.6 s of CPU here while geotrain linked cuBLAS, 0.06 s since): about 6 of them, where bisection took
+    18 for the same precision."""
     def g(u):
         return f(1 / u) - target
     a, b = 1 / hi, 1 / lo

@@ -27,14 +27,14 @@ bool Resolve(void* library, const char* name, Fn* fn, std::string* error) {
 
 absl::StatusOr<CublasApi> Open() {
   const std::string soname = absl::StrCat("libcublas.so.", CUBLAS_VER_MAJOR);
-  std::string tried = soname;
+  std::string tried = soname, opened = soname;
   void* library = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
   std::string error = library == nullptr ? dlerror() : "";
   const std::string toolkit_dir = GEOTRAIN_CUBLAS_DIR;
   if (library == nullptr && !toolkit_dir.empty()) {
-    const std::string path = absl::StrCat(toolkit_dir, "/", soname);
-    absl::StrAppend(&tried, " and ", path);
-    library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    opened = absl::StrCat(toolkit_dir, "/", soname);
+    absl::StrAppend(&tried, " and ", opened);
+    library = dlopen(opened.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (library == nullptr) error = dlerror();
   }
   if (library == nullptr) {
@@ -50,7 +50,7 @@ absl::StatusOr<CublasApi> Open() {
       !Resolve(library, "cublasGemmEx", &api.gemm_ex, &error) ||
       !Resolve(library, "cublasGetStatusString", &api.status_string, &error)) {
     return absl::FailedPreconditionError(
-        absl::StrCat("the cuBLAS at ", soname, " is not the one geotrain was built against (cuBLAS ", CUBLAS_VER_MAJOR,
+        absl::StrCat("the cuBLAS at ", opened, " is not the one geotrain was built against (cuBLAS ", CUBLAS_VER_MAJOR,
                      "): ", error, "; install cuBLAS ", CUBLAS_VER_MAJOR, " or rebuild geotrain"));
   }
   return api;
