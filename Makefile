@@ -32,7 +32,7 @@ demo: build
 	bash deploy/demo.sh
 
 # Issue 17's study at GPU scale by timed compute (EMULATED; docs/geo-study.md): the FABRIC experiment and the
-# planner's validation on timed clusters, written to docs/geo/. About 30-40 minutes on this 2-core machine.
+# planner's validation on timed clusters, written to docs/geo/. About 55 minutes on this 2-core machine.
 study: build
 	bash bench/geo/run_all.sh $(BUILD)
 

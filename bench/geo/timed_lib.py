@@ -23,10 +23,11 @@ each send waits for its ack). With those modelled, that job is predicted within 
 window (8 MB) capped the tied embedding's 51 MB messages, which the 103 ms runs show cross at the link's rate.
 With wan_check, calibrate() still runs that job, as a check of the model across sites (its prediction is in the
 calibration's predicted_after_fit).
-bench/geo/validate_timed.py fits the two bandwidths inside a site again on each topology's own cluster before its
-plans run (refit_inside_site: the same DP2 and TP2 jobs, on two devices of its first site), since this host drifts
-between spells of minutes. The links between sites are the topology's configured ones; nothing is fitted to a
-study's own runs (the profiling jobs are none of the plans studied).
+bench/geo/validate_timed.py fits the two bandwidths inside a site again on each topology's own cluster
+(refit_inside_site: the same DP2 and TP2 jobs, on two devices of its first site), since this host drifts between
+spells of minutes: a round of them before its plans, to rank the plans, and one between each later round of the
+plans; its predictions use the median of every round. The links between sites are the topology's configured ones;
+nothing is fitted to a study's own runs (the profiling jobs are none of the plans studied).
 
 Every prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide
 the bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same
@@ -73,8 +74,11 @@ def steady_steps(expected_s):
     A job's first steps are slower (connections open, flow-control windows grow, buffers are allocated): GPT-2
     medium PP4 on timed A30s took 1.07, 1.04 and 0.76 s in steps 2-4 of its first run, 0.63-0.81 s after. Short
     steps run 12 and skip 3 (a median of 9 steps: a few seconds more per plan); long ones, where that costs little,
-    run 3 and skip 1."""
-    return (12, 3) if expected_s < 5 else (3, 1)
+    run 3 and skip 1; steps of 20 s or more, which each average over a long spell of the host already (DP over 8-16
+    timed devices: 25-82 s, where a third step cost the validation 4.5 minutes), run 2 and skip 1."""
+    if expected_s < 5:
+        return (12, 3)
+    return (3, 1) if expected_s < 20 else (2, 1)
 
 
 def run_job(cluster, spec, timeout, warmup=1):
@@ -117,14 +121,16 @@ def measure_plan(cluster, geotrain, topology, flags, spec, write_spec, timeout):
     return row
 
 
-def measure_plans(cluster, geotrain, topology, flags, plans, timeout, rounds=1, progress=None):
+def measure_plans(cluster, geotrain, topology, flags, plans, timeout, rounds=1, progress=None, between_rounds=None):
     """measure_plan for each (spec, write_spec) of `plans`, in order; then, for the plans with a short step
     (steady_steps' 12 steps), rounds - 1 more rounds of their jobs, interleaved (all of them once, then again), and
     their figures the median over the rounds (each round's step in rounds_s). One job of a plan inside a site
     varies by about 10% from the next on this host (GPT-2 medium PP4 on A30s: 0.654-0.724 s, then on RTX 6000s
     0.674-0.861 s, in turn, 2026-12-05), as much as the planner's top plans differ: one job each ranked them by that
     spread. A long step is steady within a job and costs minutes a round: one round. progress(index, figures) after
-    each job. Returns one dict per plan, as measure_plan's."""
+    each job; between_rounds() before each round after the first (validate_timed.py runs its profiling jobs there,
+    so that the calibration samples the same spells of the host as the plans). Returns one dict per plan, as
+    measure_plan's."""
     def report(i, figures):
         if progress:
             progress(i, figures)
@@ -134,6 +140,8 @@ def measure_plans(cluster, geotrain, topology, flags, plans, timeout, rounds=1, 
     short = [i for i, row in enumerate(rows) if row["warmup"] == steady_steps(0)[1] and row["step_s"] != ""]
     runs = {i: [dict(rows[i])] for i in short}
     for _ in range(rounds - 1):
+        if between_rounds:
+            between_rounds()
         for i in short:
             runs[i].append(report(i, run_job(cluster, plans[i][0], timeout, rows[i]["warmup"])))
     for i in short:
@@ -308,13 +316,23 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
     return _with_fit_record(geotrain, topo, cal, measured)
 
 
-def refit_inside_site(geotrain, cluster, topo, site, work, data, model, steps, timeout, calibration):
-    """The calibration with the bandwidths inside a site refitted on a study's own cluster, just before its plans
-    run: the DP2 and TP2 profiling jobs on two devices of `site` (the efficiencies stay). This host's loopback throughput drifts by up to a third between spells of a few minutes (DP2: 2.29 s
-    and 3.38 s per step half an hour apart, 2026-12-04), and a cluster of 8-16 worker processes is not the
-    profiling cluster of 3: a calibration taken on the cluster under test, minutes before its plans, follows both."""
-    measured = _run_profiling_jobs(cluster, work, data, model, _inside_site_jobs(site), steps, timeout,
-                                   os.path.basename(topo))
+def profile_inside_site(cluster, topo, site, work, data, model, steps, timeout):
+    """One round of the profiling jobs inside a site (DP2 and TP2 on two devices of `site`) on a study's own cluster:
+    {name: (spec, measured step s)}, for refit_inside_site."""
+    return _run_profiling_jobs(cluster, work, data, model, _inside_site_jobs(site), steps, timeout,
+                               os.path.basename(topo))
+
+
+def refit_inside_site(geotrain, topo, calibration, rounds):
+    """The calibration with the bandwidths inside a site refitted to a study's own cluster: `rounds` is a list of
+    profile_inside_site results, and each job's step is the median over them (the efficiencies stay). One job varies
+    by about 10% from the next on this host, and that spread, caught in a single refit, carried into every prediction
+    of its topology (2026-12-05 20:32 UTC: a refit 6-20% fast, every plan predicted 4-22% fast); a cluster of 8-16
+    worker processes is also not the profiling cluster of 3. validate_timed.py runs a round before its plans and one
+    between each round of them."""
+    measured = {name: (spec, statistics.median(r[name][1] for r in rounds)) for name, (spec, _) in rounds[0].items()}
     cal = dict(calibration)
     _fit_inside_site(geotrain, topo, cal, measured)
-    return _with_fit_record(geotrain, topo, cal, measured)
+    cal = _with_fit_record(geotrain, topo, cal, measured)
+    cal["measured_rounds"] = {name: [r[name][1] for r in rounds] for name in measured}
+    return cal

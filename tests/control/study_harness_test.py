@@ -1,0 +1,71 @@
+"""The timed studies' harness (bench/geo/timed_lib.py) against the real planner (`geotrain plan --predict`).
+
+1. steady_steps: how many steps a plan runs and how many it skips, by its expected step.
+2. refit_inside_site fits the bandwidths inside a site to the median of its profiling rounds: given rounds whose
+   steps the planner itself predicted at known bandwidths, one fast and one slow around them, it finds those
+   bandwidths again, where the fast round alone does not; and it records every round.
+
+Usage: study_harness_test.py PATH/TO/geotrain
+"""
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench", "geo"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timed_lib  # noqa: E402
+from cluster_lib import write_tiny_corpus  # noqa: E402
+
+GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
+
+
+class SteadyStepsTest(unittest.TestCase):
+    def test_by_expected_step(self):
+        self.assertEqual(timed_lib.steady_steps(0), (12, 3))
+        self.assertEqual(timed_lib.steady_steps(0.7), (12, 3))
+        self.assertEqual(timed_lib.steady_steps(10), (3, 1))
+        self.assertEqual(timed_lib.steady_steps(19.9), (3, 1))
+        self.assertEqual(timed_lib.steady_steps(20), (2, 1))
+        self.assertEqual(timed_lib.steady_steps(82), (2, 1))
+
+
+class RefitTest(unittest.TestCase):
+    def setUp(self):
+        self.work = tempfile.mkdtemp(prefix="geotrain_study_harness_")
+        self.addCleanup(shutil.rmtree, self.work, ignore_errors=True)
+
+    def test_median_of_rounds(self):
+        data = write_tiny_corpus(os.path.join(self.work, "data"), vocab=50000, length=4096, repeats=2)
+        topo = os.path.join(self.work, "t.yaml")
+        timed_lib.write_topology(topo, [("utah", [("RTX6000", 2), ("RTX6000", 2)])], [])
+        specs = {}
+        for name, parallel, _ in timed_lib._inside_site_jobs("utah"):
+            specs[name] = os.path.join(self.work, f"{name}.yaml")
+            timed_lib.write_job(specs[name], name, "gpt2-medium", data, parallel, 3, 16)
+        base = {"efficiency": {"RTX6000": 0.43}, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
+                "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
+        truth = dict(base, intra_site_gbps=6.0, intra_site_activation_gbps=7.0)
+        steps = {name: timed_lib.predict(GEOTRAIN, topo, spec, timed_lib.planner_flags(truth))
+                 for name, spec in specs.items()}
+
+        def round_of(factor):
+            return {name: (specs[name], steps[name] * factor) for name in specs}
+        rounds = [round_of(0.8), round_of(1.0), round_of(1.3)]
+        cal = timed_lib.refit_inside_site(GEOTRAIN, topo, base, rounds)
+        self.assertAlmostEqual(cal["intra_site_gbps"], 6.0, delta=0.06)
+        self.assertAlmostEqual(cal["intra_site_activation_gbps"], 7.0, delta=0.07)
+        self.assertEqual(cal["measured_rounds"]["dp2"], [steps["dp2"] * f for f in (0.8, 1.0, 1.3)])
+        for name in specs:
+            self.assertAlmostEqual(cal["predicted_after_fit"][name], steps[name], delta=0.01 * steps[name])
+        self.assertEqual(base["intra_site_gbps"], 100.0)  # the base calibration is left as it was
+
+        fast = timed_lib.refit_inside_site(GEOTRAIN, topo, base, rounds[:1])
+        self.assertGreater(fast["intra_site_gbps"], 6.0 * 1.1)
+        self.assertGreater(fast["intra_site_activation_gbps"], 7.0 * 1.1)
+
+
+if __name__ == "__main__":
+    unittest.main()
