@@ -31,13 +31,22 @@ class LogMessage {
   std::ostringstream stream_;
 };
 
+// Turns GT_LOG's streamed message into void, so that both arms of its `?:` have one type.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+
 }  // namespace geotrain
 
 #define GT_LOG_LEVEL_DEBUG ::geotrain::LogLevel::kDebug
 #define GT_LOG_LEVEL_INFO ::geotrain::LogLevel::kInfo
 #define GT_LOG_LEVEL_WARNING ::geotrain::LogLevel::kWarning
 #define GT_LOG_LEVEL_ERROR ::geotrain::LogLevel::kError
-#define GT_LOG(level)                                     \
-  if (GT_LOG_LEVEL_##level < ::geotrain::MinLogLevel()) { \
-  } else                                                  \
-    ::geotrain::LogMessage(GT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
+// One expression, not an `if`/`else`, which under a caller's unbraced `if` reads as an ambiguous `else`
+// (-Wdangling-else).
+// LogVoidify's `&` binds looser than `<<`, so the whole message is streamed first; the message is written when
+// the LogMessage temporary dies, at the end of the statement.
+#define GT_LOG(level)                                \
+  (GT_LOG_LEVEL_##level < ::geotrain::MinLogLevel()) \
+      ? (void)0                                      \
+      : ::geotrain::LogVoidify() & ::geotrain::LogMessage(GT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()

@@ -129,8 +129,8 @@ def measure_plans(cluster, geotrain, topology, flags, plans, timeout, rounds=1, 
     0.674-0.861 s, in turn, 2026-12-05), as much as the planner's top plans differ: one job each ranked them by that
     spread. A long step is steady within a job and costs minutes a round: one round. progress(index, figures) after
     each job; between_rounds() before each round after the first (validate_timed.py runs its profiling jobs there,
-    so that the calibration samples the same spells of the host as the plans). Returns one dict per plan, as
-    measure_plan's."""
+    so that the calibration samples the same spells of the host as the plans; with no short plan there is no later
+    round). Returns one dict per plan, as measure_plan's."""
     def report(i, figures):
         if progress:
             progress(i, figures)
@@ -139,7 +139,7 @@ def measure_plans(cluster, geotrain, topology, flags, plans, timeout, rounds=1, 
             for i, (spec, write_spec) in enumerate(plans)]
     short = [i for i, row in enumerate(rows) if row["warmup"] == steady_steps(0)[1] and row["step_s"] != ""]
     runs = {i: [dict(rows[i])] for i in short}
-    for _ in range(rounds - 1):
+    for _ in range(rounds - 1 if short else 0):
         if between_rounds:
             between_rounds()
         for i in short:

@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,7 +111,9 @@ def validate(args, work, up):
                     try:
                         refit_rounds.append(timed_lib.profile_inside_site(c, topo, site, work, data, args.model,
                                                                           args.steps, args.job_timeout))
-                    except RuntimeError as e:  # a later round's failure leaves the rounds before it
+                    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as e:
+                        # A later round's failure (a job that failed, timed out or was not accepted) leaves the
+                        # rounds before it; the first round's stops the topology, which has nothing to rank with.
                         if not refit_rounds:
                             raise
                         print(f"[{time.monotonic() - started:6.0f} s] {name}: a profiling round failed: {e}",
@@ -156,7 +159,12 @@ def validate(args, work, up):
                 for (spec, _), m in zip(jobs, measured):
                     m["predicted_first_round_s"] = m["predicted_s"]
                     if m["predicted_s"] != "":
-                        m["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, final), 4)
+                        try:
+                            m["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, final), 4)
+                        except RuntimeError as e:  # kept with the first round's prediction, and said
+                            m["message"] = (m["message"] + f" final fit cannot predict it: {e}")[:300]
+            for m in measured:
+                m.setdefault("predicted_first_round_s", m["predicted_s"])
             if not args.no_refit:
                 refits[name] = cal
             for (label, parallel), m in zip(plans, measured):
