@@ -84,6 +84,11 @@ void StageActor::Start() {
         reporter_->Enqueue(report);
       }
     }
+    // The run is over: every report is queued and no checkpoint will be written. The worker keeps a finished
+    // actor for its record; it holds no thread: the writer ends now (after a write in flight), the reporter once
+    // the head has the last report.
+    checkpoint_writer_.reset();
+    reporter_->Close();
     absl::MutexLock lock(&mu_);
     finished_ = true;
   });

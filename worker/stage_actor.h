@@ -98,8 +98,9 @@ class StageActor {
 
   const StageActorConfig config_;
   ActorServices services_;
-  std::unique_ptr<StepReporter> reporter_;               // uses services_.head
-  std::unique_ptr<CheckpointWriter> checkpoint_writer_;  // publishes through services_.checkpoints
+  std::unique_ptr<StepReporter> reporter_;  // uses services_.head
+  // Publishes through services_.checkpoints; used and, when the run ends, reset by thread_ only.
+  std::unique_ptr<CheckpointWriter> checkpoint_writer_;
   std::atomic<bool> stop_{false};
   bool set_up_ = false;  // written and read by thread_ only: true once the actor has set up and trains
   std::thread thread_;   // joined by the destructor before the members it uses go

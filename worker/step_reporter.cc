@@ -44,6 +44,11 @@ void StepReporter::Enqueue(StepReport report) {
   }
 }
 
+void StepReporter::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+}
+
 bool StepReporter::Drain(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   mu_.AwaitWithTimeout(
@@ -71,9 +76,10 @@ void StepReporter::Loop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](StepReporter* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) { return r->stopping_ || !r->queue_.empty(); },
+          +[](StepReporter* r)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu_) { return r->stopping_ || r->closed_ || !r->queue_.empty(); },
           this));
-      if (stopping_) return;
+      if (stopping_ || queue_.empty()) return;  // stopped, or closed with everything delivered
       report = queue_.front();
       sending_ = true;
     }

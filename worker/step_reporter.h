@@ -39,6 +39,9 @@ class StepReporter {
 
   void Enqueue(StepReport report);
   // Waits until every queued report was delivered, or `timeout`; true when nothing is left.
+  // No report will follow: the thread ends once the queue is delivered (or dropped as undeliverable) instead of
+  // waiting for more, so that a finished actor holds no thread. A report enqueued after Close is not delivered.
+  void Close();
   bool Drain(absl::Duration timeout);
   size_t queued() const;
   int64_t dropped() const;
@@ -54,6 +57,7 @@ class StepReporter {
   bool sending_ ABSL_GUARDED_BY(mu_) = false;  // the front report is being delivered
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_signalled_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
   int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };

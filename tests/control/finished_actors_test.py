@@ -1,0 +1,69 @@
+"""A worker keeps no thread for an actor whose run has ended (real head and worker processes on loopback).
+
+The worker keeps finished actors for their records (heartbeats, `actor list`); each used to keep its step reporter's
+and checkpoint writer's threads too, so a long-lived worker gained two threads per actor and job (16 -> 28 after
+three jobs, 2026-12-05). Six jobs of two actors each run one after the other on one two-device worker; its thread
+count after the sixth is within a few of that after the second (gRPC's own pools grow a little with load), where
+two threads per actor would add 16.
+Usage: finished_actors_test.py PATH/TO/geotrain
+"""
+import json
+import os
+import sys
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from checkpoint_lib import write_shard  # noqa: E402
+from cluster_lib import LocalCluster, wait_for  # noqa: E402
+
+GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
+
+
+def threads(pid):
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+class FinishedActorsTest(unittest.TestCase):
+    def setUp(self):
+        self.c = LocalCluster(GEOTRAIN)
+        self.addCleanup(self.c.close)
+        self.c.start_head()
+        self.worker = self.c.start_worker("w-1", "utah", ["T4", "T4"])
+        wait_for(lambda: list(self.c.worker_states().values()) == ["WORKER_ALIVE"], 20, "an alive worker")
+        self.data = os.path.join(self.c.dir, "train_000000.bin")
+        write_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
+
+    def run_job(self, i):
+        path = os.path.join(self.c.dir, f"j{i}.yaml")
+        with open(path, "w") as f:
+            f.write(f"name: j{i}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{self.data}'}}\n"
+                    "train: {steps: 2, global_batch: 4, seq_len: 16}\n"
+                    "parallel: {plan: manual, dp: 2, microbatches: 1}\n")
+        job_id = self.c.cli(["job", "submit", path]).stdout.split()[1]
+        self.c.cli(["job", "logs", job_id, "--follow"])
+        job = json.loads(self.c.cli(["job", "status", job_id, "--json"]).stdout)
+        self.assertEqual(job["state"], "JOB_SUCCEEDED", self.c.logs())
+        # The actors' runs are over once the worker lists them finished.
+        wait_for(lambda: all(a["state"] == "ACTOR_DEAD" for a in job_actors(self.c, job_id)), 20,
+                 f"job {job_id}'s actors to finish")
+
+    def test_finished_actors_hold_no_threads(self):
+        for i in range(2):  # gRPC's pools grow with the first jobs' load
+            self.run_job(i)
+        before = threads(self.worker.pid)
+        for i in range(2, 6):
+            self.run_job(i)
+        after = threads(self.worker.pid)
+        print(f"worker threads: {before} after the second job, {after} after the sixth", file=sys.stderr)
+        # Four more jobs of two actors: 16 more threads at two per actor, 8 at one.
+        self.assertLessEqual(after, before + 4, f"{before} threads after the second job, {after} after the sixth")
+
+
+def job_actors(c, job_id):
+    return json.loads(c.cli(["job", "status", job_id, "--json"]).stdout).get("actors", [])
+
+
+if __name__ == "__main__":
+    unittest.main()
