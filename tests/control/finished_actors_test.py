@@ -4,7 +4,7 @@ The worker keeps finished actors for their records (heartbeats, `actor list`); e
 and checkpoint writer's threads too, so a long-lived worker gained two threads per actor and job (16 -> 28 after
 three jobs, 2026-12-05). Six jobs of two actors each run one after the other on one two-device worker; its thread
 count after the sixth is within a few of that after the second (gRPC's own pools grow a little with load), where
-two threads per actor would add 16.
+two threads per actor would add 16. Three jobs whose actors fail (missing data) leave none either.
 Usage: finished_actors_test.py PATH/TO/geotrain
 """
 import json
@@ -35,16 +35,17 @@ class FinishedActorsTest(unittest.TestCase):
         self.data = os.path.join(self.c.dir, "train_000000.bin")
         write_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
 
-    def run_job(self, i):
+    def run_job(self, i, data=None, state="JOB_SUCCEEDED"):
         path = os.path.join(self.c.dir, f"j{i}.yaml")
         with open(path, "w") as f:
-            f.write(f"name: j{i}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{self.data}'}}\n"
+            f.write(f"name: j{i}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data or self.data}'}}\n"
                     "train: {steps: 2, global_batch: 4, seq_len: 16}\n"
                     "parallel: {plan: manual, dp: 2, microbatches: 1}\n")
         job_id = self.c.cli(["job", "submit", path]).stdout.split()[1]
-        self.c.cli(["job", "logs", job_id, "--follow"])
+        self.c.cli(["job", "logs", job_id, "--follow"], check=False)
         job = json.loads(self.c.cli(["job", "status", job_id, "--json"]).stdout)
-        self.assertEqual(job["state"], "JOB_SUCCEEDED", self.c.logs())
+        self.assertEqual(job["state"], state, self.c.logs())
+        self.assertEqual(len(job_actors(self.c, job_id)), 2, job)  # the worker ran two actors of it
         # The actors' runs are over once the worker lists them finished.
         wait_for(lambda: all(a["state"] == "ACTOR_DEAD" for a in job_actors(self.c, job_id)), 20,
                  f"job {job_id}'s actors to finish")
@@ -59,6 +60,12 @@ class FinishedActorsTest(unittest.TestCase):
         print(f"worker threads: {before} after the second job, {after} after the sixth", file=sys.stderr)
         # Four more jobs of two actors: 16 more threads at two per actor, 8 at one.
         self.assertLessEqual(after, before + 4, f"{before} threads after the second job, {after} after the sixth")
+        # Actors that fail (their data is missing: a permanent error, no restart) end their threads too.
+        for i in range(6, 9):
+            self.run_job(i, data=os.path.join(self.c.dir, "missing_*.bin"), state="JOB_FAILED")
+        failed = threads(self.worker.pid)
+        print(f"worker threads: {failed} after three failed jobs", file=sys.stderr)
+        self.assertLessEqual(failed, after + 4, f"{after} threads before three failed jobs, {failed} after")
 
 
 def job_actors(c, job_id):
