@@ -59,8 +59,10 @@ class ClusterUpTest(unittest.TestCase):
             link = wait_for(wan_link, 30, "a measured site-a/site-b link", 0.5)
             print(f"measured one-way latency {link['latency_ms']:.2f} ms (configured 30)")
             # The probe's best round trip over the emulated path: 2 x 30 ms plus loopback and gRPC costs.
+            # Those costs reach a few ms under ASan on a loaded 2-core host (CI measured 32.17 ms), so the
+            # upper bound only rules out a delay applied twice or not at all, never the probe's overhead.
             self.assertGreaterEqual(link["latency_ms"], 29.0)
-            self.assertLessEqual(link["latency_ms"], 32.0)
+            self.assertLessEqual(link["latency_ms"], 38.0)
             shown = run("cluster", "status").stdout
             self.assertIn("site-a > site-b", shown)
             self.assertIn("4 of 4 workers alive", shown)
