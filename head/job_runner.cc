@@ -7,11 +7,13 @@
 #include <filesystem>
 #include <memory>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "common/diloco_spec.h"
 #include "common/log.h"
 #include "common/names.h"
 #include "common/spec.h"
@@ -825,8 +827,9 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       finished = static_cast<int>(run.done.size()) == actors;
     }
     // Checkpoint shards (any report may carry them, also an error report's predecessors).
-    const int writers = run.spec.parallel().pp();
     for (const CheckpointShard& shard : report.checkpoints()) {
+      // One shard per stage, or with DiLoCo per stage and group.
+      const int writers = shard.writers() > 0 ? shard.writers() : run.spec.parallel().pp();
       if (!shard.error().empty()) {
         failed_shards.push_back(shard);
         run.shards.erase(shard.step());
@@ -892,12 +895,19 @@ void JobRunner::CommitCheckpoint(const std::string& job_id, const JobSpec& spec,
   manifest.set_plan(
       absl::StrFormat("dp %d x pp %d x tp %d", spec.parallel().dp(), spec.parallel().pp(), spec.parallel().tp()));
   manifest.set_created_unix_ms(clock_->UnixMillis());
-  // Stage order: the first stage's data position and optimizer step; a tied tensor (wte) from the first
-  // stage that holds it.
+  // Group and stage order: the first stage's data position and optimizer step; a tied tensor (wte) from the
+  // first stage that holds it. The tensors map names group 0's files; DiLoCo groups > 0 hold the same tensors
+  // in files of their own (model::GroupFileFor).
   std::vector<const CheckpointShard*> by_stage;
-  for (const auto& [actor, shard] : shards) by_stage.push_back(&shard);
-  std::sort(by_stage.begin(), by_stage.end(),
-            [](const CheckpointShard* a, const CheckpointShard* b) { return a->stage() < b->stage(); });
+  int groups = 0;
+  for (const auto& [actor, shard] : shards) {
+    by_stage.push_back(&shard);
+    groups = std::max(groups, shard.group() + 1);
+  }
+  std::sort(by_stage.begin(), by_stage.end(), [](const CheckpointShard* a, const CheckpointShard* b) {
+    return std::pair(a->group(), a->stage()) < std::pair(b->group(), b->stage());
+  });
+  if (DilocoOn(spec)) manifest.set_diloco_groups(groups);
   double snapshot = 0, write = 0;
   for (const CheckpointShard* shard : by_stage) {
     if (shard == by_stage.front()) {
@@ -912,7 +922,9 @@ void JobRunner::CommitCheckpoint(const std::string& job_id, const JobSpec& spec,
         (*manifest.mutable_replicas())[f.name()] = absl::StrCat(shard->replica_worker(), "@", shard->replica_address());
       }
     }
-    for (const std::string& t : shard->tensors()) manifest.mutable_tensors()->insert({t, shard->model_file()});
+    if (shard->group() == 0) {
+      for (const std::string& t : shard->tensors()) manifest.mutable_tensors()->insert({t, shard->model_file()});
+    }
     snapshot = std::max(snapshot, shard->snapshot_seconds());
     write = std::max(write, shard->write_seconds());
   }

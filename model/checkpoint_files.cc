@@ -153,8 +153,11 @@ absl::StatusOr<CheckpointManifest> VerifyCheckpoint(const std::string& step_dir)
                                               entry.crc32(), "; the file is truncated or corrupt"));
     }
   }
-  for (const auto& [tensor, file] : manifest.tensors()) {
-    if (!manifest.files().contains(file) || !manifest.files().contains(OptimizerFileFor(file))) {
+  // Every tensor's file with its optimizer file, in each DiLoCo group.
+  for (const auto& [tensor, group_0_file] : manifest.tensors()) {
+    for (int group = 0; group < std::max(1, manifest.diloco_groups()); ++group) {
+      const std::string file = GroupFileFor(group_0_file, group);
+      if (manifest.files().contains(file) && manifest.files().contains(OptimizerFileFor(file))) continue;
       return absl::DataLossError(absl::StrCat(manifest_path, ": tensor ", tensor, " is in ", file,
                                               ", which the manifest does not list with its optimizer file"));
     }

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "model/checkpoint_files.h"
 #include "model/config.h"
 #include "model/data.h"
 #include "model/trainer.h"
@@ -243,6 +244,25 @@ TEST_F(DilocoSimulationTest, InterruptedSimulationResumesExactly) {
     EXPECT_EQ(resumed[i].loss, full[6 + i].loss) << "step " << resumed[i].step;
     EXPECT_EQ(resumed[i].val_loss, full[6 + i].val_loss) << "step " << resumed[i].step;
   }
+}
+
+// A DiLoCo checkpoint verifies only with every group's weights and moments: one whose manifest lacks group 1's
+// optimizer file is refused, naming it, instead of resuming group 1 from another group's state.
+TEST_F(DilocoSimulationTest, CheckpointWithoutAGroupsFilesDoesNotVerify) {
+  JobSpec s = Diloco(Spec(2, 3), 2, 0.7, 0.9, 1, true);
+  s.mutable_checkpoint()->set_dir(dir_ + "/ckpt");
+  s.mutable_checkpoint()->set_every_steps(3);
+  ASSERT_EQ(Run(s).size(), 3u);
+  const std::string step_dir = StepDirectory(dir_ + "/ckpt", 3);
+  absl::StatusOr<CheckpointManifest> manifest = VerifyCheckpoint(step_dir);
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  EXPECT_EQ(manifest->diloco_groups(), 2);
+  ASSERT_TRUE(manifest->files().contains("optimizer-g1.safetensors"));
+  manifest->mutable_files()->erase("optimizer-g1.safetensors");
+  ASSERT_TRUE(WriteManifest(step_dir, *manifest).ok());
+  const absl::Status refused = VerifyCheckpoint(step_dir).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kDataLoss) << refused;
+  EXPECT_NE(refused.message().find("model-g1.safetensors"), std::string::npos) << refused;
 }
 
 }  // namespace

@@ -120,8 +120,8 @@ class GrpcCheckpointStore : public CheckpointStore {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::string> FetchForResume(const std::string& head_step_dir,
-                                             const std::vector<std::string>& tensors) override {
+  absl::StatusOr<std::string> FetchForResume(const std::string& head_step_dir, const std::vector<std::string>& tensors,
+                                             int group) override {
     const std::string local = absl::StrCat(options_.state_dir, "/checkpoints/resume/", options_.job_id, "/",
                                            options_.actor_id, "/", fs::path(head_step_dir).filename().string());
     const std::string what = absl::StrCat("fetching checkpoint ", head_step_dir, " for worker ", options_.worker_id);
@@ -142,7 +142,9 @@ class GrpcCheckpointStore : public CheckpointStore {
                                 what));
     ASSIGN_OR_RETURN(CheckpointManifest manifest,
                      model::ParseManifest(manifest_json, absl::StrCat(head_step_dir, "/manifest.json on the head")));
-    std::set<std::string> needed;
+    // The files to fetch: the group's weights and moments of every model file (group 0's names, as the manifest's
+    // tensors list them) holding one of `tensors`, and its DiLoCo outer state when there is one.
+    std::set<std::string> sources, needed;
     if (manifest.tensors().empty()) {  // format 1: one model file
       for (const auto& [name, entry] : manifest.files()) needed.insert(name);
     } else {
@@ -151,9 +153,15 @@ class GrpcCheckpointStore : public CheckpointStore {
         if (it == manifest.tensors().end()) {
           return absl::DataLossError(absl::StrCat(what, ": the checkpoint has no tensor ", tensor));
         }
-        needed.insert(it->second);
-        needed.insert(model::OptimizerFileFor(it->second));
+        sources.insert(it->second);
       }
+    }
+    if (group >= manifest.diloco_groups()) group = 0;  // as model::LoadCheckpoint reads it
+    for (const std::string& source : sources) {
+      const std::string file = model::GroupFileFor(source, group);
+      needed.insert(file);
+      needed.insert(model::OptimizerFileFor(file));
+      if (manifest.files().contains(model::DilocoFileFor(source))) needed.insert(model::DilocoFileFor(source));
     }
     // Older resume copies of this job are of no use any more.
     std::error_code ec;
@@ -163,11 +171,13 @@ class GrpcCheckpointStore : public CheckpointStore {
     CheckpointManifest partial = manifest;
     partial.clear_files();
     partial.clear_replicas();
-    // The copy lists the files it holds, and the tensors in them.
+    // The copy lists the files it holds, and the tensors in them. A DiLoCo copy is of one group, the one it
+    // holds: its tensors name that group's files, which model::LoadCheckpoint then reads as group 0's.
     partial.clear_tensors();
     for (const auto& [tensor, file] : manifest.tensors()) {
-      if (needed.contains(file)) (*partial.mutable_tensors())[tensor] = file;
+      if (sources.contains(file)) (*partial.mutable_tensors())[tensor] = model::GroupFileFor(file, group);
     }
+    if (partial.diloco_groups() > 1) partial.set_diloco_groups(1);
     for (const std::string& name : needed) {
       auto entry = manifest.files().find(name);
       if (entry == manifest.files().end() || !model::IsCheckpointFileName(name)) {

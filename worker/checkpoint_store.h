@@ -6,7 +6,7 @@
 //   CheckpointStore* store = services.checkpoints;                  // null: checkpoint.dir is shared (tests)
 //   std::string local = store->LocalStepDir(step);                  // write the shard here
 //   RETURN_IF_ERROR(store->Publish(&shard, StepDirectory(spec.checkpoint().dir(), step)));  // writer thread
-//   ASSIGN_OR_RETURN(std::string dir, store->FetchForResume(resume_from, stage.TensorNames()));
+//   ASSIGN_OR_RETURN(std::string dir, store->FetchForResume(resume_from, stage.TensorNames(), diloco_group));
 //
 // Thread-safety: Publish runs on the checkpoint writer's thread while the actor's thread may call FetchForResume or
 // LocalStepDir; the implementation keeps no shared mutable state.
@@ -33,9 +33,11 @@ class CheckpointStore {
   // the head has it. An error names the file and the node that refused it.
   virtual absl::Status Publish(CheckpointShard* shard, const std::string& head_step_dir) = 0;
   // A local directory holding the manifest of the checkpoint at `head_step_dir` (a step directory on the head) and
-  // the files a stage holding `tensors` (HF names) reads, each verified by its CRC.
+  // the files a stage holding `tensors` (HF names) reads, each verified by its CRC: their weights and moments
+  // (DiLoCo group `group`'s, or group 0's when the checkpoint holds fewer groups) and DiLoCo's outer state
+  // when the checkpoint has it.
   virtual absl::StatusOr<std::string> FetchForResume(const std::string& head_step_dir,
-                                                     const std::vector<std::string>& tensors) = 0;
+                                                     const std::vector<std::string>& tensors, int group = 0) = 0;
 };
 
 // The replica target of `checkpoint.replicate`: the job's worker with the smallest id at another site than

@@ -138,18 +138,20 @@ absl::Status StageActor::Run() {
         "timed compute cannot resume from ", config_.resume_from,
         ": its stages have no real weights to load; submit the job again (a timed job starts from step 1)"));
   }
+  const StageCollectives& collectives = trainer->collectives();
   if (!config_.resume_from.empty()) {
     // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part), from a
-    // local copy of the files it needs when the checkpoint is on the head's machine. DiLoCo: the outer state
-    // too (the checkpoint's, or the loaded weights').
+    // local copy of the files it needs when the checkpoint is on the head's machine. DiLoCo: its group's
+    // weights and moments (group 0's when the checkpoint holds fewer groups) and the outer state (the
+    // checkpoint's, or the loaded weights').
     std::string resume_from = config_.resume_from;
     if (services_.checkpoints) {
-      ASSIGN_OR_RETURN(resume_from,
-                       services_.checkpoints->FetchForResume(config_.resume_from, trainer->stage().TensorNames()));
+      ASSIGN_OR_RETURN(resume_from, services_.checkpoints->FetchForResume(
+                                        config_.resume_from, trainer->stage().TensorNames(), collectives.diloco_group));
     }
     ASSIGN_OR_RETURN(model::CheckpointInfo info,
                      model::LoadCheckpoint(resume_from, trainer->stage(), trainer->optimizer(),
-                                           {.group = 0, .outer = trainer->outer()}));
+                                           {.group = collectives.diloco_group, .outer = trainer->outer()}));
     if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
     first_step = info.step + 1;
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
@@ -193,20 +195,24 @@ absl::Status StageActor::Run() {
     report.set_done(step == steps);
     // Checkpoints: replica 0's actors snapshot their stage (weights, AdamW moments: full tensors, gathered
     // across the tensor-parallel group) into host memory; tensor rank 0 writes it in the background. The
-    // head commits the checkpoint once every stage's shard of the step is in.
+    // head commits the checkpoint once every stage's shard of the step is in. DiLoCo: each group's leader
+    // writes its group's weights and moments (model-g<G>[-sK]), group 0's the outer state as well.
     const int every = spec.checkpoint().every_steps();
-    if (!timed && !spec.checkpoint().dir().empty() && ranks.replica == 0 &&
-        ((every > 0 && step % every == 0) || report.done())) {
+    const bool diloco = trainer->outer() != nullptr;
+    const bool writer = diloco ? collectives.diloco_leader : ranks.replica == 0;
+    if (!timed && !spec.checkpoint().dir().empty() && writer && ((every > 0 && step % every == 0) || report.done())) {
       const auto snapshot_start = Clock::now();
-      ASSIGN_OR_RETURN(
-          model::CheckpointSnapshot snapshot,
-          model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0, trainer->outer()));
+      ASSIGN_OR_RETURN(model::CheckpointSnapshot snapshot,
+                       model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0,
+                                            collectives.diloco_group == 0 ? trainer->outer() : nullptr));
       double seconds = SecondsSince(snapshot_start);
       if (ranks.tp_rank == 0) {
         CheckpointShard shard;
         shard.set_step(step);
         shard.set_actor_id(me.actor_id());
         shard.set_stage(ranks.stage);
+        shard.set_group(collectives.diloco_group);
+        if (diloco) shard.set_writers(collectives.diloco_groups * ranks.pp);
         shard.set_optimizer_step(snapshot.optimizer_step);
         shard.set_snapshot_seconds(seconds);
         if (const model::DataLoader* loader = trainer->loader(); loader != nullptr) {
@@ -214,7 +220,9 @@ absl::Status StageActor::Run() {
           shard.mutable_data_position()->set_offset(loader->position().offset);
           shard.mutable_data_position()->set_epoch(loader->position().epoch);
         }
-        const std::string suffix = ranks.pp > 1 ? absl::StrCat("-s", ranks.stage) : "";
+        const std::string suffix =
+            absl::StrCat(collectives.diloco_group > 0 ? absl::StrCat("-g", collectives.diloco_group) : "",
+                         ranks.pp > 1 ? absl::StrCat("-s", ranks.stage) : "");
         const std::string step_dir = services_.checkpoints ? services_.checkpoints->LocalStepDir(step)
                                                            : model::StepDirectory(spec.checkpoint().dir(), step);
         seconds +=

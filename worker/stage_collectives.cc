@@ -201,6 +201,9 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     comm::CommunicatorOptions outer_options = exact_options;
     outer_options.wan_codec = outer_codec;
     c.inner_replicas = static_cast<int>(inner_group.size());
+    c.diloco_group = group_of[ranks.replica];
+    c.diloco_groups = static_cast<int>(leaders.size());
+    c.diloco_leader = inner_group.front() == ranks.my_rank;
     c.outer_weight = static_cast<float>(c.inner_replicas) / static_cast<float>(ranks.dp);
     c.dp_comm_ = group(inner_group, &c.dp_client_, options);
     if (inner_group.size() > 1) {

@@ -67,6 +67,11 @@ class StageCollectives {
   comm::Communicator* group = nullptr;
   int outer_successor_rank = -1;
   float outer_weight = 1;
+  // DiLoCo: this actor's group (0 without DiLoCo or with dp 1), the number of groups, and whether this replica
+  // is its group's lowest (its leader, which writes the group's checkpoint shards).
+  int diloco_group = 0;
+  int diloco_groups = 1;
+  bool diloco_leader = true;
   std::vector<std::string> notes;  // why groups of CUDA stages stay on gRPC, for the actor's log
 
   // Encoded bytes acknowledged by peers so far, per traffic class.

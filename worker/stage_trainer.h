@@ -96,6 +96,7 @@ class StageTrainer {
   model::DataLoader* loader() { return loader_.get(); }    // null on middle stages
   model::OuterOptimizer* outer() { return outer_.get(); }  // DiLoCo's outer state; null when synchronous
   const ActorRanks& ranks() const { return ranks_; }
+  const StageCollectives& collectives() const { return *collectives_; }  // its DiLoCo group, among others
   // One line for the actor's log: parameters, layers, device, how gradients are all-reduced.
   std::string Describe() const;
   // Whether the stage runs on timed compute (device "timed:...", model/timed_backend.h): its times are an

@@ -180,6 +180,60 @@ class EquivalenceTest(unittest.TestCase):
                 self.assertLessEqual(abs(val - want_val), max(1e-5 * want_val, 5.1e-5), f"validation, step {step}")
         print(f"diloco-val: {steps} steps, losses and validation losses equal to the simulation's")
 
+    def submit_for_losses(self, name, spec, steps):
+        """Submits the spec, follows the job to its end and returns its loss by step, which must be `steps`."""
+        path = os.path.join(self.c.dir, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(spec)
+        out = self.c.cli(["job", "submit", path, "--follow"], check=False)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr + self.c.logs())
+        losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+) loss ([0-9.]+)", out.stdout)}
+        self.assertEqual(sorted(losses), list(steps), out.stdout)
+        return losses
+
+    def test_diloco_resumes_exactly(self):
+        # DiLoCo with two replicas of two stages, one replica per site, checkpointed after step 3: between outer
+        # steps (inner_steps 2), so the groups' weights and moments differ, and after one outer step, so the outer
+        # momentum is not zero. A second job resumed from that checkpoint must continue exactly as the first went on:
+        # each group from its own weights and moments, the outer optimizer from its state, through the head's copy
+        # (every worker fetches the files it reads).
+        steps = 7
+        parallel = ("{plan: manual, dp: 2, pp: 2, microbatches: 2, "
+                    "placement: [{replica: 0, site: site-a}, {replica: 1, site: site-b}]}")
+        diloco = "diloco: {inner_steps: 2, outer_lr: 0.7, outer_momentum: 0.9, codec: none}\n"
+        first_ckpt = os.path.join(self.c.dir, "ckpt-diloco-first")
+        text = spec_text("diloco-first", self.data, first_ckpt, steps, parallel) + diloco
+        text = text.replace("every_steps: 0}", "every_steps: 3, keep: -1}")
+        losses = self.submit_for_losses("diloco-first", text, range(1, steps + 1))
+
+        step_dir = os.path.join(first_ckpt, "step_00000003")
+        with open(os.path.join(step_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+        self.assertEqual(manifest.get("diloco_groups"), 2, manifest)
+        for name in ("model-s0", "model-s1", "model-g1-s0", "model-g1-s1", "optimizer-g1-s1", "diloco-s0",
+                     "diloco-s1"):
+            self.assertIn(f"{name}.safetensors", manifest["files"], sorted(manifest["files"]))
+        # Group 1's weights are its own: one inner step apart from group 0's.
+        g0 = read_safetensors(os.path.join(step_dir, "model-s1.safetensors"))
+        g1 = read_safetensors(os.path.join(step_dir, "model-g1-s1.safetensors"))
+        self.assertEqual(sorted(g0), sorted(g1))
+        self.assertTrue(any(not np.array_equal(g0[k], g1[k]) for k in g0), "the groups' weights are equal at step 3")
+
+        resumed_text = spec_text("diloco-resumed", self.data, os.path.join(self.c.dir, "ckpt-diloco-resumed"), steps,
+                                 parallel) + diloco
+        resumed_text = resumed_text.replace("every_steps: 0}", f"every_steps: 0, resume_from: '{step_dir}'}}")
+        resumed = self.submit_for_losses("diloco-resumed", resumed_text, range(4, steps + 1))
+        for step, loss in resumed.items():
+            self.assertLessEqual(abs(loss - losses[step]), max(1e-5 * losses[step], 1.5e-6),
+                                 f"step {step} after the resume: {loss} vs {losses[step]} uninterrupted")
+        final, final_resumed = read_checkpoint(first_ckpt, steps), read_checkpoint(
+            os.path.join(self.c.dir, "ckpt-diloco-resumed"), steps)
+        for k, ref in final.items():
+            self.assertLessEqual(float(np.max(np.abs(final_resumed[k] - ref))), 1e-5 * max(1.0, float(np.max(np.abs(ref)))),
+                                 f"final {k}")
+        print(f"diloco resumed at step 3: steps 4-{steps} equal the uninterrupted job's "
+              f"({', '.join(f'{resumed[s]:.6f}' for s in sorted(resumed))})")
+
     def test_lossy_wan_codecs(self):
         steps = 100
         results = {}
