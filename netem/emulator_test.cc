@@ -80,6 +80,14 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The value below which a fraction q of the samples lie. A busy machine only adds delay (a descheduled
+// reader or emulator thread; ctest -j2 runs these beside whole clusters), so accuracy is judged on a low
+// quantile, which some undisturbed samples make, and "never early" on the minimum.
+double Quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1))];
+}
+
 // One-way delays (ms) of `n` small timestamped messages from `from` to `to`, `gap_ms` apart.
 std::vector<double> OneWayDelays(int from, int to, int n, int gap_ms) {
   std::vector<double> delays;
@@ -109,9 +117,12 @@ TEST(EmulatorTest, AddedOneWayLatencyMatchesConfigured) {
     ASSERT_EQ(d.size(), 20u);
     const double tolerance = std::max(1.0, 0.05 * latency);
     EXPECT_GE(*std::min_element(d.begin(), d.end()), latency) << "data left before t + latency";
-    EXPECT_NEAR(Median(d), latency, tolerance) << "latency " << latency;
-    std::cout << "latency " << latency << " ms: median " << Median(d) << " ms, min "
-              << *std::min_element(d.begin(), d.end()) << " ms\n";
+    EXPECT_NEAR(Quantile(d, 0.1), latency, tolerance) << "latency " << latency;
+    // Load moves the median by 1-5 ms (measured with 6 copies of this test beside two training runs on 2
+    // cores); a delay added twice or a timer of the wrong unit moves it by far more.
+    EXPECT_LT(Median(d), 1.5 * latency) << "latency " << latency;
+    std::cout << "latency " << latency << " ms: 10th percentile " << Quantile(d, 0.1) << " ms, median " << Median(d)
+              << " ms, min " << *std::min_element(d.begin(), d.end()) << " ms\n";
     CloseFd(client);
     CloseFd(server);
   }
@@ -286,15 +297,17 @@ TEST(EmulatorTest, JitterNeverReordersTheBytesOfAConnection) {
 TEST(EmulatorTest, JitterSpreadsTheDelays) {
   Fixture f(10, 0, 4);
   auto [client, server] = f.Connect();
-  std::vector<double> d = OneWayDelays(client, server, 30, 12);  // 12 ms apart: order never binds
-  ASSERT_EQ(d.size(), 30u);
-  std::sort(d.begin(), d.end());
+  std::vector<double> d = OneWayDelays(client, server, 60, 12);  // 12 ms apart: order never binds
+  ASSERT_EQ(d.size(), 60u);
   // Uniform in [6, 14] ms. A busy machine can only add delay (a reader thread descheduled now and
-  // then), so: never early, a fifth of the samples below 9 ms (impossible without jitter; with it
-  // the 20th percentile is about 7.6 ms), and the median near 10 ms.
-  EXPECT_GE(d.front(), 6.0);
-  EXPECT_LE(d[6], 9.0) << "no jitter applied";
-  EXPECT_LE(d[15], 13.0);
+  // then), so: never early; at least 4 of the 60 below 9 ms, which no delay without jitter can be
+  // (expected 22.5; fewer than 4 has probability 4e-8 for a given draw of delays, where the earlier
+  // "6 of 30" had 3.3%: the emulator's seed is fixed, but a busy machine merges writes, which changes
+  // the draws the samples get); and the median near 10 ms.
+  const int64_t early = std::count_if(d.begin(), d.end(), [](double ms) { return ms < 9.0; });
+  EXPECT_GE(*std::min_element(d.begin(), d.end()), 6.0);
+  EXPECT_GE(early, 4) << "no jitter applied";
+  EXPECT_LE(Median(d), 13.0);
   CloseFd(client);
   CloseFd(server);
 }
@@ -385,7 +398,7 @@ TEST(EmulatorTest, ControlPortCommandsAndStats) {
   // The new latency applies (never early; the accuracy itself is
   // AddedOneWayLatencyMatchesConfigured).
   EXPECT_GE(*std::min_element(d.begin(), d.end()), 25.0);
-  EXPECT_LT(Median(d), 30.0);
+  EXPECT_LT(Quantile(d, 0.25), 30.0);
 
   absl::StatusOr<std::string> json = SendControlCommand(*control, "stats json");
   ASSERT_TRUE(json.ok());
