@@ -210,6 +210,12 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       ->add_option("--probe-interval-ms", options->probe_interval_ms,
                    "how often to measure latency and bandwidth to peers (0: never)")
       ->capture_default_str();
+  start
+      ->add_option("--finished-actor-retention-ms", options->finished_actor_retention_ms,
+                   "how long a finished actor stays listed after the head has its last report; the head keeps "
+                   "its final state in the job's record")
+      ->check(CLI::Range(int64_t{0}, int64_t{7} * 24 * 3600 * 1000))
+      ->capture_default_str();
   start->add_option("--emulate-device", *emulate,
                     "stand in for a GPU: NAME[:TFLOPS:MEM_GB[:BW_GBS]] (repeatable), e.g. T4 or T4:65:16");
   start->add_flag("--timed-compute", options->timed_compute,

@@ -667,8 +667,32 @@ void JobRunner::EndJob(const std::string& job_id, JobState state, const std::str
     Check(ended.status(), job_id, "ending the job");
   }
   if (state != JOB_SUCCEEDED) StopActors(actors, message, /*wait=*/false);
+  RecordFinalActorStates(job_id, state, message);
   absl::MutexLock lock(&series_mu_);
   ended_at_ms_.emplace(job_id, clock_->NowMillis());
+}
+
+void JobRunner::RecordFinalActorStates(const std::string& job_id, JobState state, const std::string& message) {
+  std::map<std::string, ActorRecord> reported;
+  for (const ActorRecord& a : registry_->Actors()) {
+    if (a.job_id() == job_id) reported[a.actor_id()] = a;
+  }
+  Check(jobs_
+            ->Update(job_id,
+                     [&](JobInfo& j) {
+                       for (ActorRecord& a : *j.mutable_actors()) {
+                         auto it = reported.find(a.actor_id());
+                         const bool dead = it != reported.end() && it->second.state() == ACTOR_DEAD;
+                         a.set_state(ACTOR_DEAD);
+                         // Its worker's word when it has one; else what ended the job (a succeeded job's actors
+                         // all reported their last step).
+                         a.set_message(dead                     ? it->second.message()
+                                       : state == JOB_SUCCEEDED ? "finished"
+                                                                : absl::StrCat("stopped: ", message));
+                       }
+                     })
+            .status(),
+        job_id, "recording the actors' final states");
 }
 
 void JobRunner::ForgetEndedJobSeries() {

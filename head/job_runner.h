@@ -171,6 +171,9 @@ class JobRunner {
   void CommitCheckpoint(const std::string& job_id, const JobSpec& spec, int64_t step,
                         const std::map<std::string, CheckpointShard>& shards);
   void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg);
+  // The job's actors as they ended, in its record (`job status` shows them once the workers forget them):
+  // their workers' last reports where those say they are dead, else what ended the job.
+  void RecordFinalActorStates(const std::string& job_id, JobState state, const std::string& message);
   void RecordRecovery(const std::string& job_id, double seconds, int64_t steps_lost);
   // Removes the per-job series of the jobs that ended options_.ended_job_series_ms ago or more (control thread).
   void ForgetEndedJobSeries();

@@ -87,6 +87,8 @@ class StageActor {
 
   // Tells whether the actor's thread has finished (after the last step, an error, or a stop).
   bool finished() const;
+  // Whether no report waits for the head (all delivered, or dropped as undeliverable).
+  bool ReportsDelivered() const { return reporter_->queued() == 0; }
   // The key of this run of the job in the tensor-stream mailbox (worker/actor_ranks.h CommJobId).
   std::string comm_job_id() const { return CommJobId(config_.actor.job_id(), config_.attempt); }
   // Waits until the head has taken every report queued so far, or `timeout`; true when none is left.

@@ -88,7 +88,10 @@ class WorkerServer::Service final : public internal::Worker::Service {
       if (!timed.ok()) return invalid(std::string(timed.status().message()));
       config.device = *timed;
     }
-    if (it != worker_->actors_.end()) worker_->actors_.erase(it);  // a finished actor of the same id
+    if (it != worker_->actors_.end()) {  // a finished actor of the same id
+      worker_->actors_.erase(it);
+      worker_->settled_since_ms_.erase(a.actor_id());
+    }
     ActorServices services{.mailbox = worker_->tensor_streams_.get(), .links = worker_->links_.get()};
     services.data = [worker = worker_, job_id = a.job_id(), head = config.head_address, spec = config.spec,
                      peers = config.peers](const std::string& pattern) {
@@ -340,6 +343,33 @@ absl::StatusOr<model::ShardSource> WorkerServer::StageData(const std::string& jo
   return staging->Source();
 }
 
+std::vector<std::unique_ptr<StageActor>> WorkerServer::TakeSettledActors() {
+  const int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+  std::vector<std::unique_ptr<StageActor>> settled;
+  for (auto it = actors_.begin(); it != actors_.end();) {
+    const std::string& id = it->first;
+    if (!it->second->finished() || !it->second->ReportsDelivered()) {
+      settled_since_ms_.erase(id);
+      ++it;
+      continue;
+    }
+    const int64_t since = settled_since_ms_.emplace(id, now).first->second;
+    if (now - since < options_.finished_actor_retention_ms) {
+      ++it;
+      continue;
+    }
+    GT_LOG(INFO) << "actor " << id << " of job " << it->second->Record().job_id() << " forgotten "
+                 << options_.finished_actor_retention_ms / 1000
+                 << " s after it finished and its reports were delivered";
+    settled_since_ms_.erase(id);
+    settled.push_back(std::move(it->second));
+    it = actors_.erase(it);
+  }
+  return settled;
+}
+
 bool WorkerServer::SleepMillis(int64_t ms) {
   absl::MutexLock lock(&mu_);
   mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(ms));
@@ -374,8 +404,10 @@ void WorkerServer::JoinLoop() {
     }
     int64_t interval;
     HeartbeatRequest beat;
+    std::vector<std::unique_ptr<StageActor>> forgotten;  // destroyed outside mu_
     {
       absl::MutexLock lock(&mu_);
+      forgotten = TakeSettledActors();
       interval = heartbeat_interval_ms_;
       beat.set_worker_id(worker_id_);
       beat.set_incarnation(incarnation_);
@@ -389,7 +421,10 @@ void WorkerServer::JoinLoop() {
       for (const auto& [job, finished] : job_finished) {
         if (finished && discarded_jobs_.insert(job).second) tensor_streams_->DiscardJob(job);
       }
+      // Jobs with no actor left here: their tensors were discarded and none will be again.
+      std::erase_if(discarded_jobs_, [&](const std::string& job) { return !job_finished.contains(job); });
     }
+    forgotten.clear();
     if (!SleepMillis(interval)) return;
     std::vector<LinkMeasurement> links;
     {

@@ -67,6 +67,10 @@ struct WorkerOptions {
   std::map<std::string, std::string> address_for_site;
   // How often to probe latency and bandwidth to the other workers; 0 disables probing.
   int64_t probe_interval_ms = 30000;
+  // How long a finished actor stays listed (heartbeats, ListActors) once the head has all of its reports; then
+  // the worker forgets it, so that a long-lived worker's heartbeats do not carry every actor it ever ran. The
+  // head keeps each actor's final state in its job record.
+  int64_t finished_actor_retention_ms = 600000;
 };
 
 class WorkerServer {
@@ -101,6 +105,8 @@ class WorkerServer {
                                                const std::vector<ActorPeer>& peers);
   // Sleeps up to `ms` or until Shutdown(); returns false when stopping.
   bool SleepMillis(int64_t ms);
+  // Removes and returns the finished actors whose reports were all delivered finished_actor_retention_ms ago.
+  std::vector<std::unique_ptr<StageActor>> TakeSettledActors() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   WorkerOptions options_;
   std::vector<Device> devices_;
@@ -128,6 +134,9 @@ class WorkerServer {
   int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
   // Running (and finished) stage actors by id; their records come from StageActor::Record().
   std::map<std::string, std::unique_ptr<StageActor>> actors_ ABSL_GUARDED_BY(mu_);
+  // Since when (ms, steady clock) each finished actor has had every report delivered: it is forgotten
+  // finished_actor_retention_ms later (the heartbeat loop).
+  std::map<std::string, int64_t> settled_since_ms_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> discarded_jobs_ ABSL_GUARDED_BY(mu_);        // jobs whose tensors were dropped
   std::vector<PeerInfo> peers_ ABSL_GUARDED_BY(mu_);                 // from the latest heartbeat reply
   std::vector<LinkMeasurement> pending_links_ ABSL_GUARDED_BY(mu_);  // probes not yet reported

@@ -26,11 +26,13 @@ def threads(pid):
 
 
 class FinishedActorsTest(unittest.TestCase):
+    worker_args = ()
+
     def setUp(self):
         self.c = LocalCluster(GEOTRAIN)
         self.addCleanup(self.c.close)
         self.c.start_head()
-        self.worker = self.c.start_worker("w-1", "utah", ["T4", "T4"])
+        self.worker = self.c.start_worker("w-1", "utah", ["T4", "T4"], self.worker_args)
         wait_for(lambda: list(self.c.worker_states().values()) == ["WORKER_ALIVE"], 20, "an alive worker")
         self.data = os.path.join(self.c.dir, "train_000000.bin")
         write_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
@@ -66,6 +68,39 @@ class FinishedActorsTest(unittest.TestCase):
         failed = threads(self.worker.pid)
         print(f"worker threads: {failed} after three failed jobs", file=sys.stderr)
         self.assertLessEqual(failed, after + 4, f"{after} threads before three failed jobs, {failed} after")
+
+
+class ForgottenActorsTest(FinishedActorsTest):
+    """A worker forgets a finished actor --finished-actor-retention-ms after the head has its last report, and the
+    head's job record keeps the actor's final state."""
+    worker_args = ("--finished-actor-retention-ms", "1500")
+    test_finished_actors_hold_no_threads = None
+
+    def listed(self):
+        """The ids of the actors the worker lists (through the head's registry of heartbeats)."""
+        status = json.loads(self.c.cli(["status", "--json"]).stdout)
+        return {a["actor_id"] if "actor_id" in a else a["actorId"] for a in status.get("actors", [])}
+
+    def test_finished_and_failed_actors_are_forgotten_and_keep_their_final_state(self):
+        self.run_job(0)
+        self.run_job(1, data=os.path.join(self.c.dir, "missing_*.bin"), state="JOB_FAILED")
+        jobs = {j["job_id"] if "job_id" in j else j["jobId"]: j
+                for j in json.loads(self.c.cli(["job", "list", "--json"]).stdout).get("jobs", [])}
+        self.assertEqual(len(jobs), 2, jobs)
+        wait_for(lambda: not self.listed(), 30, "the worker to forget every finished actor")
+        with open(os.path.join(self.c.dir, "worker-w-1.log")) as f:
+            self.assertEqual(f.read().count("forgotten 1 s after it finished"), 4)
+        for job_id, job in jobs.items():
+            actors = job_actors(self.c, job_id)
+            self.assertEqual(len(actors), 2, actors)
+            for a in actors:
+                self.assertEqual(a["state"], "ACTOR_DEAD", a)
+                if job["state"] == "JOB_SUCCEEDED":
+                    self.assertEqual(a["message"], "finished", a)
+                else:
+                    self.assertIn("missing_", a["message"], a)
+        # The worker still runs jobs.
+        self.run_job(2)
 
 
 def job_actors(c, job_id):
