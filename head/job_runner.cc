@@ -143,6 +143,7 @@ void JobRunner::Restore() {
       run.actors.push_back(p);
     }
     for (const CheckpointShard& shard : job.pending_shards()) run.shards[shard.step()][shard.actor_id()] = shard;
+    run.done.insert(job.done_actors().begin(), job.done_actors().end());
     if (job.state() == JOB_RESTARTING) {
       run.phase = Phase::kRecovering;
       run.fault_cause = job.message();
@@ -517,7 +518,9 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     run.attempt = attempt;
     run.actors = placement;
     run.done.clear();
+    run.actor_errors.clear();
     run.steps.clear();
+    run.shards.clear();  // an earlier run's shards never join this run's checkpoints
     run.phase = Phase::kRunning;
     run.resumed_step = resumed_step;
     run.resumed_from = resume_from;
@@ -536,6 +539,8 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
                        j.set_attempt(attempt);
                        j.set_resumed_from(resume_from);
                        j.set_step(resumed_step);
+                       j.clear_pending_shards();
+                       j.clear_done_actors();
                      })
             .status(),
         job.job_id(), "recording the run");
@@ -673,20 +678,26 @@ void JobRunner::EndJob(const std::string& job_id, JobState state, const std::str
 }
 
 void JobRunner::RecordFinalActorStates(const std::string& job_id, JobState state, const std::string& message) {
-  std::map<std::string, ActorRecord> reported;
+  // What each actor said last: its own error report, else its worker's heartbeat when that says it is dead.
+  std::map<std::string, std::string> said;
   for (const ActorRecord& a : registry_->Actors()) {
-    if (a.job_id() == job_id) reported[a.actor_id()] = a;
+    if (a.job_id() == job_id && a.state() == ACTOR_DEAD) said[a.actor_id()] = a.message();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = runs_.find(job_id); it != runs_.end()) {
+      for (const auto& [actor, error] : it->second.actor_errors) said[actor] = error;
+    }
   }
   Check(jobs_
             ->Update(job_id,
                      [&](JobInfo& j) {
                        for (ActorRecord& a : *j.mutable_actors()) {
-                         auto it = reported.find(a.actor_id());
-                         const bool dead = it != reported.end() && it->second.state() == ACTOR_DEAD;
+                         auto it = said.find(a.actor_id());
                          a.set_state(ACTOR_DEAD);
-                         // Its worker's word when it has one; else what ended the job (a succeeded job's actors
-                         // all reported their last step).
-                         a.set_message(dead                     ? it->second.message()
+                         // Its own word when it has one; else what ended the job (a succeeded job's actors all
+                         // reported their last step).
+                         a.set_message(it != said.end()         ? it->second
                                        : state == JOB_SUCCEEDED ? "finished"
                                                                 : absl::StrCat("stopped: ", message));
                        }
@@ -781,6 +792,7 @@ void JobRunner::StopJob(const std::string& job_id, const std::string& reason) {
     actors = it->second.actors;
   }
   StopActors(actors, reason, /*wait=*/false);
+  RecordFinalActorStates(job_id, JOB_CANCELLED, reason);
 }
 
 std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
@@ -801,6 +813,7 @@ bool JobRunner::OnStepReport(const StepReport& report) {
   std::vector<std::pair<int64_t, std::map<std::string, CheckpointShard>>> ready;
   std::vector<CheckpointShard> failed_shards, pending_shards;
   bool persist_shards = false;
+  bool newly_done = false;  // this report is its actor's last
   JobSpec spec;
   int64_t attempt = 0;
   {
@@ -816,6 +829,7 @@ bool JobRunner::OnStepReport(const StepReport& report) {
     const int actors = static_cast<int>(run.actors.size());
     if (!report.error().empty()) {
       failed = true;
+      run.actor_errors[report.actor_id()] = report.error();
     } else if (report.step() > 0) {
       StepAggregate& agg = run.steps[report.step()];
       ++agg.reports;
@@ -847,7 +861,7 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       }
       // Steps some report of which was lost (e.g. sent to a head that restarted) never complete: forget them.
       while (!run.steps.empty() && run.steps.begin()->first + 100 < report.step()) run.steps.erase(run.steps.begin());
-      if (report.done()) run.done.insert(report.actor_id());
+      if (report.done()) newly_done = run.done.insert(report.actor_id()).second;
       finished = static_cast<int>(run.done.size()) == actors;
     }
     // Checkpoint shards (any report may carry them, also an error report's predecessors).
@@ -874,6 +888,10 @@ bool JobRunner::OnStepReport(const StepReport& report) {
         for (const auto& [actor, shard] : shards) pending_shards.push_back(shard);
       }
     }
+  }
+  if (newly_done) {  // so that a restarted head knows, whether or not the worker still lists the actor
+    Check(jobs_->Update(report.job_id(), [&](JobInfo& j) { j.add_done_actors(report.actor_id()); }).status(),
+          report.job_id(), "recording the actor's last report");
   }
   if (persist_shards) {  // so that a restarted head still commits them
     Check(jobs_

@@ -63,7 +63,9 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
 }
 
 StageActor::~StageActor() {
-  Stop("the worker is shutting down");
+  // A finished actor (the worker forgets it) leaves its job's mailbox alone: other actors of the job may still
+  // receive there.
+  if (!finished()) Stop("the worker is shutting down");
   if (thread_.joinable()) thread_.join();
 }
 

@@ -320,6 +320,9 @@ absl::Status WorkerServer::RegisterOnce() {
   head_id_ = reply.head_id();
   heartbeat_interval_ms_ = std::max(50, reply.heartbeat_interval_ms());
   registered_ = true;
+  // A head that (re)admits this worker sees every finished actor for a whole retention period before it is
+  // forgotten, whatever the previous head saw.
+  settled_since_ms_.clear();
   return absl::OkStatus();
 }
 
@@ -361,8 +364,7 @@ std::vector<std::unique_ptr<StageActor>> WorkerServer::TakeSettledActors() {
       continue;
     }
     GT_LOG(INFO) << "actor " << id << " of job " << it->second->Record().job_id() << " forgotten "
-                 << options_.finished_actor_retention_ms / 1000
-                 << " s after it finished and its reports were delivered";
+                 << options_.finished_actor_retention_ms << " ms after it finished and its reports were delivered";
     settled_since_ms_.erase(id);
     settled.push_back(std::move(it->second));
     it = actors_.erase(it);

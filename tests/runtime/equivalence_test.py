@@ -33,9 +33,8 @@ def read_checkpoint(ckpt, steps):
         manifest = json.load(f)
     assert int(manifest["step"]) == steps, manifest["step"]
     params = {}
-    for name in sorted(manifest["files"]):
-        if name.startswith("model"):
-            params.update(read_safetensors(os.path.join(step_dir, name)))
+    for name in sorted(set(manifest["tensors"].values())):  # group 0's files (DiLoCo groups have their own)
+        params.update(read_safetensors(os.path.join(step_dir, name)))
     return params
 
 
@@ -210,8 +209,8 @@ class EquivalenceTest(unittest.TestCase):
         with open(os.path.join(step_dir, "manifest.json")) as f:
             manifest = json.load(f)
         self.assertEqual(manifest.get("diloco_groups"), 2, manifest)
-        for name in ("model-s0", "model-s1", "model-g1-s0", "model-g1-s1", "optimizer-g1-s1", "diloco-s0",
-                     "diloco-s1"):
+        for name in ("model-s0", "model-s1", "model-g1-s0", "model-g1-s1", "optimizer-g1-s0", "optimizer-g1-s1",
+                     "diloco-s0", "diloco-s1"):
             self.assertIn(f"{name}.safetensors", manifest["files"], sorted(manifest["files"]))
         # Group 1's weights are its own: one inner step apart from group 0's.
         g0 = read_safetensors(os.path.join(step_dir, "model-s1.safetensors"))
