@@ -144,6 +144,7 @@ void JobRunner::Restore() {
     }
     for (const CheckpointShard& shard : job.pending_shards()) run.shards[shard.step()][shard.actor_id()] = shard;
     run.done.insert(job.done_actors().begin(), job.done_actors().end());
+    run.restored = true;
     if (job.state() == JOB_RESTARTING) {
       run.phase = Phase::kRecovering;
       run.fault_cause = job.message();
@@ -164,9 +165,6 @@ void JobRunner::OnWorkerDead(const WorkerInfo& worker) {
     absl::MutexLock lock(&mu_);
     for (auto& [job_id, run] : runs_) {
       if (run.phase != Phase::kRunning) continue;
-      // Only a run this pass completes is ended here: one whose last report completed it is ended by
-      // OnStepReport, after it records that report's step (ending it here could log SUCCEEDED first).
-      bool completed_here = false;
       for (const ActorPlacement& p : run.actors) {
         if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
           hit.push_back({job_id, run.attempt});
@@ -518,6 +516,7 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     run.attempt = attempt;
     run.actors = placement;
     run.done.clear();
+    run.restored = false;
     run.actor_errors.clear();
     run.steps.clear();
     run.shards.clear();  // an earlier run's shards never join this run's checkpoints
@@ -746,6 +745,11 @@ void JobRunner::Reconcile() {
       // Only a run this pass completes is ended here: one whose last report completed it is ended by
       // OnStepReport, after it records that report's step (ending it here could log SUCCEEDED first).
       bool completed_here = false;
+      if (run.restored && !run.actors.empty() && run.done.size() == run.actors.size()) {
+        // Every actor's last report reached the previous head, which stopped before it ended the job.
+        succeeded.push_back(job_id);
+        continue;
+      }
       for (const ActorPlacement& p : run.actors) {
         const std::string& id = p.actor.actor_id();
         if (run.done.count(id)) continue;

@@ -124,6 +124,7 @@ class JobRunner {
     Phase phase = Phase::kRunning;
     std::vector<ActorPlacement> actors;
     std::set<std::string> done;
+    bool restored = false;  // taken over from the previous head (Restore), until its next launch
     std::map<std::string, std::string> actor_errors;  // actor -> the error it reported (this run)
     std::map<int64_t, StepAggregate> steps;
     std::map<int64_t, std::map<std::string, CheckpointShard>> shards;  // step -> actor -> shard
