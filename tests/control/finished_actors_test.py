@@ -80,7 +80,7 @@ class FinishedActorsTest(unittest.TestCase):
 class ForgottenActorsTest(FinishedActorsTest):
     """A worker forgets a finished actor --finished-actor-retention-ms after the head has its last report, and the
     head's job record keeps the actor's final state."""
-    worker_args = ("--finished-actor-retention-ms", "3000")  # long enough for run_job to see them finished
+    worker_args = ("--finished-actor-retention-ms", "5000")  # long enough for run_job to see them finished
     test_finished_actors_hold_no_threads = None
 
     def test_finished_failed_and_cancelled_actors_are_forgotten_and_keep_their_final_state(self):
@@ -99,7 +99,7 @@ class ForgottenActorsTest(FinishedActorsTest):
 
         def forgotten():
             with open(os.path.join(self.c.dir, "worker-w-1.log")) as f:
-                return f.read().count("forgotten 3000 ms after it finished")
+                return f.read().count("forgotten 5000 ms after it finished")
         wait_for(lambda: forgotten() == 6, 30, "the worker to forget the six actors")
         wait_for(lambda: not self.worker_actors(), 10, "the worker's heartbeats to list no actor")
         for job_id, ended in ((succeeded, "finished"), (failed, None), (cancelled, "stopped")):
