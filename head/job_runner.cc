@@ -893,19 +893,19 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       }
     }
   }
-  if (newly_done) {  // so that a restarted head knows, whether or not the worker still lists the actor
-    Check(jobs_->Update(report.job_id(), [&](JobInfo& j) { j.add_done_actors(report.actor_id()); }).status(),
-          report.job_id(), "recording the actor's last report");
-  }
-  if (persist_shards) {  // so that a restarted head still commits them
+  // What a restarted head needs to go on: the actors whose last report it has (whether or not their workers still
+  // list them) and the shards of checkpoints not yet complete. One write for both.
+  if (newly_done || persist_shards) {
     Check(jobs_
               ->Update(report.job_id(),
                        [&](JobInfo& j) {
+                         if (newly_done) j.add_done_actors(report.actor_id());
+                         if (!persist_shards) return;
                          j.clear_pending_shards();
                          for (const CheckpointShard& s : pending_shards) *j.add_pending_shards() = s;
                        })
               .status(),
-          report.job_id(), "recording checkpoint shards");
+          report.job_id(), "recording the actor's last report and checkpoint shards");
   }
   if (failed) {
     Fault(report.job_id(), attempt, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()),

@@ -170,8 +170,8 @@ absl::Status SaveCheckpoint(const std::string& dir, int64_t step,
   for (size_t g = 0; g < groups.size(); ++g) {
     ASSIGN_OR_RETURN(CheckpointSnapshot snapshot,
                      SnapshotStage(*groups[g].first, *groups[g].second, /*keep=*/true, g == 0 ? outer : nullptr));
-    ASSIGN_OR_RETURN(WrittenShard shard,
-                     WriteCheckpointShard(StepDirectory(dir, step), g == 0 ? "" : absl::StrCat("-g", g), snapshot));
+    ASSIGN_OR_RETURN(WrittenShard shard, WriteCheckpointShard(StepDirectory(dir, step),
+                                                              ShardSuffix(static_cast<int>(g), /*pp=*/1, 0), snapshot));
     for (const WrittenShard::File& f : shard.files) {
       CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name];
       entry.set_bytes(f.bytes);

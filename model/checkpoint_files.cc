@@ -70,6 +70,10 @@ std::string GroupFileFor(const std::string& model_file, int group) {
   return absl::StrCat("model-g", group, absl::StripPrefix(model_file, "model"));
 }
 
+std::string ShardSuffix(int group, int pp, int stage) {
+  return absl::StrCat(group > 0 ? absl::StrCat("-g", group) : "", pp > 1 ? absl::StrCat("-s", stage) : "");
+}
+
 std::string DilocoFileFor(const std::string& model_file) {
   return absl::StrCat("diloco", absl::StripPrefix(model_file, "model"));
 }

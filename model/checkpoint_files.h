@@ -29,6 +29,9 @@ std::string OptimizerFileFor(const std::string& model_file);
 // DiLoCo checkpoints: the model file of group g ("model-s1.safetensors", 2 -> "model-g2-s1.safetensors"; group 0:
 // the file itself), and the file of the outer optimizer's state beside a model file ("diloco-s1.safetensors").
 std::string GroupFileFor(const std::string& model_file, int group);
+// The suffix of a shard's files (model<suffix>.safetensors, ...): "-g<group>" for a DiLoCo group > 0, then
+// "-s<stage>" when the model is pipelined (pp > 1); "" for group 0 of an unpipelined model.
+std::string ShardSuffix(int group, int pp, int stage);
 std::string DilocoFileFor(const std::string& model_file);
 
 // A stage's weights and AdamW moments copied to host memory (model/checkpoint.h SnapshotStage), so that

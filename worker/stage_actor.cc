@@ -222,9 +222,7 @@ absl::Status StageActor::Run() {
           shard.mutable_data_position()->set_offset(loader->position().offset);
           shard.mutable_data_position()->set_epoch(loader->position().epoch);
         }
-        const std::string suffix =
-            absl::StrCat(collectives.diloco_group > 0 ? absl::StrCat("-g", collectives.diloco_group) : "",
-                         ranks.pp > 1 ? absl::StrCat("-s", ranks.stage) : "");
+        const std::string suffix = model::ShardSuffix(collectives.diloco_group, ranks.pp, ranks.stage);
         const std::string step_dir = services_.checkpoints ? services_.checkpoints->LocalStepDir(step)
                                                            : model::StepDirectory(spec.checkpoint().dir(), step);
         seconds +=

@@ -2,8 +2,10 @@
 
 A ClusterUp runs `geotrain cluster up TOPOLOGY` in its own GEOTRAIN_HOME and can kill -9 and restart any of
 its processes. A LocalCluster owns a temporary GEOTRAIN_HOME and state dir, starts `geotrain head start` and
-`geotrain worker start` as child processes, and kills everything it started when closed.
+`geotrain worker start` as child processes, and kills everything it started when closed. Both also close at
+interpreter exit, so that a test whose set-up fails (where unittest calls no tearDown) leaves nothing behind.
 """
+import atexit
 import json
 import os
 import re
@@ -59,6 +61,7 @@ class LocalCluster:
         self.head = None
         self.workers = {}
         self.procs = []
+        atexit.register(self.close)
 
     def _spawn(self, args, log_name):
         with open(os.path.join(self.dir, log_name), "ab") as log:
@@ -154,6 +157,8 @@ class ClusterUp:
         self.state = os.path.join(self.home, "cluster")
         self.restarted = {}  # name -> Popen of a process the test started again
         self.killed = {}     # name -> (argv, env) to start it again
+        self.closed = False
+        atexit.register(self.close)
         self.up = self.cli(["cluster", "up", topology] + list(up_args)).stdout
 
     def cli(self, args, check=True, timeout=120):
@@ -248,6 +253,9 @@ class ClusterUp:
         return "\n".join(out)
 
     def close(self):
+        if self.closed:
+            return
+        self.closed = True
         for p in self.restarted.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
