@@ -21,7 +21,15 @@ communication (gRPC, codecs, the WAN emulator) really runs, on this machine's co
 Usage: /usr/bin/python3 bench/geo/fabric_study.py [--geotrain build/bin/geotrain] [--out docs/geo/fabric]
            [--models gpt2-medium,gpt2-large] [--rtt-ms 0,10,30,103] [--plans dp,pp,dpxpp,tpxpp,auto] [--steps 3]
            [--calibration docs/geo/fabric-calibration.json]
---calibration reuses a calibration this script wrote instead of profiling again (about 4 minutes), for a quick
+Calibration (bench/geo/timed_lib.py): the A40's efficiency from the timed backend; the bandwidths inside a site
+from the profiling jobs inside a site (DP2 and TP2 on utah's two devices), one round of them on each round trip's
+own cluster before its plans. The plans of a round trip are ranked (auto) and first predicted with the fit to the
+median of the rounds so far; once every round trip has run, every plan is predicted again with the fit to the
+median of all the rounds (predicted_s; the first prediction is predicted_first_s). One round of those jobs varies
+by about 10% from the next on this host, and a single round's error went into every prediction (2026-12-05
+21:42 UTC: one round on a profiling cluster fitted 10-20% more bandwidth than at 19:12, and tpxpp came out 15-29%
+fast). Nothing is fitted across sites: the links are the topology's.
+--calibration reuses a calibration this script wrote instead of profiling (about 5 minutes in all), for a quick
 rerun of some plans; the plans run in the order given, all of one round trip on one cluster.
 """
 import argparse
@@ -30,6 +38,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +77,7 @@ def cluster_up(geotrain, topology):
 def run_one(c, work, topo, model, plan, args, data, flags):
     """One plan on the cluster: its measured figures and the calibrated planner's prediction. `auto` is the
     calibrated planner's choice (`geotrain plan --job`, as the head plans `plan: auto`), run as a manual plan."""
-    spec = os.path.join(work, f"{model}-{plan}.yaml")
+    spec = os.path.join(work, f"{model}-{plan}-{os.path.basename(topo)}")
     if plan == "auto":
         timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, "{plan: auto}", args.steps, args.batch)
         chosen = timed_lib.plan_json(args.geotrain, topo, spec, flags, top=1)["ranked"][0]
@@ -77,7 +86,7 @@ def run_one(c, work, topo, model, plan, args, data, flags):
     else:
         parallel = parallel_section(plan, args.devices, args.batch)
         summary = ""
-    row = {"model": model, "plan": plan, "summary": summary}
+    row = {"model": model, "plan": plan, "summary": summary, "spec": spec, "topology": topo}
     row.update(timed_lib.measure_plan(
         c, args.geotrain, topo, flags, spec,
         lambda steps: timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, parallel, steps, args.batch),
@@ -85,10 +94,10 @@ def run_one(c, work, topo, model, plan, args, data, flags):
     return row
 
 
-def report(rows, args, out):
+def report(rows, args, out, calibration):
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     fields = ["model", "rtt_ms", "plan", "state", "step_s", "compute_s", "comm_wait_s", "wan_mb", "predicted_s",
-              "wall_s", "summary", "message"]
+              "predicted_first_s", "wall_s", "summary", "message"]
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -125,6 +134,13 @@ def report(rows, args, out):
     if errors:
         lines += ["", f"Calibrated planner vs measured over {len(errors)} runs: median relative error "
                   f"{100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%."]
+    rounds = calibration.get("measured_rounds", {})
+    lines += ["", "Calibration: " + ", ".join(f"{k} efficiency {v:.3f}" for k, v in calibration["efficiency"].items()) +
+              f"; inside a site {calibration['intra_site_gbps']:.2f} Gbit/s for gradients and "
+              f"{calibration.get('intra_site_activation_gbps') or calibration['intra_site_gbps']:.2f} for activations" +
+              (f", fitted to the median of {len(rounds['dp2'])} profiling rounds (DP2 "
+               f"{', '.join(f'{x:.3f}' for x in rounds['dp2'])} s; TP2 {', '.join(f'{x:.3f}' for x in rounds['tp2'])} s)"
+               if rounds.get("dp2") else "") + "; nothing fitted across sites."]
     lines += ["", "The FABRIC study (GPUs, Alpa): DP / pipeline+shard = 13.75x at 103 ms (1,375 vs 100 minutes)."]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -183,14 +199,14 @@ def study(args, work, calibration):
     """Calibrates (unless given a calibration), runs every plan at every round trip and writes the report."""
     data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
     started = time.monotonic()
-    if calibration is None:
-        calibration = timed_lib.calibrate(args.geotrain, lambda t: cluster_up(args.geotrain, t), work, data,
-                                          args.models.split(",")[0], [args.device], args.device, args.steps,
-                                          args.job_timeout, wan_check=True)
-        with open(args.out + "-calibration.json", "w") as f:
-            json.dump(calibration, f, indent=1)
-    print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
-    flags = timed_lib.planner_flags(calibration)
+
+    def say(text):
+        print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
+    base, rounds = calibration, []
+    if base is None:  # the efficiency only: the bandwidths inside a site are fitted on the round trips' clusters
+        base = timed_lib.calibrate(args.geotrain, None, work, data, args.models.split(",")[0], [args.device],
+                                   args.device, args.steps, args.job_timeout, inside_site=False)
+    say(f"calibration: {json.dumps(base)}")
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",")]:
         topo = os.path.join(work, f"topology-{rtt:g}.yaml")
@@ -198,15 +214,58 @@ def study(args, work, calibration):
                                  [(SITES[0], SITES[1], rtt / 2, args.bandwidth_mbps)])
         c = cluster_up(args.geotrain, topo)
         try:
+            cal = base
+            if calibration is None:
+                cal = refit(args, c, topo, work, data, base, rounds, say)
+            flags = timed_lib.planner_flags(cal)
             for model in args.models.split(","):
                 for plan in args.plans.split(","):
                     row = run_one(c, work, topo, model, plan, args, data, flags)
                     row["rtt_ms"] = rtt
                     rows.append(row)
-                    print(f"EMULATED [{time.monotonic() - started:6.0f} s] " + json.dumps(row), flush=True)
+                    print(f"EMULATED [{time.monotonic() - started:6.0f} s] " +
+                          json.dumps({k: v for k, v in row.items() if k not in ("spec", "topology")}), flush=True)
         finally:
             c.close()
-    report(rows, args, args.out)
+    if calibration is None:
+        final = timed_lib.refit_inside_site(args.geotrain, rows[-1]["topology"], base, rounds)
+        say(f"refitted on all {len(rounds)} rounds: {final['intra_site_gbps']:.2f} Gbit/s for gradients, "
+            f"{final['intra_site_activation_gbps']:.2f} for activations (predicts every plan)")
+        repredict(args, rows, timed_lib.planner_flags(final))
+        with open(args.out + "-calibration.json", "w") as f:
+            json.dump(final, f, indent=1)
+    report(rows, args, args.out, final if calibration is None else calibration)
+
+
+def refit(args, c, topo, work, data, base, rounds, say):
+    """One round of the profiling jobs inside utah on this round trip's cluster, added to `rounds`; returns the
+    calibration fitted to the median of the rounds so far. A round that fails after the first is said and left
+    out; the first round's failure stops the study, which has nothing to predict with."""
+    try:
+        rounds.append(timed_lib.profile_inside_site(c, topo, SITES[0], work, data, args.models.split(",")[0],
+                                                    args.steps, args.job_timeout))
+        m = rounds[-1]
+        say(f"profiling round {len(rounds)} inside {SITES[0]}: DP2 {m['dp2'][1]} s, TP2 {m['tp2'][1]} s")
+    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as e:
+        if not rounds:
+            raise
+        say(f"a profiling round failed, left out: {e}")
+    cal = timed_lib.refit_inside_site(args.geotrain, topo, base, rounds)
+    say(f"fitted on {len(rounds)} round(s): {cal['intra_site_gbps']:.2f} Gbit/s for gradients, "
+        f"{cal['intra_site_activation_gbps']:.2f} for activations")
+    return cal
+
+
+def repredict(args, rows, flags):
+    """Every plan's prediction again with the final fit; the first one is kept in predicted_first_s."""
+    for row in rows:
+        row["predicted_first_s"] = row["predicted_s"]
+        if row["predicted_s"] == "":
+            continue
+        try:
+            row["predicted_s"] = round(timed_lib.predict(args.geotrain, row["topology"], row["spec"], flags), 4)
+        except RuntimeError as e:  # kept with the first prediction, and said
+            row["message"] = (row["message"] + f" final fit cannot predict it: {e}")[:300]
 
 
 if __name__ == "__main__":

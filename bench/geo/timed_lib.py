@@ -21,13 +21,12 @@ Nothing is fitted across sites: the links are the topology's. The window of a st
 for what the planner did not model, each gradient bucket's round trips (a bucket is an all-reduce of its own, and
 each send waits for its ack). With those modelled, that job is predicted within 5% with no window, and a fitted
 window (8 MB) capped the tied embedding's 51 MB messages, which the 103 ms runs show cross at the link's rate.
-With wan_check, calibrate() still runs that job, as a check of the model across sites (its prediction is in the
-calibration's predicted_after_fit).
-bench/geo/validate_timed.py fits the two bandwidths inside a site again on each topology's own cluster
-(refit_inside_site: the same DP2 and TP2 jobs, on two devices of its first site), since this host drifts between
-spells of minutes: a round of them before its plans, to rank the plans, and one between each later round of the
-plans; its predictions use the median of every round. The links between sites are the topology's configured ones;
-nothing is fitted to a study's own runs (the profiling jobs are none of the plans studied).
+Both studies fit the two bandwidths inside a site on their own clusters instead of the profiling cluster
+(refit_inside_site: the same DP2 and TP2 jobs, on two devices of a site), since this host drifts between spells of
+minutes and one round of those jobs varies by about 10% from the next: bench/geo/validate_timed.py runs a round
+on each topology's cluster before its plans, to rank them, and one between each later round of the plans;
+bench/geo/fabric_study.py one on each round trip's cluster before its plans. Their final predictions use the
+median of every round. Nothing is fitted to a study's own runs (the profiling jobs are none of the plans studied).
 
 Every prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide
 the bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same
@@ -41,9 +40,6 @@ import re
 import statistics
 import subprocess
 import time
-
-# The link of the calibration's check across sites (one way, ms): unlike any link of the studies.
-CALIBRATION_WAN_MS = 40
 
 STEP_LINE = re.compile(r"step (\d+) EMULATED \(timed compute\) loss n/a \d+ tokens/s step ([\d.]+) s "
                        r"\(compute ([\d.]+), comm wait ([\d.]+), bubble ([\d.]+)[^)]*\) wan bytes (\d+)")
@@ -279,10 +275,8 @@ def _fit_inside_site(geotrain, topo, cal, measured):
     cal["intra_site_activation_gbps"] = _fit(geotrain, topo, cal, "intra_site_activation_gbps", *measured["tp2"], 400)
 
 
-def calibrate(geotrain, cluster_up, work, data, model, device_types, device, steps, timeout, wan_check=False,
-              inside_site=True):
-    """Fits the planner to this machine (see the module's comment). cluster_up(topology) -> a ClusterUp. wan_check:
-    also runs DP2 across a link of CALIBRATION_WAN_MS and records its prediction (nothing is fitted to it).
+def calibrate(geotrain, cluster_up, work, data, model, device_types, device, steps, timeout, inside_site=True):
+    """Fits the planner to this machine (see the module's comment). cluster_up(topology) -> a ClusterUp.
     inside_site=False: the efficiencies only, for a caller that fits the bandwidths inside a site on its own
     clusters (refit_inside_site); no profiling cluster runs, and the calibration's bandwidths stay unfitted."""
     efficiency = {}
@@ -302,14 +296,10 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
     if not inside_site:
         return cal
     topo = os.path.join(work, "calib.yaml")
-    sites = [("calib", [(device, 2)])] + ([("far", [(device, 1)])] if wan_check else [])
-    write_topology(topo, sites, [("calib", "far", CALIBRATION_WAN_MS, 1000)] if wan_check else [])
-    jobs = _inside_site_jobs("calib") + ((
-        ("wan", "{plan: manual, dp: 2, microbatches: 4, placement: [{replica: 0, stage: 0, site: calib}, "
-                "{replica: 1, stage: 0, site: far}]}", 10),) if wan_check else ())  # 10.3-10.8 s per step
+    write_topology(topo, [("calib", [(device, 2)])], [])
     c = cluster_up(topo)
     try:
-        measured = _run_profiling_jobs(c, work, data, model, jobs, steps, timeout, "profile")
+        measured = _run_profiling_jobs(c, work, data, model, _inside_site_jobs("calib"), steps, timeout, "profile")
     finally:
         c.close()
     _fit_inside_site(geotrain, topo, cal, measured)
@@ -329,7 +319,7 @@ def refit_inside_site(geotrain, topo, calibration, rounds):
     by about 10% from the next on this host, and that spread, caught in a single refit, carried into every prediction
     of its topology (2026-12-05 20:32 UTC: a refit 6-20% fast, every plan predicted 4-22% fast); a cluster of 8-16
     worker processes is also not the profiling cluster of 3. validate_timed.py runs a round before its plans and one
-    between each round of them."""
+    between each round of them; fabric_study.py one on each round trip's cluster."""
     measured = {name: (spec, statistics.median(r[name][1] for r in rounds)) for name, (spec, _) in rounds[0].items()}
     cal = dict(calibration)
     _fit_inside_site(geotrain, topo, cal, measured)
