@@ -22,7 +22,7 @@ vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin)
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
            [--data fortunes|synthetic|DIR] [--steps 384] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
-           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--parts quality,cluster] [--repeats 3]
+           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--batch 16] [--parts quality,cluster] [--repeats 3]
            [--cluster-steps 33]
            [--cluster-fragments 4]
 """
@@ -43,10 +43,10 @@ SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
 
 
 def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
-              outer=(0.7, 0.9), fragments=1, lr=2.0e-3, seed=1):
+              outer=(0.7, 0.9), fragments=1, lr=2.0e-3, seed=1, batch=16):
     text = (f"name: {name}\nmodel: {model}\n"
             f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
-            f"train: {{global_batch: 16, seq_len: 64, steps: {steps}, lr: {lr:g}, warmup_steps: 10, "
+            f"train: {{global_batch: {batch}, seq_len: 64, steps: {steps}, lr: {lr:g}, warmup_steps: 10, "
             f"weight_decay: 0.1, grad_clip: 1.0, seed: {seed}, eval_every: {eval_every}, eval_batches: 4}}\n"
             f"parallel: {{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}\n"
             f"comm: {{wan_codec: {wan_codec}}}\n")
@@ -67,7 +67,8 @@ def quality(args, geotrain, data, work):
             path = os.path.join(work, f"{name}-s{seed}.yaml")
             with open(path, "w") as f:
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
-                                  outer=outer or (0.7, 0.9), fragments=args.quality_fragments, lr=args.lr, seed=seed))
+                                  outer=outer or (0.7, 0.9), fragments=args.quality_fragments, lr=args.lr, seed=seed,
+                                  batch=args.batch))
             out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
             for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
                 if m.group(3):
@@ -188,6 +189,7 @@ def main():
     ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
     ap.add_argument("--seeds", default="1", help="initialisation seeds of the quality runs, comma-separated")
     ap.add_argument("--lr", type=float, default=2.0e-3, help="inner (and synchronous) AdamW learning rate")
+    ap.add_argument("--batch", type=int, default=16, help="global batch of the quality runs (sequences of 64 tokens)")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
