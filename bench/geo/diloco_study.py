@@ -8,7 +8,8 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          pseudo-gradients are a cluster matter: the simulation averages exactly). The simulation is the cluster's
          algorithm (the stage-actor tests check that a two-site cluster run equals it); validation loss every
          --eval-every steps; every run once per initialisation seed of --seeds, with the gap to synchronous DP
-         per seed and its mean. Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds).
+         per seed and its mean. Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds;
+         with a --batch other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
@@ -81,7 +82,7 @@ def quality(args, geotrain, data, work):
             final[(name, seed)] = rows[-1]["val_loss"]  # its last evaluation
             print(f"quality {name} seed {seed}: final val loss {rows[-1]['val_loss']:.4f} at step "
                   f"{rows[-1]['step']}", flush=True)
-    with open(os.path.join(args.out, "diloco_quality.csv"), "w", newline="") as f:
+    with open(os.path.join(args.out, f"diloco_quality{batch_suffix(args)}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -151,7 +152,13 @@ def cluster(args, geotrain, data, work, env):
     return rows
 
 
-def plot(rows, out):
+def batch_suffix(args):
+    """The quality part's files name a batch other than the study's 16: --batch 32 writes diloco_quality_batch32.csv
+    and diloco_val_loss_batch32.png, beside (not over) the study's figures."""
+    return "" if args.batch == 16 else f"_batch{args.batch}"
+
+
+def plot(rows, out, suffix=""):
     """Validation loss per run: the mean over the seeds at each evaluated step."""
     import matplotlib
     matplotlib.use("Agg")
@@ -171,7 +178,7 @@ def plot(rows, out):
     plt.grid(alpha=0.3)
     plt.legend(fontsize=8)
     plt.tight_layout()
-    plt.savefig(os.path.join(out, "diloco_val_loss.png"), dpi=120)
+    plt.savefig(os.path.join(out, f"diloco_val_loss{suffix}.png"), dpi=120)
     plt.close()
 
 
@@ -189,7 +196,8 @@ def main():
     ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
     ap.add_argument("--seeds", default="1", help="initialisation seeds of the quality runs, comma-separated")
     ap.add_argument("--lr", type=float, default=2.0e-3, help="inner (and synchronous) AdamW learning rate")
-    ap.add_argument("--batch", type=int, default=16, help="global batch of the quality runs (sequences of 64 tokens)")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="global batch of the quality runs (sequences of 64 tokens); other than 16: files named _batchN")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
@@ -217,7 +225,7 @@ def main():
                 args.model = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
         parts = args.parts.split(",")
         if "quality" in parts:
-            plot(quality(args, geotrain, data, work), args.out)
+            plot(quality(args, geotrain, data, work), args.out, batch_suffix(args))
         if "cluster" in parts:
             cluster(args, geotrain, data, work, env)
     finally:

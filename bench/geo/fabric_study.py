@@ -140,7 +140,9 @@ def report(rows, args, out, calibration):
               f"{calibration.get('intra_site_activation_gbps') or calibration['intra_site_gbps']:.2f} for activations" +
               (f", fitted to the median of {len(rounds['dp2'])} profiling rounds (DP2 "
                f"{', '.join(f'{x:.3f}' for x in rounds['dp2'])} s; TP2 {', '.join(f'{x:.3f}' for x in rounds['tp2'])} s)"
-               if rounds.get("dp2") else "") + "; nothing fitted across sites."]
+               if rounds.get("dp2") else "") +
+              (f" (loaded from {calibration['loaded_from']}: nothing profiled in this run)"
+               if calibration.get("loaded_from") else "") + "; nothing fitted across sites."]
     lines += ["", "The FABRIC study (GPUs, Alpa): DP / pipeline+shard = 13.75x at 103 ms (1,375 vs 100 minutes)."]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -228,13 +230,15 @@ def study(args, work, calibration):
         finally:
             c.close()
     if calibration is None:
-        final = timed_lib.refit_inside_site(args.geotrain, rows[-1]["topology"], base, rounds)
-        say(f"refitted on all {len(rounds)} rounds: {final['intra_site_gbps']:.2f} Gbit/s for gradients, "
+        final = cal  # the last round trip's fit is to the median of every round
+        say(f"fitted on all {len(rounds)} rounds: {final['intra_site_gbps']:.2f} Gbit/s for gradients, "
             f"{final['intra_site_activation_gbps']:.2f} for activations (predicts every plan)")
         repredict(args, rows, timed_lib.planner_flags(final))
         with open(args.out + "-calibration.json", "w") as f:
             json.dump(final, f, indent=1)
-    report(rows, args, args.out, final if calibration is None else calibration)
+    else:
+        final = dict(calibration, loaded_from=args.calibration)
+    report(rows, args, args.out, final)
 
 
 def refit(args, c, topo, work, data, base, rounds, say):

@@ -4,8 +4,9 @@ calibration of the planner's model to this machine.
 
 Calibration. A timed cluster computes in the emulated GPUs' time but communicates through this machine: inside a
 site, a collective goes over gRPC on loopback, all actors sharing two cores, not over NVLink or a 100 Gbit/s NIC.
-The planner's defaults describe real nodes, so before predicting, three figures are fitted on a profiling cluster
-(one site, two devices) with jobs that no study plan is:
+The planner's defaults describe real nodes, so before predicting, three figures are fitted with jobs that no study
+plan is (the bandwidths on the studies' own clusters, below; on a profiling cluster of one site and two devices only
+for validate_timed.py --no-refit):
   - each device type's efficiency: the planner's compute time of a microbatch at efficiency 1 over what the timed
     backend waits for it (`geotrain model timed-step`);
   - the bandwidth inside a site for gradients: --intra-site-gbps solved so that the planner's prediction of
@@ -82,7 +83,12 @@ def run_job(cluster, spec, timeout, warmup=1):
     wan_bytes (medians of the steps after the first `warmup`), wall_s."""
     started = time.monotonic()
     job_id = cluster.cli(["job", "submit", spec]).stdout.split()[1]
-    job = cluster.wait_job(job_id, timeout)
+    try:
+        job = cluster.wait_job(job_id, timeout)
+    except (AssertionError, subprocess.TimeoutExpired):
+        # Timed out: cancelled, so that it does not run on beside what the study measures next on this cluster.
+        cluster.cli(["job", "cancel", job_id], check=False)
+        raise
     out = {"state": job["state"].replace("JOB_", ""), "message": "", "step_s": "", "compute_s": "",
            "comm_wait_s": "", "wan_mb": "", "wall_s": round(time.monotonic() - started, 1)}
     if job["state"] != "JOB_SUCCEEDED":
@@ -187,7 +193,7 @@ def planner_flags(calibration):
 
 
 def load_calibration(path):
-    """A calibration that calibrate() fitted and fabric_study.py wrote as JSON, checked for what planner_flags
+    """A calibration that fabric_study.py wrote as JSON (its final refit_inside_site), checked for what planner_flags
     needs. Exits with a message naming the file when it cannot be read or is not one."""
     hint = "give the -calibration.json that fabric_study.py wrote (docs/geo/fabric-calibration.json)"
     try:

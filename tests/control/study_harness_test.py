@@ -4,9 +4,12 @@
 2. refit_inside_site fits the bandwidths inside a site to the median of its profiling rounds: given rounds whose
    steps the planner itself predicted at known bandwidths, one fast and one slow around them, it finds those
    bandwidths again, where the fast round alone does not; and it records every round.
+3. run_job on a real timed cluster: a job that outlasts its timeout raises, and is cancelled, so that it does not
+   run on beside what a study measures next on the same cluster.
 
 Usage: study_harness_test.py PATH/TO/geotrain
 """
+import json
 import os
 import shutil
 import sys
@@ -17,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "bench", "geo"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timed_lib  # noqa: E402
-from cluster_lib import write_tiny_corpus  # noqa: E402
+from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 
@@ -65,6 +68,23 @@ class RefitTest(unittest.TestCase):
         fast = timed_lib.refit_inside_site(GEOTRAIN, topo, base, rounds[1:2])
         self.assertGreater(fast["intra_site_gbps"], 6.0 * 1.1)
         self.assertGreater(fast["intra_site_activation_gbps"], 7.0 * 1.1)
+
+
+class RunJobTest(unittest.TestCase):
+    def test_a_job_that_times_out_is_cancelled(self):
+        work = tempfile.mkdtemp(prefix="geotrain_study_harness_")
+        self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+        data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)  # as the studies'
+        topo = os.path.join(work, "t.yaml")
+        timed_lib.write_topology(topo, [("utah", [("A30", 2)])], [])
+        spec = os.path.join(work, "long.yaml")  # GPT-2 medium DP2 on timed A30s: about 2 s a step, for 1000 steps
+        timed_lib.write_job(spec, "long", "gpt2-medium", data, "{plan: manual, dp: 2, microbatches: 4}", 1000, 16)
+        c = ClusterUp(GEOTRAIN, topo, prefix="geotrain_study_harness_", up_args=["--timed-compute"])
+        self.addCleanup(c.close)
+        with self.assertRaises(AssertionError):
+            timed_lib.run_job(c, spec, timeout=3)
+        states = [j["state"] for j in json.loads(c.cli(["job", "list", "--json"]).stdout)["jobs"]]
+        self.assertEqual(states, ["JOB_CANCELLED"])
 
 
 if __name__ == "__main__":
