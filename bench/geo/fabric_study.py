@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -242,18 +241,10 @@ def study(args, work, calibration):
 
 
 def refit(args, c, topo, work, data, base, rounds, say):
-    """One round of the profiling jobs inside utah on this round trip's cluster, added to `rounds`; returns the
-    calibration fitted to the median of the rounds so far. A round that fails after the first is said and left
-    out; the first round's failure stops the study, which has nothing to predict with."""
-    try:
-        rounds.append(timed_lib.profile_inside_site(c, topo, SITES[0], work, data, args.models.split(",")[0],
-                                                    args.steps, args.job_timeout))
-        m = rounds[-1]
-        say(f"profiling round {len(rounds)} inside {SITES[0]}: DP2 {m['dp2'][1]} s, TP2 {m['tp2'][1]} s")
-    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as e:
-        if not rounds:
-            raise
-        say(f"a profiling round failed, left out: {e}")
+    """One round of the profiling jobs inside utah on this round trip's cluster, added to `rounds`
+    (timed_lib.add_profiling_round); returns the calibration fitted to the median of the rounds so far."""
+    timed_lib.add_profiling_round(rounds, c, topo, SITES[0], work, data, args.models.split(",")[0], args.steps,
+                                  args.job_timeout, say)
     cal = timed_lib.refit_inside_site(args.geotrain, topo, base, rounds)
     say(f"fitted on {len(rounds)} round(s): {cal['intra_site_gbps']:.2f} Gbit/s for gradients, "
         f"{cal['intra_site_activation_gbps']:.2f} for activations")

@@ -319,6 +319,21 @@ def profile_inside_site(cluster, topo, site, work, data, model, steps, timeout):
                                os.path.basename(topo))
 
 
+def add_profiling_round(rounds, cluster, topo, site, work, data, model, steps, timeout, say):
+    """profile_inside_site, appended to `rounds` and said (say(text) prints a line). A later round's failure (a job
+    that failed, timed out or was not accepted) is said and leaves the rounds before it; the first round's is
+    raised, since its caller has nothing to predict with."""
+    try:
+        rounds.append(profile_inside_site(cluster, topo, site, work, data, model, steps, timeout))
+    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as e:
+        if not rounds:
+            raise
+        say(f"a profiling round failed, left out: {e}")
+        return
+    m = rounds[-1]
+    say(f"profiling round {len(rounds)} inside {site}: DP2 {m['dp2'][1]} s, TP2 {m['tp2'][1]} s")
+
+
 def refit_inside_site(geotrain, topo, calibration, rounds):
     """The calibration with the bandwidths inside a site refitted to a study's own cluster: `rounds` is a list of
     profile_inside_site results, and each job's step is the median over them (the efficiencies stay). One job varies

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,20 +107,9 @@ def validate(args, work, up):
             cal, profile, refit_rounds = calibration, None, []
             if not args.no_refit:
                 def profile(c=c, topo=topo, site=sites[0][0], name=name):
-                    try:
-                        refit_rounds.append(timed_lib.profile_inside_site(c, topo, site, work, data, args.model,
-                                                                          args.steps, args.job_timeout))
-                    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as e:
-                        # A later round's failure (a job that failed, timed out or was not accepted) leaves the
-                        # rounds before it; the first round's stops the topology, which has nothing to rank with.
-                        if not refit_rounds:
-                            raise
-                        print(f"[{time.monotonic() - started:6.0f} s] {name}: a profiling round failed: {e}",
-                              flush=True)
-                        return
-                    m = refit_rounds[-1]
-                    print(f"[{time.monotonic() - started:6.0f} s] {name}: profiling round {len(refit_rounds)} inside "
-                          f"{site}: DP2 {m['dp2'][1]} s, TP2 {m['tp2'][1]} s", flush=True)
+                    timed_lib.add_profiling_round(
+                        refit_rounds, c, topo, site, work, data, args.model, args.steps, args.job_timeout,
+                        lambda text: print(f"[{time.monotonic() - started:6.0f} s] {name}: {text}", flush=True))
                 profile()
                 cal = timed_lib.refit_inside_site(args.geotrain, topo, calibration, refit_rounds)
                 print(f"[{time.monotonic() - started:6.0f} s] {name}: refitted inside {sites[0][0]}: "

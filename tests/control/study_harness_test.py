@@ -6,6 +6,8 @@
    bandwidths again, where the fast round alone does not; and it records every round.
 3. run_job on a real timed cluster: a job that outlasts its timeout raises, and is cancelled, so that it does not
    run on beside what a study measures next on the same cluster.
+4. add_profiling_round on that cluster: a failed first round is raised (nothing to predict with); a failed later
+   round is said and leaves the rounds before it.
 
 Usage: study_harness_test.py PATH/TO/geotrain
 """
@@ -70,21 +72,51 @@ class RefitTest(unittest.TestCase):
         self.assertGreater(fast["intra_site_activation_gbps"], 7.0 * 1.1)
 
 
-class RunJobTest(unittest.TestCase):
+class TimedClusterTest(unittest.TestCase):
+    """One timed cluster of two A30s in one site, for the harness's failure paths."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.work = tempfile.mkdtemp(prefix="geotrain_study_harness_")
+        cls.data = write_tiny_corpus(os.path.join(cls.work, "data"), vocab=50000, length=4096, repeats=20)
+        cls.topo = os.path.join(cls.work, "t.yaml")
+        timed_lib.write_topology(cls.topo, [("utah", [("A30", 2)])], [])
+        try:
+            cls.c = ClusterUp(GEOTRAIN, cls.topo, prefix="geotrain_study_harness_", up_args=["--timed-compute"])
+        except BaseException:
+            shutil.rmtree(cls.work, ignore_errors=True)
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+        shutil.rmtree(cls.work, ignore_errors=True)
+
+    def states(self):
+        return [j["state"] for j in json.loads(self.c.cli(["job", "list", "--json"]).stdout)["jobs"]]
+
     def test_a_job_that_times_out_is_cancelled(self):
-        work = tempfile.mkdtemp(prefix="geotrain_study_harness_")
-        self.addCleanup(shutil.rmtree, work, ignore_errors=True)
-        data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)  # as the studies'
-        topo = os.path.join(work, "t.yaml")
-        timed_lib.write_topology(topo, [("utah", [("A30", 2)])], [])
-        spec = os.path.join(work, "long.yaml")  # GPT-2 medium DP2 on timed A30s: about 2 s a step, for 1000 steps
-        timed_lib.write_job(spec, "long", "gpt2-medium", data, "{plan: manual, dp: 2, microbatches: 4}", 1000, 16)
-        c = ClusterUp(GEOTRAIN, topo, prefix="geotrain_study_harness_", up_args=["--timed-compute"])
-        self.addCleanup(c.close)
+        before = len(self.states())
+        spec = os.path.join(self.work, "long.yaml")  # GPT-2 medium DP2 on timed A30s: about 2 s a step, 1000 steps
+        timed_lib.write_job(spec, "long", "gpt2-medium", self.data, "{plan: manual, dp: 2, microbatches: 4}", 1000,
+                            16)
         with self.assertRaises(AssertionError):
-            timed_lib.run_job(c, spec, timeout=3)
-        states = [j["state"] for j in json.loads(c.cli(["job", "list", "--json"]).stdout)["jobs"]]
-        self.assertEqual(states, ["JOB_CANCELLED"])
+            timed_lib.run_job(self.c, spec, timeout=3)
+        self.assertEqual(self.states()[before:], ["JOB_CANCELLED"])
+
+    def test_a_failed_later_profiling_round_is_said_and_left_out(self):
+        missing = os.path.join(self.work, "missing_*.bin")  # every profiling job fails at set-up: no data
+        said = []
+        with self.assertRaises(RuntimeError):
+            timed_lib.add_profiling_round([], self.c, self.topo, "utah", self.work, missing, "gpt2-medium", 3, 120,
+                                          said.append)
+        earlier = [{"dp2": ("dp2.yaml", 2.0), "tp2": ("tp2.yaml", 9.0)}]
+        rounds = list(earlier)
+        timed_lib.add_profiling_round(rounds, self.c, self.topo, "utah", self.work, missing, "gpt2-medium", 3, 120,
+                                      said.append)
+        self.assertEqual(rounds, earlier)
+        self.assertEqual(len(said), 1)
+        self.assertIn("a profiling round failed, left out", said[0])
 
 
 if __name__ == "__main__":
