@@ -8,8 +8,10 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          pseudo-gradients are a cluster matter: the simulation averages exactly). The simulation is the cluster's
          algorithm (the stage-actor tests check that a two-site cluster run equals it); validation loss every
          --eval-every steps; every run once per initialisation seed of --seeds, with the gap to synchronous DP
-         per seed and its mean. Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds;
-         with a --batch other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png).
+         per seed and its mean. The DiLoCo runs' inner AdamW takes --inner-lr (default --lr, the synchronous
+         run's). Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds; with a --batch
+         other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png; likewise _lrX for an --lr
+         other than 2e-3 and _innerlrX for an --inner-lr other than --lr).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
@@ -23,9 +25,8 @@ vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin)
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
            [--data fortunes|synthetic|DIR] [--steps 384] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
-           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--batch 16] [--parts quality,cluster] [--repeats 3]
-           [--cluster-steps 33]
-           [--cluster-fragments 4]
+           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--parts quality,cluster]
+           [--repeats 3] [--cluster-steps 33] [--cluster-fragments 4]
 """
 import argparse
 import csv
@@ -68,12 +69,14 @@ def quality(args, geotrain, data, work):
             path = os.path.join(work, f"{name}-s{seed}.yaml")
             with open(path, "w") as f:
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
-                                  outer=outer or (0.7, 0.9), fragments=args.quality_fragments, lr=args.lr, seed=seed,
-                                  batch=args.batch))
+                                  outer=outer or (0.7, 0.9), fragments=args.quality_fragments,
+                                  lr=args.inner_lr if sync == "diloco" else args.lr, seed=seed, batch=args.batch))
             out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
             for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
                 if m.group(3):
-                    rows.append({"run": name, "seed": seed, "inner_steps": h, "outer_lr": outer[0] if outer else "",
+                    rows.append({"run": name, "seed": seed, "inner_steps": h,
+                                 "lr": args.inner_lr if sync == "diloco" else args.lr,
+                                 "outer_lr": outer[0] if outer else "",
                                  "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
                                  "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
             if not rows or (rows[-1]["run"], rows[-1]["seed"]) != (name, seed):
@@ -82,7 +85,7 @@ def quality(args, geotrain, data, work):
             final[(name, seed)] = rows[-1]["val_loss"]  # its last evaluation
             print(f"quality {name} seed {seed}: final val loss {rows[-1]['val_loss']:.4f} at step "
                   f"{rows[-1]['step']}", flush=True)
-    with open(os.path.join(args.out, f"diloco_quality{batch_suffix(args)}.csv"), "w", newline="") as f:
+    with open(os.path.join(args.out, f"diloco_quality{quality_suffix(args)}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -118,7 +121,8 @@ def cluster(args, geotrain, data, work, env):
                     path = os.path.join(work, f"cluster-{name}-{lat}.yaml")
                     with open(path, "w") as f:
                         f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h,
-                                          outer=args.outer[0], fragments=args.cluster_fragments, lr=args.lr))
+                                          outer=args.outer[0], fragments=args.cluster_fragments,
+                                          lr=args.inner_lr if sync == "diloco" else args.lr))
                     out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
                     steps = [(float(m.group(1)), int(m.group(2))) for m in re.finditer(
                         r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
@@ -152,10 +156,13 @@ def cluster(args, geotrain, data, work, env):
     return rows
 
 
-def batch_suffix(args):
-    """The quality part's files name a batch other than the study's 16: --batch 32 writes diloco_quality_batch32.csv
-    and diloco_val_loss_batch32.png, beside (not over) the study's figures."""
-    return "" if args.batch == 16 else f"_batch{args.batch}"
+def quality_suffix(args):
+    """The quality part's files name what differs from the study's settings (batch 16, learning rate 2e-3 for
+    every run), so that they land beside the study's figures, not over them: --batch 32 writes
+    diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --lr 3e-3 diloco_quality_lr0.003.csv, and
+    --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv."""
+    return ("" if args.batch == 16 else f"_batch{args.batch}") + ("" if args.lr == 2.0e-3 else f"_lr{args.lr:g}") + \
+        ("" if args.inner_lr == args.lr else f"_innerlr{args.inner_lr:g}")
 
 
 def plot(rows, out, suffix=""):
@@ -195,9 +202,13 @@ def main():
     ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
     ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
     ap.add_argument("--seeds", default="1", help="initialisation seeds of the quality runs, comma-separated")
-    ap.add_argument("--lr", type=float, default=2.0e-3, help="inner (and synchronous) AdamW learning rate")
+    ap.add_argument("--lr", type=float, default=2.0e-3, help="synchronous (and inner) AdamW learning rate")
+    ap.add_argument("--inner-lr", type=float, default=None,
+                    help="the DiLoCo runs' inner AdamW learning rate (default: --lr); other than --lr: files "
+                         "named _innerlrX")
     ap.add_argument("--batch", type=int, default=16,
-                    help="global batch of the quality runs (sequences of 64 tokens); other than 16: files named _batchN")
+                    help="global batch of the quality runs (sequences of 64 tokens); other than 16: files "
+                         "named _batchN")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
@@ -208,6 +219,8 @@ def main():
     args = ap.parse_args()
     args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
     args.seeds = [int(x) for x in args.seeds.split(",")]
+    if args.inner_lr is None:
+        args.inner_lr = args.lr
     args.outer = [tuple(float(v) for v in o.split(":")) for o in args.outer.split(",")]
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)
@@ -225,7 +238,7 @@ def main():
                 args.model = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
         parts = args.parts.split(",")
         if "quality" in parts:
-            plot(quality(args, geotrain, data, work), args.out, batch_suffix(args))
+            plot(quality(args, geotrain, data, work), args.out, quality_suffix(args))
         if "cluster" in parts:
             cluster(args, geotrain, data, work, env)
     finally:
