@@ -10,8 +10,8 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          --eval-every steps; every run once per initialisation seed of --seeds, with the gap to synchronous DP
          per seed and its mean. The DiLoCo runs' inner AdamW takes --inner-lr (default --lr, the synchronous
          run's). Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds; with a --batch
-         other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png; likewise _lrX for an --lr
-         other than 2e-3 and _innerlrX for an --inner-lr other than --lr).
+         other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png; likewise _stepsN for --steps
+         other than 256, _lrX for an --lr other than 2e-3 and _innerlrX for an --inner-lr other than --lr).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
@@ -24,7 +24,7 @@ gpt2-demo model, as `make demo` trains; `--data synthetic` takes the structured 
 vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin).
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
-           [--data fortunes|synthetic|DIR] [--steps 384] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
+           [--data fortunes|synthetic|DIR] [--steps 256] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
            [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--parts quality,cluster]
            [--repeats 3] [--cluster-steps 33] [--cluster-fragments 4]
 """
@@ -157,12 +157,13 @@ def cluster(args, geotrain, data, work, env):
 
 
 def quality_suffix(args):
-    """The quality part's files name what differs from the study's settings (batch 16, learning rate 2e-3 for
-    every run), so that they land beside the study's figures, not over them: --batch 32 writes
-    diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --lr 3e-3 diloco_quality_lr0.003.csv, and
-    --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv."""
-    return ("" if args.batch == 16 else f"_batch{args.batch}") + ("" if args.lr == 2.0e-3 else f"_lr{args.lr:g}") + \
-        ("" if args.inner_lr == args.lr else f"_innerlr{args.inner_lr:g}")
+    """The quality part's files name what differs from the study's settings (256 steps, batch 16, learning rate
+    2e-3 for every run), so that they land beside the study's figures, not over them: --batch 32 writes
+    diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --steps 512 diloco_quality_steps512.csv, --lr 3e-3
+    diloco_quality_lr0.003.csv, and --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv."""
+    differs = [(args.steps != 256, f"_steps{args.steps}"), (args.batch != 16, f"_batch{args.batch}"),
+               (args.lr != 2.0e-3, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}")]
+    return "".join(name for differ, name in differs if differ)
 
 
 def plot(rows, out, suffix=""):
@@ -196,7 +197,7 @@ def main():
     ap.add_argument("--data", default="fortunes",
                     help="fortunes (default), synthetic, or a directory of train_*.bin and val_*.bin")
     ap.add_argument("--model", default="{preset: gpt2-demo}")
-    ap.add_argument("--steps", type=int, default=384)
+    ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=32)
     ap.add_argument("--inner-steps", default="8,32,128")
     ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
