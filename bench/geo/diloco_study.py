@@ -44,8 +44,17 @@ SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
         "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
 
 
+# The study's settings (docs/geo-study.md); the quality part names its files by whatever differs from them.
+STUDY_STEPS, STUDY_BATCH, STUDY_LR = 256, 16, 2.0e-3
+
+
+def run_lr(args, sync):
+    """The AdamW learning rate of a run: --inner-lr for DiLoCo's inner optimizer, --lr for synchronous DP."""
+    return args.inner_lr if sync == "diloco" else args.lr
+
+
 def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
-              outer=(0.7, 0.9), fragments=1, lr=2.0e-3, seed=1, batch=16):
+              outer=(0.7, 0.9), fragments=1, lr=STUDY_LR, seed=1, batch=STUDY_BATCH):
     text = (f"name: {name}\nmodel: {model}\n"
             f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
             f"train: {{global_batch: {batch}, seq_len: 64, steps: {steps}, lr: {lr:g}, warmup_steps: 10, "
@@ -70,12 +79,12 @@ def quality(args, geotrain, data, work):
             with open(path, "w") as f:
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
                                   outer=outer or (0.7, 0.9), fragments=args.quality_fragments,
-                                  lr=args.inner_lr if sync == "diloco" else args.lr, seed=seed, batch=args.batch))
+                                  lr=run_lr(args, sync), seed=seed, batch=args.batch))
             out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
             for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
                 if m.group(3):
                     rows.append({"run": name, "seed": seed, "inner_steps": h,
-                                 "lr": args.inner_lr if sync == "diloco" else args.lr,
+                                 "lr": run_lr(args, sync),
                                  "outer_lr": outer[0] if outer else "",
                                  "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
                                  "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
@@ -122,7 +131,7 @@ def cluster(args, geotrain, data, work, env):
                     with open(path, "w") as f:
                         f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h,
                                           outer=args.outer[0], fragments=args.cluster_fragments,
-                                          lr=args.inner_lr if sync == "diloco" else args.lr))
+                                          lr=run_lr(args, sync)))
                     out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
                     steps = [(float(m.group(1)), int(m.group(2))) for m in re.finditer(
                         r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
@@ -161,8 +170,8 @@ def quality_suffix(args):
     2e-3 for every run), so that they land beside the study's figures, not over them: --batch 32 writes
     diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --steps 512 diloco_quality_steps512.csv, --lr 3e-3
     diloco_quality_lr0.003.csv, and --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv."""
-    differs = [(args.steps != 256, f"_steps{args.steps}"), (args.batch != 16, f"_batch{args.batch}"),
-               (args.lr != 2.0e-3, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}")]
+    differs = [(args.steps != STUDY_STEPS, f"_steps{args.steps}"), (args.batch != STUDY_BATCH, f"_batch{args.batch}"),
+               (args.lr != STUDY_LR, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}")]
     return "".join(name for differ, name in differs if differ)
 
 
@@ -197,17 +206,17 @@ def main():
     ap.add_argument("--data", default="fortunes",
                     help="fortunes (default), synthetic, or a directory of train_*.bin and val_*.bin")
     ap.add_argument("--model", default="{preset: gpt2-demo}")
-    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=STUDY_STEPS)
     ap.add_argument("--eval-every", type=int, default=32)
     ap.add_argument("--inner-steps", default="8,32,128")
     ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
     ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
     ap.add_argument("--seeds", default="1", help="initialisation seeds of the quality runs, comma-separated")
-    ap.add_argument("--lr", type=float, default=2.0e-3, help="synchronous (and inner) AdamW learning rate")
+    ap.add_argument("--lr", type=float, default=STUDY_LR, help="synchronous (and inner) AdamW learning rate")
     ap.add_argument("--inner-lr", type=float, default=None,
                     help="the DiLoCo runs' inner AdamW learning rate (default: --lr); other than --lr: files "
                          "named _innerlrX")
-    ap.add_argument("--batch", type=int, default=16,
+    ap.add_argument("--batch", type=int, default=STUDY_BATCH,
                     help="global batch of the quality runs (sequences of 64 tokens); other than 16: files "
                          "named _batchN")
     ap.add_argument("--parts", default="quality,cluster")
