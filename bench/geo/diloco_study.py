@@ -231,6 +231,8 @@ def main():
     args.seeds = [int(x) for x in args.seeds.split(",")]
     if args.inner_lr is None:
         args.inner_lr = args.lr
+    if args.lr <= 0 or args.inner_lr <= 0:
+        ap.error(f"--lr {args.lr:g} and --inner-lr {args.inner_lr:g} must be positive (the study's: {STUDY_LR:g})")
     args.outer = [tuple(float(v) for v in o.split(":")) for o in args.outer.split(",")]
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)
