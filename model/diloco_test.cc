@@ -1,6 +1,7 @@
 // DiLoCo's outer loop (model/diloco.h) and its simulation in the local trainer: the schedule, the fragments'
 // cover of the parameters, the outer step's arithmetic, the degenerate cases that must equal synchronous
-// training, and an interrupted simulation that resumes from its checkpoint exactly.
+// training, an interrupted simulation that resumes from its checkpoint exactly, and a warm start from a
+// synchronous run's checkpoint.
 #include "model/diloco.h"
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "model/checkpoint_files.h"
 #include "model/config.h"
 #include "model/data.h"
+#include "model/safetensors.h"
 #include "model/trainer.h"
 
 namespace geotrain::model {
@@ -243,6 +245,63 @@ TEST_F(DilocoSimulationTest, InterruptedSimulationResumesExactly) {
   for (size_t i = 0; i < resumed.size(); ++i) {
     EXPECT_EQ(resumed[i].loss, full[6 + i].loss) << "step " << resumed[i].step;
     EXPECT_EQ(resumed[i].val_loss, full[6 + i].val_loss) << "step " << resumed[i].step;
+  }
+}
+
+// A warm start (docs/diloco.md): DiLoCo resumed from a synchronous run's checkpoint. Every group starts from
+// its weights, moments and data position, so the loss of the first step after the resume is the synchronous
+// run's; the outer state starts from its weights (not the initial ones) with zero momentum; then the sites go
+// apart.
+TEST_F(DilocoSimulationTest, WarmStartFromASynchronousCheckpoint) {
+  JobSpec sync = Spec(2, 10);
+  sync.mutable_checkpoint()->set_dir(dir_ + "/sync");
+  sync.mutable_checkpoint()->set_every_steps(4);
+  sync.mutable_checkpoint()->set_keep(-1);
+  const std::vector<StepRecord> synchronous = Run(sync);
+  ASSERT_EQ(synchronous.size(), 10u);
+
+  JobSpec warm = Diloco(Spec(2, 10), 3, 0.7, 0.9, 1, true);  // outer steps after steps 6, 9 and 10
+  warm.mutable_checkpoint()->set_resume_from(StepDirectory(dir_ + "/sync", 4));
+  warm.mutable_checkpoint()->set_dir(dir_ + "/warm");
+  warm.mutable_checkpoint()->set_every_steps(1);
+  warm.mutable_checkpoint()->set_keep(-1);
+  const std::vector<StepRecord> resumed = Run(warm);
+  ASSERT_EQ(resumed.size(), 6u);
+  EXPECT_EQ(resumed.front().step, 5);
+  EXPECT_NEAR(resumed.front().loss, synchronous[4].loss, 1e-5 * synchronous[4].loss);
+
+  // Before the first outer step (the checkpoint after step 5): theta_outer = the synchronous weights at step 4.
+  absl::StatusOr<SafetensorsFile> weights = ReadSafetensors(StepDirectory(dir_ + "/sync", 4) + "/model.safetensors");
+  absl::StatusOr<SafetensorsFile> outer = ReadSafetensors(StepDirectory(dir_ + "/warm", 5) + "/diloco.safetensors");
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  ASSERT_TRUE(outer.ok()) << outer.status();
+  ASSERT_FALSE(weights->tensors.empty());
+  for (const NamedTensor& w : weights->tensors) {
+    const NamedTensor* theta = outer->Find("outer." + w.name);
+    const NamedTensor* momentum = outer->Find("outer_m." + w.name);
+    ASSERT_NE(theta, nullptr) << w.name;
+    ASSERT_NE(momentum, nullptr) << w.name;
+    EXPECT_EQ(theta->data, w.data) << w.name;
+    EXPECT_EQ(momentum->data, std::vector<float>(w.data.size(), 0.0f)) << w.name;
+  }
+  EXPECT_NE(resumed.back().loss, synchronous.back().loss);
+  EXPECT_NEAR(resumed.back().val_loss, synchronous.back().val_loss, 0.05 * synchronous.back().val_loss);
+
+  // One site (one group), outer lr 1, no momentum: DiLoCo is synchronous DP, so a warm start from step 4 must
+  // go on as the synchronous run did: its AdamW moments, step count and schedule came from the checkpoint.
+  JobSpec one_site = Diloco(Spec(2, 10), 1, 1.0, 0.0, 1, false);
+  for (int r = 0; r < 2; ++r) {
+    PlacementSpec* p = one_site.mutable_parallel()->add_placement();
+    p->set_replica(r);
+    p->set_site("same");
+  }
+  one_site.mutable_checkpoint()->set_resume_from(StepDirectory(dir_ + "/sync", 4));
+  const std::vector<StepRecord> same = Run(one_site);
+  ASSERT_EQ(same.size(), 6u);
+  for (size_t i = 0; i < same.size(); ++i) {
+    EXPECT_NEAR(same[i].loss, synchronous[4 + i].loss, 1e-5 * synchronous[4 + i].loss) << "step " << same[i].step;
+    EXPECT_NEAR(same[i].val_loss, synchronous[4 + i].val_loss, 1e-5 * std::abs(synchronous[4 + i].val_loss))
+        << "step " << same[i].step;
   }
 }
 

@@ -11,7 +11,10 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          per seed and its mean. The DiLoCo runs' inner AdamW takes --inner-lr (default --lr, the synchronous
          run's). Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds; with a --batch
          other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png; likewise _stepsN for --steps
-         other than 256, _lrX for an --lr other than 2e-3 and _innerlrX for an --inner-lr other than --lr).
+         other than 256, _lrX for an --lr other than 2e-3, _innerlrX for an --inner-lr other than --lr,
+         _LAYERSxCHANNELS for another --model, which --data synthetic's 512-token model is: _4x128).
+         --warm-start N starts the DiLoCo runs from the synchronous run's checkpoint at step N (the sites
+         synchronous until then; files _warmN).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
@@ -25,7 +28,8 @@ vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin)
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
            [--data fortunes|synthetic|DIR] [--steps 256] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
-           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--parts quality,cluster]
+           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--warm-start N]
+           [--model YAML] [--parts quality,cluster]
            [--repeats 3] [--cluster-steps 33] [--cluster-fragments 4]
 """
 import argparse
@@ -45,7 +49,7 @@ SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
 
 
 # The study's settings (docs/geo-study.md); the quality part names its files by whatever differs from them.
-STUDY_STEPS, STUDY_BATCH, STUDY_LR = 256, 16, 2.0e-3
+STUDY_STEPS, STUDY_BATCH, STUDY_LR, STUDY_MODEL = 256, 16, 2.0e-3, "{preset: gpt2-demo}"
 
 
 def run_lr(args, sync):
@@ -69,22 +73,32 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
 
 def quality(args, geotrain, data, work):
     """Every run under every seed of --seeds (the weights' initialisation; the tokens stay the same). Prints each
-    DiLoCo run's final validation loss against synchronous DP's of the same seed, and the mean over the seeds."""
+    DiLoCo run's final validation loss against synchronous DP's of the same seed, and the mean over the seeds.
+    With --warm-start W the synchronous run (first) checkpoints every W steps and the DiLoCo runs resume from its
+    step W; a seed's checkpoints are removed after its runs."""
     rows, final = [], {}
     runs = [("sync-dp", "sync", 0, None)] + [(diloco_name(h, o, args.outer), "diloco", h, o)
                                               for h in args.inner_steps for o in args.outer]
     for seed in args.seeds:
         for name, sync, h, outer in runs:
             path = os.path.join(work, f"{name}-s{seed}.yaml")
+            ckpt = os.path.join(work, f"warm-start-s{seed}")
             with open(path, "w") as f:
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
                                   outer=outer or (0.7, 0.9), fragments=args.quality_fragments,
                                   lr=run_lr(args, sync), seed=seed, batch=args.batch))
+                if args.warm_start and sync == "sync":  # its checkpoints do not change its training
+                    f.write(f"checkpoint: {{dir: '{ckpt}', every_steps: {args.warm_start}, keep: -1}}\n")
+                elif args.warm_start:
+                    f.write(f"checkpoint: {{resume_from: '{ckpt}/step_{args.warm_start:08d}'}}\n")
             out = run([geotrain, "train", "--local", path], os.environ, timeout=7200)
+            if args.warm_start and sync != "sync" and f"at step {args.warm_start}\n" not in out:
+                raise RuntimeError(f"quality {name} seed {seed}: did not resume from the synchronous run's step "
+                                   f"{args.warm_start}:\n{out[-2000:]}")
             for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
                 if m.group(3):
                     rows.append({"run": name, "seed": seed, "inner_steps": h,
-                                 "lr": run_lr(args, sync),
+                                 "lr": run_lr(args, sync), "warm_start": args.warm_start if h else 0,
                                  "outer_lr": outer[0] if outer else "",
                                  "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
                                  "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
@@ -94,6 +108,7 @@ def quality(args, geotrain, data, work):
             final[(name, seed)] = rows[-1]["val_loss"]  # its last evaluation
             print(f"quality {name} seed {seed}: final val loss {rows[-1]['val_loss']:.4f} at step "
                   f"{rows[-1]['step']}", flush=True)
+        shutil.rmtree(os.path.join(work, f"warm-start-s{seed}"), ignore_errors=True)
     with open(os.path.join(args.out, f"diloco_quality{quality_suffix(args)}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -169,14 +184,30 @@ def quality_suffix(args):
     """The quality part's files name what differs from the study's settings (256 steps, batch 16, learning rate
     2e-3 for every run), so that they land beside the study's figures, not over them: --batch 32 writes
     diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --steps 512 diloco_quality_steps512.csv, --lr 3e-3
-    diloco_quality_lr0.003.csv, and --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv."""
-    differs = [(args.steps != STUDY_STEPS, f"_steps{args.steps}"), (args.batch != STUDY_BATCH, f"_batch{args.batch}"),
-               (args.lr != STUDY_LR, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}")]
+    diloco_quality_lr0.003.csv, --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv, --warm-start 32
+    diloco_quality_warm32.csv, and a 6-layer, 256-channel --model diloco_quality_6x256.csv."""
+    differs = [(args.model != STUDY_MODEL, f"_{model_label(args.model)}"),
+               (args.steps != STUDY_STEPS, f"_steps{args.steps}"), (args.batch != STUDY_BATCH, f"_batch{args.batch}"),
+               (args.lr != STUDY_LR, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}"),
+               (args.warm_start > 0, f"_warm{args.warm_start}")]
     return "".join(name for differ, name in differs if differ)
 
 
+def model_label(model):
+    """A --model in a file name: LAYERSxCHANNELS ("6x256") with n_layer and n_embd and nothing else but n_head,
+    block_size and vocab_size; else its preset and fields ("gpt2-demo-n_layer6"); else its characters."""
+    fields = dict(re.findall(r"\b(\w+)\b['\"]?\s*:\s*['\"]?([\w.-]+)", model))
+    if {"n_layer", "n_embd"} <= set(fields) <= {"n_layer", "n_embd", "n_head", "block_size", "vocab_size"}:
+        return f"{fields['n_layer']}x{fields['n_embd']}"
+    if fields:
+        preset = [fields.pop("preset")] if "preset" in fields else []
+        return "-".join(preset + [f"{k}{v}" for k, v in fields.items()])
+    return re.sub(r"[^\w.-]+", "_", model).strip("_") or "model"
+
+
 def plot(rows, out, suffix=""):
-    """Validation loss per run: the mean over the seeds at each evaluated step."""
+    """Validation loss per run: the mean over the seeds at each evaluated step; a warm-started run from the
+    synchronous run's point at its step W (marked)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -184,11 +215,18 @@ def plot(rows, out, suffix=""):
     plt.figure(figsize=(7, 4))
     for name in dict.fromkeys(r["run"] for r in rows):
         steps = sorted({r["step"] for r in rows if r["run"] == name})
-        mean = [statistics.mean(r["val_loss"] for r in rows if r["run"] == name and r["step"] == step)
+        warm = max(r.get("warm_start", 0) for r in rows if r["run"] == name)
+        if warm and any(r["run"] == "sync-dp" and r["step"] == warm for r in rows):
+            steps = [warm] + steps  # it starts from the synchronous run's weights at step W
+        mean = [statistics.mean(r["val_loss"] for r in rows
+                                if r["run"] == (name if step > warm else "sync-dp") and r["step"] == step)
                 for step in steps]
         own = sorted({r["seed"] for r in rows if r["run"] == name})
         note = f" (mean of {len(own)} seeds)" if len(own) > 1 else f" (seed {own[0]})"
-        plt.plot(steps, mean, marker=".", label=name + (note if len(seeds) > 1 else ""))
+        plt.plot(steps, mean, marker=".", label=name + (note if len(seeds) > 1 else "") +
+                 (f", synchronous until step {warm}" if warm else ""))
+        if warm:
+            plt.axvline(warm, color="grey", linestyle=":", linewidth=1)
     plt.xlabel("step")
     plt.ylabel("validation loss")
     plt.title("4 replicas in 2 sites: synchronous DP vs DiLoCo (same tokens)", fontsize=10)
@@ -205,7 +243,8 @@ def main():
     ap.add_argument("--out", default="docs/geo")
     ap.add_argument("--data", default="fortunes",
                     help="fortunes (default), synthetic, or a directory of train_*.bin and val_*.bin")
-    ap.add_argument("--model", default="{preset: gpt2-demo}")
+    ap.add_argument("--model", default=STUDY_MODEL,
+                    help="the model block (YAML); other than the study's: files named _PRESET or _LAYERSxCHANNELS")
     ap.add_argument("--steps", type=int, default=STUDY_STEPS)
     ap.add_argument("--eval-every", type=int, default=32)
     ap.add_argument("--inner-steps", default="8,32,128")
@@ -219,6 +258,9 @@ def main():
     ap.add_argument("--batch", type=int, default=STUDY_BATCH,
                     help="global batch of the quality runs (sequences of 64 tokens); other than 16: files "
                          "named _batchN")
+    ap.add_argument("--warm-start", type=int, default=0,
+                    help="quality: the DiLoCo runs start from the synchronous run's checkpoint at this step "
+                         "(its first steps synchronous across sites); files named _warmN")
     ap.add_argument("--parts", default="quality,cluster")
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
@@ -233,6 +275,8 @@ def main():
         args.inner_lr = args.lr
     if args.lr <= 0 or args.inner_lr <= 0:
         ap.error(f"--lr {args.lr:g} and --inner-lr {args.inner_lr:g} must be positive (the study's: {STUDY_LR:g})")
+    if not 0 <= args.warm_start < args.steps:
+        ap.error(f"--warm-start {args.warm_start} must be 0 (off) or a step below --steps ({args.steps})")
     args.outer = [tuple(float(v) for v in o.split(":")) for o in args.outer.split(",")]
     geotrain = os.path.abspath(args.geotrain)
     os.makedirs(args.out, exist_ok=True)
@@ -246,7 +290,7 @@ def main():
             os.makedirs(data)
             write_tokens(os.path.join(data, "train_000000.bin"), 400000, 512, seed=3)
             write_tokens(os.path.join(data, "val_000000.bin"), 20000, 512, seed=3)
-            if args.model == "{preset: gpt2-demo}":
+            if args.model == STUDY_MODEL:
                 args.model = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
         parts = args.parts.split(",")
         if "quality" in parts:
