@@ -80,9 +80,9 @@ def quality(args, geotrain, data, work):
     runs = [("sync-dp", "sync", 0, None)] + [(diloco_name(h, o, args.outer), "diloco", h, o)
                                               for h in args.inner_steps for o in args.outer]
     for seed in args.seeds:
+        ckpt = os.path.join(work, f"warm-start-s{seed}")  # --warm-start: the synchronous run's checkpoints
         for name, sync, h, outer in runs:
             path = os.path.join(work, f"{name}-s{seed}.yaml")
-            ckpt = os.path.join(work, f"warm-start-s{seed}")
             with open(path, "w") as f:
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
                                   outer=outer or (0.7, 0.9), fragments=args.quality_fragments,
@@ -108,7 +108,7 @@ def quality(args, geotrain, data, work):
             final[(name, seed)] = rows[-1]["val_loss"]  # its last evaluation
             print(f"quality {name} seed {seed}: final val loss {rows[-1]['val_loss']:.4f} at step "
                   f"{rows[-1]['step']}", flush=True)
-        shutil.rmtree(os.path.join(work, f"warm-start-s{seed}"), ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
     with open(os.path.join(args.out, f"diloco_quality{quality_suffix(args)}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
