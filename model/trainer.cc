@@ -32,7 +32,6 @@ struct Group {
   std::unique_ptr<GPT2Stage> model;
   std::unique_ptr<AdamW> adam;
   std::vector<int> microbatch_rows;  // first row of each microbatch in the global batch
-  std::vector<int> val_rows;         // first row of each piece of a validation batch
   float loss_scale = 1;
 };
 
@@ -89,7 +88,6 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   for (int r = 0; r < dp; ++r) {
     Group& g = groups[group_of[r]];
     for (int m = 0; m < micro; ++m) g.microbatch_rows.push_back(r * micro * mb + m * mb);
-    g.val_rows.push_back(r * mb);
   }
   for (Group& g : groups) {
     ASSIGN_OR_RETURN(g.model, GPT2Stage::Create(*config, stage_options));
@@ -118,7 +116,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   if (!train.ok()) return train.status();
   std::unique_ptr<DataLoader> val;
   if (!spec.data().val().empty() && t.eval_every() > 0) {
-    auto v = DataLoader::Create(spec.data().val(), Bm, T, 0, 1, config->vocab_size);
+    auto v = DataLoader::Create(spec.data().val(), global_batch, T, 0, 1, config->vocab_size);
     if (!v.ok()) return v.status();
     val = std::move(*v);
   }
@@ -227,16 +225,17 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     rec.tokens_per_second = static_cast<double>(global_batch) * T / seconds;
     const bool last = step + 1 == t.steps();
     if (val != nullptr && ((step + 1) % t.eval_every() == 0 || last)) {
-      // The mean over every group's pieces of eval_batches validation batches (equal sizes).
+      // The mean over eval_batches global batches of data.val, in the microbatches each replica evaluates (equal
+      // sizes): the same tokens for every plan.
       val->Reset();
-      std::vector<int32_t> vx(static_cast<size_t>(Bm) * T), vy(vx.size());
+      std::vector<int32_t> vx(static_cast<size_t>(global_batch) * T), vy(vx.size());
       double vsum = 0.0;
       int pieces = 0;
       const int batches = std::max(1, t.eval_batches());
       for (int k = 0; k < batches; ++k) {
         RETURN_IF_ERROR(val->Next(vx.data(), vy.data()));
         for (Group& g : groups) {
-          for (int first : g.val_rows) {
+          for (int first : g.microbatch_rows) {
             const int64_t off = static_cast<int64_t>(first) * T;
             RETURN_IF_ERROR(g.model->Forward(mb, T, vx.data() + off, nullptr, vy.data() + off));
             vsum += g.model->loss();

@@ -8,7 +8,7 @@
 // microbatches, gradients accumulated), in the order DataLoader gives them with one replica; then global
 // norm clipping (train.grad_clip; 0 disables), AdamW (train.lr with warm-up and cosine decay to
 // train.min_lr, train.weight_decay, beta1/beta2) and, every train.eval_every steps, the mean validation
-// loss over train.eval_batches batches of data.val. Checkpoints go to checkpoint.dir every
+// loss over train.eval_batches global batches of data.val (the same tokens for every plan). Checkpoints go to checkpoint.dir every
 // checkpoint.every_steps steps and at the end (the newest checkpoint.keep kept); a resume (--resume,
 // checkpoint.resume: auto, or checkpoint.resume_from: a checkpoint of this or of a cluster run, any plan)
 // continues from the newest complete one exactly, skipping corrupt or incomplete newer ones.

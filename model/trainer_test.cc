@@ -4,6 +4,9 @@
 
 #include <filesystem>
 #include <random>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "model/data.h"
@@ -79,6 +82,35 @@ TEST_F(TrainerTest, LearnsAndResumesExactly) {
   for (size_t i = 0; i < second.history().size(); ++i) {
     EXPECT_EQ(second.history()[i].step, full.history()[5 + i].step);
     EXPECT_EQ(second.history()[i].loss, full.history()[5 + i].loss) << "step " << second.history()[i].step;
+  }
+  std::fclose(sink);
+}
+
+// The validation set is eval_batches global batches whatever the plan: the same job with other data-parallel
+// replicas or microbatches reports the same validation loss (up to the order of float sums), so that two plans'
+// quality can be compared.
+TEST_F(TrainerTest, ValidationLossIsTheSameForEveryPlan) {
+  FILE* sink = std::fopen("/dev/null", "w");
+  LocalTrainOptions options;
+  options.out = sink;
+  std::vector<std::vector<float>> val_losses;
+  for (const auto& [dp, micro] : std::vector<std::pair<int, int>>{{1, 1}, {1, 4}, {2, 2}, {4, 1}}) {
+    JobSpec spec = Spec(dir_ + "/ckpt_dp" + std::to_string(dp) + "_mb" + std::to_string(micro));
+    spec.mutable_parallel()->set_dp(dp);
+    spec.mutable_parallel()->set_microbatches(micro);
+    LocalTrainer trainer;
+    ASSERT_TRUE(trainer.Run(spec, options).ok());
+    std::vector<float> val;
+    for (const StepRecord& r : trainer.history()) {
+      if (r.val_loss >= 0) val.push_back(r.val_loss);
+    }
+    ASSERT_EQ(val.size(), 2u) << "dp " << dp << ", microbatches " << micro;  // steps 6 and 12
+    val_losses.push_back(val);
+  }
+  for (size_t plan = 1; plan < val_losses.size(); ++plan) {
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_NEAR(val_losses[plan][i], val_losses[0][i], 1e-4 * val_losses[0][i]) << "plan " << plan << ", eval " << i;
+    }
   }
   std::fclose(sink);
 }

@@ -301,13 +301,14 @@ class StageActorTest : public ::testing::Test {
     return out;
   }
 
-  // The job's losses (and validation losses) equal `train --local`'s on the same spec, to `relative`.
-  void ExpectEqualToLocal(const JobSpec& spec, double relative = 1e-5) {
+  // The job's losses (and validation losses) equal `train --local`'s on the same spec (or on `reference_spec`,
+  // the same job under another plan), to `relative`.
+  void ExpectEqualToLocal(const JobSpec& spec, double relative = 1e-5, const JobSpec* reference_spec = nullptr) {
     StartJob(spec, 30000);
     ASSERT_TRUE(WaitFinished(120));
     for (const StepReport& r : head_.reports()) EXPECT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
     for (auto& a : actors_) EXPECT_EQ(a->Record().message(), "finished");
-    const std::vector<model::StepRecord> reference = LocalHistory(spec);
+    const std::vector<model::StepRecord> reference = LocalHistory(reference_spec != nullptr ? *reference_spec : spec);
     const std::vector<float> losses = ReportedLosses(), val = ReportedLosses(/*validation=*/true);
     ASSERT_EQ(losses.size(), reference.size());
     ASSERT_EQ(val.size(), reference.size());
@@ -352,6 +353,13 @@ TEST_F(StageActorTest, TensorParallelEqualsLocal) { ExpectEqualToLocal(Spec(1, 1
 // pipeline; the mean over replicas equals `train --local`'s validation loss.
 TEST_F(StageActorTest, ValidationLossOfDataAndPipelineEqualsLocal) {
   ExpectEqualToLocal(WithValidation(Spec(2, 2, 1, 2, "1f1b", 4), 2, 3));
+}
+
+// The validation set does not depend on the plan: two pipelined replicas of two microbatches each report the
+// validation loss that one process without microbatches computes (eval_batches global batches of data.val).
+TEST_F(StageActorTest, ValidationLossEqualsLocalUnderAnotherPlan) {
+  const JobSpec reference = WithValidation(Spec(1, 1, 1, 1, "1f1b", 4), 2, 3);
+  ExpectEqualToLocal(WithValidation(Spec(2, 2, 1, 2, "1f1b", 4), 2, 3), 1e-4, &reference);
 }
 
 TEST_F(StageActorTest, ValidationLossWithTensorParallelEqualsLocal) {

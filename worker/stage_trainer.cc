@@ -110,18 +110,19 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(std::move(source), ranks_.replica_batch, T, ranks_.replica,
                                                         ranks_.dp, config_.vocab_size));
   }
-  // Validation: replica r takes rows [r Bm, (r + 1) Bm) of each (dp Bm)-row batch of data.val, the batch
-  // `train --local` evaluates on (staged like the training shards when the data is not local).
+  // Validation: train.eval_batches global batches of data.val, whatever the plan; replica r takes its rows of
+  // each, as in training, and evaluates them in microbatches (staged like the training shards when the data is
+  // not local).
   if ((first || last) && !spec_.data().val().empty() && spec_.train().eval_every() > 0) {
     if (data == nullptr || spec_.data().local()) {
-      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(spec_.data().val(), Bm, T, ranks_.replica, ranks_.dp,
-                                                              config_.vocab_size));
+      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(spec_.data().val(), ranks_.replica_batch, T,
+                                                              ranks_.replica, ranks_.dp, config_.vocab_size));
     } else {
       ASSIGN_OR_RETURN(model::ShardSource val_source, data(spec_.data().val()));
-      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(std::move(val_source), Bm, T, ranks_.replica, ranks_.dp,
-                                                              config_.vocab_size));
+      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(std::move(val_source), ranks_.replica_batch, T,
+                                                              ranks_.replica, ranks_.dp, config_.vocab_size));
     }
-    val_inputs_.resize(static_cast<size_t>(Bm) * T);
+    val_inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
     val_targets_.resize(val_inputs_.size());
   }
   inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
@@ -409,14 +410,16 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
 }
 
 absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
-  const int T = ranks_.seq_len, Bm = ranks_.microbatch_size;
+  const int T = ranks_.seq_len, Bm = ranks_.microbatch_size, M = ranks_.microbatches;
   const bool first = ranks_.first_stage, last = ranks_.last_stage;
   if (val_loader_) val_loader_->Reset();
-  const int batches = std::max(1, spec_.train().eval_batches());
+  // Every microbatch of this replica's rows of each batch, one after the other through the pipeline.
+  const int pieces = std::max(1, spec_.train().eval_batches()) * M;
   double sum = 0;
-  for (int k = 0; k < batches; ++k) {
+  for (int k = 0; k < pieces; ++k) {
     if (stop) return absl::CancelledError("stop requested");
-    if (val_loader_) RETURN_IF_ERROR(val_loader_->Next(val_inputs_.data(), val_targets_.data()));
+    if (val_loader_ && k % M == 0) RETURN_IF_ERROR(val_loader_->Next(val_inputs_.data(), val_targets_.data()));
+    const size_t offset = static_cast<size_t>(k % M) * Bm * T;  // of the microbatch in this batch
     const float* in = nullptr;
     if (!first) {
       const auto t0 = Clock::now();
@@ -429,8 +432,8 @@ absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
       }
     }
     const auto t0 = Clock::now();
-    RETURN_IF_ERROR(
-        stage_->Forward(Bm, T, first ? val_inputs_.data() : nullptr, in, last ? val_targets_.data() : nullptr));
+    RETURN_IF_ERROR(stage_->Forward(Bm, T, first ? val_inputs_.data() + offset : nullptr, in,
+                                    last ? val_targets_.data() + offset : nullptr));
     stats_.compute_seconds += SecondsSince(t0);
     if (last) {
       sum += stage_->loss();
@@ -445,7 +448,7 @@ absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
   }
   latest_forward_ = -1;
   RETURN_IF_ERROR(sender_->Flush(&stats_.traffic));
-  if (last && ranks_.tp_rank == 0) stats_.val_loss = sum / batches;
+  if (last && ranks_.tp_rank == 0) stats_.val_loss = sum / pieces;
   return absl::OkStatus();
 }
 

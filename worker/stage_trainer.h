@@ -25,9 +25,9 @@
 //      gradients are averaged across sites and the outer optimizer steps (model/diloco.h: the same
 //      algorithm as `train --local`'s simulation). With fragments > 1 a fragment's exchange runs on a
 //      background thread during the next step. Each replica's loss goes to the head, which averages;
-//   6. validation, every train.eval_every steps and at the last: eval_batches forward passes through the
-//      pipeline of the replica's slice of data.val (a microbatch each); the carrier's mean goes to the head,
-//      which averages over replicas (the same tokens as `train --local`'s validation batches).
+//   6. validation, every train.eval_every steps and at the last: the replica's rows of eval_batches global
+//      batches of data.val, a microbatch per forward pass through the pipeline; the carrier's mean goes to the
+//      head, which averages over replicas. The tokens are the same for every plan and for `train --local`.
 // On a CUDA worker the stage lives on the GPU; activations and gradients bound for other actors cross
 // through host buffers.
 //

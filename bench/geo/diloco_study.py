@@ -17,10 +17,12 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          synchronous until then; files _warmN).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
-         (DP=4, bf16 gradients across sites) and DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
-         the first --outer optimizer), --repeats times with the latencies in turn: wall time per step (the mean
-         step after the first, sync steps included) and WAN bytes per step from the head's step log. Writes
-         diloco_cluster.csv.
+         (DP=4, bf16 gradients across sites), DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
+         the first --outer optimizer) and the synchronous hybrid plans of --hybrids (bf16 across sites: PP=4,
+         DP2 x PP2 with pipelines across the sites, DP2 x PP2 with DP across them), --repeats times with the
+         latencies in turn: wall time and WAN bytes per step (from the head's step log; the mean over steps 2
+         to N-1, sync steps included) and the validation loss at the last step. Prints the best hybrid plan (the
+         fastest at --latency-ms); writes diloco_cluster.csv.
 
 Data: the Debian fortunes corpus tokenized by `geotrain data prepare` (GPT-2 BPE, 1% for validation) and the
 gpt2-demo model, as `make demo` trains; `--data synthetic` takes the structured synthetic tokens and a 512-token
@@ -30,7 +32,7 @@ Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain
            [--data fortunes|synthetic|DIR] [--steps 256] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
            [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--warm-start N]
            [--model YAML] [--parts quality,cluster]
-           [--repeats 3] [--cluster-steps 33] [--cluster-fragments 4]
+           [--repeats 3] [--cluster-steps 34] [--cluster-fragments 4] [--hybrids PLAN,...]
 """
 import argparse
 import csv
@@ -42,7 +44,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_study import private_cluster_env, run, write_tokens  # noqa: E402
+from run_study import PLANS, private_cluster_env, run, write_tokens  # noqa: E402
 
 SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
         "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
@@ -57,13 +59,19 @@ def run_lr(args, sync):
     return args.inner_lr if sync == "diloco" else args.lr
 
 
+# The synchronous hybrid plans the cluster part runs beside DP=4 (run_study.py's, on all four workers).
+HYBRID_PLANS = {name: parallel for name, parallel, _ in PLANS if name != "dp4-across-sites"}
+
+
 def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
-              outer=(0.7, 0.9), fragments=1, lr=STUDY_LR, seed=1, batch=STUDY_BATCH):
+              outer=(0.7, 0.9), fragments=1, lr=STUDY_LR, seed=1, batch=STUDY_BATCH, parallel=None):
+    """The study's job. `parallel` (a hybrid plan's parallel block) replaces DP=4 over sites a a b b."""
+    parallel = parallel or f"{{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}"
     text = (f"name: {name}\nmodel: {model}\n"
             f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
             f"train: {{global_batch: {batch}, seq_len: 64, steps: {steps}, lr: {lr:g}, warmup_steps: 10, "
             f"weight_decay: 0.1, grad_clip: 1.0, seed: {seed}, eval_every: {eval_every}, eval_batches: 4}}\n"
-            f"parallel: {{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}\n"
+            f"parallel: {parallel}\n"
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":
         text += (f"diloco: {{inner_steps: {inner_steps}, outer_lr: {outer[0]:g}, outer_momentum: {outer[1]:g}, "
@@ -128,8 +136,12 @@ def diloco_name(h, outer, all_outer):
 
 def cluster(args, geotrain, data, work, env):
     """Each repeat runs every latency in turn (a fresh cluster each), so that the machine's load drifts over all of
-    them alike; each run reports its wall time per step (mean of the steps after the first)."""
-    runs = [("sync-dp", "sync", 0), (f"diloco-h{args.cluster_inner_steps}", "diloco", args.cluster_inner_steps)]
+    them alike. Each run reports its wall time and WAN bytes per step over steps 2 to N-1 (the first pays the
+    start-up; the last, N = --cluster-steps, the validation and DiLoCo's final sync of every fragment) and its
+    validation loss at step N (the synchronous plans train the same model: their losses should agree)."""
+    runs = [("sync-dp", "sync", 0, None),
+            (f"diloco-h{args.cluster_inner_steps}", "diloco", args.cluster_inner_steps, None)]
+    runs += [(name, "sync", 0, HYBRID_PLANS[name]) for name in args.hybrids]
     per_run = {}
     for repeat in range(args.repeats):
         for lat in (0.0, args.latency_ms):
@@ -141,42 +153,54 @@ def cluster(args, geotrain, data, work, env):
                         "jitter_ms: 0}\n")
             run([geotrain, "cluster", "up", topo], env)
             try:
-                for name, sync, h in runs:
+                for name, sync, h, parallel in runs:
                     path = os.path.join(work, f"cluster-{name}-{lat}.yaml")
                     with open(path, "w") as f:
-                        f.write(spec_text(name, data, args.cluster_steps, 0, args.model, sync, h,
+                        f.write(spec_text(name, data, args.cluster_steps, args.cluster_steps, args.model, sync, h,
                                           outer=args.outer[0], fragments=args.cluster_fragments,
-                                          lr=run_lr(args, sync)))
+                                          lr=run_lr(args, sync), parallel=parallel))
                     out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
-                    steps = [(float(m.group(1)), int(m.group(2))) for m in re.finditer(
-                        r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
-                    if len(steps) != args.cluster_steps:
-                        raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps:\n{out[-3000:]}")
-                    later = [t for t, _ in steps[1:]]
-                    r = per_run.setdefault((lat, name), {"latency_ms": lat, "bandwidth_mbps": args.bandwidth_mbps,
-                                                          "run": name, "inner_steps": h, "steps": len(steps),
-                                                          "step_s_mean": [], "step_s_median": [],
-                                                          "wan_bytes_per_step": sum(b for _, b in steps) / len(steps)})
-                    r["step_s_mean"].append(sum(later) / len(later))
-                    r["step_s_median"].append(statistics.median(later))
-                    print(f"cluster repeat {repeat + 1} {lat} ms {name}: {sum(later) / len(later):.3f} s per step",
-                          flush=True)
+                    steps = [(float(m.group(1)), int(m.group(2)), m.group(3)) for m in re.finditer(
+                        r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)"
+                        r"[^\n]*?(?:val_loss ([0-9.]+))?$", out, re.MULTILINE)]
+                    if len(steps) != args.cluster_steps or steps[-1][2] is None:
+                        raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps, the last with a "
+                                           f"validation loss:\n{out[-3000:]}")
+                    timed = steps[1:-1]
+                    r = per_run.setdefault((lat, name), {
+                        "latency_ms": lat, "bandwidth_mbps": args.bandwidth_mbps, "run": name, "inner_steps": h,
+                        "steps": len(steps), "timed_steps": len(timed), "step_s_mean": [], "step_s_median": [],
+                        "wan_bytes_per_step": sum(b for _, b, _ in timed) / len(timed), "val_loss": []})
+                    r["step_s_mean"].append(sum(t for t, _, _ in timed) / len(timed))
+                    r["step_s_median"].append(statistics.median(t for t, _, _ in timed))
+                    r["val_loss"].append(float(steps[-1][2]))
+                    print(f"cluster repeat {repeat + 1} {lat} ms {name}: {r['step_s_mean'][-1]:.3f} s per step, "
+                          f"{r['wan_bytes_per_step'] / 1e6:.2f} MB across sites per step, validation loss "
+                          f"{r['val_loss'][-1]:.4f} at step {len(steps)}", flush=True)
             finally:
                 subprocess.run([geotrain, "cluster", "down"], env=env, capture_output=True)
     rows = []
     for r in per_run.values():
-        r = dict(r, repeats=len(r["step_s_mean"]), step_s_mean_runs=" ".join(f"{x:.3f}" for x in r["step_s_mean"]))
+        r = dict(r, repeats=len(r["step_s_mean"]), step_s_mean_runs=" ".join(f"{x:.3f}" for x in r["step_s_mean"]),
+                 val_loss_runs=" ".join(f"{x:.4f}" for x in r["val_loss"]))
         r["step_s_mean"] = statistics.median(r["step_s_mean"])
         r["step_s_median"] = statistics.median(r["step_s_median"])
+        r["val_loss"] = statistics.median(r["val_loss"])
         rows.append(r)
     with open(os.path.join(args.out, "diloco_cluster.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    for name, _, _ in runs:
+    for name, _, _, _ in runs:
         at = {r["latency_ms"]: r["step_s_mean"] for r in rows if r["run"] == name}
         print(f"cluster {name}: {at[args.latency_ms]:.3f} s per step at {args.latency_ms:g} ms, {at[0.0]:.3f} s at "
               f"0 ms: {at[args.latency_ms] / at[0.0]:.2f}x (median over {args.repeats} repeats)", flush=True)
+    hybrids = [r for r in rows if r["run"] in args.hybrids and r["latency_ms"] == args.latency_ms]
+    if hybrids:
+        best = min(hybrids, key=lambda r: r["step_s_mean"])
+        print(f"cluster: the best synchronous hybrid plan at {args.latency_ms:g} ms is {best['run']} "
+              f"({best['step_s_mean']:.3f} s per step, {best['wan_bytes_per_step'] / 1e6:.2f} MB across sites)",
+              flush=True)
     return rows
 
 
@@ -265,12 +289,22 @@ def main():
     ap.add_argument("--latency-ms", type=float, default=100)
     ap.add_argument("--bandwidth-mbps", type=float, default=100)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cluster-steps", type=int, default=33)
+    ap.add_argument("--cluster-steps", type=int, default=34,
+                    help="steps of each cluster run: steps 2 to N-1 are timed, the last is evaluated")
+    ap.add_argument("--hybrids", default=",".join(HYBRID_PLANS),
+                    help="synchronous hybrid plans the cluster part runs beside DP=4 and DiLoCo (comma-separated, "
+                         f"of {', '.join(HYBRID_PLANS)}; empty for none)")
     ap.add_argument("--cluster-inner-steps", type=int, default=8)
     ap.add_argument("--cluster-fragments", type=int, default=4)
     args = ap.parse_args()
     args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
     args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.hybrids = [x for x in args.hybrids.split(",") if x]
+    unknown = [x for x in args.hybrids if x not in HYBRID_PLANS]
+    if unknown:
+        ap.error(f"--hybrids: unknown plan {', '.join(unknown)}; known: {', '.join(HYBRID_PLANS)}")
+    if args.cluster_steps < 3:
+        ap.error(f"--cluster-steps {args.cluster_steps} must be at least 3 (the first and the last are not timed)")
     if args.inner_lr is None:
         args.inner_lr = args.lr
     if args.lr <= 0 or args.inner_lr <= 0:
