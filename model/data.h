@@ -80,6 +80,10 @@ struct ShardSource {
   std::function<absl::StatusOr<std::string>(int index)> wait_for_shard;
 };
 
+// What a validation loader's errors are prefixed with (train --local and the stage actors alike).
+inline constexpr char kValidationDataContext[] =
+    "validation data (data.val: each evaluation reads train.eval_batches global batches)";
+
 class DataLoader {
  public:
   // pattern: a glob (or one path) of shards; sorted by name. Fails when nothing matches, a shard is

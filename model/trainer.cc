@@ -117,7 +117,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   std::unique_ptr<DataLoader> val;
   if (!spec.data().val().empty() && t.eval_every() > 0) {
     auto v = DataLoader::Create(spec.data().val(), global_batch, T, 0, 1, config->vocab_size);
-    if (!v.ok()) return v.status();
+    if (!v.ok()) return WithContext(v.status(), kValidationDataContext);
     val = std::move(*v);
   }
   const std::string& ckpt_dir = spec.checkpoint().dir();
@@ -230,7 +230,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
       val->Reset();
       std::vector<int32_t> vx(static_cast<size_t>(global_batch) * T), vy(vx.size());
       double vsum = 0.0;
-      int pieces = 0;
+      int64_t pieces = 0;
       const int batches = std::max(1, t.eval_batches());
       for (int k = 0; k < batches; ++k) {
         RETURN_IF_ERROR(val->Next(vx.data(), vy.data()));

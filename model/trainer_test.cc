@@ -115,5 +115,21 @@ TEST_F(TrainerTest, ValidationLossIsTheSameForEveryPlan) {
   std::fclose(sink);
 }
 
+// A validation set smaller than one global batch is refused before training, with an error that names it.
+TEST_F(TrainerTest, AValidationSetSmallerThanAGlobalBatchIsRefusedByName) {
+  FILE* sink = std::fopen("/dev/null", "w");
+  LocalTrainOptions options;
+  options.out = sink;
+  JobSpec spec = Spec(dir_ + "/ckpt_small_val");
+  spec.mutable_train()->set_global_batch(64);  // 64 x 32 + 1 tokens: more than the 2000 of val_000000.bin
+  LocalTrainer trainer;
+  const absl::Status status = trainer.Run(spec, options);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("validation data (data.val"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("holds one step of 2049 tokens"), std::string::npos) << status;
+  EXPECT_TRUE(trainer.history().empty());
+  std::fclose(sink);
+}
+
 }  // namespace
 }  // namespace geotrain::model

@@ -114,14 +114,17 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   // each, as in training, and evaluates them in microbatches (staged like the training shards when the data is
   // not local).
   if ((first || last) && !spec_.data().val().empty() && spec_.train().eval_every() > 0) {
+    absl::StatusOr<std::unique_ptr<model::DataLoader>> val;
     if (data == nullptr || spec_.data().local()) {
-      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(spec_.data().val(), ranks_.replica_batch, T,
-                                                              ranks_.replica, ranks_.dp, config_.vocab_size));
+      val = model::DataLoader::Create(spec_.data().val(), ranks_.replica_batch, T, ranks_.replica, ranks_.dp,
+                                      config_.vocab_size);
     } else {
       ASSIGN_OR_RETURN(model::ShardSource val_source, data(spec_.data().val()));
-      ASSIGN_OR_RETURN(val_loader_, model::DataLoader::Create(std::move(val_source), ranks_.replica_batch, T,
-                                                              ranks_.replica, ranks_.dp, config_.vocab_size));
+      val = model::DataLoader::Create(std::move(val_source), ranks_.replica_batch, T, ranks_.replica, ranks_.dp,
+                                      config_.vocab_size);
     }
+    if (!val.ok()) return WithContext(val.status(), model::kValidationDataContext);
+    val_loader_ = std::move(*val);
     val_inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
     val_targets_.resize(val_inputs_.size());
   }
@@ -413,17 +416,21 @@ absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
   const int T = ranks_.seq_len, Bm = ranks_.microbatch_size, M = ranks_.microbatches;
   const bool first = ranks_.first_stage, last = ranks_.last_stage;
   if (val_loader_) val_loader_->Reset();
-  // Every microbatch of this replica's rows of each batch, one after the other through the pipeline.
-  const int pieces = std::max(1, spec_.train().eval_batches()) * M;
+  // Every microbatch of this replica's rows of each batch, one after the other through the pipeline. Piece k
+  // travels under the tag of microbatch k mod M, as in training, so that up to M sends are in flight at once
+  // (one tag waits for its acknowledgement before its next send: a round trip per piece across a slow link).
+  const int64_t pieces = static_cast<int64_t>(std::max(1, spec_.train().eval_batches())) * M;
   double sum = 0;
-  for (int k = 0; k < pieces; ++k) {
+  for (int64_t k = 0; k < pieces; ++k) {
     if (stop) return absl::CancelledError("stop requested");
-    if (val_loader_ && k % M == 0) RETURN_IF_ERROR(val_loader_->Next(val_inputs_.data(), val_targets_.data()));
-    const size_t offset = static_cast<size_t>(k % M) * Bm * T;  // of the microbatch in this batch
+    const int m = static_cast<int>(k % M);
+    if (val_loader_ && m == 0) RETURN_IF_ERROR(val_loader_->Next(val_inputs_.data(), val_targets_.data()));
+    const size_t offset = static_cast<size_t>(m) * Bm * T;  // of the microbatch in this batch
     const float* in = nullptr;
     if (!first) {
       const auto t0 = Clock::now();
-      RETURN_IF_ERROR(collectives_->pipeline->Recv(ranks_.prev_rank, absl::MakeSpan(stage_inputs_[0]), "val"));
+      RETURN_IF_ERROR(
+          collectives_->pipeline->Recv(ranks_.prev_rank, absl::MakeSpan(stage_inputs_[0]), MicrobatchTag("val", m)));
       stats_.wait_seconds += SecondsSince(t0);
       in = stage_inputs_[0].data();
       if (on_device_) {
@@ -444,7 +451,8 @@ absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
       RETURN_IF_ERROR(backend_->CopyToHost(host_output_.data(), out, activation_floats_ * sizeof(float)));
       out = host_output_.data();
     }
-    sender_->Send(ranks_.next_rank, ranks_.peers[ranks_.next_rank].site, out, activation_floats_, "val");
+    sender_->Send(ranks_.next_rank, ranks_.peers[ranks_.next_rank].site, out, activation_floats_,
+                  MicrobatchTag("val", m));
   }
   latest_forward_ = -1;
   RETURN_IF_ERROR(sender_->Flush(&stats_.traffic));
