@@ -19,10 +19,11 @@ cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotra
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites), DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
          the first --outer optimizer) and the synchronous hybrid plans of --hybrids (bf16 across sites: PP=4,
-         DP2 x PP2 with pipelines across the sites, DP2 x PP2 with DP across them), --repeats times with the
-         latencies in turn: wall time and WAN bytes per step (from the head's step log; the mean over steps 2
-         to N-1, sync steps included) and the validation loss at the last step. Prints the best hybrid plan (the
-         fastest at --latency-ms); writes diloco_cluster.csv.
+         DP2 x PP2 with pipelines across the sites, DP2 x PP2 and DP2 x TP2 with DP across them), --repeats times
+         with the latencies in turn: wall time and WAN bytes per step (from the head's step log; the mean over
+         steps 2 to N-1, sync steps included) and the validation loss at the last step. Prints the best hybrid
+         plan (the fastest at --latency-ms); writes --cluster-csv (diloco_cluster.csv). --baselines "" runs
+         the hybrid plans alone.
 
 Data: the Debian fortunes corpus tokenized by `geotrain data prepare` (GPT-2 BPE, 1% for validation) and the
 gpt2-demo model, as `make demo` trains; `--data synthetic` takes the structured synthetic tokens and a 512-token
@@ -59,8 +60,13 @@ def run_lr(args, sync):
     return args.inner_lr if sync == "diloco" else args.lr
 
 
-# The synchronous hybrid plans the cluster part runs beside DP=4 (run_study.py's, on all four workers).
+# The synchronous hybrid plans the cluster part runs beside DP=4: run_study.py's on all four workers, and tensor
+# parallelism inside each site with DP across them.
 HYBRID_PLANS = {name: parallel for name, parallel, _ in PLANS if name != "dp4-across-sites"}
+HYBRID_PLANS["dp2xtp2-dp-across"] = (
+    "{plan: manual, dp: 2, tp: 2, microbatches: 1, placement: [{replica: 0, stage: 0, tp_rank: 0, site: a}, "
+    "{replica: 0, stage: 0, tp_rank: 1, site: a}, {replica: 1, stage: 0, tp_rank: 0, site: b}, "
+    "{replica: 1, stage: 0, tp_rank: 1, site: b}]}")
 
 
 def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
@@ -139,8 +145,9 @@ def cluster(args, geotrain, data, work, env):
     them alike. Each run reports its wall time and WAN bytes per step over steps 2 to N-1 (the first pays the
     start-up; the last, N = --cluster-steps, the validation and DiLoCo's final sync of every fragment) and its
     validation loss at step N (the synchronous plans train the same model: their losses should agree)."""
-    runs = [("sync-dp", "sync", 0, None),
-            (f"diloco-h{args.cluster_inner_steps}", "diloco", args.cluster_inner_steps, None)]
+    baselines = {"sync-dp": ("sync-dp", "sync", 0, None),
+                 "diloco": (f"diloco-h{args.cluster_inner_steps}", "diloco", args.cluster_inner_steps, None)}
+    runs = [baselines[name] for name in args.baselines]
     runs += [(name, "sync", 0, HYBRID_PLANS[name]) for name in args.hybrids]
     per_run = {}
     for repeat in range(args.repeats):
@@ -187,7 +194,7 @@ def cluster(args, geotrain, data, work, env):
         r["step_s_median"] = statistics.median(r["step_s_median"])
         r["val_loss"] = statistics.median(r["val_loss"])
         rows.append(r)
-    with open(os.path.join(args.out, "diloco_cluster.csv"), "w", newline="") as f:
+    with open(os.path.join(args.out, args.cluster_csv), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -291,6 +298,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cluster-steps", type=int, default=34,
                     help="steps of each cluster run: steps 2 to N-1 are timed, the last is evaluated")
+    ap.add_argument("--baselines", default="sync-dp,diloco",
+                    help="the cluster part's DP=4 and DiLoCo runs (comma-separated; empty for none)")
+    ap.add_argument("--cluster-csv", default="diloco_cluster.csv", help="the cluster part's CSV, in --out")
     ap.add_argument("--hybrids", default=",".join(HYBRID_PLANS),
                     help="synchronous hybrid plans the cluster part runs beside DP=4 and DiLoCo (comma-separated, "
                          f"of {', '.join(HYBRID_PLANS)}; empty for none)")
@@ -303,6 +313,11 @@ def main():
     unknown = [x for x in args.hybrids if x not in HYBRID_PLANS]
     if unknown:
         ap.error(f"--hybrids: unknown plan {', '.join(unknown)}; known: {', '.join(HYBRID_PLANS)}")
+    args.baselines = [x for x in args.baselines.split(",") if x]
+    if [x for x in args.baselines if x not in ("sync-dp", "diloco")]:
+        ap.error(f"--baselines {','.join(args.baselines)}: known runs are sync-dp and diloco")
+    if not args.baselines and not args.hybrids:
+        ap.error("--baselines and --hybrids are both empty: the cluster part would run nothing")
     if args.cluster_steps < 3:
         ap.error(f"--cluster-steps {args.cluster_steps} must be at least 3 (the first and the last are not timed)")
     if args.inner_lr is None:
