@@ -34,6 +34,7 @@ Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain
            [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--warm-start N]
            [--model YAML] [--parts quality,cluster]
            [--repeats 3] [--cluster-steps 34] [--cluster-fragments 4] [--hybrids PLAN,...]
+           [--baselines sync-dp,diloco] [--cluster-csv diloco_cluster.csv]
 """
 import argparse
 import csv
@@ -45,7 +46,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_study import PLANS, private_cluster_env, run, write_tokens  # noqa: E402
+from run_study import PLANS, private_cluster_env, run, step_lines, write_tokens  # noqa: E402
 
 SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
         "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
@@ -167,20 +168,18 @@ def cluster(args, geotrain, data, work, env):
                                           outer=args.outer[0], fragments=args.cluster_fragments,
                                           lr=run_lr(args, sync), parallel=parallel))
                     out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
-                    steps = [(float(m.group(1)), int(m.group(2)), m.group(3)) for m in re.finditer(
-                        r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s .* wan bytes (\d+)"
-                        r"[^\n]*?(?:val_loss ([0-9.]+))?$", out, re.MULTILINE)]
-                    if len(steps) != args.cluster_steps or steps[-1][2] is None:
+                    steps = step_lines(out)
+                    if len(steps) != args.cluster_steps or steps[-1]["val_loss"] is None:
                         raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps, the last with a "
                                            f"validation loss:\n{out[-3000:]}")
                     timed = steps[1:-1]
                     r = per_run.setdefault((lat, name), {
                         "latency_ms": lat, "bandwidth_mbps": args.bandwidth_mbps, "run": name, "inner_steps": h,
                         "steps": len(steps), "timed_steps": len(timed), "step_s_mean": [], "step_s_median": [],
-                        "wan_bytes_per_step": sum(b for _, b, _ in timed) / len(timed), "val_loss": []})
-                    r["step_s_mean"].append(sum(t for t, _, _ in timed) / len(timed))
-                    r["step_s_median"].append(statistics.median(t for t, _, _ in timed))
-                    r["val_loss"].append(float(steps[-1][2]))
+                        "wan_bytes_per_step": sum(s["wan_bytes"] for s in timed) / len(timed), "val_loss": []})
+                    r["step_s_mean"].append(sum(s["step_s"] for s in timed) / len(timed))
+                    r["step_s_median"].append(statistics.median(s["step_s"] for s in timed))
+                    r["val_loss"].append(steps[-1]["val_loss"])
                     print(f"cluster repeat {repeat + 1} {lat} ms {name}: {r['step_s_mean'][-1]:.3f} s per step, "
                           f"{r['wan_bytes_per_step'] / 1e6:.2f} MB across sites per step, validation loss "
                           f"{r['val_loss'][-1]:.4f} at step {len(steps)}", flush=True)
@@ -309,15 +308,17 @@ def main():
     args = ap.parse_args()
     args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
     args.seeds = [int(x) for x in args.seeds.split(",")]
-    args.hybrids = [x for x in args.hybrids.split(",") if x]
+    args.hybrids = list(dict.fromkeys(x for x in args.hybrids.split(",") if x))  # each plan once
     unknown = [x for x in args.hybrids if x not in HYBRID_PLANS]
     if unknown:
         ap.error(f"--hybrids: unknown plan {', '.join(unknown)}; known: {', '.join(HYBRID_PLANS)}")
-    args.baselines = [x for x in args.baselines.split(",") if x]
+    args.baselines = list(dict.fromkeys(x for x in args.baselines.split(",") if x))
     if [x for x in args.baselines if x not in ("sync-dp", "diloco")]:
         ap.error(f"--baselines {','.join(args.baselines)}: known runs are sync-dp and diloco")
     if not args.baselines and not args.hybrids:
         ap.error("--baselines and --hybrids are both empty: the cluster part would run nothing")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} must be at least 1")
     if args.cluster_steps < 3:
         ap.error(f"--cluster-steps {args.cluster_steps} must be at least 3 (the first and the last are not timed)")
     if args.inner_lr is None:

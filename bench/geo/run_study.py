@@ -20,9 +20,7 @@ import shutil
 import statistics
 import struct
 import subprocess
-import sys
 import tempfile
-import time
 
 PLANS = [
     # name, parallel section, description
@@ -57,6 +55,20 @@ def private_cluster_env(prefix, **extra):
     env.pop("GEOTRAIN_HEAD", None)
     env.pop("GEOTRAIN_TOKEN", None)
     return work, env
+
+
+# One step of `geotrain job submit --follow` (head/job_runner.cc's step log line); the validation loss only on
+# evaluated steps.
+STEP_LINE = re.compile(r"step (\d+) loss [0-9.]+ ([0-9.]+) tokens/s step ([0-9.]+) s .* wan bytes (\d+)"
+                       r"[^\n]*?(?:val_loss ([0-9.]+))?$", re.MULTILINE)
+
+
+def step_lines(out):
+    """The step lines of a followed job's output: dicts of step, tokens_per_s, step_s, wan_bytes and val_loss
+    (None where the step was not evaluated)."""
+    return [{"step": int(m.group(1)), "tokens_per_s": float(m.group(2)), "step_s": float(m.group(3)),
+             "wan_bytes": int(m.group(4)), "val_loss": float(m.group(5)) if m.group(5) else None}
+            for m in STEP_LINE.finditer(out)]
 
 
 def run(cmd, env, timeout=900):
@@ -110,8 +122,7 @@ def main():
                                         f"train: {{global_batch: 16, seq_len: 64, steps: {args.steps}, lr: 1.0e-3, seed: 1}}\n"
                                         f"parallel: {parallel}\ncomm: {{wan_codec: {codec}}}\n")
                             out = run([geotrain, "job", "submit", spec, "--follow"], env)
-                            steps = [(float(m.group(2)), float(m.group(3)), int(m.group(4)))
-                                     for m in re.finditer(r"step (\d+) loss [0-9.]+ ([0-9.]+) tokens/s step ([0-9.]+) s .* wan bytes (\d+)", out)]
+                            steps = [(s["tokens_per_s"], s["step_s"], s["wan_bytes"]) for s in step_lines(out)]
                             if len(steps) != args.steps:
                                 raise RuntimeError(f"{name}/{codec}: expected {args.steps} steps:\n{out}")
                             later = steps[1:] if len(steps) > 1 else steps
