@@ -347,7 +347,7 @@ void AddPlanCommands(CLI::App& app, Context& context) {
                  "host's throughput");
   plan->add_flag("--grpc-collectives", flags->grpc_collectives,
                  "collectives run on gRPC (CPU or timed-compute workers, no NCCL): data parallelism across sites "
-                 "is one flat ring");
+                 "is gRPC's hierarchical all-reduce where a site holds several replicas, else one ring");
   plan->add_option("--wan-window-mb", flags->wan_window_mb,
                    "flow-control window of one stream across sites, in MB: each message across sites sends its "
                    "first window at the link's rate and the rest at most at window / round trip (default 0: none)");

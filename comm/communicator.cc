@@ -234,8 +234,11 @@ absl::Status GrpcCommunicator::PairAllReduce(absl::Span<float> data, std::string
   if (size() != 2) {
     return absl::InvalidArgumentError(absl::StrCat("PairAllReduce needs 2 ranks, this group has ", size()));
   }
-  const Call call = Begin("pair-allreduce", tag);
-  const int peer = 1 - rank_;
+  return PairExchange(Begin("pair-allreduce", tag), 1 - rank_, "x", data);
+}
+
+absl::Status GrpcCommunicator::PairExchange(const Call& call, int peer, const std::string& part,
+                                            absl::Span<float> data) {
   const Codec& codec = LinkCodec(rank_, peer);
   const int64_t elements = static_cast<int64_t>(data.size());
   // Element-wise codecs stream (SendTo encodes each chunk as it goes), and a lossy one's own operand is rounded
@@ -244,14 +247,15 @@ absl::Status GrpcCommunicator::PairAllReduce(absl::Span<float> data, std::string
   const bool streamed = EncodedElementBytes(codec) > 0;
   Bytes encoded;
   if (!streamed) {
-    std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(call.prefix + "/x") : nullptr;
+    std::vector<float>* residual =
+        codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/", part)) : nullptr;
     RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
   }
   AsyncStatus sent([&] {
-    return streamed ? SendTo(call, "x", peer, data, codec, call.prefix + "/x")
-                    : SendEncodedTo(call, "x", peer, codec, encoded, elements);
+    return streamed ? SendTo(call, part, peer, data, codec, absl::StrCat(call.prefix, "/", part))
+                    : SendEncodedTo(call, part, peer, codec, encoded, elements);
   });
-  absl::StatusOr<ReceivedTensor> got = RecvFrom(call, "x", peer);
+  absl::StatusOr<ReceivedTensor> got = RecvFrom(call, part, peer);
   absl::Status status = got.status();
   if (status.ok()) status = CheckElements(*got, data.size());
   if (status.ok() && got->codec != codec.ToString()) {
@@ -308,7 +312,9 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
   }
   std::vector<int> leaders;
   for (const auto& m : members) leaders.push_back(m.front());
-  if (leaders.size() > 1) {
+  if (leaders.size() == 2 && data.size() <= kPairMaxElements) {  // one exchange, as AllReduceSum of two ranks
+    RETURN_IF_ERROR(PairExchange(call, leaders[0] == rank_ ? leaders[1] : leaders[0], "leaders", data));
+  } else if (leaders.size() > 1) {
     RETURN_IF_ERROR(RingReduceScatter(call, leaders, data));
     RETURN_IF_ERROR(RingAllGather(call, leaders, data, GatherCodec(leaders)));
   }

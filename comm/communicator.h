@@ -1,8 +1,9 @@
 // Collectives behind one interface: all-reduce (sum), reduce-scatter, all-gather, broadcast and
 // point-to-point send/recv among `size()` ranks, plus a bucketed gradient all-reduce that overlaps with
 // backward. GrpcCommunicator implements them over tensor streams (comm/tensor_stream.h): a ring for any
-// ranks and sites, and a hierarchical all-reduce (reduce inside each site to a leader, ring all-reduce among
-// the site leaders through the WAN codec, broadcast inside each site). Two ranks all-reduce a tensor of up to
+// ranks and sites, and a hierarchical all-reduce (reduce inside each site to a leader, all-reduce among the
+// site leaders through the WAN codec, broadcast inside each site: each of S leaders sends 2(S-1)/S of the tensor
+// across sites, where a flat ring over all n ranks sends 2(n-1)/n of it over each of its hops across sites). Two ranks all-reduce a tensor of up to
 // 32 MiB by one exchange: each sends the other its whole tensor, one message and one round trip where a ring of
 // two takes two, the same bytes (what a pipeline's step end pays across a WAN: the tied embedding and the gradient norm).
 //
@@ -108,6 +109,8 @@ class GrpcCommunicator : public Communicator {
   static constexpr size_t kPairMaxElements = size_t{8} << 20;  // 32 MiB of fp32
   absl::Status PairAllReduce(absl::Span<float> data, std::string_view tag);
   absl::Status RingAllReduce(absl::Span<float> data, std::string_view tag);
+  // Sites in order of their lowest rank, which leads the site; two leaders and at most kPairMaxElements: the
+  // leaders' all-reduce is one pair exchange, else a ring.
   absl::Status HierarchicalAllReduce(absl::Span<float> data, std::string_view tag);
 
   absl::Status ReduceScatter(absl::Span<const float> input, absl::Span<float> output, std::string_view tag) override;
@@ -124,6 +127,9 @@ class GrpcCommunicator : public Communicator {
   struct Call;  // one collective invocation: its key prefix and deadline
 
   Call Begin(std::string_view op, std::string_view tag);
+  // The pair exchange with `peer` under `part` of `call`: both send each other their whole tensor and add
+  // (PairAllReduce, and the hierarchical all-reduce's two site leaders).
+  absl::Status PairExchange(const Call& call, int peer, const std::string& part, absl::Span<float> data);
   TensorKey MakeKey(const Call& call, const std::string& part, int src) const;
   std::vector<float>* Residual(const std::string& key);
 

@@ -180,6 +180,52 @@ TEST(Collectives, TwoRanksAllReduceByOneExchangeAndAgreeForEveryCodec) {
   }
 }
 
+TEST(Collectives, HierarchicalAllReduceSendsEachSitesSumAcrossOnce) {
+  // Two sites of two ranks: each member sends its tensor up to its site's leader (ranks 0 and 2), the leaders
+  // exchange their sites' sums in one pair exchange and each sends the result down: a leader sends two tensors
+  // (one across sites, one down), a member one. A flat ring of four would send 2 x 3 chunks from every rank.
+  Cluster cluster(4, kTwoSites, Options("none", "bf16", AllReduceAlgorithm::kHierarchical));
+  const size_t count = 100003;
+  auto data = RankData(4, count, /*positive=*/true);
+  for (int round = 0; round < 2; ++round) {
+    auto work = data;
+    std::vector<uint64_t> before(4);
+    for (int r = 0; r < 4; ++r) before[r] = cluster.client(r).stats().tensors_sent;
+    ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).AllReduceSum(absl::MakeSpan(work[r]), "g"); }));
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(cluster.client(r).stats().tensors_sent - before[r], r % 2 == 0 ? 2u : 1u) << "rank " << r;
+      EXPECT_EQ(work[r], work[0]) << "rank " << r << " differs from rank 0";
+    }
+    double worst = 0;  // two bf16 roundings at most: each site's sum as the other leader decodes it
+    for (size_t i = 0; i < count; ++i) {
+      const double sum = static_cast<double>(data[0][i]) + data[1][i] + data[2][i] + data[3][i];
+      worst = std::max(worst, std::fabs(work[0][i] - sum) / sum);
+    }
+    EXPECT_LE(worst, 2 * 0x1p-8);
+  }
+}
+
+TEST(Collectives, HierarchicalAllReduceRingsThreeSitesLeaders) {
+  // Three sites of two ranks (and one site of one): the leaders' all-reduce is a ring; the sum is exact
+  // without a codec and the same on every rank.
+  const std::vector<std::string> sites = {"east", "east", "west", "west", "north", "north", "south"};
+  const int n = static_cast<int>(sites.size());
+  Cluster cluster(n, sites, Options("none", "none", AllReduceAlgorithm::kHierarchical));
+  const size_t count = 30011;
+  auto data = RankData(n, count, /*positive=*/false);
+  auto work = data;
+  ExpectAllOk(cluster.Run([&](int r) { return cluster.comm(r).AllReduceSum(absl::MakeSpan(work[r]), "g"); }));
+  for (size_t i = 0; i < count; ++i) {
+    double sum = 0, magnitude = 0;
+    for (int r = 0; r < n; ++r) {
+      sum += data[r][i];
+      magnitude += std::fabs(data[r][i]);
+    }
+    ASSERT_LE(std::fabs(work[0][i] - sum), 1e-6 * magnitude) << "element " << i;
+  }
+  for (int r = 1; r < n; ++r) EXPECT_EQ(work[r], work[0]) << "rank " << r << " differs from rank 0";
+}
+
 TEST(Collectives, TopKErrorFeedbackDeliversDroppedGradientsLater) {
   // The same gradients every step with top-k 25% across the WAN: without error feedback three quarters of the
   // elements would never arrive (cumulative error = steps x gradient); with it every element's cumulative sum

@@ -56,7 +56,8 @@ struct PlanningCluster {
   scheduler::Cluster cluster;
   int alive_workers = 0;
   std::map<std::pair<std::string, int>, int> device_of;  // (worker id, device index) -> Cluster::devices index
-  // Some device is not CUDA: collectives run on gRPC, data parallelism as one flat ring (worker/collectives.h).
+  // Some device is not CUDA: collectives run on gRPC (worker/collectives.h), data parallelism across sites by
+  // gRPC's hierarchical all-reduce or a ring (worker/stage_collectives.cc).
   bool grpc_collectives = false;
 };
 

@@ -409,25 +409,32 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   const double flat =
       2.0 * (n - 1) / n * bytes_per_rank * std::max(tp * worst_seconds_per_byte, intra_seconds_per_byte) +
       AllReduceRounds(n, bytes_per_rank) * std::max(worst_wan_latency, intra_latency);
-  // Hierarchical: reduce to a leader per site, ring among the S leaders over the WAN, broadcast
-  // back.
+  // Hierarchical: reduce to a leader per site, all-reduce among the S leaders over the WAN, broadcast back.
+  // NCCL's reduces and broadcasts by rings inside the site, and its leaders' ring takes 2(S-1) rounds, two
+  // leaders included. gRPC's (comm::GrpcCommunicator::HierarchicalAllReduce) gathers the site's k - 1 other
+  // tensors to the leader and sends it k - 1 copies back, and two leaders exchange in one round.
   double intra = 0;
+  bool shared_site = false;
   for (int s : sites) {
     const int k = count[s];
     if (k <= 1) continue;
+    shared_site = true;
     const LinkSpec l = CollectiveLink(cluster, s, collective_scale);
-    intra = std::max(intra, (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
+    intra = std::max(intra, job.grpc_collectives
+                                ? (k - 1.0) * bytes_per_rank / l.bandwidth_bytes_per_s + l.latency_s
+                                : (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
   }
-  // NCCL's (the only hierarchical one): its ring of leaders takes 2(S-1) rounds, two leaders included.
+  const double leader_rounds = job.grpc_collectives ? AllReduceRounds(S, bytes_per_rank) : 2.0 * (S - 1);
   const double hierarchical =
-      2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + 2.0 * (S - 1) * worst_wan_latency;
-  // gRPC collectives have the flat ring only (the hierarchical all-reduce is NCCL's, worker/collectives.h).
-  const bool use_flat = job.grpc_collectives || flat < hierarchical;
+      2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + leader_rounds * worst_wan_latency;
+  // The runtime's gRPC groups take the hierarchical all-reduce whenever a site holds several of their replicas
+  // (worker/stage_collectives.cc); NCCL's, as modelled, when it is the faster.
+  const bool use_flat = job.grpc_collectives ? !shared_site : flat < hierarchical;
   if (use_flat) {
     const double latency = std::max(worst_wan_latency, intra_latency);
     *ring = DpRing{n, latency, AllReduceRounds(n, bytes_per_rank) * latency, worst_wan};
   } else {
-    *ring = DpRing{S, worst_wan_latency, 2.0 * (S - 1) * worst_wan_latency, worst_wan};
+    *ring = DpRing{S, worst_wan_latency, leader_rounds * worst_wan_latency, worst_wan};
   }
   const double per_hop = use_flat ? 2.0 * (n - 1) / n : 2.0 * (S - 1) / S;
   for (int i = 0; i < S; ++i) {

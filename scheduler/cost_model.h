@@ -128,9 +128,11 @@ struct JobOptions {
   // moves at another rate per byte than one of hundreds (docs/benchmarks/comm.md (d)), so the timed studies
   // calibrate the two apart (bench/geo/timed_lib.py).
   double activation_bandwidth_scale = 1;
-  // Collectives run on gRPC rings (workers that compute on CPU or by timed compute, or a build without NCCL):
-  // data parallelism across sites is then one flat ring over every replica, as the runtime's GrpcCommunicator
-  // runs it. false: NCCL's hierarchical all-reduce (worker/collectives.h) when it is the faster.
+  // Collectives run on gRPC (workers that compute on CPU or by timed compute, or a build without NCCL): data
+  // parallelism across sites is then gRPC's hierarchical all-reduce when a site holds several of the group's
+  // replicas (a gather to the site's leader, the leaders' exchange, copies back), else one ring over the sites'
+  // replicas, as the runtime chooses (worker/stage_collectives.cc). false: NCCL's hierarchical all-reduce
+  // (worker/collectives.h) when it is the faster.
   bool grpc_collectives = false;
   // The flow-control window of one stream across sites (gRPC's HTTP/2 window as its BDP probing grows it). The
   // runtime sends each tensor on a stream of its own and waits for its ack, so a message starts with the whole

@@ -20,6 +20,7 @@
 #include "common/spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/config.h"
 #include "model/data.h"
 #include "model/trainer.h"
 
@@ -346,6 +347,26 @@ TEST_F(StageActorTest, DeeperOneFOneBEqualsLocal) {
 TEST_F(StageActorTest, DataParallelBucketsEqualLocal) { ExpectEqualToLocal(Spec(2, 1, 1, 2, "1f1b", 4)); }
 
 TEST_F(StageActorTest, DataAndPipelineAcrossTwoSitesEqualLocal) { ExpectEqualToLocal(Spec(2, 2, 1, 2, "1f1b", 3)); }
+
+// Four replicas in two sites (alternating, so that a flat ring over them would cross the sites at every hop): the
+// gradient all-reduce is hierarchical, each site's sum crossing once each way per step (twice the model's fp32
+// bytes over both directions, where the ring of four would send six times them), and training equals local.
+TEST_F(StageActorTest, DataParallelAcrossTwoSitesSendsEachSitesSumAcrossOnce) {
+  const JobSpec spec = Spec(4, 1, 1, 1, "1f1b", 3);
+  ExpectEqualToLocal(spec);
+  absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset("gpt2-tiny-test");
+  ASSERT_TRUE(config.ok());
+  const double model_bytes = 4.0 * static_cast<double>(config->NumParameters());
+  std::map<int64_t, double> wan_per_step;
+  for (const StepReport& r : head_.reports()) {
+    for (const auto& [pair, bytes] : r.wan_bytes()) wan_per_step[r.step()] += static_cast<double>(bytes);
+  }
+  ASSERT_EQ(wan_per_step.size(), 3u);
+  for (const auto& [step, bytes] : wan_per_step) {
+    EXPECT_GE(bytes, 2 * model_bytes) << "step " << step;
+    EXPECT_LT(bytes, 2.05 * model_bytes) << "step " << step << ": more than each site's sum once each way";
+  }
+}
 
 TEST_F(StageActorTest, TensorParallelEqualsLocal) { ExpectEqualToLocal(Spec(1, 1, 2, 2, "1f1b", 3)); }
 

@@ -2,6 +2,7 @@
 #include "worker/stage_collectives.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <utility>
 
@@ -67,12 +68,17 @@ class NcclTensorParallel : public model::TensorParallelComm {
 // traffic class, so that each step's bytes can be attributed.
 class GrpcStageCollectives : public StageCollectives {
  public:
+  // `dp_stream_options` adds to `stream_options` the count of the data-parallel bytes sent across sites into
+  // *dp_wan_bytes.
   GrpcStageCollectives(const std::string& token, const comm::TensorStreamOptions& stream_options,
-                       comm::TensorStreamServer* mailbox, std::string comm_job_id)
+                       const comm::TensorStreamOptions& dp_stream_options,
+                       std::shared_ptr<std::atomic<uint64_t>> dp_wan_bytes, comm::TensorStreamServer* mailbox,
+                       std::string comm_job_id)
       : pipeline_client_(token, stream_options),
-        dp_client_(token, stream_options),
+        dp_client_(token, dp_stream_options),
         other_client_(token, stream_options),
         outer_client_(token, stream_options),
+        dp_wan_bytes_(std::move(dp_wan_bytes)),
         mailbox_(mailbox),
         comm_job_id_(std::move(comm_job_id)) {}
 
@@ -83,7 +89,7 @@ class GrpcStageCollectives : public StageCollectives {
       case TrafficClass::kPipeline:
         return pipeline_client_.stats().bytes_sent;
       case TrafficClass::kDataParallel:
-        return dp_client_.stats().bytes_sent;
+        return dp_wan_bytes_->load(std::memory_order_relaxed);
       case TrafficClass::kOther:
         return other_client_.stats().bytes_sent;
       case TrafficClass::kOuter:
@@ -93,6 +99,7 @@ class GrpcStageCollectives : public StageCollectives {
   }
 
   comm::TensorStreamClient pipeline_client_, dp_client_, other_client_, outer_client_;
+  const std::shared_ptr<std::atomic<uint64_t>> dp_wan_bytes_;  // dp_client_'s bytes to other sites
   comm::TensorStreamServer* const mailbox_;
   const std::string comm_job_id_;
   std::unique_ptr<comm::GrpcCommunicator> pipeline_comm_, dp_comm_, dp_scalars_comm_, replica_comm_, tp_comm_,
@@ -155,7 +162,24 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
       }
     };
   }
-  auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, mailbox_, ranks.comm_job_id);
+  // The data-parallel client counts what it sends to other sites: a hierarchical all-reduce's leader sends both
+  // inside its site and across.
+  auto dp_wan_bytes = std::make_shared<std::atomic<uint64_t>>(0);
+  comm::TensorStreamOptions dp_stream_options = stream_options;
+  {
+    std::map<std::string, std::string> site_at;  // address -> site
+    for (const comm::PeerInfo& p : ranks.peers) site_at[p.address] = p.site;
+    dp_stream_options.on_acknowledged = [base = stream_options.on_acknowledged, site_at = std::move(site_at),
+                                         my_site = ranks.site, counter = dp_wan_bytes](
+                                            const std::string& address, uint64_t bytes, absl::Duration took) {
+      if (base) base(address, bytes, took);
+      if (auto it = site_at.find(address); it != site_at.end() && it->second != my_site) {
+        counter->fetch_add(bytes, std::memory_order_relaxed);
+      }
+    };
+  }
+  auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, dp_stream_options, dp_wan_bytes, mailbox_,
+                                                    ranks.comm_job_id);
   GrpcStageCollectives& c = *out;
   auto group = [&](const std::vector<int>& members, comm::TensorStreamClient* client,
                    const comm::CommunicatorOptions& group_options) {
@@ -170,7 +194,6 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   c.pipeline_comm_ = std::make_unique<comm::GrpcCommunicator>(ranks.my_rank, ranks.peers, mailbox_, &c.pipeline_client_,
                                                               pipeline_options);
   const std::vector<int> dp_group = ranks.DataParallelGroup();
-  c.dp_comm_ = group(dp_group, &c.dp_client_, options);
   c.dp_scalars_comm_ = group(dp_group, &c.other_client_, exact_options);
   c.replica_comm_ = group(ranks.ReplicaGroup(), &c.other_client_, exact_options);
   c.tp_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, options);
@@ -205,7 +228,6 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     c.diloco_groups = static_cast<int>(leaders.size());
     c.diloco_leader = inner_group.front() == ranks.my_rank;
     c.outer_weight = static_cast<float>(c.inner_replicas) / static_cast<float>(ranks.dp);
-    c.dp_comm_ = group(inner_group, &c.dp_client_, options);
     if (inner_group.size() > 1) {
       c.group_comm_ = group(inner_group, &c.other_client_, exact_options);
       c.group = c.group_comm_.get();
@@ -218,12 +240,36 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     }
   }
   if (inner_group.size() > 1) {
+    // Across sites, with a site that holds several of the group's replicas: the hierarchical all-reduce, which
+    // sends each site's sum across once (2(S-1)/S of it from each of S leaders) where a flat ring sends 2(n-1)/n
+    // over each of its hops across sites, in 2(S-1) rounds of WAN latency instead of 2(n-1).
+    // scheduler/cost_model.cc (DataParallelAllReduce) predicts the same choice.
+    std::vector<int> leaders;  // each site's lowest member, sites in order of their lowest member
+    bool shared_site = false;
+    for (int m : inner_group) {
+      const auto same_site = [&](int l) { return ranks.peers[l].site == ranks.peers[m].site; };
+      if (std::none_of(leaders.begin(), leaders.end(), same_site)) {
+        leaders.push_back(m);
+      } else {
+        shared_site = true;
+      }
+    }
+    const bool hierarchical = leaders.size() > 1 && shared_site;
+    comm::CommunicatorOptions dp_options = options;
+    if (hierarchical) dp_options.all_reduce = comm::AllReduceAlgorithm::kHierarchical;
+    c.dp_comm_ = group(inner_group, &c.dp_client_, dp_options);
     c.dp_all_reduce = [comm = c.dp_comm_.get()](absl::Span<float> data, std::string_view tag) {
       return comm->AllReduceSum(data, tag);
     };
-    const auto me = std::find(inner_group.begin(), inner_group.end(), ranks.my_rank) - inner_group.begin();
-    c.dp_successor_rank = inner_group[(me + 1) % inner_group.size()];
-    c.dp_ring_size = static_cast<int>(inner_group.size());
+    const std::vector<int>& ring = hierarchical ? leaders : inner_group;
+    const auto me = std::find(ring.begin(), ring.end(), ranks.my_rank);
+    if (me != ring.end()) {
+      c.dp_successor_rank = ring[(me - ring.begin() + 1) % ring.size()];
+    } else {  // a hierarchical all-reduce's member sends only to its leader, inside the site
+      c.dp_successor_rank =
+          *std::find_if(leaders.begin(), leaders.end(), [&](int l) { return ranks.peers[l].site == ranks.site; });
+    }
+    c.dp_ring_size = static_cast<int>(ring.size());
   }
 
   // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).

@@ -2,8 +2,10 @@
 //
 //   pipeline        point to point with the neighbouring stages: activations forward, their gradients back
 //                   (the WAN codec's dense part across sites: top-k is for gradients only);
-//   dp_all_reduce   a gradient bucket's sum across replicas (gRPC ring on host memory, or NCCL on device
-//                   memory inside a site with a gRPC ring among site leaders: worker/collectives.h decides);
+//   dp_all_reduce   a gradient bucket's sum across replicas (gRPC on host memory: a ring, or the hierarchical
+//                   all-reduce when the group spans sites and a site holds several of its replicas, so that
+//                   each site's sum crosses the WAN once; or NCCL on device memory inside a site with gRPC
+//                   among site leaders: worker/collectives.h decides);
 //   tied            the tied-embedding gradient sum of the replica's first and last stage;
 //   tp              the tensor-parallel all-reduces of the stage (gRPC, or NCCL on device memory);
 //   replica         the global gradient norm over the replica's stages and ranks (exact, never lossy);
@@ -53,8 +55,8 @@ class StageCollectives {
   comm::BucketMemory* dp_bucket_memory = nullptr;  // where the buckets live; null: host memory
   bool dp_on_device = false;  // buckets on the GPU, fed from device gradients (NCCL inside the site)
   bool tp_nccl = false;       // tensor-parallel all-reduces on NCCL
-  // The world rank a data-parallel all-reduce sends its bytes to, and the size of that ring (the site
-  // leaders' ring with NCCL), for attributing its traffic to a site pair.
+  // The world rank a data-parallel all-reduce sends its bytes across sites to, and the size of that ring (the
+  // site leaders' with a hierarchical all-reduce), for attributing its traffic to a site pair.
   int dp_successor_rank = -1;
   int dp_ring_size = 1;
   // The replicas whose gradients dp_all_reduce sums: dp, or with DiLoCo the size of this actor's group.
@@ -74,7 +76,8 @@ class StageCollectives {
   bool diloco_leader = true;
   std::vector<std::string> notes;  // why groups of CUDA stages stay on gRPC, for the actor's log
 
-  // Encoded bytes acknowledged by peers so far, per traffic class.
+  // Encoded bytes acknowledged by peers so far, per traffic class; kDataParallel counts only the bytes sent to
+  // actors at other sites (a hierarchical all-reduce's leader also sends inside its site).
   virtual uint64_t BytesSent(TrafficClass traffic) const = 0;
   // Ends every receive of this run of the job at once (CANCELLED), now and later: after a send failed,
   // so that the actor stops waiting for peers and reports the failure. Any thread.

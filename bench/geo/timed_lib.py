@@ -31,8 +31,9 @@ median of every round. Nothing is fitted to a study's own runs (the profiling jo
 
 Every prediction also says that the sites share one host (`--sites-share-one-host`: the sites a plan uses divide
 the bandwidth inside a site, and a collective's ranks the host's throughput, since they all run at once on the same
-two cores) and that collectives are gRPC rings (`--grpc-collectives`: data parallelism is one flat ring, as the
-runtime runs it without NCCL). Without the first, the planner predicted half the measured step of TP inside both
+two cores) and that collectives are gRPC's (`--grpc-collectives`: data parallelism across sites is gRPC's hierarchical
+all-reduce where a site holds several replicas, else a ring, as the runtime runs it without NCCL; a flat ring
+before 2026-12-06). Without the first, the planner predicted half the measured step of TP inside both
 sites x PP (GPT-2 medium: 7.5 s vs 15.0 s) and a tenth of DP over 16 devices.
 """
 import json
