@@ -282,7 +282,7 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
 }
 
 std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int end, int pp, int tp,
-                                        double bucket_bytes) {
+                                        double bucket_bytes, bool tied_apart) {
   constexpr double kBucketElementBytes = sizeof(float);
   std::vector<double> groups;
   double others = pp > 1 && end == model.num_layers() && begin > 0 ? model.tied_parameters : 0;
@@ -293,6 +293,7 @@ std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int 
       others += model.layers[l].parameters;
     }
   }
+  if (tied_apart && pp > 1 && (begin == 0 || end == model.num_layers())) others -= model.tied_parameters;
   groups.push_back(others);
   std::vector<double> buckets;
   for (double parameters : groups) {
@@ -347,6 +348,14 @@ double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
   double p = 0;
   for (int l = begin; l < end; ++l) p += model.layers[l].parameters;
   if (pp > 1 && end == model.num_layers() && begin > 0) p += model.tied_parameters;
+  return p;
+}
+
+// The parameters a stage's data-parallel all-reduce sums: its own, less its wte copy when the tied all-reduce sums
+// every replica's copies apart (tied_apart, as GradientBucketBytes).
+double DataParallelParameters(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
+  double p = StageParameters(model, begin, end, pp);
+  if (tied_apart && pp > 1 && (begin == 0 || end == model.num_layers())) p -= model.tied_parameters;
   return p;
 }
 
@@ -578,7 +587,14 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
   std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp), transfer_of(plan.dp), latency_of(plan.dp),
       round_trips_of(plan.dp), stall_of(plan.dp);
   std::vector<std::vector<int>> sites_of(plan.dp, std::vector<int>(pp));
-  // (first, last) stage site pairs -> replicas, and when their wte gradients are complete.
+  // The tied wte gradient. With gRPC collectives and several replicas, one all-reduce over every copy (the first
+  // and the last stage of each replica: tied_sites), routed as a data-parallel group, and the stages' buckets leave
+  // wte out (worker/stage_collectives.cc); once every copy is complete (tied_group_ready). Otherwise each replica's
+  // first and last stage exchange theirs: (first, last) stage site pairs -> replicas, and when their wte gradients
+  // are complete.
+  const bool tied_apart = job.grpc_collectives && pp > 1 && plan.dp > 1;
+  std::vector<int> tied_sites;
+  double tied_group_ready = 0;
   std::map<std::pair<int, int>, int> tied_pairs;
   std::map<std::pair<int, int>, double> tied_ready;
   for (int r = 0; r < plan.dp; ++r) {
@@ -691,9 +707,16 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     if (pp > 1) {
       const int first = cluster.devices[plan.devices[r][0][0]].site;
       const int last = cluster.devices[plan.devices[r][pp - 1][0]].site;
-      ++tied_pairs[{first, last}];
-      double& ready = tied_ready[{first, last}];
-      ready = std::max(ready, std::max(timelines[r]->last_backward_end[0], timelines[r]->last_backward_end[pp - 1]));
+      const double ready_r = std::max(timelines[r]->last_backward_end[0], timelines[r]->last_backward_end[pp - 1]);
+      if (tied_apart) {
+        tied_sites.push_back(first);
+        tied_sites.push_back(last);
+        tied_group_ready = std::max(tied_group_ready, ready_r);
+      } else {
+        ++tied_pairs[{first, last}];
+        double& ready = tied_ready[{first, last}];
+        ready = std::max(ready, ready_r);
+      }
     }
   }
   out.pipeline_time_s = slowest_makespan;
@@ -706,9 +729,41 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     out.bubble_fraction = t.makespan > 0 ? 1 - busy / pp / t.makespan : 0;
   }
 
-  // Sequential sync (the runtime's step epilogue): the tied wte all-reduce first, a ring of two
-  // (both directions at once: its bytes once plus two latencies), when both stages are done.
-  double epilogue_start = out.pipeline_time_s;
+  // The seconds an all-reduce of each of `buckets` (fp32 bytes per tp rank) on `ring` (among `member_sites`) waits
+  // beyond what DataParallelAllReduce counted: each round's message pays the window across sites and, with
+  // sequential_sync, 2 r latencies (a message and its ack) where it counted one.
+  auto rounds_extra = [&](const std::vector<int>& member_sites, const DpRing& ring,
+                          const std::vector<double>& buckets) {
+    double ratio = 1;  // the codec of the group's first cross-site pair
+    for (int m : member_sites) {
+      if (m == member_sites[0]) continue;
+      const int c = plan.gradient_codec.empty() ? ChooseCodec(job, cluster.Link(member_sites[0], m), false)
+                                                : plan.gradient_codec[member_sites[0]][m];
+      ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
+      break;
+    }
+    double waited = 0;
+    for (double bucket : buckets) {
+      const int rounds = AllReduceRounds(ring.members, bucket);
+      const double chunk = bucket / (rounds == 1 ? 1 : ring.members) * ratio;
+      const double window = ring.wan.bandwidth_bytes_per_s > 0 ? WindowSeconds(job, ring.wan, chunk) : 0;
+      waited += rounds * ((job.sequential_sync ? 2 * round_trips(chunk) : 1) * ring.round_latency + window);
+    }
+    return waited - ring.counted_latency;
+  };
+  // The tied all-reduce of every copy (tied_apart): it ends at tied_group_end.
+  double tied_group_end = 0;
+  if (tied_apart) {
+    const double bytes = model.tied_parameters * sizeof(float) / tp;
+    DpRing ring;
+    const double seconds = DataParallelAllReduce(cluster, job, plan, tied_sites, bytes, collective_scale,
+                                                 &traffic_gradient, &gradient_codec_used, &ring);
+    tied_group_end = tied_group_ready + seconds + (seconds > 0 ? rounds_extra(tied_sites, ring, {bytes}) : 0);
+  }
+
+  // Sequential sync (the runtime's step epilogue): the tied wte all-reduce first (each replica's pair: a ring of
+  // two, both directions at once: its bytes once plus two latencies, when both stages are done), then the buckets.
+  double epilogue_start = std::max(out.pipeline_time_s, job.sequential_sync ? tied_group_end : 0.0);
   if (job.sequential_sync) {
     for (const auto& [pair, replicas] : tied_pairs) {
       const auto [first, last] = pair;
@@ -739,32 +794,17 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     }
     std::vector<int> member_sites;
     for (int r = 0; r < plan.dp; ++r) member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
-    const double bytes = StageParameters(model, begin, end, pp) / tp * model.bytes_per_element;
+    const double bytes = DataParallelParameters(model, begin, end, pp, tied_apart) / tp * model.bytes_per_element;
     DpRing ring;
     const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale,
                                                  &traffic_gradient, &gradient_codec_used, &ring);
     out.stage_allreduce_s[s] = seconds;
     if (seconds <= 0) continue;
     if (job.sequential_sync) {
-      double ratio = 1;  // the codec of the group's first cross-site pair
-      for (int m : member_sites) {
-        if (m == member_sites[0]) continue;
-        const int c = plan.gradient_codec.empty() ? ChooseCodec(job, cluster.Link(member_sites[0], m), false)
-                                                  : plan.gradient_codec[member_sites[0]][m];
-        ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
-        break;
-      }
-      // Each bucket is an all-reduce of its own, after the last: each of its ring's rounds waits 2 r latencies
-      // (a message and its ack), and its message the window across sites. A round's message is one stream's (one
-      // tp rank's). `seconds` counted the stage's rounds once, at one latency each.
-      double waited = 0;
-      for (double bucket : GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes)) {
-        const int rounds = AllReduceRounds(ring.members, bucket);
-        const double chunk = bucket / (rounds == 1 ? 1 : ring.members) * ratio;
-        const double window = ring.wan.bandwidth_bytes_per_s > 0 ? WindowSeconds(job, ring.wan, chunk) : 0;
-        waited += rounds * (2 * round_trips(chunk) * ring.round_latency + window);
-      }
-      const double extra = waited - ring.counted_latency;
+      // Each bucket is an all-reduce of its own, after the last. A round's message is one stream's (one tp
+      // rank's). `seconds` counted the stage's rounds once, at one latency each.
+      const double extra = rounds_extra(
+          member_sites, ring, GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes, tied_apart));
       out.stage_allreduce_s[s] = seconds + extra;
       finish = std::max(finish, epilogue_start + seconds + extra);
       earliest_start = std::min(earliest_start, epilogue_start);
@@ -828,6 +868,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + window + link.latency_s);
   }
   if (!job.sequential_sync) {
+    tied_sync = std::max(tied_sync, tied_group_end);
     out.tied_sync_s = std::max(0.0, tied_sync - finish);
     out.step_time_s = std::max(finish, tied_sync) + job.step_overhead_s;
   }

@@ -232,9 +232,10 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations);
 // The runtime's gradient buckets of layers [begin, end) at a stage of pp, per tp rank, in bytes (fp32), as
 // comm::GradientBuckets packs them: the blocks in the order backward finishes them, then the stage's other
 // parameters (embeddings, final LayerNorm, the last stage's tied wte copy) as one group; a bucket is closed once
-// it holds bucket_bytes, and a group is never split.
+// it holds bucket_bytes, and a group is never split. tied_apart: the first and last stage's wte copies go through
+// an all-reduce of their own (gRPC collectives with several replicas), so their buckets leave wte out.
 std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int end, int pp, int tp,
-                                        double bucket_bytes);
+                                        double bucket_bytes, bool tied_apart = false);
 
 // Bytes per parameter of a stage's state: parameters, gradients and optimizer state, plus, with
 // data parallelism (dp > 1), the gradient buckets' copy of the gradients (comm::GradientBuckets).

@@ -449,6 +449,43 @@ TEST(CostModelTest, GrpcCollectivesRunDataParallelismAcrossSitesHierarchically) 
   EXPECT_NEAR(two->stage_allreduce_s[0], RingAllReduceSeconds(bytes, 2, c.Link(0, 1)), 1e-9);
 }
 
+// The tied embedding with gRPC collectives and several replicas: one all-reduce over every replica's first- and
+// last-stage copy, routed as a data-parallel group, and the stages' buckets leave wte out, so each site's sum of
+// the copies crosses once each way, whatever the layout. With NCCL each replica's pair exchanges its copies and the
+// stages' groups all-reduce them again: wte crosses once per copy that is apart from the others.
+TEST(CostModelTest, GrpcCollectivesSendTheTiedEmbeddingAcrossOnce) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  const double tied = model.tied_parameters * 4;
+  auto dp2pp2 = [&](std::vector<std::vector<std::vector<int>>> devices) {
+    Plan p;
+    p.dp = 2;
+    p.pp = 2;
+    p.stage_begin = {0, model.num_layers() / 2, model.num_layers()};
+    p.microbatches = {2, 2};
+    p.devices = std::move(devices);
+    return p;
+  };
+  const Plan pipelines_inside = dp2pp2({{{0}, {1}}, {{4}, {5}}});  // each replica in a site, DP across
+  const Plan pipelines_across = dp2pp2({{{0}, {4}}, {{1}, {5}}});  // first stages in utah, last in amsterdam
+  auto gradient_bytes = [&](const Plan& plan, bool grpc) {
+    JobOptions job = TinyJob();
+    job.grpc_collectives = grpc;
+    absl::StatusOr<Prediction> pr = Simulate(c, model, job, plan);
+    EXPECT_TRUE(pr.ok()) << pr.status();
+    EXPECT_EQ(pr->cross_site.size(), 1u);
+    return pr->cross_site.empty() ? 0.0 : pr->cross_site[0].gradient_bytes;
+  };
+  // Every parameter's gradient once each way (wte counted once), and across: the tied sum alone.
+  EXPECT_NEAR(gradient_bytes(pipelines_inside, true), 2 * parameters * 4, 1e-6 * parameters);
+  EXPECT_NEAR(gradient_bytes(pipelines_across, true), 2 * tied, 1e-6 * tied);
+  // With NCCL: both stages' data-parallel groups carry a copy; each replica's pair crosses.
+  EXPECT_NEAR(gradient_bytes(pipelines_inside, false), 2 * (parameters * 4 + tied), 1e-6 * parameters);
+  EXPECT_NEAR(gradient_bytes(pipelines_across, false), 2 * 2 * tied, 1e-6 * tied);
+}
+
 // On one host a collective's ranks all send at once: they share the host's throughput, twice the bandwidth
 // inside a site (what each of the calibration's two ranks gets), so four ranks in one site get half of it each.
 TEST(CostModelTest, OneHostCollectivesShareTheHostsThroughput) {

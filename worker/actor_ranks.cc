@@ -31,9 +31,14 @@ std::vector<int> ActorRanks::TensorParallelGroup() const {
   return out;
 }
 
-std::vector<int> ActorRanks::TiedEmbeddingGroup() const {
+std::vector<int> ActorRanks::TiedEmbeddingGroup(const std::vector<int>& replicas) const {
   if (pp == 1 || !(first_stage || last_stage)) return {};
-  return {WorldRank(replica, 0, tp_rank), WorldRank(replica, pp - 1, tp_rank)};
+  std::vector<int> out;
+  for (int r : replicas) {
+    out.push_back(WorldRank(r, 0, tp_rank));
+    out.push_back(WorldRank(r, pp - 1, tp_rank));
+  }
+  return out;
 }
 
 absl::StatusOr<ActorRanks> ActorRanks::Create(const JobSpec& spec, const ActorRecord& me,

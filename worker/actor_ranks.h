@@ -54,9 +54,9 @@ struct ActorRanks {
   std::vector<int> ReplicaGroup() const;
   // The tensor-parallel ranks of this stage in this replica.
   std::vector<int> TensorParallelGroup() const;
-  // The first and last stage of this replica at this tensor rank, which both hold the tied embedding;
-  // empty unless pp > 1 and this actor is one of them.
-  std::vector<int> TiedEmbeddingGroup() const;
+  // The first and last stage at this tensor rank of each of `replicas` (ascending), which all hold a copy of the
+  // tied embedding: by replica, its first stage first. Empty unless pp > 1 and this actor is one of them.
+  std::vector<int> TiedEmbeddingGroup(const std::vector<int>& replicas) const;
 
   // INVALID_ARGUMENT when the batch does not split into dp x microbatches, or when the actor list does
   // not hold exactly one actor per (replica, stage, tensor rank) of the plan.

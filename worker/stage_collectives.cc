@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -64,21 +65,72 @@ class NcclTensorParallel : public model::TensorParallelComm {
 };
 #endif
 
+// `options` that also add to *counter the bytes each acknowledged send delivered to an actor at another site than
+// this one's (a hierarchical all-reduce's leader sends both inside its site and across).
+comm::TensorStreamOptions CountedAcrossSites(comm::TensorStreamOptions options, const ActorRanks& ranks,
+                                             std::shared_ptr<std::atomic<uint64_t>> counter) {
+  std::map<std::string, std::string> site_at;  // address -> site
+  for (const comm::PeerInfo& p : ranks.peers) site_at[p.address] = p.site;
+  options.on_acknowledged = [base = options.on_acknowledged, site_at = std::move(site_at), my_site = ranks.site,
+                             counter = std::move(counter)](const std::string& address, uint64_t bytes,
+                                                           absl::Duration took) {
+    if (base) base(address, bytes, took);
+    if (auto it = site_at.find(address); it != site_at.end() && it->second != my_site) {
+      counter->fetch_add(bytes, std::memory_order_relaxed);
+    }
+  };
+  return options;
+}
+
+// How a gRPC group of `members` (world ranks, one of them this actor) all-reduces. Across sites, with a site that
+// holds several members: hierarchically, so that each site's sum crosses the WAN once (2(S-1)/S of it from each of
+// S leaders) where a flat ring sends 2(n-1)/n over each of its hops across sites, in 2(S-1) rounds of WAN latency
+// instead of 2(n-1); scheduler/cost_model.cc (DataParallelAllReduce) predicts the same choice. Else a ring.
+// `successor` is the member this actor's bytes go to in the ring that crosses sites (the leaders' ring; a
+// hierarchical member's own site leader), `ring_size` that ring's size: for attributing the traffic.
+struct GroupRoute {
+  comm::AllReduceAlgorithm algorithm = comm::AllReduceAlgorithm::kRing;
+  int successor = -1;
+  int ring_size = 1;
+};
+
+GroupRoute RouteOf(const std::vector<int>& members, const ActorRanks& ranks) {
+  std::vector<int> leaders;  // each site's lowest member, sites in order of their lowest member
+  bool shared_site = false;
+  const auto site_of = [&](int rank) -> const std::string& { return ranks.peers[rank].site; };
+  for (int m : members) {
+    if (std::none_of(leaders.begin(), leaders.end(), [&](int l) { return site_of(l) == site_of(m); })) {
+      leaders.push_back(m);
+    } else {
+      shared_site = true;
+    }
+  }
+  GroupRoute route;
+  const bool hierarchical = leaders.size() > 1 && shared_site;
+  if (hierarchical) route.algorithm = comm::AllReduceAlgorithm::kHierarchical;
+  const std::vector<int>& ring = hierarchical ? leaders : members;
+  route.ring_size = static_cast<int>(ring.size());
+  if (const auto me = std::find(ring.begin(), ring.end(), ranks.my_rank); me != ring.end()) {
+    route.successor = ring[(me - ring.begin() + 1) % ring.size()];
+  } else {
+    route.successor =
+        *std::find_if(leaders.begin(), leaders.end(), [&](int l) { return site_of(l) == site_of(ranks.my_rank); });
+  }
+  return route;
+}
+
 // Owns the clients, communicators and NCCL objects behind the StageCollectives pointers. One client per
 // traffic class, so that each step's bytes can be attributed.
 class GrpcStageCollectives : public StageCollectives {
  public:
-  // `dp_stream_options` adds to `stream_options` the count of the data-parallel bytes sent across sites into
-  // *dp_wan_bytes.
+  // The data-parallel and tied-embedding clients count the bytes they send to other sites (CountedAcrossSites).
   GrpcStageCollectives(const std::string& token, const comm::TensorStreamOptions& stream_options,
-                       const comm::TensorStreamOptions& dp_stream_options,
-                       std::shared_ptr<std::atomic<uint64_t>> dp_wan_bytes, comm::TensorStreamServer* mailbox,
-                       std::string comm_job_id)
+                       const ActorRanks& ranks, comm::TensorStreamServer* mailbox, std::string comm_job_id)
       : pipeline_client_(token, stream_options),
-        dp_client_(token, dp_stream_options),
+        dp_client_(token, CountedAcrossSites(stream_options, ranks, dp_wan_bytes_)),
         other_client_(token, stream_options),
         outer_client_(token, stream_options),
-        dp_wan_bytes_(std::move(dp_wan_bytes)),
+        tied_client_(token, CountedAcrossSites(stream_options, ranks, tied_wan_bytes_)),
         mailbox_(mailbox),
         comm_job_id_(std::move(comm_job_id)) {}
 
@@ -90,6 +142,8 @@ class GrpcStageCollectives : public StageCollectives {
         return pipeline_client_.stats().bytes_sent;
       case TrafficClass::kDataParallel:
         return dp_wan_bytes_->load(std::memory_order_relaxed);
+      case TrafficClass::kTied:
+        return tied_wan_bytes_->load(std::memory_order_relaxed);
       case TrafficClass::kOther:
         return other_client_.stats().bytes_sent;
       case TrafficClass::kOuter:
@@ -98,8 +152,10 @@ class GrpcStageCollectives : public StageCollectives {
     return 0;
   }
 
-  comm::TensorStreamClient pipeline_client_, dp_client_, other_client_, outer_client_;
-  const std::shared_ptr<std::atomic<uint64_t>> dp_wan_bytes_;  // dp_client_'s bytes to other sites
+  // The bytes dp_client_ and tied_client_ sent to other sites (declared before the clients, which count into them).
+  const std::shared_ptr<std::atomic<uint64_t>> dp_wan_bytes_ = std::make_shared<std::atomic<uint64_t>>(0),
+                                               tied_wan_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
+  comm::TensorStreamClient pipeline_client_, dp_client_, other_client_, outer_client_, tied_client_;
   comm::TensorStreamServer* const mailbox_;
   const std::string comm_job_id_;
   std::unique_ptr<comm::GrpcCommunicator> pipeline_comm_, dp_comm_, dp_scalars_comm_, replica_comm_, tp_comm_,
@@ -162,24 +218,7 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
       }
     };
   }
-  // The data-parallel client counts what it sends to other sites: a hierarchical all-reduce's leader sends both
-  // inside its site and across.
-  auto dp_wan_bytes = std::make_shared<std::atomic<uint64_t>>(0);
-  comm::TensorStreamOptions dp_stream_options = stream_options;
-  {
-    std::map<std::string, std::string> site_at;  // address -> site
-    for (const comm::PeerInfo& p : ranks.peers) site_at[p.address] = p.site;
-    dp_stream_options.on_acknowledged = [base = stream_options.on_acknowledged, site_at = std::move(site_at),
-                                         my_site = ranks.site, counter = dp_wan_bytes](
-                                            const std::string& address, uint64_t bytes, absl::Duration took) {
-      if (base) base(address, bytes, took);
-      if (auto it = site_at.find(address); it != site_at.end() && it->second != my_site) {
-        counter->fetch_add(bytes, std::memory_order_relaxed);
-      }
-    };
-  }
-  auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, dp_stream_options, dp_wan_bytes, mailbox_,
-                                                    ranks.comm_job_id);
+  auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, ranks, mailbox_, ranks.comm_job_id);
   GrpcStageCollectives& c = *out;
   auto group = [&](const std::vector<int>& members, comm::TensorStreamClient* client,
                    const comm::CommunicatorOptions& group_options) {
@@ -197,17 +236,15 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   c.dp_scalars_comm_ = group(dp_group, &c.other_client_, exact_options);
   c.replica_comm_ = group(ranks.ReplicaGroup(), &c.other_client_, exact_options);
   c.tp_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, options);
-  if (const std::vector<int> tied = ranks.TiedEmbeddingGroup(); !tied.empty()) {
-    c.tied_comm_ = group(tied, &c.other_client_, options);
-  }
   c.tp_adapter_ = std::make_unique<CommunicatorTensorParallel>(c.tp_comm_.get());
   c.pipeline = c.pipeline_comm_.get();
   c.dp_scalars = c.dp_scalars_comm_.get();
   c.replica = c.replica_comm_.get();
-  c.tied = c.tied_comm_.get();
   c.tp = ranks.tp > 1 ? c.tp_adapter_.get() : nullptr;
   c.inner_replicas = ranks.dp;
   std::vector<int> inner_group = dp_group;
+  std::vector<int> inner_replicas(ranks.dp);  // the replicas inner_group holds this stage of
+  std::iota(inner_replicas.begin(), inner_replicas.end(), 0);
   const bool diloco = DilocoOn(spec) && ranks.dp > 1;
   if (diloco) {
     // DiLoCo groups: the replicas whose first stage shares a site (model/diloco.h DilocoGroups).
@@ -216,8 +253,12 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     const std::vector<int> group_of = model::DilocoGroups(replica_sites);
     std::vector<int> leaders;  // world ranks of each group's lowest replica at this stage and tensor rank
     inner_group.clear();
+    inner_replicas.clear();
     for (int r = 0; r < ranks.dp; ++r) {
-      if (group_of[r] == group_of[ranks.replica]) inner_group.push_back(dp_group[r]);
+      if (group_of[r] == group_of[ranks.replica]) {
+        inner_group.push_back(dp_group[r]);
+        inner_replicas.push_back(r);
+      }
       if (group_of[r] == static_cast<int>(leaders.size())) leaders.push_back(dp_group[r]);
     }
     ASSIGN_OR_RETURN(comm::Codec outer_codec, comm::ParseCodec(EffectiveDiloco(spec).codec()));
@@ -240,36 +281,15 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     }
   }
   if (inner_group.size() > 1) {
-    // Across sites, with a site that holds several of the group's replicas: the hierarchical all-reduce, which
-    // sends each site's sum across once (2(S-1)/S of it from each of S leaders) where a flat ring sends 2(n-1)/n
-    // over each of its hops across sites, in 2(S-1) rounds of WAN latency instead of 2(n-1).
-    // scheduler/cost_model.cc (DataParallelAllReduce) predicts the same choice.
-    std::vector<int> leaders;  // each site's lowest member, sites in order of their lowest member
-    bool shared_site = false;
-    for (int m : inner_group) {
-      const auto same_site = [&](int l) { return ranks.peers[l].site == ranks.peers[m].site; };
-      if (std::none_of(leaders.begin(), leaders.end(), same_site)) {
-        leaders.push_back(m);
-      } else {
-        shared_site = true;
-      }
-    }
-    const bool hierarchical = leaders.size() > 1 && shared_site;
+    const GroupRoute route = RouteOf(inner_group, ranks);
     comm::CommunicatorOptions dp_options = options;
-    if (hierarchical) dp_options.all_reduce = comm::AllReduceAlgorithm::kHierarchical;
+    dp_options.all_reduce = route.algorithm;
     c.dp_comm_ = group(inner_group, &c.dp_client_, dp_options);
     c.dp_all_reduce = [comm = c.dp_comm_.get()](absl::Span<float> data, std::string_view tag) {
       return comm->AllReduceSum(data, tag);
     };
-    const std::vector<int>& ring = hierarchical ? leaders : inner_group;
-    const auto me = std::find(ring.begin(), ring.end(), ranks.my_rank);
-    if (me != ring.end()) {
-      c.dp_successor_rank = ring[(me - ring.begin() + 1) % ring.size()];
-    } else {  // a hierarchical all-reduce's member sends only to its leader, inside the site
-      c.dp_successor_rank =
-          *std::find_if(leaders.begin(), leaders.end(), [&](int l) { return ranks.peers[l].site == ranks.site; });
-    }
-    c.dp_ring_size = static_cast<int>(ring.size());
+    c.dp_successor_rank = route.successor;
+    c.dp_ring_size = route.ring_size;
   }
 
   // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
@@ -277,6 +297,26 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
                                                         ranks.stage, ranks.tp_rank, kNcclBuilt));
   if (diloco) plan.dp.use = false;  // DiLoCo's groups run on the gRPC rings above
   c.notes = plan.notes;
+
+  // The tied embedding: with data parallelism on gRPC, one all-reduce over every copy of wte in the group's
+  // replicas (the first and last stage of each), routed as the data-parallel groups are, so that across sites
+  // each site's sum of them crosses once; the data-parallel buckets leave wte out. Summing each replica's pair
+  // and then each stage's replicas apart sent it across once per copy that crossed. With NCCL's data
+  // parallelism the pair of each replica's first and last stage, and wte goes with the device buckets.
+  c.tied_over_replicas = !plan.dp.use && inner_replicas.size() > 1;
+  if (const std::vector<int> tied =
+          ranks.TiedEmbeddingGroup(c.tied_over_replicas ? inner_replicas : std::vector<int>{ranks.replica});
+      !tied.empty()) {
+    const GroupRoute route = RouteOf(tied, ranks);
+    comm::CommunicatorOptions tied_options = options;
+    tied_options.all_reduce = route.algorithm;
+    c.tied_comm_ = group(tied, &c.tied_client_, tied_options);
+    c.tied = c.tied_comm_.get();
+    c.tied_successor_rank = route.successor;
+    c.tied_ring_size = route.ring_size;
+  } else {
+    c.tied_over_replicas = false;
+  }
   if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
     return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),
                                             " but the head lists it on a CUDA device"));

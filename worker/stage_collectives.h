@@ -6,7 +6,9 @@
 //                   all-reduce when the group spans sites and a site holds several of its replicas, so that
 //                   each site's sum crosses the WAN once; or NCCL on device memory inside a site with gRPC
 //                   among site leaders: worker/collectives.h decides);
-//   tied            the tied-embedding gradient sum of the replica's first and last stage;
+//   tied            the tied-embedding gradient sum over every copy of wte (the first and last stage of each
+//                   replica of the data-parallel group, or of the DiLoCo group; of this replica alone when
+//                   the data-parallel all-reduce runs on NCCL);
 //   tp              the tensor-parallel all-reduces of the stage (gRPC, or NCCL on device memory);
 //   replica         the global gradient norm over the replica's stages and ranks (exact, never lossy);
 //   dp_scalars      the loss average across replicas (exact);
@@ -40,7 +42,7 @@
 namespace geotrain::worker {
 
 // Traffic classes, counted apart so that each step's bytes can be attributed to site pairs.
-enum class TrafficClass { kPipeline, kDataParallel, kOther, kOuter };
+enum class TrafficClass { kPipeline, kDataParallel, kOther, kOuter, kTied };
 
 class StageCollectives {
  public:
@@ -49,7 +51,12 @@ class StageCollectives {
   comm::Communicator* pipeline = nullptr;
   comm::Communicator* dp_scalars = nullptr;
   comm::Communicator* replica = nullptr;
-  comm::Communicator* tied = nullptr;              // null unless pp > 1 and first or last stage
+  comm::Communicator* tied = nullptr;  // null unless pp > 1 and first or last stage
+  // tied sums the copies of every replica of the group (then dp_all_reduce leaves wte out), not just this one's.
+  bool tied_over_replicas = false;
+  // Where the tied all-reduce sends its bytes across sites, and the size of that ring (as dp_successor_rank).
+  int tied_successor_rank = -1;
+  int tied_ring_size = 1;
   model::TensorParallelComm* tp = nullptr;         // null when tp == 1
   comm::AllReduceFn dp_all_reduce;                 // null when dp == 1
   comm::BucketMemory* dp_bucket_memory = nullptr;  // where the buckets live; null: host memory
@@ -76,8 +83,8 @@ class StageCollectives {
   bool diloco_leader = true;
   std::vector<std::string> notes;  // why groups of CUDA stages stay on gRPC, for the actor's log
 
-  // Encoded bytes acknowledged by peers so far, per traffic class; kDataParallel counts only the bytes sent to
-  // actors at other sites (a hierarchical all-reduce's leader also sends inside its site).
+  // Encoded bytes acknowledged by peers so far, per traffic class; kDataParallel and kTied count only the bytes
+  // sent to actors at other sites (a hierarchical all-reduce's leader also sends inside its site).
   virtual uint64_t BytesSent(TrafficClass traffic) const = 0;
   // Ends every receive of this run of the job at once (CANCELLED), now and later: after a send failed,
   // so that the actor stops waiting for peers and reports the failure. Any thread.

@@ -168,7 +168,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(dp_view(g));
     }
     groups.emplace_back();
-    for (absl::Span<float> g : stage_->NonLayerGradientSpans()) groups.back().push_back(dp_view(g));
+    for (absl::Span<float> g : DataParallelNonLayerSpans()) groups.back().push_back(dp_view(g));
     const double bucket_mb = spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0;
     comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
     if (timed_) {
@@ -216,6 +216,16 @@ std::string StageTrainer::Describe() const {
                                          collectives_->dp_on_device ? ", on NCCL inside the site" : "")
                           : std::string(),
                       collectives_->tp_nccl ? "; tensor-parallel all-reduces on NCCL" : "");
+}
+
+std::vector<absl::Span<float>> StageTrainer::DataParallelNonLayerSpans() {
+  std::vector<absl::Span<float>> spans = stage_->NonLayerGradientSpans();
+  if (collectives_->tied_over_replicas) {
+    const float* wte = stage_->grad_tensors().wte;
+    spans.erase(std::remove_if(spans.begin(), spans.end(), [&](absl::Span<float> g) { return g.data() == wte; }),
+                spans.end());
+  }
+  return spans;
 }
 
 absl::Span<float> StageTrainer::HostView(absl::Span<float> grads) {
@@ -328,22 +338,23 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
   }
   RETURN_IF_ERROR(sender_->Flush(traffic));
   const std::string& my_site = ranks_.site;
-  // Tied embedding: the first and last stage hold copies of wte; each needs the sum of both grads.
+  // Tied embedding: the first and last stage hold copies of wte; each needs the sum of every copy's gradient
+  // (its replica's pair, or every replica's with tied_over_replicas).
   if (collectives_->tied != nullptr) {
     const model::ParameterTensors& g = stage_->grad_tensors();
     const size_t n = static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd;
-    const uint64_t before = collectives_->BytesSent(TrafficClass::kOther);
+    const uint64_t before = collectives_->BytesSent(TrafficClass::kTied);
     const absl::Span<float> wte = absl::MakeSpan(g.wte, n);
     RETURN_IF_ERROR(CopyOut({wte}));
     RETURN_IF_ERROR(collectives_->tied->AllReduceSum(HostView(wte), "tied"));
     if (on_device_) RETURN_IF_ERROR(backend_->CopyToDevice(g.wte, HostView(wte).data(), n * sizeof(float)));
-    const int partner = ranks_.first_stage ? ranks_.WorldRank(ranks_.replica, ranks_.pp - 1, ranks_.tp_rank)
-                                           : ranks_.WorldRank(ranks_.replica, 0, ranks_.tp_rank);
-    traffic->Add(my_site, ranks_.peers[partner].site, collectives_->BytesSent(TrafficClass::kOther) - before, 4.0 * n);
+    const int ring = collectives_->tied_ring_size;
+    traffic->Add(my_site, ranks_.peers[collectives_->tied_successor_rank].site,
+                 collectives_->BytesSent(TrafficClass::kTied) - before, 2.0 * (ring - 1) / ring * 4.0 * n);
   }
   if (grad_buckets_) {
     const bool dp_on_device = collectives_->dp_on_device;
-    if (!dp_on_device) RETURN_IF_ERROR(CopyOut(stage_->NonLayerGradientSpans()));
+    if (!dp_on_device) RETURN_IF_ERROR(CopyOut(DataParallelNonLayerSpans()));
     grad_buckets_->GroupReady(num_layers_);  // the embeddings and final LayerNorm
     RETURN_IF_ERROR(grad_buckets_->Finish());
     if (on_device_ && !dp_on_device) {  // the groups cover the gradients exactly once: the mirror is the sums

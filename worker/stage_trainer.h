@@ -16,7 +16,9 @@
 //      (activation recomputation: exact, at the cost of one extra forward);
 //   2. data parallelism: during the last microbatch's backward each block's gradients go into all-reduce
 //      buckets (comm::GradientBuckets) that start while backward goes on; the embeddings and final LayerNorm
-//      go last, after the tied-embedding sum of the first and last stage;
+//      go last, after the tied-embedding sum (on gRPC one all-reduce over every replica's first- and
+//      last-stage copy of wte, which the buckets then leave out; with NCCL each replica's pair, and wte
+//      goes with the buckets);
 //   3. the global gradient norm over the replica's stages and ranks (exact), clipping and the AdamW step:
 //      every replica takes the same step;
 //   4. the job's loss: the mean over replicas of each replica's mean (loss carriers: last stage, tp rank 0);
@@ -124,6 +126,9 @@ class StageTrainer {
   // The host span standing for a span of the stage's gradients: itself on the CPU, its place in the host
   // mirror on a device.
   absl::Span<float> HostView(absl::Span<float> grads);
+  // The gradients outside the blocks the data-parallel buckets sum: the stage's embeddings and final LayerNorm,
+  // less wte when the tied all-reduce sums every replica's copy (StageCollectives::tied_over_replicas).
+  std::vector<absl::Span<float>> DataParallelNonLayerSpans();
   absl::Status CopyOut(const std::vector<absl::Span<float>>& spans);
 
   const JobSpec spec_;
