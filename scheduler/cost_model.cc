@@ -751,13 +751,16 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     }
     return waited - ring.counted_latency;
   };
-  // The tied all-reduce of every copy (tied_apart): it ends at tied_group_end.
+  // The tied all-reduce of every copy (tied_apart): it ends at tied_group_end. Every tp rank holds all of wte
+  // (it is replicated, not sharded), so each rank's group all-reduces the whole of it. Its bytes join the
+  // gradients' after the stages' bound on the WAN below, as each replica's pair does.
   double tied_group_end = 0;
+  std::vector<std::vector<double>> traffic_tied(n_sites, std::vector<double>(n_sites, 0));
   if (tied_apart) {
-    const double bytes = model.tied_parameters * sizeof(float) / tp;
+    const double bytes = model.tied_parameters * model.bytes_per_element;
     DpRing ring;
-    const double seconds = DataParallelAllReduce(cluster, job, plan, tied_sites, bytes, collective_scale,
-                                                 &traffic_gradient, &gradient_codec_used, &ring);
+    const double seconds = DataParallelAllReduce(cluster, job, plan, tied_sites, bytes, collective_scale, &traffic_tied,
+                                                 &gradient_codec_used, &ring);
     tied_group_end = tied_group_ready + seconds + (seconds > 0 ? rounds_extra(tied_sites, ring, {bytes}) : 0);
   }
 
@@ -849,6 +852,9 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     out.step_time_s = finish + out.scalar_sync_s + job.step_overhead_s;
   }
 
+  for (int a = 0; a < n_sites; ++a) {
+    for (int c = 0; c < n_sites; ++c) traffic_gradient[a][c] += traffic_tied[a][c];
+  }
   // Tied wte gradients: the first and the last stage of each replica send each other their partial
   // gradient once both are complete (full duplex: both directions at once), then both apply the
   // sum.

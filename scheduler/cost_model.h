@@ -88,7 +88,7 @@ struct JobOptions {
   // How the step ends. false (the default): gradient all-reduces overlap the last microbatch's
   // backward (bucketed), the tied wte exchange runs beside them. true: the step end as geotrain's
   // runtime (worker/stage_actor.cc) was validated with: after the schedule, one after the other, the
-  // tied wte all-reduce (a ring of the first and last stage), the gradient all-reduce, the
+  // tied wte all-reduce (each replica's first and last stage, or with gRPC every copy), the gradient all-reduce, the
   // gradient-norm all-reduce among the replica's stages and the loss all-reduce among replicas. The
   // runtime now starts its gradient buckets during the last microbatch's backward; on the validation's
   // 2 cores that gained nothing (docs/benchmarks.md), so the sequential model still fits it there. It

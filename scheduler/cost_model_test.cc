@@ -424,7 +424,8 @@ TEST(CostModelTest, SitesSharingOneHostDivideTheBandwidthInsideASite) {
 // With gRPC collectives (CPU and timed workers) data parallelism across sites whose sites hold several replicas is
 // gRPC's hierarchical all-reduce, as the runtime runs it: each site's leader gathers its k - 1 others' tensors and
 // sends each a copy back, and the two leaders exchange their sites' sums in one round (the whole tensor each way).
-// The WAN carries a third fewer bytes than a flat ring of eight (2 x 7/8) in one round instead of 14. With one
+// The WAN carries the tensor once each way, where a flat ring of eight sends 2 x 7/8 of it, in one round instead of
+// 14. With one
 // replica per site the ring of the sites remains.
 TEST(CostModelTest, GrpcCollectivesRunDataParallelismAcrossSitesHierarchically) {
   const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
@@ -449,6 +450,17 @@ TEST(CostModelTest, GrpcCollectivesRunDataParallelismAcrossSitesHierarchically) 
   EXPECT_NEAR(two->stage_allreduce_s[0], RingAllReduceSeconds(bytes, 2, c.Link(0, 1)), 1e-9);
 }
 
+// DP2 x PP2 on the given devices (by replica, then stage), two microbatches per replica.
+Plan TwoByTwo(const ModelCosts& model, std::vector<std::vector<std::vector<int>>> devices) {
+  Plan p;
+  p.dp = 2;
+  p.pp = 2;
+  p.stage_begin = {0, model.num_layers() / 2, model.num_layers()};
+  p.microbatches = {2, 2};
+  p.devices = std::move(devices);
+  return p;
+}
+
 // The tied embedding with gRPC collectives and several replicas: one all-reduce over every replica's first- and
 // last-stage copy, routed as a data-parallel group, and the stages' buckets leave wte out, so each site's sum of
 // the copies crosses once each way, whatever the layout. With NCCL each replica's pair exchanges its copies and the
@@ -459,17 +471,8 @@ TEST(CostModelTest, GrpcCollectivesSendTheTiedEmbeddingAcrossOnce) {
   double parameters = 0;
   for (const LayerCost& l : model.layers) parameters += l.parameters;
   const double tied = model.tied_parameters * 4;
-  auto dp2pp2 = [&](std::vector<std::vector<std::vector<int>>> devices) {
-    Plan p;
-    p.dp = 2;
-    p.pp = 2;
-    p.stage_begin = {0, model.num_layers() / 2, model.num_layers()};
-    p.microbatches = {2, 2};
-    p.devices = std::move(devices);
-    return p;
-  };
-  const Plan pipelines_inside = dp2pp2({{{0}, {1}}, {{4}, {5}}});  // each replica in a site, DP across
-  const Plan pipelines_across = dp2pp2({{{0}, {4}}, {{1}, {5}}});  // first stages in utah, last in amsterdam
+  const Plan pipelines_inside = TwoByTwo(model, {{{0}, {1}}, {{4}, {5}}});  // each replica in a site, DP across
+  const Plan pipelines_across = TwoByTwo(model, {{{0}, {4}}, {{1}, {5}}});  // first stages in utah, last in amsterdam
   auto gradient_bytes = [&](const Plan& plan, bool grpc) {
     JobOptions job = TinyJob();
     job.grpc_collectives = grpc;
@@ -484,6 +487,26 @@ TEST(CostModelTest, GrpcCollectivesSendTheTiedEmbeddingAcrossOnce) {
   // With NCCL: both stages' data-parallel groups carry a copy; each replica's pair crosses.
   EXPECT_NEAR(gradient_bytes(pipelines_inside, false), 2 * (parameters * 4 + tied), 1e-6 * parameters);
   EXPECT_NEAR(gradient_bytes(pipelines_across, false), 2 * 2 * tied, 1e-6 * tied);
+}
+
+// With the runtime's step end (sequential_sync) the tied all-reduce of every copy comes first and the stages'
+// all-reduces after it: the stages' shared WAN carries their gradients without wte, which the tied all-reduce has
+// already sent (its bytes are not charged to them again).
+TEST(CostModelTest, SequentialSyncChargesTheTiedBytesOnce) {
+  const Cluster c = TwoSites("RTX6000", 4, 0.1, 100);  // short latency: the two stages' bytes bound the step end
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  JobOptions job = TinyJob();
+  job.grpc_collectives = true;
+  job.sequential_sync = true;
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  const double W = 100e6 / 8, l = 0.0001;
+  absl::StatusOr<Prediction> pr = Simulate(c, model, job, TwoByTwo(model, {{{0}, {1}}, {{4}, {5}}}));
+  ASSERT_TRUE(pr.ok()) << pr.status();
+  const double stages_wan = l + (parameters - model.tied_parameters) * 4 / W;
+  EXPECT_GT(stages_wan, std::max(pr->stage_allreduce_s[0], pr->stage_allreduce_s[1]));
+  EXPECT_NEAR(pr->dp_exposed_s, stages_wan, 1e-9);
+  EXPECT_GT(pr->tied_sync_s, model.tied_parameters * 4 / W);  // the copies' sums cross once each way
 }
 
 // On one host a collective's ranks all send at once: they share the host's throughput, twice the bandwidth

@@ -84,8 +84,9 @@ comm::TensorStreamOptions CountedAcrossSites(comm::TensorStreamOptions options, 
 
 // How a gRPC group of `members` (world ranks, one of them this actor) all-reduces. Across sites, with a site that
 // holds several members: hierarchically, so that each site's sum crosses the WAN once (2(S-1)/S of it from each of
-// S leaders) where a flat ring sends 2(n-1)/n over each of its hops across sites, in 2(S-1) rounds of WAN latency
-// instead of 2(n-1); scheduler/cost_model.cc (DataParallelAllReduce) predicts the same choice. Else a ring.
+// S leaders) where a flat ring sends 2(n-1)/n over each of its hops across sites, in the leaders' rounds of WAN
+// latency (one for two leaders up to 32 MiB, else 2(S-1)) instead of 2(n-1); scheduler/cost_model.cc
+// (DataParallelAllReduce) predicts the same choice. Else a ring.
 // `successor` is the member this actor's bytes go to in the ring that crosses sites (the leaders' ring; a
 // hierarchical member's own site leader), `ring_size` that ring's size: for attributing the traffic.
 struct GroupRoute {
@@ -302,8 +303,17 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   // replicas (the first and last stage of each), routed as the data-parallel groups are, so that across sites
   // each site's sum of them crosses once; the data-parallel buckets leave wte out. Summing each replica's pair
   // and then each stage's replicas apart sent it across once per copy that crossed. With NCCL's data
-  // parallelism the pair of each replica's first and last stage, and wte goes with the device buckets.
-  c.tied_over_replicas = !plan.dp.use && inner_replicas.size() > 1;
+  // parallelism (at the first or the last stage: every copy's holder must build the same group) the pair of each
+  // replica's first and last stage, and wte goes with the buckets.
+  bool tied_stages_on_nccl = false;
+  if (!diloco && ranks.pp > 1 && (ranks.first_stage || ranks.last_stage)) {
+    for (int stage : {0, ranks.pp - 1}) {
+      ASSIGN_OR_RETURN(CollectivePlan stage_plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica,
+                                                                  stage, ranks.tp_rank, kNcclBuilt));
+      tied_stages_on_nccl = tied_stages_on_nccl || stage_plan.dp.use;
+    }
+  }
+  c.tied_over_replicas = !tied_stages_on_nccl && inner_replicas.size() > 1;
   if (const std::vector<int> tied =
           ranks.TiedEmbeddingGroup(c.tied_over_replicas ? inner_replicas : std::vector<int>{ranks.replica});
       !tied.empty()) {

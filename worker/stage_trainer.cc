@@ -357,7 +357,7 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
     if (!dp_on_device) RETURN_IF_ERROR(CopyOut(DataParallelNonLayerSpans()));
     grad_buckets_->GroupReady(num_layers_);  // the embeddings and final LayerNorm
     RETURN_IF_ERROR(grad_buckets_->Finish());
-    if (on_device_ && !dp_on_device) {  // the groups cover the gradients exactly once: the mirror is the sums
+    if (on_device_ && !dp_on_device) {  // the groups and the tied sum cover the gradients once: the mirror is the sums
       RETURN_IF_ERROR(backend_->CopyToDevice(stage_->grads(), host_grads_.data(), host_grads_.size() * sizeof(float)));
     }
     const int ring = collectives_->dp_ring_size;
