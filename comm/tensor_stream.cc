@@ -409,7 +409,12 @@ absl::StatusOr<ReceivedTensor> TensorStreamServer::Recv(const TensorKey& key, ab
 
 void TensorStreamServer::CancelJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
-  cancelled_jobs_.insert(job_id);
+  if (!cancelled_jobs_.insert(job_id).second) return;
+  cancelled_order_.push_back(job_id);
+  if (cancelled_order_.size() > kMaxCancelledJobs) {
+    cancelled_jobs_.erase(cancelled_order_.front());
+    cancelled_order_.pop_front();
+  }
 }
 
 bool TensorStreamServer::JobCancelled(const std::string& job_id) const {

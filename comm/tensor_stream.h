@@ -59,6 +59,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -193,9 +194,12 @@ class TensorStreamServer {
   // Stops the receives of `job_id` (a key's job id exactly, e.g. one run of a job): every Recv waiting for
   // one of its tensors returns CANCELLED at once, later ones too, and its tensors are refused
   // (FAILED_PRECONDITION to the sender). For a job that is stopping: its actors learn it without waiting for
-  // their receive deadlines. The mailbox shares it between every actor of the job on this endpoint.
+  // their receive deadlines. The mailbox shares it between every actor of the job on this endpoint. The endpoint
+  // remembers the kMaxCancelledJobs most recently cancelled job ids (a worker lives through many jobs and
+  // restarts); an older one's late tensors are taken into the mailbox again, where the orphan timeout drops them.
   void CancelJob(const std::string& job_id);
-  // Whether CancelJob(job_id) was called.
+  static constexpr size_t kMaxCancelledJobs = 4096;
+  // Whether CancelJob(job_id) was called (among the last kMaxCancelledJobs cancelled).
   bool JobCancelled(const std::string& job_id) const;
 
   // Wakes every Recv and RecvInto with CANCELLED, refuses new tensors (UNAVAILABLE) and ends every open
@@ -270,6 +274,7 @@ class TensorStreamServer {
   absl::flat_hash_map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);  // and by sender
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<std::string> cancelled_jobs_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> cancelled_order_ ABSL_GUARDED_BY(mu_);  // cancelled_jobs_, oldest first
   Stats stats_ ABSL_GUARDED_BY(mu_);
   std::thread janitor_;  // DropOrphansLoop; joined by the destructor
 };

@@ -10,6 +10,7 @@
 #include <functional>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "comm/tensor_stream_testing.h"
 #include "gmock/gmock.h"
@@ -442,6 +443,30 @@ TEST(TensorStream, DiscardJobDropsOnlyThatJobsTensors) {
   EXPECT_EQ(endpoint.streams().Recv(Key("a"), absl::Now() + absl::Milliseconds(50)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(endpoint.streams().Recv(other, Soon()).ok());
+}
+
+TEST(TensorStream, CancelledJobsAreRememberedUpToABound) {
+  // A cancelled job's receives return CANCELLED at once and its tensors are refused; the endpoint remembers the
+  // last kMaxCancelledJobs such jobs, so that a worker that lives through many jobs does not grow without bound.
+  Endpoint endpoint;
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(10, 1.0f);
+  endpoint.streams().CancelJob("job-1");
+  endpoint.streams().CancelJob("job-1");  // once
+  EXPECT_EQ(endpoint.streams().Recv(Key("a"), Soon()).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  for (size_t i = 0; i + 1 < TensorStreamServer::kMaxCancelledJobs; ++i) {
+    endpoint.streams().CancelJob(absl::StrCat("other-", i));
+  }
+  EXPECT_TRUE(endpoint.streams().JobCancelled("job-1"));  // the bound holds job-1 and the others
+  endpoint.streams().CancelJob("one-more");
+  EXPECT_FALSE(endpoint.streams().JobCancelled("job-1"));  // the oldest is forgotten
+  EXPECT_TRUE(endpoint.streams().JobCancelled("other-0"));
+  EXPECT_TRUE(endpoint.streams().JobCancelled("one-more"));
+  // Its late tensors are taken again (the orphan timeout would drop them).
+  EXPECT_TRUE(client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon()).ok());
+  EXPECT_TRUE(endpoint.streams().Recv(Key("a"), Soon()).ok());
 }
 
 TEST(TensorStream, DeadlinesExpireCleanly) {
