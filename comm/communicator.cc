@@ -158,6 +158,16 @@ absl::StatusOr<ReceivedTensor> GrpcCommunicator::RecvFrom(const Call& call, cons
   return server_->Recv(MakeKey(call, part, peer), call.deadline);
 }
 
+absl::Status GrpcCommunicator::RecvFromInto(const Call& call, const std::string& part, int peer,
+                                            absl::Span<float> out) {
+  absl::Status status = server_->RecvInto(MakeKey(call, part, peer), out, call.deadline);
+  if (status.code() == absl::StatusCode::kInvalidArgument) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("collective: ", status.message(), "; do all ranks pass the same sizes?"));
+  }
+  return status;
+}
+
 absl::Status GrpcCommunicator::RingReduceScatter(const Call& call, const std::vector<int>& group,
                                                  absl::Span<float> data) {
   const int n = static_cast<int>(group.size());
@@ -300,9 +310,7 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
   const int leader = site_ranks.front();
   if (rank_ != leader) {
     RETURN_IF_ERROR(SendTo(call, "up", leader, data, LinkCodec(rank_, leader), call.prefix + "/up"));
-    ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "down", leader));
-    RETURN_IF_ERROR(CheckElements(got, data.size()));
-    return got.DecodeInto(data);
+    return RecvFromInto(call, "down", leader, data);
   }
   // Leader: reduce the site (in rank order), all-reduce among leaders, broadcast to the site.
   for (size_t i = 1; i < site_ranks.size(); ++i) {
@@ -377,11 +385,7 @@ absl::Status GrpcCommunicator::Broadcast(absl::Span<float> data, int root, std::
   RETURN_IF_ERROR(config_status_);
   if (root < 0 || root >= size()) return absl::InvalidArgumentError(absl::StrCat("Broadcast: bad root ", root));
   const Call call = Begin("broadcast", tag);
-  if (rank_ != root) {
-    ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "b", root));
-    RETURN_IF_ERROR(CheckElements(got, data.size()));
-    return got.DecodeInto(data);
-  }
+  if (rank_ != root) return RecvFromInto(call, "b", root, data);
   std::vector<std::unique_ptr<AsyncStatus>> sends;
   for (int r = 0; r < size(); ++r) {
     if (r == root) continue;
@@ -407,9 +411,7 @@ absl::Status GrpcCommunicator::Recv(int peer, absl::Span<float> data, std::strin
   RETURN_IF_ERROR(config_status_);
   if (peer < 0 || peer >= size() || peer == rank_) return absl::InvalidArgumentError("Recv: bad peer");
   const Call call = Begin(absl::StrCat("p2p-", peer, ">", rank_), tag);
-  ASSIGN_OR_RETURN(ReceivedTensor got, RecvFrom(call, "m", peer));
-  RETURN_IF_ERROR(CheckElements(got, data.size()));
-  return got.DecodeInto(data);
+  return RecvFromInto(call, "m", peer, data);
 }
 
 // --- BucketedAllReduce -----------------------------------------------------------------------------------

@@ -148,6 +148,9 @@ class GrpcCommunicator : public Communicator {
   absl::Status SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
                              const Bytes& encoded, int64_t elements);
   absl::StatusOr<ReceivedTensor> RecvFrom(const Call& call, const std::string& part, int peer);
+  // The same tensor decoded into `out` (TensorStreamServer::RecvInto: an element-wise codec's chunks are decoded as
+  // they arrive); for receives whose destination is known and whose result is not forwarded or added.
+  absl::Status RecvFromInto(const Call& call, const std::string& part, int peer, absl::Span<float> out);
 
   const int rank_;
   const std::vector<PeerInfo> peers_;

@@ -313,6 +313,24 @@ TEST(Collectives, TensorsSmallerThanTheRankCount) {
   }
 }
 
+TEST(Collectives, ReceivesOfAnotherSizeAreRefusedByName) {
+  // Recv, Broadcast and the hierarchical all-reduce's last step decode straight into the caller's span: a tensor of
+  // another size is refused with INVALID_ARGUMENT that says so, never written past the span.
+  Cluster cluster(2, {"east", "west"}, Options("none", "bf16", AllReduceAlgorithm::kRing));
+  std::vector<float> sent(10, 1.0f), small(7, 0.0f);
+  std::vector<absl::Status> st = cluster.Run([&](int r) {
+    return r == 0 ? cluster.comm(0).Send(1, sent, "x") : cluster.comm(1).Recv(0, absl::MakeSpan(small), "x");
+  });
+  EXPECT_TRUE(st[0].ok()) << st[0];
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kInvalidArgument) << st[1];
+  EXPECT_THAT(std::string(st[1].message()), testing::HasSubstr("same sizes"));
+  st = cluster.Run([&](int r) {
+    return r == 0 ? cluster.comm(0).Broadcast(absl::MakeSpan(sent), 0, "y")
+                  : cluster.comm(1).Broadcast(absl::MakeSpan(small), 0, "y");
+  });
+  EXPECT_EQ(st[1].code(), absl::StatusCode::kInvalidArgument) << st[1];
+}
+
 TEST(Collectives, WrongSizesAreRefused) {
   Cluster cluster(4, kTwoSites, Options("none", "none", AllReduceAlgorithm::kRing));
   std::vector<float> in(10), out(3);
