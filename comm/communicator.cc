@@ -310,7 +310,7 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
   const int leader = site_ranks.front();
   if (rank_ != leader) {
     RETURN_IF_ERROR(SendTo(call, "up", leader, data, LinkCodec(rank_, leader), call.prefix + "/up"));
-    return RecvFromInto(call, "down", leader, data);
+    return RecvFromInto(call, absl::StrCat("down/", rank_), leader, data);
   }
   // Leader: reduce the site (in rank order), all-reduce among leaders, broadcast to the site.
   for (size_t i = 1; i < site_ranks.size(); ++i) {
@@ -338,7 +338,8 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
   for (size_t i = 1; i < site_ranks.size(); ++i) {
     const int member = site_ranks[i];
     sends.push_back(std::make_unique<AsyncStatus>([&, member] {
-      return SendEncodedTo(call, "down", member, codec, encoded, static_cast<int64_t>(data.size()));
+      return SendEncodedTo(call, absl::StrCat("down/", member), member, codec, encoded,
+                           static_cast<int64_t>(data.size()));
     }));
   }
   absl::Status first_error;
@@ -385,12 +386,13 @@ absl::Status GrpcCommunicator::Broadcast(absl::Span<float> data, int root, std::
   RETURN_IF_ERROR(config_status_);
   if (root < 0 || root >= size()) return absl::InvalidArgumentError(absl::StrCat("Broadcast: bad root ", root));
   const Call call = Begin("broadcast", tag);
-  if (rank_ != root) return RecvFromInto(call, "b", root, data);
+  if (rank_ != root) return RecvFromInto(call, absl::StrCat("b/", rank_), root, data);
   std::vector<std::unique_ptr<AsyncStatus>> sends;
   for (int r = 0; r < size(); ++r) {
     if (r == root) continue;
-    sends.push_back(std::make_unique<AsyncStatus>(
-        [&, r] { return SendTo(call, "b", r, data, LinkCodec(root, r), absl::StrCat(call.prefix, "/b/", r)); }));
+    sends.push_back(std::make_unique<AsyncStatus>([&, r] {
+      return SendTo(call, absl::StrCat("b/", r), r, data, LinkCodec(root, r), absl::StrCat(call.prefix, "/b/", r));
+    }));
   }
   absl::Status first_error;
   for (auto& send : sends) {

@@ -25,6 +25,8 @@
 //   flaps for a few seconds costs time, not the collective; a tensor delivered twice (its acknowledgement
 //   was lost) is taken once;
 // - the link between two ranks uses options.wan_codec when their sites differ, else options.lan_codec;
+// - after an error the destination (data, output) is unspecified: receives decode straight into it as chunks
+//   arrive, so a tensor that fails its checks at its end may have been partly written;
 // - results are identical on every rank, bit for bit, for every codec (a lossy codec's error is shared:
 //   the final values of each chunk are encoded once by their owner and forwarded unchanged);
 // - top-k codecs keep one error-feedback residual per (tag, position in the algorithm) inside the

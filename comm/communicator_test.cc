@@ -148,6 +148,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // these positive inputs in [0.5, 1.5].
                       AllReduceCase{"none", "int8", AllReduceAlgorithm::kRing, 3 * 3.0 / 254},
                       AllReduceCase{"none", "int8+zstd", AllReduceAlgorithm::kHierarchical, 2 * 3.0 / 254},
+                      // A lossy codec inside the sites too: the members' tensors up, the leaders' exchange and
+                      // the copies down each rounded once (positive data).
+                      AllReduceCase{"bf16", "bf16", AllReduceAlgorithm::kHierarchical, 4 * 0x1p-8},
                       // top-k keeping everything is exact (exercises the residual plumbing).
                       AllReduceCase{"none", "topk:1", AllReduceAlgorithm::kHierarchical, 1e-6}),
     [](const auto& info) { return "Case" + std::to_string(info.index); });
@@ -311,6 +314,57 @@ TEST(Collectives, TensorsSmallerThanTheRankCount) {
       }
     }
   }
+}
+
+TEST(Collectives, RanksThatShareAnEndpointEachGetTheirCopy) {
+  // Actors on one worker share its endpoint (one TensorStreamServer): a broadcast's and the hierarchical
+  // all-reduce's copies to them must travel under keys of their own. Ranks 2 and 3 share one here.
+  std::vector<std::unique_ptr<TensorStreamServer>> servers;
+  std::vector<std::unique_ptr<grpc::Server>> grpc_servers;
+  std::vector<std::string> addresses;
+  for (int e = 0; e < 3; ++e) {
+    servers.push_back(std::make_unique<TensorStreamServer>(kToken));
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    servers.back()->Register(&builder);
+    grpc_servers.push_back(builder.BuildAndStart());
+    addresses.push_back("127.0.0.1:" + std::to_string(port));
+  }
+  const std::vector<int> endpoint_of = {0, 1, 2, 2};
+  const std::vector<std::string> sites = {"east", "west", "west", "west"};
+  std::vector<PeerInfo> peers;
+  for (int r = 0; r < 4; ++r) peers.push_back({"rank" + std::to_string(r), addresses[endpoint_of[r]], sites[r]});
+  std::vector<std::unique_ptr<TensorStreamClient>> clients;
+  std::vector<std::unique_ptr<GrpcCommunicator>> comms;
+  for (int r = 0; r < 4; ++r) {
+    clients.push_back(std::make_unique<TensorStreamClient>(kToken));
+    CommunicatorOptions options = Options("none", "bf16", AllReduceAlgorithm::kHierarchical);
+    options.job_id = "job-shared";
+    comms.push_back(
+        std::make_unique<GrpcCommunicator>(r, peers, servers[endpoint_of[r]].get(), clients[r].get(), options));
+  }
+  auto run = [&](const std::function<absl::Status(int)>& fn) {
+    std::vector<absl::Status> statuses(4);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 4; ++r) threads.emplace_back([&, r] { statuses[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    return statuses;
+  };
+  auto data = RankData(4, 5003, /*positive=*/true);
+  auto work = data;
+  ExpectAllOk(run([&](int r) { return comms[r]->AllReduceSum(absl::MakeSpan(work[r]), "g"); }));
+  for (int r = 1; r < 4; ++r) EXPECT_EQ(work[r], work[0]) << "rank " << r << " differs from rank 0";
+  work = data;
+  ExpectAllOk(run([&](int r) { return comms[r]->Broadcast(absl::MakeSpan(work[r]), 0, "b"); }));
+  for (int r = 1; r < 4; ++r) {  // the root's tensor, through bf16 across the sites
+    EXPECT_EQ(work[r], work[1]) << "rank " << r << " differs from rank 1";
+    for (size_t i = 0; i < data[0].size(); ++i) {
+      ASSERT_NEAR(work[r][i], data[0][i], 0x1p-8 * data[0][i]) << "rank " << r << ", element " << i;
+    }
+  }
+  for (auto& server : servers) server->Shutdown();
+  for (auto& server : grpc_servers) server->Shutdown();
 }
 
 TEST(Collectives, ReceivesOfAnotherSizeAreRefusedByName) {

@@ -448,13 +448,13 @@ absl::Status TensorStreamServer::RecvInto(const TensorKey& key, absl::Span<float
       return absl::FailedPreconditionError(
           absl::StrCat("another RecvInto is already waiting for tensor ", key.ToString()));
     }
+    // A cancelled job ends the wait at once, also while its tensor is being decoded into `out` (as Recv).
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || d->done || (!d->claimed && mailbox_.contains(key)) ||
-             (!d->claimed && cancelled_jobs_.contains(key.job_id));
+      return shutdown_ || d->done || (!d->claimed && mailbox_.contains(key)) || cancelled_jobs_.contains(key.job_id);
     };
     mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
     const bool in_mailbox = !d->done && !d->claimed && mailbox_.contains(key);
-    if (!d->done && !in_mailbox) {
+    if (!d->done && (!in_mailbox || cancelled_jobs_.contains(key.job_id))) {
       // Giving up: a reactor writing into `out` finishes its block first, and writes nothing after.
       d->withdrawn = true;
       auto idle = [d]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !d->writing; };

@@ -445,6 +445,47 @@ TEST(TensorStream, DiscardJobDropsOnlyThatJobsTensors) {
   EXPECT_TRUE(endpoint.streams().Recv(other, Soon()).ok());
 }
 
+TEST(TensorStream, CancelJobEndsARecvIntoWhoseTensorIsArriving) {
+  // A RecvInto whose tensor is being decoded into its buffer (the sender stalls after two of four chunks) returns
+  // CANCELLED at once when its job is cancelled, as a Recv does; the stalled tensor is refused to its sender.
+  Endpoint endpoint;
+  const std::vector<float> data = RandomTensor(64 * 1024, 4);  // 256 KiB: four chunks of 64 KiB
+  const std::vector<geotrain::TensorChunk> chunks =
+      RawChunks(Key("mid"), {static_cast<int64_t>(data.size())}, data, 64 * 1024, /*crc_in_trailer=*/false);
+  ASSERT_EQ(chunks.size(), 5u);  // the codec header pushes the payload into a fifth
+  std::vector<float> out(data.size());
+  absl::Status received;
+  absl::Time returned;
+  std::thread receiver([&] {
+    received = endpoint.streams().RecvInto(Key("mid"), absl::MakeSpan(out), Soon(30));
+    returned = absl::Now();
+  });
+  for (int i = 0; i < 200 && endpoint.streams().stats().receivers_waiting == 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(endpoint.streams().stats().receivers_waiting, 1u);
+  absl::Notification stalled, release;
+  grpc::Status sent;
+  std::thread sender([&] {
+    sent = SendRawChunks(endpoint.address(), kToken, chunks, [&](size_t i) {
+      if (i != 2) return;
+      stalled.Notify();
+      release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    });
+  });
+  ASSERT_TRUE(stalled.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  absl::SleepFor(absl::Milliseconds(200));  // the first two chunks are in `out`
+  const absl::Time cancelled = absl::Now();
+  endpoint.streams().CancelJob(Key("mid").job_id);
+  receiver.join();
+  EXPECT_EQ(received.code(), absl::StatusCode::kCancelled) << received;
+  EXPECT_LT(returned - cancelled, absl::Seconds(5));
+  release.Notify();
+  sender.join();
+  EXPECT_FALSE(sent.ok());
+  EXPECT_EQ(endpoint.streams().stats().mailbox_tensors, 0u);
+}
+
 TEST(TensorStream, CancelledJobsAreRememberedUpToABound) {
   // A cancelled job's receives return CANCELLED at once and its tensors are refused; the endpoint remembers the
   // last kMaxCancelledJobs such jobs, so that a worker that lives through many jobs does not grow without bound.
