@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "absl/synchronization/mutex.h"
+#include "comm/tensor_stream_testing.h"
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -319,22 +320,14 @@ TEST(Collectives, TensorsSmallerThanTheRankCount) {
 TEST(Collectives, RanksThatShareAnEndpointEachGetTheirCopy) {
   // Actors on one worker share its endpoint (one TensorStreamServer): a broadcast's and the hierarchical
   // all-reduce's copies to them must travel under keys of their own. Ranks 2 and 3 share one here.
-  std::vector<std::unique_ptr<TensorStreamServer>> servers;
-  std::vector<std::unique_ptr<grpc::Server>> grpc_servers;
-  std::vector<std::string> addresses;
-  for (int e = 0; e < 3; ++e) {
-    servers.push_back(std::make_unique<TensorStreamServer>(kToken));
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    servers.back()->Register(&builder);
-    grpc_servers.push_back(builder.BuildAndStart());
-    addresses.push_back("127.0.0.1:" + std::to_string(port));
-  }
+  std::vector<std::unique_ptr<LoopbackEndpoint>> endpoints;
+  for (int e = 0; e < 3; ++e) endpoints.push_back(std::make_unique<LoopbackEndpoint>(kToken));
   const std::vector<int> endpoint_of = {0, 1, 2, 2};
   const std::vector<std::string> sites = {"east", "west", "west", "west"};
   std::vector<PeerInfo> peers;
-  for (int r = 0; r < 4; ++r) peers.push_back({"rank" + std::to_string(r), addresses[endpoint_of[r]], sites[r]});
+  for (int r = 0; r < 4; ++r) {
+    peers.push_back({"rank" + std::to_string(r), endpoints[endpoint_of[r]]->address(), sites[r]});
+  }
   std::vector<std::unique_ptr<TensorStreamClient>> clients;
   std::vector<std::unique_ptr<GrpcCommunicator>> comms;
   for (int r = 0; r < 4; ++r) {
@@ -342,7 +335,7 @@ TEST(Collectives, RanksThatShareAnEndpointEachGetTheirCopy) {
     CommunicatorOptions options = Options("none", "bf16", AllReduceAlgorithm::kHierarchical);
     options.job_id = "job-shared";
     comms.push_back(
-        std::make_unique<GrpcCommunicator>(r, peers, servers[endpoint_of[r]].get(), clients[r].get(), options));
+        std::make_unique<GrpcCommunicator>(r, peers, &endpoints[endpoint_of[r]]->streams(), clients[r].get(), options));
   }
   auto run = [&](const std::function<absl::Status(int)>& fn) {
     std::vector<absl::Status> statuses(4);
@@ -363,8 +356,6 @@ TEST(Collectives, RanksThatShareAnEndpointEachGetTheirCopy) {
       ASSERT_NEAR(work[r][i], data[0][i], 0x1p-8 * data[0][i]) << "rank " << r << ", element " << i;
     }
   }
-  for (auto& server : servers) server->Shutdown();
-  for (auto& server : grpc_servers) server->Shutdown();
 }
 
 TEST(Collectives, ReceivesOfAnotherSizeAreRefusedByName) {
