@@ -52,6 +52,12 @@ LinkSpec ActivationLink(const Cluster& cluster, const JobOptions& job, int a, in
   return link;
 }
 
+// Whether the stage [begin, end) holds a wte copy that the tied all-reduce sums apart from its data-parallel
+// all-reduce (tied_apart: gRPC collectives with several replicas): the first and the last stage when pp > 1.
+bool TiedCopyApart(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
+  return tied_apart && pp > 1 && (begin == 0 || end == model.num_layers());
+}
+
 }  // namespace
 
 ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
@@ -293,7 +299,7 @@ std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int 
       others += model.layers[l].parameters;
     }
   }
-  if (tied_apart && pp > 1 && (begin == 0 || end == model.num_layers())) others -= model.tied_parameters;
+  if (TiedCopyApart(model, begin, end, pp, tied_apart)) others -= model.tied_parameters;
   groups.push_back(others);
   std::vector<double> buckets;
   for (double parameters : groups) {
@@ -355,7 +361,7 @@ double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
 // every replica's copies apart (tied_apart, as GradientBucketBytes).
 double DataParallelParameters(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
   double p = StageParameters(model, begin, end, pp);
-  if (tied_apart && pp > 1 && (begin == 0 || end == model.num_layers())) p -= model.tied_parameters;
+  if (TiedCopyApart(model, begin, end, pp, tied_apart)) p -= model.tied_parameters;
   return p;
 }
 

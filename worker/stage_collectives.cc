@@ -87,12 +87,9 @@ comm::TensorStreamOptions CountedAcrossSites(comm::TensorStreamOptions options, 
 // S leaders) where a flat ring sends 2(n-1)/n over each of its hops across sites, in the leaders' rounds of WAN
 // latency (one for two leaders up to 32 MiB, else 2(S-1)) instead of 2(n-1); scheduler/cost_model.cc
 // (DataParallelAllReduce) predicts the same choice. Else a ring.
-// `successor` is the member this actor's bytes go to in the ring that crosses sites (the leaders' ring; a
-// hierarchical member's own site leader), `ring_size` that ring's size: for attributing the traffic.
 struct GroupRoute {
   comm::AllReduceAlgorithm algorithm = comm::AllReduceAlgorithm::kRing;
-  int successor = -1;
-  int ring_size = 1;
+  AllReduceRoute traffic;
 };
 
 GroupRoute RouteOf(const std::vector<int>& members, const ActorRanks& ranks) {
@@ -110,11 +107,11 @@ GroupRoute RouteOf(const std::vector<int>& members, const ActorRanks& ranks) {
   const bool hierarchical = leaders.size() > 1 && shared_site;
   if (hierarchical) route.algorithm = comm::AllReduceAlgorithm::kHierarchical;
   const std::vector<int>& ring = hierarchical ? leaders : members;
-  route.ring_size = static_cast<int>(ring.size());
+  route.traffic.ring_size = static_cast<int>(ring.size());
   if (const auto me = std::find(ring.begin(), ring.end(), ranks.my_rank); me != ring.end()) {
-    route.successor = ring[(me - ring.begin() + 1) % ring.size()];
+    route.traffic.successor_rank = ring[(me - ring.begin() + 1) % ring.size()];
   } else {
-    route.successor =
+    route.traffic.successor_rank =
         *std::find_if(leaders.begin(), leaders.end(), [&](int l) { return site_of(l) == site_of(ranks.my_rank); });
   }
   return route;
@@ -231,6 +228,14 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     }
     return std::make_unique<comm::GrpcCommunicator>(index, peers, mailbox_, client, group_options);
   };
+  // A group of `members` that all-reduces as RouteOf says; *route is where its bytes cross sites.
+  auto routed_group = [&](const std::vector<int>& members, comm::TensorStreamClient* client, AllReduceRoute* route) {
+    const GroupRoute r = RouteOf(members, ranks);
+    comm::CommunicatorOptions routed_options = options;
+    routed_options.all_reduce = r.algorithm;
+    *route = r.traffic;
+    return group(members, client, routed_options);
+  };
   c.pipeline_comm_ = std::make_unique<comm::GrpcCommunicator>(ranks.my_rank, ranks.peers, mailbox_, &c.pipeline_client_,
                                                               pipeline_options);
   const std::vector<int> dp_group = ranks.DataParallelGroup();
@@ -278,19 +283,14 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     if (leaders.size() > 1 && me != leaders.end()) {
       c.outer_comm_ = group(leaders, &c.outer_client_, outer_options);
       c.outer = c.outer_comm_.get();
-      c.outer_successor_rank = leaders[(me - leaders.begin() + 1) % leaders.size()];
+      c.outer_route = {leaders[(me - leaders.begin() + 1) % leaders.size()], static_cast<int>(leaders.size())};
     }
   }
   if (inner_group.size() > 1) {
-    const GroupRoute route = RouteOf(inner_group, ranks);
-    comm::CommunicatorOptions dp_options = options;
-    dp_options.all_reduce = route.algorithm;
-    c.dp_comm_ = group(inner_group, &c.dp_client_, dp_options);
+    c.dp_comm_ = routed_group(inner_group, &c.dp_client_, &c.dp_route);
     c.dp_all_reduce = [comm = c.dp_comm_.get()](absl::Span<float> data, std::string_view tag) {
       return comm->AllReduceSum(data, tag);
     };
-    c.dp_successor_rank = route.successor;
-    c.dp_ring_size = route.ring_size;
   }
 
   // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
@@ -317,13 +317,8 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   if (const std::vector<int> tied =
           ranks.TiedEmbeddingGroup(c.tied_over_replicas ? inner_replicas : std::vector<int>{ranks.replica});
       !tied.empty()) {
-    const GroupRoute route = RouteOf(tied, ranks);
-    comm::CommunicatorOptions tied_options = options;
-    tied_options.all_reduce = route.algorithm;
-    c.tied_comm_ = group(tied, &c.tied_client_, tied_options);
+    c.tied_comm_ = routed_group(tied, &c.tied_client_, &c.tied_route);
     c.tied = c.tied_comm_.get();
-    c.tied_successor_rank = route.successor;
-    c.tied_ring_size = route.ring_size;
   } else {
     c.tied_over_replicas = false;
   }
@@ -362,9 +357,8 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
         return h->AllReduceSum(data, tag);
       };
       // The site leaders' ring carries the gRPC traffic; the others send nothing through dp_client.
-      c.dp_ring_size = static_cast<int>(d.leader_replicas.size());
-      c.dp_successor_rank =
-          ranks.WorldRank(d.leader_replicas[(std::max(d.leader_index, 0) + 1) % c.dp_ring_size], s, t);
+      const int ring = static_cast<int>(d.leader_replicas.size());
+      c.dp_route = {ranks.WorldRank(d.leader_replicas[(std::max(d.leader_index, 0) + 1) % ring], s, t), ring};
     }
     model::cuda::CudaContext* context = model::CudaContextOf(*backend);
     if (context == nullptr) return absl::InternalError("a CUDA stage without a CUDA context");

@@ -44,6 +44,14 @@ namespace geotrain::worker {
 // Traffic classes, counted apart so that each step's bytes can be attributed to site pairs.
 enum class TrafficClass { kPipeline, kDataParallel, kOther, kOuter, kTied };
 
+// Where an all-reduce sends its bytes across sites, for attributing them to a site pair: the world rank this actor
+// sends to in the ring that crosses sites (a hierarchical all-reduce's leaders' ring; for one of its members, that
+// member's own leader, inside the site), and that ring's size (it sends 2(size-1)/size of the tensor).
+struct AllReduceRoute {
+  int successor_rank = -1;
+  int ring_size = 1;
+};
+
 class StageCollectives {
  public:
   virtual ~StageCollectives() = default;
@@ -54,27 +62,21 @@ class StageCollectives {
   comm::Communicator* tied = nullptr;  // null unless pp > 1 and first or last stage
   // tied sums the copies of every replica of the group (then dp_all_reduce leaves wte out), not just this one's.
   bool tied_over_replicas = false;
-  // Where the tied all-reduce sends its bytes across sites, and the size of that ring (as dp_successor_rank).
-  int tied_successor_rank = -1;
-  int tied_ring_size = 1;
+  AllReduceRoute tied_route;
   model::TensorParallelComm* tp = nullptr;         // null when tp == 1
   comm::AllReduceFn dp_all_reduce;                 // null when dp == 1
   comm::BucketMemory* dp_bucket_memory = nullptr;  // where the buckets live; null: host memory
   bool dp_on_device = false;  // buckets on the GPU, fed from device gradients (NCCL inside the site)
   bool tp_nccl = false;       // tensor-parallel all-reduces on NCCL
-  // The world rank a data-parallel all-reduce sends its bytes across sites to, and the size of that ring (the
-  // site leaders' with a hierarchical all-reduce), for attributing its traffic to a site pair.
-  int dp_successor_rank = -1;
-  int dp_ring_size = 1;
+  AllReduceRoute dp_route;
   // The replicas whose gradients dp_all_reduce sums: dp, or with DiLoCo the size of this actor's group.
   int inner_replicas = 1;
   // DiLoCo: `outer` (group leaders only; null elsewhere and with one group) is this stage of every group's
-  // leader, ring order by group, with diloco.codec across sites; outer_successor_rank is its ring successor
-  // (world rank). `group` is this stage in the replicas of this actor's group, leader (rank 0) first; null
+  // leader, ring order by group, with diloco.codec across sites (outer_route). `group` is this stage in the replicas of this actor's group, leader (rank 0) first; null
   // when the group has one replica. outer_weight: this group's share of the batch (its replicas / dp).
   comm::Communicator* outer = nullptr;
   comm::Communicator* group = nullptr;
-  int outer_successor_rank = -1;
+  AllReduceRoute outer_route;
   float outer_weight = 1;
   // DiLoCo: this actor's group (0 without DiLoCo or with dp 1), the number of groups, and whether this replica
   // is its group's lowest (its leader, which writes the group's checkpoint shards).

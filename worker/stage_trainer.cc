@@ -168,7 +168,13 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(dp_view(g));
     }
     groups.emplace_back();
-    for (absl::Span<float> g : DataParallelNonLayerSpans()) groups.back().push_back(dp_view(g));
+    // The embeddings and final LayerNorm, less wte when the tied all-reduce sums every replica's copy.
+    dp_non_layer_spans_ = stage_->NonLayerGradientSpans();
+    if (collectives_->tied_over_replicas) {
+      const float* wte = stage_->grad_tensors().wte;
+      std::erase_if(dp_non_layer_spans_, [&](absl::Span<float> g) { return g.data() == wte; });
+    }
+    for (absl::Span<float> g : dp_non_layer_spans_) groups.back().push_back(dp_view(g));
     const double bucket_mb = spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0;
     comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
     if (timed_) {
@@ -218,14 +224,10 @@ std::string StageTrainer::Describe() const {
                       collectives_->tp_nccl ? "; tensor-parallel all-reduces on NCCL" : "");
 }
 
-std::vector<absl::Span<float>> StageTrainer::DataParallelNonLayerSpans() {
-  std::vector<absl::Span<float>> spans = stage_->NonLayerGradientSpans();
-  if (collectives_->tied_over_replicas) {
-    const float* wte = stage_->grad_tensors().wte;
-    spans.erase(std::remove_if(spans.begin(), spans.end(), [&](absl::Span<float> g) { return g.data() == wte; }),
-                spans.end());
-  }
-  return spans;
+void StageTrainer::AddAllReduceTraffic(SiteTraffic* traffic, const AllReduceRoute& route, uint64_t encoded,
+                                       double tensor_bytes) const {
+  const double ring = route.ring_size;
+  traffic->Add(ranks_.site, ranks_.peers[route.successor_rank].site, encoded, 2.0 * (ring - 1) / ring * tensor_bytes);
 }
 
 absl::Span<float> StageTrainer::HostView(absl::Span<float> grads) {
@@ -337,7 +339,6 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
     for (int g = 0; g < num_layers_; ++g) grad_buckets_->GroupReady(g);
   }
   RETURN_IF_ERROR(sender_->Flush(traffic));
-  const std::string& my_site = ranks_.site;
   // Tied embedding: the first and last stage hold copies of wte; each needs the sum of every copy's gradient
   // (its replica's pair, or every replica's with tied_over_replicas).
   if (collectives_->tied != nullptr) {
@@ -348,22 +349,20 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
     RETURN_IF_ERROR(CopyOut({wte}));
     RETURN_IF_ERROR(collectives_->tied->AllReduceSum(HostView(wte), "tied"));
     if (on_device_) RETURN_IF_ERROR(backend_->CopyToDevice(g.wte, HostView(wte).data(), n * sizeof(float)));
-    const int ring = collectives_->tied_ring_size;
-    traffic->Add(my_site, ranks_.peers[collectives_->tied_successor_rank].site,
-                 collectives_->BytesSent(TrafficClass::kTied) - before, 2.0 * (ring - 1) / ring * 4.0 * n);
+    AddAllReduceTraffic(traffic, collectives_->tied_route, collectives_->BytesSent(TrafficClass::kTied) - before,
+                        4.0 * n);
   }
   if (grad_buckets_) {
     const bool dp_on_device = collectives_->dp_on_device;
-    if (!dp_on_device) RETURN_IF_ERROR(CopyOut(DataParallelNonLayerSpans()));
+    if (!dp_on_device) RETURN_IF_ERROR(CopyOut(dp_non_layer_spans_));
     grad_buckets_->GroupReady(num_layers_);  // the embeddings and final LayerNorm
     RETURN_IF_ERROR(grad_buckets_->Finish());
     if (on_device_ && !dp_on_device) {  // the groups and the tied sum cover the gradients once: the mirror is the sums
       RETURN_IF_ERROR(backend_->CopyToDevice(stage_->grads(), host_grads_.data(), host_grads_.size() * sizeof(float)));
     }
-    const int ring = collectives_->dp_ring_size;
-    traffic->Add(my_site, ranks_.peers[collectives_->dp_successor_rank].site,
-                 collectives_->BytesSent(TrafficClass::kDataParallel) - dp_bytes_before,
-                 2.0 * (ring - 1) / ring * 4.0 * static_cast<double>(grad_buckets_->elements()));
+    AddAllReduceTraffic(traffic, collectives_->dp_route,
+                        collectives_->BytesSent(TrafficClass::kDataParallel) - dp_bytes_before,
+                        4.0 * static_cast<double>(grad_buckets_->elements()));
   }
   return absl::OkStatus();
 }
@@ -550,10 +549,8 @@ absl::Status StageTrainer::FinishOuterExchanges(int64_t step) {
   RETURN_IF_ERROR(ParamsToDevice());
   stats_.wait_seconds += SecondsSince(t0);
   if (collectives_->outer != nullptr) {
-    const double ring = collectives_->outer->size();
     const uint64_t sent = collectives_->BytesSent(TrafficClass::kOuter);
-    stats_.traffic.Add(ranks_.site, ranks_.peers[collectives_->outer_successor_rank].site, sent - outer_bytes_counted_,
-                       2.0 * (ring - 1) / ring * raw);
+    AddAllReduceTraffic(&stats_.traffic, collectives_->outer_route, sent - outer_bytes_counted_, raw);
     outer_bytes_counted_ = sent;
   }
   return absl::OkStatus();

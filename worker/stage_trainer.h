@@ -126,9 +126,9 @@ class StageTrainer {
   // The host span standing for a span of the stage's gradients: itself on the CPU, its place in the host
   // mirror on a device.
   absl::Span<float> HostView(absl::Span<float> grads);
-  // The gradients outside the blocks the data-parallel buckets sum: the stage's embeddings and final LayerNorm,
-  // less wte when the tied all-reduce sums every replica's copy (StageCollectives::tied_over_replicas).
-  std::vector<absl::Span<float>> DataParallelNonLayerSpans();
+  // Counts `encoded` bytes an all-reduce of a `tensor_bytes` fp32 tensor sent on `route` (across sites or not).
+  void AddAllReduceTraffic(SiteTraffic* traffic, const AllReduceRoute& route, uint64_t encoded,
+                           double tensor_bytes) const;
   absl::Status CopyOut(const std::vector<absl::Span<float>>& spans);
 
   const JobSpec spec_;
@@ -161,6 +161,9 @@ class StageTrainer {
   // communicators of one device running at once can deadlock when ranks issue them in different orders).
   bool overlap_dp_ = true;
   std::unique_ptr<comm::GradientBuckets> grad_buckets_;
+  // The gradients outside the blocks that the buckets sum (device spans): the stage's embeddings and final
+  // LayerNorm, less wte when the tied all-reduce sums every replica's copy (StageCollectives::tied_over_replicas).
+  std::vector<absl::Span<float>> dp_non_layer_spans_;
   std::unique_ptr<AsyncSender> sender_;
   // Validation (first and last stage): the replica's slice of data.val, a microbatch at a time.
   std::unique_ptr<model::DataLoader> val_loader_;
