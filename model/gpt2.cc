@@ -181,6 +181,7 @@ absl::Status GPT2Stage::BuildLayout() {
     seg.count = sizes_[k];
     seg.weight_decay = HasDecay(k);
     seg.duplicate = (tp_rank_ > 0 && !IsSharded(k)) || (k == kWte && !has_embedding_);
+    seg.replicated = tp_size_ > 1 && !IsSharded(k);
     segments_.push_back(seg);
     total += sizes_[k];
   }

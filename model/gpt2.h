@@ -89,6 +89,9 @@ struct ParameterSegment {
   // True when another stage or TP rank holds an identical copy whose gradient is the same (replicated
   // tensors on TP rank > 0; the last stage's tied wte). Counted once by the global gradient norm.
   bool duplicate = false;
+  // True when tp > 1 and the tensor is whole on every TP rank (not sharded): its values and gradients are the
+  // same on each. The runtime's data parallelism across sites sums 1/tp of it per rank (worker/stage_trainer.h).
+  bool replicated = false;
 };
 
 class GPT2Stage {

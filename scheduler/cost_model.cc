@@ -58,6 +58,26 @@ bool TiedCopyApart(const ModelCosts& model, int begin, int end, int pp, bool tie
   return tied_apart && pp > 1 && (begin == 0 || end == model.num_layers());
 }
 
+// A count of parameters, and of them those whole on every tp rank (LayerCost::replicated_parameters).
+struct ParameterCount {
+  double all = 0, replicated = 0;
+  ParameterCount& operator+=(const ParameterCount& o) {
+    all += o.all;
+    replicated += o.replicated;
+    return *this;
+  }
+  ParameterCount& operator-=(const ParameterCount& o) {
+    all -= o.all;
+    replicated -= o.replicated;
+    return *this;
+  }
+  // What one of tp ranks all-reduces: its 1/tp of the sharded parameters, and the replicated ones whole, or 1/tp of
+  // them with split_replicated (worker/stage_collectives.h).
+  double PerRank(int tp, bool split_replicated) const {
+    return (all - replicated) / tp + replicated / (split_replicated ? tp : 1);
+  }
+};
+
 }  // namespace
 
 ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
@@ -71,6 +91,7 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
   embedding.name = "embedding";
   embedding.forward_flops = model::EncoderForwardCost(1, seq_len, config.n_embd).flops;  // wte + wpe rows
   embedding.parameters = static_cast<double>(config.EmbeddingParameters());
+  embedding.replicated_parameters = embedding.parameters;
   embedding.activation_bytes = T * C * e;
   embedding.output_bytes = T * C * e;
   m.layers.push_back(embedding);
@@ -79,6 +100,7 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
     block.name = absl::StrCat("h.", l);
     block.forward_flops = config.BlockForwardFlops(seq_len);
     block.parameters = static_cast<double>(config.BlockParameters());
+    block.replicated_parameters = 6 * C;  // two LayerNorms' weights and biases, the two projections' biases
     block.activation_bytes = static_cast<double>(config.BlockActivationFloatsPerToken(seq_len)) * T * e;
     block.output_bytes = T * C * e;
     block.tensor_parallel_comm = true;
@@ -87,7 +109,8 @@ ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
   LayerCost head;
   head.name = "head";
   head.forward_flops = model::MatmulForwardCost(seq_len, config.n_embd, config.padded_vocab_size).flops;
-  head.parameters = 2 * C;                           // ln_f; the tied wte copy is counted by Simulate when pp > 1
+  head.parameters = 2 * C;  // ln_f; the tied wte copy is counted by Simulate when pp > 1
+  head.replicated_parameters = head.parameters;
   head.activation_bytes = (C + 2 + 2 * Vp) * T * e;  // ln_f output and stats, logits, probabilities
   head.output_bytes = 0;
   m.layers.push_back(head);
@@ -288,22 +311,24 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
 }
 
 std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int end, int pp, int tp,
-                                        double bucket_bytes, bool tied_apart) {
+                                        double bucket_bytes, bool tied_apart, bool split_replicated) {
   constexpr double kBucketElementBytes = sizeof(float);
-  std::vector<double> groups;
-  double others = pp > 1 && end == model.num_layers() && begin > 0 ? model.tied_parameters : 0;
+  std::vector<ParameterCount> groups;
+  ParameterCount others;
+  if (pp > 1 && end == model.num_layers() && begin > 0) others = {model.tied_parameters, model.tied_parameters};
   for (int l = end - 1; l >= begin; --l) {
+    const ParameterCount layer{model.layers[l].parameters, model.layers[l].replicated_parameters};
     if (model.layers[l].tensor_parallel_comm) {
-      groups.push_back(model.layers[l].parameters);
+      groups.push_back(layer);
     } else {
-      others += model.layers[l].parameters;
+      others += layer;
     }
   }
-  if (TiedCopyApart(model, begin, end, pp, tied_apart)) others -= model.tied_parameters;
+  if (TiedCopyApart(model, begin, end, pp, tied_apart)) others -= {model.tied_parameters, model.tied_parameters};
   groups.push_back(others);
   std::vector<double> buckets;
-  for (double parameters : groups) {
-    const double bytes = parameters / tp * kBucketElementBytes;
+  for (const ParameterCount& parameters : groups) {
+    const double bytes = parameters.PerRank(tp, split_replicated) * kBucketElementBytes;
     if (bytes <= 0) continue;
     if (buckets.empty() || buckets.back() >= bucket_bytes) buckets.push_back(0);
     buckets.back() += bytes;
@@ -359,9 +384,11 @@ double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
 
 // The parameters a stage's data-parallel all-reduce sums: its own, less its wte copy when the tied all-reduce sums
 // every replica's copies apart (tied_apart, as GradientBucketBytes).
-double DataParallelParameters(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
-  double p = StageParameters(model, begin, end, pp);
-  if (TiedCopyApart(model, begin, end, pp, tied_apart)) p -= model.tied_parameters;
+ParameterCount DataParallelParameters(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
+  ParameterCount p;
+  for (int l = begin; l < end; ++l) p += {model.layers[l].parameters, model.layers[l].replicated_parameters};
+  if (pp > 1 && end == model.num_layers() && begin > 0) p += {model.tied_parameters, model.tied_parameters};
+  if (TiedCopyApart(model, begin, end, pp, tied_apart)) p -= {model.tied_parameters, model.tied_parameters};
   return p;
 }
 
@@ -425,9 +452,9 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
       2.0 * (n - 1) / n * bytes_per_rank * std::max(tp * worst_seconds_per_byte, intra_seconds_per_byte) +
       AllReduceRounds(n, bytes_per_rank) * std::max(worst_wan_latency, intra_latency);
   // Hierarchical: reduce to a leader per site, all-reduce among the S leaders over the WAN, broadcast back.
-  // NCCL's reduces and broadcasts by rings inside the site, and its leaders' ring takes 2(S-1) rounds, two
-  // leaders included. gRPC's (comm::GrpcCommunicator::HierarchicalAllReduce) gathers the site's k - 1 other
-  // tensors to the leader and sends it k - 1 copies back, and two leaders exchange in one round.
+  // NCCL's (comm::NcclHierarchicalAllReduce) reduces and broadcasts by rings inside the site; gRPC's
+  // (comm::GrpcCommunicator::HierarchicalAllReduce) gathers the site's k - 1 other tensors to the leader and sends
+  // it k - 1 copies back. Both leaders' groups are gRPC all-reduces: two leaders exchange in one round.
   double intra = 0;
   bool shared_site = false;
   for (int s : sites) {
@@ -439,12 +466,12 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
                                 ? (k - 1.0) * bytes_per_rank / l.bandwidth_bytes_per_s + l.latency_s
                                 : (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
   }
-  const double leader_rounds = job.grpc_collectives ? AllReduceRounds(S, bytes_per_rank) : 2.0 * (S - 1);
+  const double leader_rounds = AllReduceRounds(S, bytes_per_rank);
   const double hierarchical =
       2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + leader_rounds * worst_wan_latency;
-  // The runtime's gRPC groups take the hierarchical all-reduce whenever a site holds several of their replicas
-  // (worker/stage_collectives.cc); NCCL's, as modelled, when it is the faster.
-  const bool use_flat = job.grpc_collectives ? !shared_site : flat < hierarchical;
+  // What the runtime runs (worker/stage_collectives.cc): its gRPC groups the hierarchical all-reduce whenever a site
+  // holds several of their replicas, else the ring; NCCL groups across sites always the hierarchical one.
+  const bool use_flat = job.grpc_collectives && !shared_site;
   if (use_flat) {
     const double latency = std::max(worst_wan_latency, intra_latency);
     *ring = DpRing{n, latency, AllReduceRounds(n, bytes_per_rank) * latency, worst_wan};
@@ -599,6 +626,20 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
   // first and last stage exchange theirs: (first, last) stage site pairs -> replicas, and when their wte gradients
   // are complete.
   const bool tied_apart = job.grpc_collectives && pp > 1 && plan.dp > 1;
+  // Tensor parallelism with gRPC data parallelism across sites (a data-parallel group of some stage and tp rank in
+  // more than one site): each tp rank sums 1/tp of the replicated tensors and gathers the rest inside its site
+  // (worker/stage_collectives.h, split_replicated).
+  bool split_replicated = false;
+  if (job.grpc_collectives && tp > 1 && plan.dp > 1) {
+    for (int s = 0; s < pp; ++s) {
+      for (int k = 0; k < tp; ++k) {
+        for (int r = 1; r < plan.dp; ++r) {
+          split_replicated = split_replicated ||
+                             cluster.devices[plan.devices[r][s][k]].site != cluster.devices[plan.devices[0][s][k]].site;
+        }
+      }
+    }
+  }
   std::vector<int> tied_sites;
   double tied_group_ready = 0;
   std::map<std::pair<int, int>, int> tied_pairs;
@@ -758,12 +799,13 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     return waited - ring.counted_latency;
   };
   // The tied all-reduce of every copy (tied_apart): it ends at tied_group_end. Every tp rank holds all of wte
-  // (it is replicated, not sharded), so each rank's group all-reduces the whole of it. Its bytes join the
-  // gradients' after the stages' bound on the WAN below, as each replica's pair does.
+  // (it is replicated, not sharded), so each rank's group all-reduces the whole of it, or 1/tp of it with
+  // split_replicated. Its bytes join the gradients' after the stages' bound on the WAN below, as each replica's
+  // pair does.
   double tied_group_end = 0;
   std::vector<std::vector<double>> traffic_tied(n_sites, std::vector<double>(n_sites, 0));
   if (tied_apart) {
-    const double bytes = model.tied_parameters * model.bytes_per_element;
+    const double bytes = model.tied_parameters * model.bytes_per_element / (split_replicated ? tp : 1);
     DpRing ring;
     const double seconds = DataParallelAllReduce(cluster, job, plan, tied_sites, bytes, collective_scale, &traffic_tied,
                                                  &gradient_codec_used, &ring);
@@ -803,17 +845,29 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     }
     std::vector<int> member_sites;
     for (int r = 0; r < plan.dp; ++r) member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
-    const double bytes = DataParallelParameters(model, begin, end, pp, tied_apart) / tp * model.bytes_per_element;
+    const double bytes = DataParallelParameters(model, begin, end, pp, tied_apart).PerRank(tp, split_replicated) *
+                         model.bytes_per_element;
     DpRing ring;
-    const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale,
-                                                 &traffic_gradient, &gradient_codec_used, &ring);
+    double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale, &traffic_gradient,
+                                           &gradient_codec_used, &ring);
+    if (split_replicated && seconds > 0) {
+      // Then each replica's tp ranks gather the others' slices of the replicated tensors (a ring inside its site).
+      const double gathered = DataParallelParameters(model, begin, end, pp, false).replicated * model.bytes_per_element;
+      double gather = 0;
+      for (int r = 0; r < plan.dp; ++r) {
+        const LinkSpec link = CollectiveLink(cluster, cluster.devices[plan.devices[r][s][0]].site, collective_scale);
+        gather = std::max(gather, (tp - 1.0) / tp * gathered / link.bandwidth_bytes_per_s + (tp - 1) * link.latency_s);
+      }
+      seconds += gather;
+    }
     out.stage_allreduce_s[s] = seconds;
     if (seconds <= 0) continue;
     if (job.sequential_sync) {
       // Each bucket is an all-reduce of its own, after the last. A round's message is one stream's (one tp
       // rank's). `seconds` counted the stage's rounds once, at one latency each.
       const double extra = rounds_extra(
-          member_sites, ring, GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes, tied_apart));
+          member_sites, ring,
+          GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes, tied_apart, split_replicated));
       out.stage_allreduce_s[s] = seconds + extra;
       finish = std::max(finish, epilogue_start + seconds + extra);
       earliest_start = std::min(earliest_start, epilogue_start);

@@ -31,6 +31,7 @@ struct LayerCost {
   std::string name;
   double forward_flops = 0;           // per sequence of seq_len tokens; backward costs 2x
   double parameters = 0;              // parameters held (the head's tied wte copy is added by Simulate)
+  double replicated_parameters = 0;   // of those, the ones whole on every tp rank (embeddings, LayerNorms, biases)
   double activation_bytes = 0;        // per sequence, kept from forward for backward
   double output_bytes = 0;            // per sequence, sent to the next stage if a boundary follows
   bool tensor_parallel_comm = false;  // a block: 2 all-reduces forward and 2 backward under TP
@@ -233,9 +234,11 @@ int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations);
 // comm::GradientBuckets packs them: the blocks in the order backward finishes them, then the stage's other
 // parameters (embeddings, final LayerNorm, the last stage's tied wte copy) as one group; a bucket is closed once
 // it holds bucket_bytes, and a group is never split. tied_apart: the first and last stage's wte copies go through
-// an all-reduce of their own (gRPC collectives with several replicas), so their buckets leave wte out.
+// an all-reduce of their own (gRPC collectives with several replicas), so their buckets leave wte out. A tp rank
+// holds 1/tp of the sharded parameters and all of the replicated ones, of which it sums 1/tp with
+// split_replicated (gRPC data parallelism across sites: worker/stage_collectives.h) and all of them otherwise.
 std::vector<double> GradientBucketBytes(const ModelCosts& model, int begin, int end, int pp, int tp,
-                                        double bucket_bytes, bool tied_apart = false);
+                                        double bucket_bytes, bool tied_apart = false, bool split_replicated = false);
 
 // Bytes per parameter of a stage's state: parameters, gradients and optimizer state, plus, with
 // data parallelism (dp > 1), the gradient buckets' copy of the gradients (comm::GradientBuckets).

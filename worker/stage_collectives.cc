@@ -117,6 +117,26 @@ GroupRoute RouteOf(const std::vector<int>& members, const ActorRanks& ranks) {
   return route;
 }
 
+// StageCollectives::split_replicated: tensor parallelism, data parallelism on gRPC in every group of the job, and a
+// data-parallel group (some stage, some tp rank) whose replicas are in more than one site. A function of the actor
+// list alone, so that the members of every data-parallel, tied and tensor-parallel group agree.
+absl::StatusOr<bool> SplitReplicatedTensors(const std::vector<ActorPeer>& actors, const ActorRanks& ranks,
+                                            bool diloco) {
+  if (ranks.tp == 1 || ranks.dp == 1 || diloco) return false;
+  bool across_sites = false;
+  for (int s = 0; s < ranks.pp; ++s) {
+    for (int t = 0; t < ranks.tp; ++t) {
+      ASSIGN_OR_RETURN(CollectivePlan plan,
+                       PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica, s, t, kNcclBuilt));
+      if (plan.dp.use) return false;
+      const std::string& site = ranks.peers[ranks.WorldRank(0, s, t)].site;
+      for (int r = 1; r < ranks.dp; ++r)
+        across_sites = across_sites || ranks.peers[ranks.WorldRank(r, s, t)].site != site;
+    }
+  }
+  return across_sites;
+}
+
 // Owns the clients, communicators and NCCL objects behind the StageCollectives pointers. One client per
 // traffic class, so that each step's bytes can be attributed.
 class GrpcStageCollectives : public StageCollectives {
@@ -157,7 +177,7 @@ class GrpcStageCollectives : public StageCollectives {
   comm::TensorStreamServer* const mailbox_;
   const std::string comm_job_id_;
   std::unique_ptr<comm::GrpcCommunicator> pipeline_comm_, dp_comm_, dp_scalars_comm_, replica_comm_, tp_comm_,
-      tied_comm_, dp_leaders_, outer_comm_, group_comm_;
+      tp_gather_comm_, tied_comm_, dp_leaders_, outer_comm_, group_comm_;
   std::unique_ptr<CommunicatorTensorParallel> tp_adapter_;
   std::unique_ptr<comm::BucketMemory> bucket_memory_;
 #ifdef GEOTRAIN_HAVE_CUDA
@@ -321,6 +341,11 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     c.tied = c.tied_comm_.get();
   } else {
     c.tied_over_replicas = false;
+  }
+  ASSIGN_OR_RETURN(c.split_replicated, SplitReplicatedTensors(actors, ranks, diloco));
+  if (c.split_replicated) {
+    c.tp_gather_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, exact_options);
+    c.tp_gather = c.tp_gather_comm_.get();
   }
   if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
     return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),

@@ -36,6 +36,13 @@ class TimedBucketMemory : public comm::BucketMemory {
   std::vector<model::DeviceBuffer> buffers_;
 };
 
+// Rank r's part of `span` split in order among `ranks` (as evenly as the size allows): what one tp rank sums of a
+// replicated tensor's gradient with StageCollectives::split_replicated.
+absl::Span<float> TensorRankSlice(absl::Span<float> span, int r, int ranks) {
+  const size_t begin = span.size() * r / ranks, end = span.size() * (r + 1) / ranks;
+  return span.subspan(begin, end - begin);
+}
+
 }  // namespace
 
 StageTrainer::StageTrainer(const JobSpec& spec, ActorRanks ranks) : spec_(spec), ranks_(std::move(ranks)) {}
@@ -162,10 +169,21 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   overlap_dp_ = !(dp_on_device && collectives_->tp_nccl);
   if (collectives_->dp_all_reduce) {
     auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : HostView(g); };
+    // With split_replicated (host memory: never with NCCL) a replicated tensor's span is this rank's slice of it;
+    // the whole goes on the list that GatherReplicated completes.
+    auto bucket_span = [&](absl::Span<float> g) {
+      const int64_t offset = g.data() - stage_->grads();
+      const bool replicated = std::any_of(stage_->segments().begin(), stage_->segments().end(), [&](const auto& seg) {
+        return seg.replicated && offset >= seg.offset && offset < seg.offset + seg.count;
+      });
+      if (!collectives_->split_replicated || !replicated) return dp_view(g);
+      tp_gathered_.push_back(HostView(g));
+      return TensorRankSlice(HostView(g), ranks_.tp_rank, ranks_.tp);
+    };
     std::vector<std::vector<absl::Span<float>>> groups;
     for (int l = num_layers_ - 1; l >= 0; --l) {
       groups.emplace_back();
-      for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(dp_view(g));
+      for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(bucket_span(g));
     }
     groups.emplace_back();
     // The embeddings and final LayerNorm, less wte when the tied all-reduce sums every replica's copy.
@@ -174,7 +192,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       const float* wte = stage_->grad_tensors().wte;
       std::erase_if(dp_non_layer_spans_, [&](absl::Span<float> g) { return g.data() == wte; });
     }
-    for (absl::Span<float> g : dp_non_layer_spans_) groups.back().push_back(dp_view(g));
+    for (absl::Span<float> g : dp_non_layer_spans_) groups.back().push_back(bucket_span(g));
     const double bucket_mb = spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0;
     comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
     if (timed_) {
@@ -184,6 +202,21 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     grad_buckets_ = std::make_unique<comm::GradientBuckets>(
         collectives_->dp_all_reduce, bucket_memory, std::move(groups), static_cast<int64_t>(bucket_mb * (1 << 20)));
     RETURN_IF_ERROR(grad_buckets_->status());
+  }
+  if (collectives_->split_replicated) {
+    if (collectives_->tied != nullptr) {  // the tied all-reduce sums this rank's slice of wte
+      tp_gathered_.push_back(HostView(
+          absl::MakeSpan(stage_->grad_tensors().wte, static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd)));
+    }
+    // Each rank's slices packed in order, padded to the longest rank's.
+    size_t longest = 0;
+    for (int r = 0; r < ranks_.tp; ++r) {
+      size_t n = 0;
+      for (absl::Span<float> s : tp_gathered_) n += TensorRankSlice(s, r, ranks_.tp).size();
+      longest = std::max(longest, n);
+    }
+    tp_gather_send_.assign(longest, 0.0f);
+    tp_gather_recv_.assign(longest * ranks_.tp, 0.0f);
   }
   if (DilocoOn(spec_)) {
     const DilocoSpec d = EffectiveDiloco(spec_);
@@ -219,7 +252,10 @@ std::string StageTrainer::Describe() const {
                       grad_buckets_
                           ? absl::StrCat("; gradient all-reduce in ", grad_buckets_->num_buckets(), " buckets ",
                                          overlap_dp_ ? "overlapped with backward" : "after backward",
-                                         collectives_->dp_on_device ? ", on NCCL inside the site" : "")
+                                         collectives_->dp_on_device ? ", on NCCL inside the site" : "",
+                                         collectives_->split_replicated
+                                             ? absl::StrCat(", replicated tensors summed 1/", ranks_.tp, " per tp rank")
+                                             : "")
                           : std::string(),
                       collectives_->tp_nccl ? "; tensor-parallel all-reduces on NCCL" : "");
 }
@@ -347,22 +383,49 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
     const uint64_t before = collectives_->BytesSent(TrafficClass::kTied);
     const absl::Span<float> wte = absl::MakeSpan(g.wte, n);
     RETURN_IF_ERROR(CopyOut({wte}));
-    RETURN_IF_ERROR(collectives_->tied->AllReduceSum(HostView(wte), "tied"));
-    if (on_device_) RETURN_IF_ERROR(backend_->CopyToDevice(g.wte, HostView(wte).data(), n * sizeof(float)));
+    // With split_replicated this rank's slice; GatherReplicated then completes it (and the mirror goes to the device).
+    const absl::Span<float> summed =
+        collectives_->split_replicated ? TensorRankSlice(HostView(wte), ranks_.tp_rank, ranks_.tp) : HostView(wte);
+    RETURN_IF_ERROR(collectives_->tied->AllReduceSum(summed, "tied"));
+    if (on_device_ && !collectives_->split_replicated) {
+      RETURN_IF_ERROR(backend_->CopyToDevice(g.wte, HostView(wte).data(), n * sizeof(float)));
+    }
     AddAllReduceTraffic(traffic, collectives_->tied_route, collectives_->BytesSent(TrafficClass::kTied) - before,
-                        4.0 * n);
+                        4.0 * static_cast<double>(summed.size()));
   }
   if (grad_buckets_) {
     const bool dp_on_device = collectives_->dp_on_device;
     if (!dp_on_device) RETURN_IF_ERROR(CopyOut(dp_non_layer_spans_));
     grad_buckets_->GroupReady(num_layers_);  // the embeddings and final LayerNorm
     RETURN_IF_ERROR(grad_buckets_->Finish());
+    RETURN_IF_ERROR(GatherReplicated());
     if (on_device_ && !dp_on_device) {  // the groups and the tied sum cover the gradients once: the mirror is the sums
       RETURN_IF_ERROR(backend_->CopyToDevice(stage_->grads(), host_grads_.data(), host_grads_.size() * sizeof(float)));
     }
     AddAllReduceTraffic(traffic, collectives_->dp_route,
                         collectives_->BytesSent(TrafficClass::kDataParallel) - dp_bytes_before,
                         4.0 * static_cast<double>(grad_buckets_->elements()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::GatherReplicated() {
+  if (tp_gathered_.empty()) return absl::OkStatus();
+  const int tp = ranks_.tp;
+  float* out = tp_gather_send_.data();
+  for (absl::Span<float> s : tp_gathered_) {
+    const absl::Span<float> mine = TensorRankSlice(s, ranks_.tp_rank, tp);
+    out = std::copy(mine.begin(), mine.end(), out);
+  }
+  RETURN_IF_ERROR(collectives_->tp_gather->AllGather(tp_gather_send_, absl::MakeSpan(tp_gather_recv_), "replicated"));
+  for (int r = 0; r < tp; ++r) {
+    if (r == ranks_.tp_rank) continue;
+    const float* in = tp_gather_recv_.data() + static_cast<size_t>(r) * tp_gather_send_.size();
+    for (absl::Span<float> s : tp_gathered_) {
+      const absl::Span<float> theirs = TensorRankSlice(s, r, tp);
+      std::copy(in, in + theirs.size(), theirs.begin());
+      in += theirs.size();
+    }
   }
   return absl::OkStatus();
 }

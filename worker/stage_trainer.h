@@ -18,7 +18,9 @@
 //      buckets (comm::GradientBuckets) that start while backward goes on; the embeddings and final LayerNorm
 //      go last, after the tied-embedding sum (on gRPC one all-reduce over every replica's first- and
 //      last-stage copy of wte, which the buckets then leave out; with NCCL each replica's pair, and wte
-//      goes with the buckets);
+//      goes with the buckets). With tensor parallelism and data parallelism across sites on gRPC each tp rank
+//      sums only its slice of the replicated tensors, then gathers the other ranks' slices inside its site
+//      (GatherReplicated: StageCollectives::split_replicated);
 //   3. the global gradient norm over the replica's stages and ranks (exact), clipping and the AdamW step:
 //      every replica takes the same step;
 //   4. the job's loss: the mean over replicas of each replica's mean (loss carriers: last stage, tp rank 0);
@@ -130,6 +132,9 @@ class StageTrainer {
   void AddAllReduceTraffic(SiteTraffic* traffic, const AllReduceRoute& route, uint64_t encoded,
                            double tensor_bytes) const;
   absl::Status CopyOut(const std::vector<absl::Span<float>>& spans);
+  // StageCollectives::split_replicated: after the data-parallel and tied sums of this rank's slices, the other tp
+  // ranks' slices of every replicated tensor, so that each rank holds the whole sums.
+  absl::Status GatherReplicated();
 
   const JobSpec spec_;
   const ActorRanks ranks_;
@@ -164,6 +169,10 @@ class StageTrainer {
   // The gradients outside the blocks that the buckets sum (device spans): the stage's embeddings and final
   // LayerNorm, less wte when the tied all-reduce sums every replica's copy (StageCollectives::tied_over_replicas).
   std::vector<absl::Span<float>> dp_non_layer_spans_;
+  // split_replicated: the replicated tensors' spans (host view) this rank summed a slice of, in the same order on
+  // every tp rank, and the gather's packed buffers (each rank's slices, padded to the longest rank's).
+  std::vector<absl::Span<float>> tp_gathered_;
+  std::vector<float> tp_gather_send_, tp_gather_recv_;
   std::unique_ptr<AsyncSender> sender_;
   // Validation (first and last stage): the replica's slice of data.val, a microbatch at a time.
   std::unique_ptr<model::DataLoader> val_loader_;
