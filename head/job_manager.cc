@@ -205,6 +205,17 @@ absl::Status JobManager::Log(const std::string& job_id, const std::string& line)
   return absl::OkStatus();
 }
 
+absl::Status JobManager::NoteWaiting(const std::string& job_id, const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  if (it->second.state() != JOB_PENDING || it->second.message() == why) return absl::OkStatus();
+  JobInfo updated = it->second;
+  updated.set_message(why);
+  updated.set_updated_unix_ms(clock_->UnixMillis());
+  return CommitLocked(std::move(updated), "log", why).status();
+}
+
 absl::Status JobManager::store_error() const {
   absl::MutexLock lock(&mu_);
   return store_error_;

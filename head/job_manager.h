@@ -57,6 +57,10 @@ class JobManager {
   absl::Status UpdateProgress(const std::string& job_id, const StepFigures& figures, const std::string& line);
   // Appends a log line to the job's event stream.
   absl::Status Log(const std::string& job_id, const std::string& line);
+  // A pending job's reason to wait (`why`) becomes its message, and a log line when it changed; in one step with the
+  // check that the job is still pending, so that a job cancelled meanwhile keeps its message and gets no line after
+  // its last state. Nothing to do otherwise.
+  absl::Status NoteWaiting(const std::string& job_id, const std::string& why);
 
   // Events of `job_id` with seq > after_seq; waits up to timeout_ms for at least one when there are
   // none and the job has not ended. `ended` tells whether the job is in a terminal state.

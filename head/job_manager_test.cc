@@ -45,6 +45,32 @@ TEST_F(JobManagerTest, StateMachine) {
   EXPECT_EQ(jobs.Get("job-999").status().code(), absl::StatusCode::kNotFound);
 }
 
+// The runner notes why a pending job waits; a job cancelled between the runner's look at it and the note keeps its
+// message, and its event stream ends with its last state (a watch that stopped there missed nothing).
+TEST_F(JobManagerTest, AWaitingNoteDoesNotFollowACancel) {
+  auto store = HeadStore::Open(dir_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobManager jobs(&clock_, store->get());
+  auto job = jobs.Submit(JobSpec(), "a.yaml");
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(jobs.NoteWaiting(job->job_id(), "waiting for devices: none free").ok());
+  ASSERT_TRUE(jobs.NoteWaiting(job->job_id(), "waiting for devices: none free").ok());  // unchanged: no second line
+  EXPECT_EQ(jobs.Get(job->job_id())->message(), "waiting for devices: none free");
+  ASSERT_TRUE(jobs.Cancel(job->job_id()).ok());
+  ASSERT_TRUE(jobs.NoteWaiting(job->job_id(), "waiting for devices: still none").ok());
+  EXPECT_EQ(jobs.Get(job->job_id())->message(), "cancelled by the user");
+  bool ended = false;
+  absl::StatusOr<std::vector<JobEvent>> events = jobs.WaitEvents(job->job_id(), 0, 0, &ended);
+  ASSERT_TRUE(events.ok()) << events.status();
+  EXPECT_TRUE(ended);
+  ASSERT_EQ(events->size(), 3u);  // submitted, the one note, cancelled
+  EXPECT_EQ((*events)[1].kind(), "log");
+  EXPECT_EQ((*events)[1].line(), "waiting for devices: none free");
+  EXPECT_EQ(events->back().kind(), "state");
+  EXPECT_THAT(events->back().line(), HasSubstr("CANCELLED"));
+  EXPECT_EQ(jobs.NoteWaiting("job-999", "x").code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(JobManagerTest, BadSpecIsRefusedWithTheSource) {
   auto store = HeadStore::Open(dir_);
   JobManager jobs(&clock_, store->get());

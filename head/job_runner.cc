@@ -381,12 +381,9 @@ void JobRunner::StartPendingJobs() {
     if (launched.code() == absl::StatusCode::kUnavailable) {
       // Not enough free devices: the job waits for workers to join or for other jobs to end (like Ray's pending
       // resources). Jobs are tried in submission order; a later job that fits may start first.
-      const std::string why = absl::StrCat("waiting for devices: ", launched.message());
-      if (current->message() != why) {
-        Check(jobs_->Update(job.job_id(), [&](JobInfo& j) { j.set_message(why); }).status(), job.job_id(),
-              "recording why it waits");
-        Check(jobs_->Log(job.job_id(), why), job.job_id(), "logging");
-      }
+      // Unless it was cancelled meanwhile (NoteWaiting checks, under the job table's lock).
+      Check(jobs_->NoteWaiting(job.job_id(), absl::StrCat("waiting for devices: ", launched.message())), job.job_id(),
+            "recording why it waits");
     } else if (!launched.ok() && launched.code() != absl::StatusCode::kAborted) {  // kAborted: a fault now
       EndJob(job.job_id(), JOB_FAILED, std::string(launched.message()));
     }
