@@ -78,6 +78,20 @@ struct ParameterCount {
   }
 };
 
+// The parameters of the stage [begin, end), with the last stage's tied wte copy when pp > 1.
+ParameterCount StageParameterCount(const ModelCosts& model, int begin, int end, int pp) {
+  ParameterCount p;
+  for (int l = begin; l < end; ++l) p += {model.layers[l].parameters, model.layers[l].replicated_parameters};
+  if (pp > 1 && end == model.num_layers() && begin > 0) p += {model.tied_parameters, model.tied_parameters};
+  return p;
+}
+
+// Parameters, gradients and optimizer state of one tp rank of the stage: its shard of the sharded parameters, and
+// the replicated ones whole.
+double StageStateBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int pp, int tp, int dp) {
+  return StageParameterCount(model, begin, end, pp).PerRank(tp, false) * StateBytesPerParameter(model, job, dp);
+}
+
 }  // namespace
 
 ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
@@ -347,15 +361,11 @@ double UsableMemoryBytes(const JobOptions& job, double device_bytes) {
 
 double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int stage, int pp, int tp,
                         int dp, int microbatch_size, int microbatches, Schedule schedule) {
-  double parameters = 0, activations = 0;
-  for (int l = begin; l < end; ++l) {
-    parameters += model.layers[l].parameters;
-    activations += model.layers[l].activation_bytes;
-  }
-  if (pp > 1 && end == model.num_layers() && begin > 0) parameters += model.tied_parameters;
+  double activations = 0;
+  for (int l = begin; l < end; ++l) activations += model.layers[l].activation_bytes;
   const int held = schedule == Schedule::kGPipe ? microbatches : std::min(pp - stage, microbatches);
   const double e = model.bytes_per_element;
-  const double state = parameters / tp * StateBytesPerParameter(model, job, dp);
+  const double state = StageStateBytes(model, job, begin, end, pp, tp, dp);
   const double boundary = (stage > 0 ? 1 : 0) + (stage + 1 < pp ? 1 : 0);
   const double buffers = boundary * 2.0 * microbatch_size * model.seq_len * model.n_embd * e;
   return state + activations * microbatch_size / tp * held + buffers + job.fixed_memory_bytes;
@@ -375,19 +385,10 @@ int StageBlocks(const ModelCosts& model, int begin, int end) {
   return n;
 }
 
-double StageParameters(const ModelCosts& model, int begin, int end, int pp) {
-  double p = 0;
-  for (int l = begin; l < end; ++l) p += model.layers[l].parameters;
-  if (pp > 1 && end == model.num_layers() && begin > 0) p += model.tied_parameters;
-  return p;
-}
-
 // The parameters a stage's data-parallel all-reduce sums: its own, less its wte copy when the tied all-reduce sums
 // every replica's copies apart (tied_apart, as GradientBucketBytes).
 ParameterCount DataParallelParameters(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
-  ParameterCount p;
-  for (int l = begin; l < end; ++l) p += {model.layers[l].parameters, model.layers[l].replicated_parameters};
-  if (pp > 1 && end == model.num_layers() && begin > 0) p += {model.tied_parameters, model.tied_parameters};
+  ParameterCount p = StageParameterCount(model, begin, end, pp);
   if (TiedCopyApart(model, begin, end, pp, tied_apart)) p -= {model.tied_parameters, model.tied_parameters};
   return p;
 }
@@ -661,8 +662,7 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
         if (fraction > worst_memory_fraction) {
           worst_memory_fraction = fraction;
           if (fraction > 1) {
-            const double state =
-                StageParameters(model, begin, end, pp) / tp * StateBytesPerParameter(model, job, plan.dp);
+            const double state = StageStateBytes(model, job, begin, end, pp, tp, plan.dp);
             reject = absl::StrFormat(
                 "stage %d (layers %s..%s) on %s at site %s needs %.2f GB of %.2f GB usable "
                 "(parameters+gradients+optimizer %.2f GB, activations and buffers %.2f GB, fixed "
@@ -823,10 +823,12 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
                     : plan.gradient_codec.empty() ? ChooseCodec(job, link, false)
                                                   : plan.gradient_codec[first][last];
       const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
-      const double bytes = model.tied_parameters * model.bytes_per_element * replicas;
+      // Each replica's tp ranks: every rank holds all of wte.
+      const double bytes = model.tied_parameters * model.bytes_per_element * replicas * tp;
       // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
       const int rounds = AllReduceRounds(2, model.tied_parameters * model.bytes_per_element);
-      const double wire = bytes / replicas * (c < 0 ? 1.0 : job.codecs[c].ratio) / rounds;  // a round's message
+      const double wire = model.tied_parameters * model.bytes_per_element * (c < 0 ? 1.0 : job.codecs[c].ratio) /
+                          rounds;  // a round's message
       const double window = first == last ? 0 : rounds * WindowSeconds(job, link, wire);
       epilogue_start = std::max(
           epilogue_start, tied_ready[pair] + bytes * spb + window + rounds * 2 * round_trips(wire) * link.latency_s);
@@ -848,19 +850,19 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
     const double bytes = DataParallelParameters(model, begin, end, pp, tied_apart).PerRank(tp, split_replicated) *
                          model.bytes_per_element;
     DpRing ring;
-    double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale, &traffic_gradient,
-                                           &gradient_codec_used, &ring);
+    const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale,
+                                                 &traffic_gradient, &gradient_codec_used, &ring);
+    // With split_replicated each replica's tp ranks then gather the others' slices of the replicated tensors (a ring
+    // inside the replica's site), after the all-reduce's last bucket.
+    double gather = 0;
     if (split_replicated && seconds > 0) {
-      // Then each replica's tp ranks gather the others' slices of the replicated tensors (a ring inside its site).
       const double gathered = DataParallelParameters(model, begin, end, pp, false).replicated * model.bytes_per_element;
-      double gather = 0;
       for (int r = 0; r < plan.dp; ++r) {
         const LinkSpec link = CollectiveLink(cluster, cluster.devices[plan.devices[r][s][0]].site, collective_scale);
         gather = std::max(gather, (tp - 1.0) / tp * gathered / link.bandwidth_bytes_per_s + (tp - 1) * link.latency_s);
       }
-      seconds += gather;
     }
-    out.stage_allreduce_s[s] = seconds;
+    out.stage_allreduce_s[s] = seconds + gather;
     if (seconds <= 0) continue;
     if (job.sequential_sync) {
       // Each bucket is an all-reduce of its own, after the last. A round's message is one stream's (one tp
@@ -868,13 +870,13 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
       const double extra = rounds_extra(
           member_sites, ring,
           GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes, tied_apart, split_replicated));
-      out.stage_allreduce_s[s] = seconds + extra;
-      finish = std::max(finish, epilogue_start + seconds + extra);
+      out.stage_allreduce_s[s] = seconds + extra + gather;
+      finish = std::max(finish, epilogue_start + seconds + extra + gather);
       earliest_start = std::min(earliest_start, epilogue_start);
       continue;
     }
     const int buckets = std::max(1, end - begin);
-    finish = std::max(finish, std::max(end_last + seconds / buckets, start_last + seconds));
+    finish = std::max(finish, std::max(end_last + seconds / buckets, start_last + seconds) + gather);
     earliest_start = std::min(earliest_start, start_last);
   }
   // Stages' all-reduces share the WAN: no link can carry its gradient bytes faster than its
@@ -915,23 +917,24 @@ absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCo
   for (int a = 0; a < n_sites; ++a) {
     for (int c = 0; c < n_sites; ++c) traffic_gradient[a][c] += traffic_tied[a][c];
   }
-  // Tied wte gradients: the first and the last stage of each replica send each other their partial
-  // gradient once both are complete (full duplex: both directions at once), then both apply the
-  // sum.
+  // Tied wte gradients: the first and the last stage of each replica (each tp rank's pair: every rank holds all of
+  // wte) send each other their partial gradient once both are complete (full duplex: both directions at once), then
+  // both apply the sum.
   for (const auto& [pair, replicas] : tied_pairs) {
     const auto [first, last] = pair;
     const LinkSpec& link = cluster.Link(first, last);
-    const double bytes = model.tied_parameters * model.bytes_per_element;  // all tp ranks together
+    const double bytes = model.tied_parameters * model.bytes_per_element;  // one pair's
+    const double copies = static_cast<double>(replicas) * tp;
     int c = -1;
     if (first != last) {
       c = plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[first][last];
-      traffic_gradient[first][last] += bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio);
-      traffic_gradient[last][first] += bytes * replicas * (c < 0 ? 1.0 : job.codecs[c].ratio);
+      traffic_gradient[first][last] += bytes * copies * (c < 0 ? 1.0 : job.codecs[c].ratio);
+      traffic_gradient[last][first] += bytes * copies * (c < 0 ? 1.0 : job.codecs[c].ratio);
       gradient_codec_used[std::min(first, last)][std::max(first, last)] = c;
     }
     const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
     const double window = first == last ? 0 : WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
-    tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * replicas * spb + window + link.latency_s);
+    tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * copies * spb + window + link.latency_s);
   }
   if (!job.sequential_sync) {
     tied_sync = std::max(tied_sync, tied_group_end);

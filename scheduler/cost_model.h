@@ -132,8 +132,9 @@ struct JobOptions {
   // Collectives run on gRPC (workers that compute on CPU or by timed compute, or a build without NCCL): data
   // parallelism across sites is then gRPC's hierarchical all-reduce when a site holds several of the group's
   // replicas (a gather to the site's leader, the leaders' exchange, copies back), else one ring over the sites'
-  // replicas, as the runtime chooses (worker/stage_collectives.cc). false: NCCL's hierarchical all-reduce
-  // (worker/collectives.h) when it is the faster.
+  // replicas, as the runtime chooses (worker/stage_collectives.cc), and with tensor parallelism each tp rank sums
+  // 1/tp of the replicated tensors (split_replicated). false: NCCL's hierarchical all-reduce across sites
+  // (worker/collectives.h), each tp rank's group summing all of its replicated tensors.
   bool grpc_collectives = false;
   // The flow-control window of one stream across sites (gRPC's HTTP/2 window as its BDP probing grows it). The
   // runtime sends each tensor on a stream of its own and waits for its ack, so a message starts with the whole

@@ -241,9 +241,11 @@ TEST(CostModelTest, MemoryOfOneDeviceMatchesHandComputedNumbers) {
                    6 * 7087872.0 * 16 + 2 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
   EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 1, 1, 8, Schedule::kGPipe),
                    6 * 7087872.0 * 16 + 8 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
-  // Tensor parallelism divides state and activations.
-  EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 1, 2, 2, 1, 1, 8, Schedule::k1F1B),
-                   6 * 7087872.0 * 16 / 2 + 1 * 106971136.0 * 6 / 2 + 2.0 * 1024 * 768 * 4 + 1e9);
+  // Tensor parallelism divides activations, and the state of the sharded parameters: each rank holds the
+  // replicated ones (6 x 768 per block: LayerNorms, the projections' biases) whole.
+  EXPECT_DOUBLE_EQ(
+      StageMemoryBytes(model, job, 1, 7, 1, 2, 2, 1, 1, 8, Schedule::k1F1B),
+      6 * ((7087872.0 - 6 * 768) / 2 + 6 * 768) * 16 + 1 * 106971136.0 * 6 / 2 + 2.0 * 1024 * 768 * 4 + 1e9);
   // Data parallelism adds the gradient buckets' copy of the gradients: 4 more bytes per parameter.
   EXPECT_DOUBLE_EQ(StageMemoryBytes(model, job, 1, 7, 0, 2, 1, 2, 1, 8, Schedule::k1F1B),
                    6 * 7087872.0 * 20 + 2 * 106971136.0 * 6 + 2.0 * 1024 * 768 * 4 + 1e9);
@@ -528,8 +530,17 @@ TEST(CostModelTest, TensorParallelReplicasAcrossSitesSendTheReplicatedTensorsOnc
   EXPECT_NEAR(grpc.stage_allreduce_s[0],
               parameters * 4 / W + l + 0.5 * replicated * 4 / inside.bandwidth_bytes_per_s + inside.latency_s, 1e-9);
   EXPECT_NEAR(predict(dp_tp, false).cross_site[0].gradient_bytes, 2 * (parameters + replicated) * 4, 1e-6 * parameters);
-  // With pipelines the tied all-reduce of wte sums each rank's half too.
+  // With pipelines the tied all-reduce of wte sums each rank's half too; with NCCL each stage's groups all-reduce
+  // their copy of it whole on each tp rank.
+  const double tied = model.tied_parameters;
   EXPECT_NEAR(predict(pipelines, true).cross_site[0].gradient_bytes, 2 * parameters * 4, 1e-6 * parameters);
+  EXPECT_NEAR(predict(pipelines, false).cross_site[0].gradient_bytes, 2 * (parameters + replicated + 2 * tied) * 4,
+              1e-6 * parameters);
+  // One pipeline across the sites: each tp rank's first and last stage exchange their whole wte.
+  Plan pipeline_across = TwoStages(model, 2, 2);
+  pipeline_across.tp = 2;
+  pipeline_across.devices = {{{0, 1}, {4, 5}}};
+  EXPECT_NEAR(predict(pipeline_across, false).cross_site[0].gradient_bytes, 2 * 2 * tied * 4, 1e-6 * tied);
 }
 
 // With the runtime's step end (sequential_sync) the tied all-reduce of every copy comes first and the stages'

@@ -117,6 +117,10 @@ GroupRoute RouteOf(const std::vector<int>& members, const ActorRanks& ranks) {
   return route;
 }
 
+// The groups an actor is not in are judged as their members judge them: an all-CUDA group's members run a CUDA
+// build, which has NCCL, whether this worker's build has it or not (a mixed fleet must still agree).
+constexpr bool kNcclBuiltWhereCudaRuns = true;
+
 // StageCollectives::split_replicated: tensor parallelism, data parallelism on gRPC in every group of the job, and a
 // data-parallel group (some stage, some tp rank) whose replicas are in more than one site. A function of the actor
 // list alone, so that the members of every data-parallel, tied and tensor-parallel group agree.
@@ -126,8 +130,8 @@ absl::StatusOr<bool> SplitReplicatedTensors(const std::vector<ActorPeer>& actors
   bool across_sites = false;
   for (int s = 0; s < ranks.pp; ++s) {
     for (int t = 0; t < ranks.tp; ++t) {
-      ASSIGN_OR_RETURN(CollectivePlan plan,
-                       PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica, s, t, kNcclBuilt));
+      ASSIGN_OR_RETURN(CollectivePlan plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica, s, t,
+                                                            kNcclBuiltWhereCudaRuns));
       if (plan.dp.use) return false;
       const std::string& site = ranks.peers[ranks.WorldRank(0, s, t)].site;
       for (int r = 1; r < ranks.dp; ++r)
@@ -329,7 +333,7 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   if (!diloco && ranks.pp > 1 && (ranks.first_stage || ranks.last_stage)) {
     for (int stage : {0, ranks.pp - 1}) {
       ASSIGN_OR_RETURN(CollectivePlan stage_plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica,
-                                                                  stage, ranks.tp_rank, kNcclBuilt));
+                                                                  stage, ranks.tp_rank, kNcclBuiltWhereCudaRuns));
       tied_stages_on_nccl = tied_stages_on_nccl || stage_plan.dp.use;
     }
   }

@@ -167,6 +167,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   // them to as each layer finishes.
   num_layers_ = stage_->last_layer() - stage_->first_layer();
   overlap_dp_ = !(dp_on_device && collectives_->tp_nccl);
+  const double bucket_bytes = (spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0) * (1 << 20);
   if (collectives_->dp_all_reduce) {
     auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : HostView(g); };
     // With split_replicated (host memory: never with NCCL) a replicated tensor's span is this rank's slice of it;
@@ -193,14 +194,13 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       std::erase_if(dp_non_layer_spans_, [&](absl::Span<float> g) { return g.data() == wte; });
     }
     for (absl::Span<float> g : dp_non_layer_spans_) groups.back().push_back(bucket_span(g));
-    const double bucket_mb = spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0;
     comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
     if (timed_) {
       timed_bucket_memory_ = std::make_unique<TimedBucketMemory>(backend_);
       bucket_memory = timed_bucket_memory_.get();
     }
-    grad_buckets_ = std::make_unique<comm::GradientBuckets>(
-        collectives_->dp_all_reduce, bucket_memory, std::move(groups), static_cast<int64_t>(bucket_mb * (1 << 20)));
+    grad_buckets_ = std::make_unique<comm::GradientBuckets>(collectives_->dp_all_reduce, bucket_memory,
+                                                            std::move(groups), static_cast<int64_t>(bucket_bytes));
     RETURN_IF_ERROR(grad_buckets_->status());
   }
   if (collectives_->split_replicated) {
@@ -208,15 +208,18 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       tp_gathered_.push_back(HostView(
           absl::MakeSpan(stage_->grad_tensors().wte, static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd)));
     }
-    // Each rank's slices packed in order, padded to the longest rank's.
-    size_t longest = 0;
+    // Each rank's slices packed in order; the gather moves them a gradient bucket's size at a time (comm.grad_bucket_mb),
+    // so that its buffers stay small (the replicated tensors are mostly the embeddings: hundreds of MB on large models).
+    const size_t chunk_elements = std::max<size_t>(1, static_cast<size_t>(bucket_bytes / sizeof(float)));
+    tp_gather_packed_ = 0;
     for (int r = 0; r < ranks_.tp; ++r) {
       size_t n = 0;
       for (absl::Span<float> s : tp_gathered_) n += TensorRankSlice(s, r, ranks_.tp).size();
-      longest = std::max(longest, n);
+      tp_gather_packed_ = std::max(tp_gather_packed_, n);
     }
-    tp_gather_send_.assign(longest, 0.0f);
-    tp_gather_recv_.assign(longest * ranks_.tp, 0.0f);
+    const size_t chunk = std::min(tp_gather_packed_, chunk_elements);
+    tp_gather_send_.assign(chunk, 0.0f);
+    tp_gather_recv_.assign(chunk * ranks_.tp, 0.0f);
   }
   if (DilocoOn(spec_)) {
     const DilocoSpec d = EffectiveDiloco(spec_);
@@ -412,19 +415,32 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
 absl::Status StageTrainer::GatherReplicated() {
   if (tp_gathered_.empty()) return absl::OkStatus();
   const int tp = ranks_.tp;
-  float* out = tp_gather_send_.data();
-  for (absl::Span<float> s : tp_gathered_) {
-    const absl::Span<float> mine = TensorRankSlice(s, ranks_.tp_rank, tp);
-    out = std::copy(mine.begin(), mine.end(), out);
-  }
-  RETURN_IF_ERROR(collectives_->tp_gather->AllGather(tp_gather_send_, absl::MakeSpan(tp_gather_recv_), "replicated"));
-  for (int r = 0; r < tp; ++r) {
-    if (r == ranks_.tp_rank) continue;
-    const float* in = tp_gather_recv_.data() + static_cast<size_t>(r) * tp_gather_send_.size();
+  // Calls fn(piece, at) for each piece of the spans that holds positions [begin, end) of rank r's packed slices, `at`
+  // being the piece's position in that range.
+  auto for_each_piece = [&](int r, size_t begin, size_t end, const auto& fn) {
+    size_t offset = 0;
     for (absl::Span<float> s : tp_gathered_) {
-      const absl::Span<float> theirs = TensorRankSlice(s, r, tp);
-      std::copy(in, in + theirs.size(), theirs.begin());
-      in += theirs.size();
+      if (offset >= end) break;
+      const absl::Span<float> slice = TensorRankSlice(s, r, tp);
+      const size_t lo = std::max(begin, offset), hi = std::min(end, offset + slice.size());
+      if (lo < hi) fn(slice.subspan(lo - offset, hi - lo), lo - begin);
+      offset += slice.size();
+    }
+  };
+  const size_t chunk = tp_gather_send_.size();
+  for (size_t begin = 0; begin < tp_gather_packed_; begin += chunk) {
+    const size_t n = std::min(chunk, tp_gather_packed_ - begin);  // a shorter rank's tail is padding nobody reads
+    for_each_piece(ranks_.tp_rank, begin, begin + n, [&](absl::Span<float> piece, size_t at) {
+      std::copy(piece.begin(), piece.end(), tp_gather_send_.begin() + static_cast<std::ptrdiff_t>(at));
+    });
+    RETURN_IF_ERROR(collectives_->tp_gather->AllGather(absl::MakeConstSpan(tp_gather_send_.data(), n),
+                                                       absl::MakeSpan(tp_gather_recv_.data(), n * tp), "replicated"));
+    for (int r = 0; r < tp; ++r) {
+      if (r == ranks_.tp_rank) continue;
+      const float* theirs = tp_gather_recv_.data() + static_cast<size_t>(r) * n;
+      for_each_piece(r, begin, begin + n, [&](absl::Span<float> piece, size_t at) {
+        std::copy(theirs + at, theirs + at + piece.size(), piece.begin());
+      });
     }
   }
   return absl::OkStatus();

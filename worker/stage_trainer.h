@@ -170,8 +170,10 @@ class StageTrainer {
   // LayerNorm, less wte when the tied all-reduce sums every replica's copy (StageCollectives::tied_over_replicas).
   std::vector<absl::Span<float>> dp_non_layer_spans_;
   // split_replicated: the replicated tensors' spans (host view) this rank summed a slice of, in the same order on
-  // every tp rank, and the gather's packed buffers (each rank's slices, padded to the longest rank's).
+  // every tp rank; the length of the longest rank's slices packed in that order, and the gather's buffers for one
+  // chunk of them (this rank's, and every rank's).
   std::vector<absl::Span<float>> tp_gathered_;
+  size_t tp_gather_packed_ = 0;
   std::vector<float> tp_gather_send_, tp_gather_recv_;
   std::unique_ptr<AsyncSender> sender_;
   // Validation (first and last stage): the replica's slice of data.val, a microbatch at a time.
