@@ -24,6 +24,7 @@
 #include "model/tokenizer.h"
 #include "model/trainer.h"
 #include "worker/devices.h"
+#include "worker/stage_trainer.h"
 
 namespace geotrain::cli {
 namespace {
@@ -220,6 +221,14 @@ void AddModelCommands(CLI::App& app, Context& context) {
     model::LocalTrainOptions options;
     options.resume = *resume;
     options.progress_bar = ::isatty(::fileno(stdout));
+    // DiLoCo's pseudo-gradients rounded by diloco.codec, as the cluster sends them.
+    absl::StatusOr<std::function<absl::Status(int, int, absl::Span<float>)>> outer_codec =
+        worker::SimulatedOuterCodec(*spec);
+    if (!outer_codec.ok()) {
+      context.exit_code = Fail(outer_codec.status());
+      return;
+    }
+    options.outer_codec = *std::move(outer_codec);
     if (absl::Status s = trainer.Run(*spec, options); !s.ok()) context.exit_code = Fail(s);
   });
 

@@ -497,4 +497,11 @@ absl::Status DecodeTensorAdd(absl::Span<const uint8_t> encoded, absl::Span<float
   return DecodeImpl(encoded, accumulator, options, /*accumulate=*/true);
 }
 
+absl::Status CodecRoundTrip::Apply(const std::string& stream, absl::Span<float> data) {
+  if (codec_.lossless()) return absl::OkStatus();
+  std::vector<float>* residual = codec_.kind == CodecKind::kTopK ? &residuals_[stream] : nullptr;
+  RETURN_IF_ERROR(EncodeTensor(codec_, data, &encoded_, residual));
+  return DecodeTensor(encoded_.span(), data);
+}
+
 }  // namespace geotrain::comm

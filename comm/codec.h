@@ -35,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -106,6 +107,21 @@ absl::Status DecodeTensor(absl::Span<const uint8_t> encoded, absl::Span<float> o
 // Decodes and adds into `accumulator` (accumulator += decoded), saving a pass in reductions.
 absl::Status DecodeTensorAdd(absl::Span<const uint8_t> encoded, absl::Span<float> accumulator,
                              const DecodeOptions& options = {});
+
+// A lossy exchange's effect on its operands: Apply replaces a tensor by what a receiver decodes after `codec`, as
+// a communicator's all-reduce replaces each rank's own operand (top-k with its error feedback kept per `stream`, as
+// a communicator keeps it per tensor key). Lets a one-process simulation send nothing and round alike (`train
+// --local`'s DiLoCo). Not thread-safe.
+class CodecRoundTrip {
+ public:
+  explicit CodecRoundTrip(Codec codec) : codec_(codec) {}
+  absl::Status Apply(const std::string& stream, absl::Span<float> data);
+
+ private:
+  const Codec codec_;
+  Bytes encoded_;
+  std::map<std::string, std::vector<float>> residuals_;
+};
 
 // The instruction set the element loops use on this machine: "avx512", "avx2" or "scalar".
 std::string_view CodecIsa();

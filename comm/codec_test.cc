@@ -273,6 +273,32 @@ TEST_P(CodecTest, DecodeAddAccumulates) {
   EXPECT_EQ(acc[11], 1.0f);
 }
 
+// CodecRoundTrip: a tensor becomes what a receiver decodes; top-k's error feedback is kept per stream, so that two
+// streams of the same values round alike and one stream's second tensor sends what the first held back.
+TEST_P(CodecTest, RoundTripIsWhatAReceiverDecodes) {
+  for (const char* name : {"none", "bf16", "int8", "int8+zstd"}) {
+    const std::vector<float> input = RandomTensor(5000, 9);
+    std::vector<float> applied = input, expected = RoundTrip(MustParse(name), input);
+    CodecRoundTrip round_trip(MustParse(name));
+    ASSERT_TRUE(round_trip.Apply("a", absl::MakeSpan(applied)).ok());
+    EXPECT_EQ(applied, expected) << name;
+  }
+  CodecRoundTrip top_k(MustParse("topk:0.001"));
+  std::vector<float> first(1000, 0.0f), second(1000, 0.0f), other(1000, 0.0f);
+  first[3] = 5.0f;
+  first[7] = 2.0f;  // held back: one of 1000 kept
+  other = first;
+  ASSERT_TRUE(top_k.Apply("a", absl::MakeSpan(first)).ok());
+  ASSERT_TRUE(top_k.Apply("b", absl::MakeSpan(other)).ok());
+  EXPECT_EQ(first[3], 5.0f);
+  EXPECT_EQ(first[7], 0.0f);
+  EXPECT_EQ(other, first);
+  ASSERT_TRUE(top_k.Apply("a", absl::MakeSpan(second)).ok());
+  EXPECT_EQ(second[7], 2.0f);
+  std::vector<float> bad(10, NAN);
+  EXPECT_FALSE(top_k.Apply("c", absl::MakeSpan(bad)).ok());
+}
+
 TEST(CodecCorruption, RejectsWrongMagicTruncationSizeMismatchAndFlips) {
   std::vector<float> input = RandomTensor(3000, 9);
   std::vector<float> out(input.size());

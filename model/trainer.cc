@@ -153,23 +153,31 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
                "in %d microbatches; %d steps\n",
                config->n_layer, config->n_head, config->n_embd, config->vocab_size,
                static_cast<long long>(config->NumParameters()), global_batch, T, micro, t.steps());
+  const bool round_outer = diloco && options.outer_codec && num_groups > 1;
   if (diloco) {
     std::fprintf(options.out,
                  "DiLoCo simulated: %d replicas in %d groups; outer step every %d steps (lr %g, momentum %g%s) in %d "
-                 "fragment(s)\n",
+                 "fragment(s); pseudo-gradients %s\n",
                  dp, num_groups, d.inner_steps(), d.outer_lr(), d.outer_momentum(), d.nesterov() ? ", Nesterov" : "",
-                 d.fragments());
+                 d.fragments(),
+                 round_outer ? absl::StrCat("rounded by ", d.codec(), " as the cluster sends them").c_str()
+                             : "averaged exactly");
   }
 
-  // DiLoCo's outer exchange of fragment f: every group's pseudo-gradient, averaged by the groups' shares.
-  auto average_delta = [&](int f) {
-    std::vector<float> sum(static_cast<size_t>(outer->FragmentSize(f))), delta;
+  // DiLoCo's outer exchange of fragment f: every group's pseudo-gradient, averaged by the groups' shares (each
+  // share rounded by the outer codec as the cluster sends it, when options.outer_codec says how and there is an
+  // exchange: one group sends nothing).
+  auto average_delta = [&](int f, std::vector<float>* sum) -> absl::Status {
+    sum->assign(static_cast<size_t>(outer->FragmentSize(f)), 0.0f);
+    std::vector<float> delta;
     for (int g = 0; g < num_groups; ++g) {
       outer->PseudoGradient(f, groups[g].model->params(), &delta);
       const float w = static_cast<float>(groups[g].microbatch_rows.size()) / static_cast<float>(dp * micro);
-      for (size_t i = 0; i < sum.size(); ++i) sum[i] += w * delta[i];
+      for (float& x : delta) x *= w;
+      if (round_outer) RETURN_IF_ERROR(options.outer_codec(g, f, absl::MakeSpan(delta)));
+      for (size_t i = 0; i < sum->size(); ++i) (*sum)[i] += delta[i];
     }
-    return sum;
+    return absl::OkStatus();
   };
   struct Pending {
     int fragment;
@@ -184,7 +192,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     std::vector<Pending> pending;
     if (diloco) {
       for (int f : outer_schedule.StartAtBeginning(step + 1)) {
-        Pending p{f, average_delta(f), std::vector<std::vector<float>>(num_groups)};
+        Pending p{f, {}, std::vector<std::vector<float>>(num_groups)};
+        RETURN_IF_ERROR(average_delta(f, &p.delta));
         for (int g = 0; g < num_groups; ++g) outer->Pack(f, groups[g].model->params(), &p.snapshots[g]);
         pending.push_back(std::move(p));
       }
@@ -211,7 +220,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
         for (int g = 0; g < num_groups; ++g) outer->Apply(p.fragment, groups[g].model->params(), p.snapshots[g].data());
       }
       for (int f : outer_schedule.BlockingAfter(step + 1)) {
-        const std::vector<float> delta = average_delta(f);
+        std::vector<float> delta;
+        RETURN_IF_ERROR(average_delta(f, &delta));
         outer->Step(f, delta.data());
         for (Group& g : groups) outer->Apply(f, g.model->params(), nullptr);
       }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "spec.pb.h"
 
 namespace geotrain::model {
@@ -29,6 +30,11 @@ struct LocalTrainOptions {
   bool progress_bar = false;  // redraw a progress bar (for a TTY)
   FILE* out = stdout;
   int stop_after_step = 0;  // > 0: return after this step (still counting train.steps for the schedule)
+  // DiLoCo: turns group g's weighted pseudo-gradient of fragment f into what the cluster's outer all-reduce adds
+  // for it (diloco.codec's rounding, comm::CodecRoundTrip), before the groups' sum; with two groups the cluster's
+  // pair exchange then sums exactly these. Null: the exchange is exact. model/ does not depend on comm/: the CLI
+  // (`train --local`) and the tests pass it.
+  std::function<absl::Status(int group, int fragment, absl::Span<float> operand)> outer_codec;
 };
 
 struct StepRecord {

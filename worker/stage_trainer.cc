@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "comm/codec.h"
 #include "common/diloco_spec.h"
 #include "common/status.h"
 
@@ -44,6 +45,18 @@ absl::Span<float> TensorRankSlice(absl::Span<float> span, int r, int ranks) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::function<absl::Status(int group, int fragment, absl::Span<float> operand)>> SimulatedOuterCodec(
+    const JobSpec& spec) {
+  std::function<absl::Status(int, int, absl::Span<float>)> none;
+  if (!DilocoOn(spec)) return none;
+  ASSIGN_OR_RETURN(comm::Codec codec, comm::ParseCodec(EffectiveDiloco(spec).codec()));
+  if (codec.lossless()) return none;
+  auto round_trip = std::make_shared<comm::CodecRoundTrip>(codec);
+  return [round_trip](int group, int fragment, absl::Span<float> operand) {
+    return round_trip->Apply(absl::StrCat(group, "/", fragment), operand);
+  };
+}
 
 StageTrainer::StageTrainer(const JobSpec& spec, ActorRanks ranks) : spec_(spec), ranks_(std::move(ranks)) {}
 

@@ -79,6 +79,13 @@ struct StepStats {
   SiteTraffic traffic;         // bytes this actor sent across sites in the step
 };
 
+// `train --local`'s model::LocalTrainOptions::outer_codec for `spec`: the rounding that its cluster run's outer
+// all-reduce (ExchangeOuter, through diloco.codec) gives each group's pseudo-gradient, kept per group and fragment
+// (top-k's error feedback). Null when that exchange is exact (codec none, or no diloco block). Errors: an unknown
+// codec, named as ParseCodec names it.
+absl::StatusOr<std::function<absl::Status(int group, int fragment, absl::Span<float> operand)>> SimulatedOuterCodec(
+    const JobSpec& spec);
+
 class StageTrainer {
  public:
   // Makes the device backend (`device`: "cpu", "cuda:N" or "timed:..." for timed compute), the collectives (through `factory`, which must

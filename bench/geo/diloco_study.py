@@ -4,15 +4,17 @@
 Two parts, both on the same tokens for every run:
 
 quality  `geotrain train --local` of the same job (4 replicas, two per site: sites a a b b), synchronous DP and
-         DiLoCo with each of --inner-steps under each outer optimizer of --outer (LR:MOMENTUM, Nesterov; int8
-         pseudo-gradients are a cluster matter: the simulation averages exactly). The simulation is the cluster's
+         DiLoCo with each of --inner-steps under each outer optimizer of --outer (LR:MOMENTUM, Nesterov), the
+         pseudo-gradients rounded by --quality-codec as the cluster's outer exchange rounds them (default none: the
+         study's recorded figures averaged exactly; int8 is what the cluster part sends). The simulation is the cluster's
          algorithm (the stage-actor tests check that a two-site cluster run equals it); validation loss every
          --eval-every steps; every run once per initialisation seed of --seeds, with the gap to synchronous DP
          per seed and its mean. The DiLoCo runs' inner AdamW takes --inner-lr (default --lr, the synchronous
          run's). Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds; with a --batch
          other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png; likewise _stepsN for --steps
          other than 256, _lrX for an --lr other than 2e-3, _innerlrX for an --inner-lr other than --lr,
-         _LAYERSxCHANNELS for another --model, which --data synthetic's 512-token model is: _4x128).
+         _LAYERSxCHANNELS for another --model, which --data synthetic's 512-token model is: _4x128; _CODEC for a
+         --quality-codec other than none).
          --warm-start N starts the DiLoCo runs from the synchronous run's checkpoint at step N (the sites
          synchronous until then; files _warmN).
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
@@ -100,8 +102,9 @@ def quality(args, geotrain, data, work):
             path = os.path.join(work, f"{name}-s{seed}.yaml")
             with open(path, "w") as f:
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
-                                  outer=outer or (0.7, 0.9), fragments=args.quality_fragments,
-                                  lr=run_lr(args, sync), seed=seed, batch=args.batch))
+                                  codec=args.quality_codec, outer=outer or (0.7, 0.9),
+                                  fragments=args.quality_fragments, lr=run_lr(args, sync), seed=seed,
+                                  batch=args.batch))
                 if args.warm_start and sync == "sync":  # its checkpoints do not change its training
                     f.write(f"checkpoint: {{dir: '{ckpt}', every_steps: {args.warm_start}, keep: -1}}\n")
                 elif args.warm_start:
@@ -215,11 +218,13 @@ def quality_suffix(args):
     2e-3 for every run), so that they land beside the study's figures, not over them: --batch 32 writes
     diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --steps 512 diloco_quality_steps512.csv, --lr 3e-3
     diloco_quality_lr0.003.csv, --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv, --warm-start 32
-    diloco_quality_warm32.csv, and a 6-layer, 256-channel --model diloco_quality_6x256.csv."""
+    diloco_quality_warm32.csv, a 6-layer, 256-channel --model diloco_quality_6x256.csv, and --quality-codec int8
+    diloco_quality_int8.csv."""
     differs = [(args.model != STUDY_MODEL, f"_{model_label(args.model)}"),
                (args.steps != STUDY_STEPS, f"_steps{args.steps}"), (args.batch != STUDY_BATCH, f"_batch{args.batch}"),
                (args.lr != STUDY_LR, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}"),
-               (args.warm_start > 0, f"_warm{args.warm_start}")]
+               (args.warm_start > 0, f"_warm{args.warm_start}"),
+               (args.quality_codec != "none", "_" + re.sub(r"[^\w.]+", "_", args.quality_codec))]
     return "".join(name for differ, name in differs if differ)
 
 
@@ -280,6 +285,9 @@ def main():
     ap.add_argument("--inner-steps", default="8,32,128")
     ap.add_argument("--outer", default="1.0:0,0.7:0.9", help="outer optimizers LR:MOMENTUM (Nesterov), comma-separated")
     ap.add_argument("--quality-fragments", type=int, default=1, help="DiLoCo fragments of the quality runs")
+    ap.add_argument("--quality-codec", default="none",
+                    help="the quality runs' diloco.codec, which train --local applies to the pseudo-gradients as "
+                         "the cluster does (none: exact, the study's figures); other than none: files named _CODEC")
     ap.add_argument("--seeds", default="1", help="initialisation seeds of the quality runs, comma-separated")
     ap.add_argument("--lr", type=float, default=STUDY_LR, help="synchronous (and inner) AdamW learning rate")
     ap.add_argument("--inner-lr", type=float, default=None,
