@@ -31,9 +31,10 @@ struct LocalTrainOptions {
   FILE* out = stdout;
   int stop_after_step = 0;  // > 0: return after this step (still counting train.steps for the schedule)
   // DiLoCo: turns group g's weighted pseudo-gradient of fragment f into what the cluster's outer all-reduce adds
-  // for it (diloco.codec's rounding, comm::CodecRoundTrip), before the groups' sum; with two groups the cluster's
-  // pair exchange then sums exactly these. Null: the exchange is exact. model/ does not depend on comm/: the CLI
-  // (`train --local`) and the tests pass it.
+  // for it (diloco.codec's rounding, comm::CodecRoundTrip), before the groups' sum: exactly the cluster's sum with
+  // two groups, pp = tp = 1 and fragments up to 8 M elements (its leaders' pair exchange), an approximation
+  // otherwise (docs/diloco.md). Null: the exchange is exact. model/ does not depend on comm/: the CLI (`train
+  // --local`) and the tests pass it.
   std::function<absl::Status(int group, int fragment, absl::Span<float> operand)> outer_codec;
 };
 

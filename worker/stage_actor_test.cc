@@ -432,6 +432,35 @@ TEST_F(StageActorTest, DilocoFragmentsOverlappedEqualLocalSimulation) {
   ExpectEqualToLocal(WithValidation(WithDiloco(Spec(2, 2, 1, 2, "1f1b", 8), 4, 2, "none"), 4, 1));
 }
 
+// Tensor parallelism inside the sites: each tp rank's leaders exchange their shard's pseudo-gradient, and tp rank
+// 0's the replicated tensors' too, which it hands to the other rank inside the site; the job equals the simulation.
+// With int8 the replicated part is rounded once, by tp rank 0: the outer bytes across are the model's once each
+// way per outer step (in int8: 1 + 4/256 bytes a value), where every tp rank sent the replicated tensors before.
+TEST_F(StageActorTest, DilocoWithTensorParallelismEqualsLocalSimulation) {
+  ExpectEqualToLocal(WithDiloco(Spec(2, 1, 2, 2, "1f1b", 4), 2, 1, "none"), 1e-5);
+}
+
+TEST_F(StageActorTest, DilocoWithTensorParallelismSendsTheReplicatedTensorsOnce) {
+  const JobSpec spec = WithDiloco(Spec(2, 1, 2, 2, "1f1b", 4), 2, 1, "int8");
+  StartJob(spec, 30000);
+  ASSERT_TRUE(WaitFinished(120));
+  double outer_bytes = 0;
+  for (const StepReport& r : head_.reports()) {
+    EXPECT_TRUE(r.error().empty()) << r.error();
+    for (const auto& [pair, bytes] : r.wan_bytes()) outer_bytes += static_cast<double>(bytes);
+  }
+  absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset("gpt2-tiny-test");
+  ASSERT_TRUE(config.ok());
+  const double int8_model = static_cast<double>(config->NumParameters()) * (1 + 4.0 / 256);
+  // Two outer steps in 4 steps (inner_steps 2), each sending the model once each way.
+  EXPECT_GE(outer_bytes, 2 * 2 * int8_model);
+  EXPECT_LT(outer_bytes, 2 * 2 * int8_model * 1.05);
+  const std::vector<float> losses = ReportedLosses();
+  const std::vector<float> rounded = LocalLosses(spec);
+  ASSERT_EQ(losses.size(), rounded.size());
+  EXPECT_NEAR(losses.back(), rounded.back(), 1e-3 * rounded.back());  // tp packs the fragments otherwise
+}
+
 // A lossy codec for the pseudo-gradients (int8): the job equals the simulation that rounds each site's
 // pseudo-gradient as the cluster's pair exchange does, trains (loss falls), and stays near the exact run; the
 // rounding is real (the simulation with it differs from the exact one).

@@ -181,7 +181,7 @@ class GrpcStageCollectives : public StageCollectives {
   comm::TensorStreamServer* const mailbox_;
   const std::string comm_job_id_;
   std::unique_ptr<comm::GrpcCommunicator> pipeline_comm_, dp_comm_, dp_scalars_comm_, replica_comm_, tp_comm_,
-      tp_gather_comm_, tied_comm_, dp_leaders_, outer_comm_, group_comm_;
+      tp_exact_comm_, tied_comm_, dp_leaders_, outer_comm_, group_comm_;
   std::unique_ptr<CommunicatorTensorParallel> tp_adapter_;
   std::unique_ptr<comm::BucketMemory> bucket_memory_;
 #ifdef GEOTRAIN_HAVE_CUDA
@@ -347,9 +347,9 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     c.tied_over_replicas = false;
   }
   ASSIGN_OR_RETURN(c.split_replicated, SplitReplicatedTensors(actors, ranks, diloco));
-  if (c.split_replicated) {
-    c.tp_gather_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, exact_options);
-    c.tp_gather = c.tp_gather_comm_.get();
+  if (ranks.tp > 1) {
+    c.tp_exact_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, exact_options);
+    c.tp_exact = c.tp_exact_comm_.get();
   }
   if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
     return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),

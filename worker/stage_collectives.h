@@ -66,13 +66,14 @@ class StageCollectives {
   model::TensorParallelComm* tp = nullptr;  // null when tp == 1
   // Tensor parallelism with data parallelism across sites, all on gRPC: each tp rank sums only its 1/tp slice of
   // the replicated tensors' gradients (the embeddings, LayerNorms, the projections' biases: identical on every
-  // rank) over the data-parallel and tied all-reduces, and `tp_gather` (this replica's TP group, host memory,
-  // exact) hands each rank the others' slices after them. So each crosses the WAN once, not once per tp rank.
-  // Decided alike by every actor of the job (SplitReplicatedTensors); off inside one site, where the gather
-  // would cost more than it saves, with NCCL data parallelism, and with DiLoCo (its groups share a site).
+  // rank) over the data-parallel and tied all-reduces, and `tp_exact` hands each rank the others' slices after
+  // them. So each crosses the WAN once, not once per tp rank. Decided alike by every actor of the job
+  // (SplitReplicatedTensors); off inside one site, where the gather would cost more than it saves, with NCCL data
+  // parallelism, and with DiLoCo (its groups share a site; its outer exchange sends the replicated tensors' part
+  // from tp rank 0 alone and hands it to the other ranks through `tp_exact`).
   bool split_replicated = false;
-  comm::Communicator* tp_gather = nullptr;         // non-null exactly when split_replicated
-  comm::AllReduceFn dp_all_reduce;                 // null when dp == 1
+  comm::Communicator* tp_exact = nullptr;  // this replica's TP group on host memory, never lossy; null when tp == 1
+  comm::AllReduceFn dp_all_reduce;         // null when dp == 1
   comm::BucketMemory* dp_bucket_memory = nullptr;  // where the buckets live; null: host memory
   bool dp_on_device = false;  // buckets on the GPU, fed from device gradients (NCCL inside the site)
   bool tp_nccl = false;       // tensor-parallel all-reduces on NCCL

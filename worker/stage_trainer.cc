@@ -44,6 +44,21 @@ absl::Span<float> TensorRankSlice(absl::Span<float> span, int r, int ranks) {
   return span.subspan(begin, end - begin);
 }
 
+// The elements of `full` in `ranges` (packed positions, ascending), in order, into `out` (replaced); and back.
+void PackRanges(const std::vector<model::ParamRange>& ranges, const std::vector<float>& full, std::vector<float>* out) {
+  out->clear();
+  for (const model::ParamRange& r : ranges)
+    out->insert(out->end(), full.begin() + r.offset, full.begin() + r.offset + r.count);
+}
+void UnpackRanges(const std::vector<model::ParamRange>& ranges, const std::vector<float>& packed,
+                  std::vector<float>* full) {
+  auto in = packed.begin();
+  for (const model::ParamRange& r : ranges) {
+    std::copy(in, in + r.count, full->begin() + r.offset);
+    in += r.count;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::function<absl::Status(int group, int fragment, absl::Span<float> operand)>> SimulatedOuterCodec(
@@ -242,8 +257,30 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     }
     outer_schedule_ = {
         .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec_.train().steps()};
+    std::vector<std::vector<model::ParamRange>> fragments = model::FragmentRanges(*stage_, d.fragments());
+    if (ranks_.tp > 1) {
+      // Each fragment's packed pseudo-gradient in two: the replicated tensors' elements (the same on every tp rank),
+      // which tp rank 0 alone exchanges across sites, and the rest.
+      for (const std::vector<model::ParamRange>& ranges : fragments) {
+        OuterSplit& split = outer_split_.emplace_back();
+        int64_t packed = 0;
+        for (const model::ParamRange& r : ranges) {
+          int64_t at = r.offset;  // the next element of r not yet assigned
+          for (const model::ParameterSegment& seg : stage_->segments()) {
+            const int64_t lo = std::max(r.offset, seg.offset),
+                          hi = std::min(r.offset + r.count, seg.offset + seg.count);
+            if (!seg.replicated || lo >= hi) continue;
+            if (lo > at) split.rest.push_back({packed + at - r.offset, lo - at});
+            split.replicated.push_back({packed + lo - r.offset, hi - lo});
+            at = hi;
+          }
+          if (at < r.offset + r.count) split.rest.push_back({packed + at - r.offset, r.offset + r.count - at});
+          packed += r.count;
+        }
+      }
+    }
     outer_ = std::make_unique<model::OuterOptimizer>(
-        model::FragmentRanges(*stage_, d.fragments()), stage_->num_params(),
+        std::move(fragments), stage_->num_params(),
         model::OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
     ASSIGN_OR_RETURN(float* params, HostParams());
     outer_->Initialize(params);
@@ -446,8 +483,8 @@ absl::Status StageTrainer::GatherReplicated() {
     for_each_piece(ranks_.tp_rank, begin, begin + n, [&](absl::Span<float> piece, size_t at) {
       std::copy(piece.begin(), piece.end(), tp_gather_send_.begin() + static_cast<std::ptrdiff_t>(at));
     });
-    RETURN_IF_ERROR(collectives_->tp_gather->AllGather(absl::MakeConstSpan(tp_gather_send_.data(), n),
-                                                       absl::MakeSpan(tp_gather_recv_.data(), n * tp), "replicated"));
+    RETURN_IF_ERROR(collectives_->tp_exact->AllGather(absl::MakeConstSpan(tp_gather_send_.data(), n),
+                                                      absl::MakeSpan(tp_gather_recv_.data(), n * tp), "replicated"));
     for (int r = 0; r < tp; ++r) {
       if (r == ranks_.tp_rank) continue;
       const float* theirs = tp_gather_recv_.data() + static_cast<size_t>(r) * n;
@@ -574,8 +611,15 @@ absl::Status StageTrainer::ParamsToDevice() {
   return backend_->CopyToDevice(stage_->params(), host_params_.data(), host_params_.size() * sizeof(float));
 }
 
-absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta) {
-  const absl::Span<float> data = absl::MakeSpan(*delta);
+absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta, size_t* exchanged) {
+  // With tensor parallelism the replicated tensors' part crosses from tp rank 0 alone, which then hands it to the
+  // other ranks exactly: once across the WAN rather than once per rank, and rounded alike for every rank (a lossy
+  // codec's rounding depends on the neighbouring shard elements, int8's scales and top-k's choice).
+  const OuterSplit* split = outer_split_.empty() ? nullptr : &outer_split_[f];
+  std::vector<float> rest;
+  if (split != nullptr && ranks_.tp_rank != 0) PackRanges(split->rest, *delta, &rest);
+  const absl::Span<float> data = absl::MakeSpan(split != nullptr && ranks_.tp_rank != 0 ? rest : *delta);
+  *exchanged = data.size();
   if (collectives_->outer != nullptr) {
     // The group's share of the batch: sum_g (n_g / dp) delta_g over the group leaders.
     for (float& x : data) x *= collectives_->outer_weight;
@@ -584,6 +628,19 @@ absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta) {
   if (collectives_->group != nullptr) {
     RETURN_IF_ERROR(collectives_->group->Broadcast(data, 0, absl::StrCat("outer-group", f)));
   }
+  if (split == nullptr) return absl::OkStatus();
+  if (ranks_.tp_rank != 0) UnpackRanges(split->rest, rest, delta);
+  std::vector<float> replicated;
+  if (ranks_.tp_rank == 0) {
+    PackRanges(split->replicated, *delta, &replicated);
+  } else {
+    int64_t n = 0;
+    for (const model::ParamRange& r : split->replicated) n += r.count;
+    replicated.resize(static_cast<size_t>(n));
+  }
+  RETURN_IF_ERROR(
+      collectives_->tp_exact->Broadcast(absl::MakeSpan(replicated), 0, absl::StrCat("outer-replicated", f)));
+  if (ranks_.tp_rank != 0) UnpackRanges(split->replicated, replicated, delta);
   return absl::OkStatus();
 }
 
@@ -605,7 +662,7 @@ absl::Status StageTrainer::StartOuterExchanges(int64_t step) {
   outer_in_flight_[from]->thread = std::thread([this, exchanges, from] {
     for (size_t i = from; i < exchanges->size(); ++i) {
       OuterExchange& x = *(*exchanges)[i];
-      x.status = ExchangeOuter(x.fragment, &x.delta);
+      x.status = ExchangeOuter(x.fragment, &x.delta, &x.exchanged);
       if (!x.status.ok()) break;
     }
   });
@@ -628,15 +685,16 @@ absl::Status StageTrainer::FinishOuterExchanges(int64_t step) {
     RETURN_IF_ERROR(x->status);
     outer_->Step(x->fragment, x->delta.data());
     outer_->Apply(x->fragment, params, x->snapshot.data());
-    raw += 4.0 * static_cast<double>(x->delta.size());
+    raw += 4.0 * static_cast<double>(x->exchanged);
   }
   std::vector<float> delta;
   for (int f : blocking) {
     outer_->PseudoGradient(f, params, &delta);
-    RETURN_IF_ERROR(ExchangeOuter(f, &delta));
+    size_t exchanged = 0;
+    RETURN_IF_ERROR(ExchangeOuter(f, &delta, &exchanged));
     outer_->Step(f, delta.data());
     outer_->Apply(f, params, nullptr);
-    raw += 4.0 * static_cast<double>(delta.size());
+    raw += 4.0 * static_cast<double>(exchanged);
   }
   RETURN_IF_ERROR(ParamsToDevice());
   stats_.wait_seconds += SecondsSince(t0);

@@ -127,8 +127,9 @@ class StageTrainer {
   // and at its end those finished and applied, then the blocking ones.
   absl::Status StartOuterExchanges(int64_t step);
   absl::Status FinishOuterExchanges(int64_t step);
-  // The averaged pseudo-gradient of fragment f (in place): a sum over the group leaders, handed to the group.
-  absl::Status ExchangeOuter(int f, std::vector<float>* delta);
+  // The averaged pseudo-gradient of fragment f (in place): a sum over the group leaders, handed to the group (with
+  // tp > 1 the replicated tensors' part from tp rank 0). *exchanged: the floats this actor put through it.
+  absl::Status ExchangeOuter(int f, std::vector<float>* delta, size_t* exchanged);
   // The stage's parameters in host memory (itself on the CPU, a copy on a device), and back after a change.
   absl::StatusOr<float*> HostParams();
   absl::Status ParamsToDevice();
@@ -190,9 +191,15 @@ class StageTrainer {
   std::unique_ptr<model::OuterOptimizer> outer_;
   model::DilocoSchedule outer_schedule_;
   std::vector<float> host_params_;  // on a device: the parameters' host copy for the outer step
+  // tp > 1: per fragment, the packed positions of its replicated tensors' elements and of the rest, ascending.
+  struct OuterSplit {
+    std::vector<model::ParamRange> replicated, rest;
+  };
+  std::vector<OuterSplit> outer_split_;
   struct OuterExchange {
     int fragment = 0;
     std::vector<float> delta, snapshot;  // packed; snapshot: the parameters when the exchange started
+    size_t exchanged = 0;
     absl::Status status;
     std::thread thread;
   };
