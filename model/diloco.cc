@@ -105,9 +105,41 @@ void OuterOptimizer::PseudoGradient(int f, const float* params, std::vector<floa
 }
 
 void OuterOptimizer::Pack(int f, const float* params, std::vector<float>* out) const {
-  out->resize(static_cast<size_t>(FragmentSize(f)));
+  PackRanges(fragments_[f], params, out);
+}
+
+void PackRanges(const std::vector<ParamRange>& ranges, const float* from, std::vector<float>* out) {
+  int64_t n = 0;
+  for (const ParamRange& r : ranges) n += r.count;
+  out->resize(static_cast<size_t>(n));
   float* o = out->data();
-  for (const ParamRange& r : fragments_[f]) o = std::copy(params + r.offset, params + r.offset + r.count, o);
+  for (const ParamRange& r : ranges) o = std::copy(from + r.offset, from + r.offset + r.count, o);
+}
+
+void UnpackRanges(const std::vector<ParamRange>& ranges, const float* packed, float* to) {
+  for (const ParamRange& r : ranges) {
+    std::copy(packed, packed + r.count, to + r.offset);
+    packed += r.count;
+  }
+}
+
+ReplicatedSplit SplitReplicated(const GPT2Stage& stage, const std::vector<ParamRange>& ranges) {
+  ReplicatedSplit split;
+  int64_t packed = 0;
+  for (const ParamRange& r : ranges) {
+    int64_t at = r.offset;  // the next element of r not yet assigned
+    for (const ParameterSegment& seg : stage.segments()) {
+      const int64_t lo = std::max(r.offset, seg.offset), hi = std::min(r.offset + r.count, seg.offset + seg.count);
+      if (!seg.replicated || lo >= hi) continue;
+      if (lo > at) split.rest.push_back({packed + at - r.offset, lo - at});
+      split.replicated.push_back({packed + lo - r.offset, hi - lo});
+      split.replicated_count += hi - lo;
+      at = hi;
+    }
+    if (at < r.offset + r.count) split.rest.push_back({packed + at - r.offset, r.offset + r.count - at});
+    packed += r.count;
+  }
+  return split;
 }
 
 void OuterOptimizer::Step(int f, const float* delta) {

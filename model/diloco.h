@@ -69,6 +69,18 @@ struct ParamRange {
 // stage). Together they cover the stage's parameters exactly once.
 std::vector<std::vector<ParamRange>> FragmentRanges(GPT2Stage& stage, int fragments);
 
+// The elements of `from` at `ranges`, in order, into `out` (resized); and back, from `packed` to `to`.
+void PackRanges(const std::vector<ParamRange>& ranges, const float* from, std::vector<float>* out);
+void UnpackRanges(const std::vector<ParamRange>& ranges, const float* packed, float* to);
+
+// Where in `ranges` packed (as PackRanges packs them) the elements of `stage`'s replicated tensors lie
+// (ParameterSegment::replicated: whole and the same on every tp rank), and where the rest; each ascending.
+struct ReplicatedSplit {
+  std::vector<ParamRange> replicated, rest;
+  int64_t replicated_count = 0;
+};
+ReplicatedSplit SplitReplicated(const GPT2Stage& stage, const std::vector<ParamRange>& ranges);
+
 struct OuterOptions {
   double lr = 0.7;
   double momentum = 0.9;

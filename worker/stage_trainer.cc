@@ -44,21 +44,6 @@ absl::Span<float> TensorRankSlice(absl::Span<float> span, int r, int ranks) {
   return span.subspan(begin, end - begin);
 }
 
-// The elements of `full` in `ranges` (packed positions, ascending), in order, into `out` (replaced); and back.
-void PackRanges(const std::vector<model::ParamRange>& ranges, const std::vector<float>& full, std::vector<float>* out) {
-  out->clear();
-  for (const model::ParamRange& r : ranges)
-    out->insert(out->end(), full.begin() + r.offset, full.begin() + r.offset + r.count);
-}
-void UnpackRanges(const std::vector<model::ParamRange>& ranges, const std::vector<float>& packed,
-                  std::vector<float>* full) {
-  auto in = packed.begin();
-  for (const model::ParamRange& r : ranges) {
-    std::copy(in, in + r.count, full->begin() + r.offset);
-    in += r.count;
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::function<absl::Status(int group, int fragment, absl::Span<float> operand)>> SimulatedOuterCodec(
@@ -233,8 +218,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   }
   if (collectives_->split_replicated) {
     if (collectives_->tied != nullptr) {  // the tied all-reduce sums this rank's slice of wte
-      tp_gathered_.push_back(HostView(
-          absl::MakeSpan(stage_->grad_tensors().wte, static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd)));
+      tp_gathered_.push_back(HostView(WteGradient()));
     }
     // Each rank's slices packed in order; the gather moves them a gradient bucket's size at a time (comm.grad_bucket_mb),
     // so that its buffers stay small (the replicated tensors are mostly the embeddings: hundreds of MB on large models).
@@ -262,21 +246,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       // Each fragment's packed pseudo-gradient in two: the replicated tensors' elements (the same on every tp rank),
       // which tp rank 0 alone exchanges across sites, and the rest.
       for (const std::vector<model::ParamRange>& ranges : fragments) {
-        OuterSplit& split = outer_split_.emplace_back();
-        int64_t packed = 0;
-        for (const model::ParamRange& r : ranges) {
-          int64_t at = r.offset;  // the next element of r not yet assigned
-          for (const model::ParameterSegment& seg : stage_->segments()) {
-            const int64_t lo = std::max(r.offset, seg.offset),
-                          hi = std::min(r.offset + r.count, seg.offset + seg.count);
-            if (!seg.replicated || lo >= hi) continue;
-            if (lo > at) split.rest.push_back({packed + at - r.offset, lo - at});
-            split.replicated.push_back({packed + lo - r.offset, hi - lo});
-            at = hi;
-          }
-          if (at < r.offset + r.count) split.rest.push_back({packed + at - r.offset, r.offset + r.count - at});
-          packed += r.count;
-        }
+        outer_split_.push_back(model::SplitReplicated(*stage_, ranges));
       }
     }
     outer_ = std::make_unique<model::OuterOptimizer>(
@@ -317,6 +287,10 @@ void StageTrainer::AddAllReduceTraffic(SiteTraffic* traffic, const AllReduceRout
                                        double tensor_bytes) const {
   const double ring = route.ring_size;
   traffic->Add(ranks_.site, ranks_.peers[route.successor_rank].site, encoded, 2.0 * (ring - 1) / ring * tensor_bytes);
+}
+
+absl::Span<float> StageTrainer::WteGradient() {
+  return absl::MakeSpan(stage_->grad_tensors().wte, static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd);
 }
 
 absl::Span<float> StageTrainer::HostView(absl::Span<float> grads) {
@@ -431,17 +405,15 @@ absl::Status StageTrainer::SynchronizeGradients(SiteTraffic* traffic, uint64_t d
   // Tied embedding: the first and last stage hold copies of wte; each needs the sum of every copy's gradient
   // (its replica's pair, or every replica's with tied_over_replicas).
   if (collectives_->tied != nullptr) {
-    const model::ParameterTensors& g = stage_->grad_tensors();
-    const size_t n = static_cast<size_t>(config_.padded_vocab_size) * config_.n_embd;
     const uint64_t before = collectives_->BytesSent(TrafficClass::kTied);
-    const absl::Span<float> wte = absl::MakeSpan(g.wte, n);
+    const absl::Span<float> wte = WteGradient();
     RETURN_IF_ERROR(CopyOut({wte}));
     // With split_replicated this rank's slice; GatherReplicated then completes it (and the mirror goes to the device).
     const absl::Span<float> summed =
         collectives_->split_replicated ? TensorRankSlice(HostView(wte), ranks_.tp_rank, ranks_.tp) : HostView(wte);
     RETURN_IF_ERROR(collectives_->tied->AllReduceSum(summed, "tied"));
     if (on_device_ && !collectives_->split_replicated) {
-      RETURN_IF_ERROR(backend_->CopyToDevice(g.wte, HostView(wte).data(), n * sizeof(float)));
+      RETURN_IF_ERROR(backend_->CopyToDevice(wte.data(), HostView(wte).data(), wte.size() * sizeof(float)));
     }
     AddAllReduceTraffic(traffic, collectives_->tied_route, collectives_->BytesSent(TrafficClass::kTied) - before,
                         4.0 * static_cast<double>(summed.size()));
@@ -615,9 +587,9 @@ absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta, size_
   // With tensor parallelism the replicated tensors' part crosses from tp rank 0 alone, which then hands it to the
   // other ranks exactly: once across the WAN rather than once per rank, and rounded alike for every rank (a lossy
   // codec's rounding depends on the neighbouring shard elements, int8's scales and top-k's choice).
-  const OuterSplit* split = outer_split_.empty() ? nullptr : &outer_split_[f];
+  const model::ReplicatedSplit* split = outer_split_.empty() ? nullptr : &outer_split_[f];
   std::vector<float> rest;
-  if (split != nullptr && ranks_.tp_rank != 0) PackRanges(split->rest, *delta, &rest);
+  if (split != nullptr && ranks_.tp_rank != 0) model::PackRanges(split->rest, delta->data(), &rest);
   const absl::Span<float> data = absl::MakeSpan(split != nullptr && ranks_.tp_rank != 0 ? rest : *delta);
   *exchanged = data.size();
   if (collectives_->outer != nullptr) {
@@ -629,18 +601,16 @@ absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta, size_
     RETURN_IF_ERROR(collectives_->group->Broadcast(data, 0, absl::StrCat("outer-group", f)));
   }
   if (split == nullptr) return absl::OkStatus();
-  if (ranks_.tp_rank != 0) UnpackRanges(split->rest, rest, delta);
+  if (ranks_.tp_rank != 0) model::UnpackRanges(split->rest, rest.data(), delta->data());
   std::vector<float> replicated;
   if (ranks_.tp_rank == 0) {
-    PackRanges(split->replicated, *delta, &replicated);
+    model::PackRanges(split->replicated, delta->data(), &replicated);
   } else {
-    int64_t n = 0;
-    for (const model::ParamRange& r : split->replicated) n += r.count;
-    replicated.resize(static_cast<size_t>(n));
+    replicated.resize(static_cast<size_t>(split->replicated_count));
   }
   RETURN_IF_ERROR(
       collectives_->tp_exact->Broadcast(absl::MakeSpan(replicated), 0, absl::StrCat("outer-replicated", f)));
-  if (ranks_.tp_rank != 0) UnpackRanges(split->replicated, replicated, delta);
+  if (ranks_.tp_rank != 0) model::UnpackRanges(split->replicated, replicated.data(), delta->data());
   return absl::OkStatus();
 }
 

@@ -136,6 +136,8 @@ class StageTrainer {
   // The host span standing for a span of the stage's gradients: itself on the CPU, its place in the host
   // mirror on a device.
   absl::Span<float> HostView(absl::Span<float> grads);
+  // The gradient of the stage's wte copy (first or last stage; backend memory).
+  absl::Span<float> WteGradient();
   // Counts `encoded` bytes an all-reduce of a `tensor_bytes` fp32 tensor sent on `route` (across sites or not).
   void AddAllReduceTraffic(SiteTraffic* traffic, const AllReduceRoute& route, uint64_t encoded,
                            double tensor_bytes) const;
@@ -191,11 +193,8 @@ class StageTrainer {
   std::unique_ptr<model::OuterOptimizer> outer_;
   model::DilocoSchedule outer_schedule_;
   std::vector<float> host_params_;  // on a device: the parameters' host copy for the outer step
-  // tp > 1: per fragment, the packed positions of its replicated tensors' elements and of the rest, ascending.
-  struct OuterSplit {
-    std::vector<model::ParamRange> replicated, rest;
-  };
-  std::vector<OuterSplit> outer_split_;
+  // tp > 1: per fragment, the packed positions of its replicated tensors' elements and of the rest.
+  std::vector<model::ReplicatedSplit> outer_split_;
   struct OuterExchange {
     int fragment = 0;
     std::vector<float> delta, snapshot;  // packed; snapshot: the parameters when the exchange started
