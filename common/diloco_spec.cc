@@ -16,6 +16,7 @@ DilocoSpec EffectiveDiloco(const JobSpec& spec) {
   if (!d.has_nesterov()) d.set_nesterov(true);
   if (d.codec().empty()) d.set_codec("int8");
   if (d.fragments() <= 0) d.set_fragments(1);
+  if (!d.has_inner_lr_scale()) d.set_inner_lr_scale(1.0);
   return d;
 }
 

@@ -339,6 +339,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     if (!(e.outer_momentum() >= 0 && e.outer_momentum() < 1)) {
       return bad("diloco.outer_momentum", "must be in [0, 1) (0: no momentum)");
     }
+    if (!(e.inner_lr_scale() > 0 && e.inner_lr_scale() <= 10)) {
+      return bad("diloco.inner_lr_scale", "must be in (0, 10] (1: train's schedule as it is)");
+    }
     if (e.fragments() > e.inner_steps()) {
       return bad("diloco.fragments",
                  absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),

@@ -104,6 +104,8 @@ TEST(SpecTest, ValuesAreBoundedAndTheErrorNamesTheLimit) {
       {"comm: {chunk_bytes: 1000000000000}", "comm.chunk_bytes"},
       {"checkpoint: {every_steps: 2000000000}", "checkpoint.every_steps"},
       {"fault_tolerance: {max_restarts: 2000000000}", "fault_tolerance.max_restarts"},
+      {"diloco: {inner_steps: 8, inner_lr_scale: 11}", "diloco.inner_lr_scale must be in (0, 10]"},
+      {"diloco: {inner_steps: 8, inner_lr_scale: -1}", "diloco.inner_lr_scale must be in (0, 10]"},
       {"{\"name\": \"x\", \"train\": {\"steps\": 2000000000}}", "train.steps"},
   };
   for (const auto& c : cases) {

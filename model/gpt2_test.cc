@@ -304,6 +304,14 @@ TEST(GPT2Test, TrainingReducesLossAndScheduleHasItsShape) {
   EXPECT_DOUBLE_EQ(s.At(10), 1.0);
   EXPECT_NEAR(s.At(60), 0.55, 1e-12);
   EXPECT_NEAR(s.At(110), 0.1, 1e-12);
+  // DiLoCo's inner_lr_scale: the rate times the scale, never above max_lr.
+  LearningRateSchedule scaled = s;
+  scaled.scale = 1.5;
+  EXPECT_DOUBLE_EQ(scaled.At(0), 0.15);
+  EXPECT_DOUBLE_EQ(scaled.At(9), 1.0);
+  EXPECT_DOUBLE_EQ(scaled.At(10), 1.0);
+  EXPECT_NEAR(scaled.At(60), 0.825, 1e-12);
+  EXPECT_NEAR(scaled.At(110), 0.15, 1e-12);
   EXPECT_FLOAT_EQ(ClipScale(4.0, 1.0), 1.0f / (4.0f + 1e-6f));
   EXPECT_EQ(ClipScale(0.5, 1.0), 1.0f);
 }

@@ -76,12 +76,16 @@ float ClipScale(double global_norm, double max_norm) {
 }
 
 double LearningRateSchedule::At(int step) const {
-  if (step < warmup_steps) return max_lr * (step + 1) / warmup_steps;
-  if (step >= total_steps) return min_lr;
-  const int decay_steps = std::max(1, total_steps - warmup_steps);
-  const double ratio = static_cast<double>(step - warmup_steps) / decay_steps;
-  const double coeff = 0.5 * (1.0 + std::cos(M_PI * ratio));
-  return min_lr + coeff * (max_lr - min_lr);
+  double lr = min_lr;
+  if (step < warmup_steps) {
+    lr = max_lr * (step + 1) / warmup_steps;
+  } else if (step < total_steps) {
+    const int decay_steps = std::max(1, total_steps - warmup_steps);
+    const double ratio = static_cast<double>(step - warmup_steps) / decay_steps;
+    const double coeff = 0.5 * (1.0 + std::cos(M_PI * ratio));
+    lr = min_lr + coeff * (max_lr - min_lr);
+  }
+  return scale == 1.0 ? lr : std::min(max_lr, scale * lr);
 }
 
 }  // namespace geotrain::model

@@ -75,12 +75,14 @@ class AdamW {
 // torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), capped at 1). max_norm <= 0: no clipping.
 float ClipScale(double global_norm, double max_norm);
 
-// Linear warm-up over warmup_steps to max_lr, then cosine decay to min_lr at total_steps.
+// Linear warm-up over warmup_steps to max_lr, then cosine decay to min_lr at total_steps; times scale, capped at
+// max_lr (DiLoCo's diloco.inner_lr_scale).
 struct LearningRateSchedule {
   double max_lr = 6e-4;
   double min_lr = 6e-5;
   int warmup_steps = 0;
   int total_steps = 1;
+  double scale = 1.0;
   // Rate for optimizer step `step` (0-based).
   double At(int step) const;
 };

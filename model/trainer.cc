@@ -37,6 +37,15 @@ struct Group {
 
 }  // namespace
 
+LearningRateSchedule TrainSchedule(const JobSpec& spec) {
+  const TrainSpec& t = spec.train();
+  return {.max_lr = t.lr(),
+          .min_lr = t.min_lr(),
+          .warmup_steps = t.warmup_steps(),
+          .total_steps = t.steps(),
+          .scale = DilocoOn(spec) ? EffectiveDiloco(spec).inner_lr_scale() : 1.0};
+}
+
 absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& options) {
   absl::StatusOr<GPT2Config> config = GPT2Config::FromSpec(spec.model());
   if (!config.ok()) return config.status();
@@ -109,8 +118,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
         OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
     outer->Initialize(model.params());
   }
-  LearningRateSchedule schedule{
-      .max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(), .total_steps = t.steps()};
+  const LearningRateSchedule schedule = TrainSchedule(spec);
 
   auto train = DataLoader::Create(spec.data().train(), global_batch, T, 0, 1, config->vocab_size);
   if (!train.ok()) return train.status();
@@ -157,9 +165,9 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   if (diloco) {
     std::fprintf(options.out,
                  "DiLoCo simulated: %d replicas in %d groups; outer step every %d steps (lr %g, momentum %g%s) in %d "
-                 "fragment(s); pseudo-gradients %s\n",
+                 "fragment(s); inner lr x %g (at most train.lr); pseudo-gradients %s\n",
                  dp, num_groups, d.inner_steps(), d.outer_lr(), d.outer_momentum(), d.nesterov() ? ", Nesterov" : "",
-                 d.fragments(),
+                 d.fragments(), d.inner_lr_scale(),
                  round_outer ? absl::StrCat("rounded by ", d.codec(), " as the cluster sends them").c_str()
                              : "averaged exactly");
   }

@@ -21,9 +21,14 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "model/optimizer.h"
 #include "spec.pb.h"
 
 namespace geotrain::model {
+
+// The AdamW learning rate schedule of a job's (inner) steps: train's, times diloco.inner_lr_scale with DiLoCo.
+// `train --local` and the cluster's stages take it from here.
+LearningRateSchedule TrainSchedule(const JobSpec& spec);
 
 struct LocalTrainOptions {
   bool resume = false;

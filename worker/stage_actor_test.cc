@@ -422,6 +422,19 @@ TEST_F(StageActorTest, DilocoAcrossTwoSitesEqualsLocalSimulation) {
   ExpectEqualToLocal(WithValidation(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 7), 3, 1, "none"), 2, 2));
 }
 
+// diloco.inner_lr_scale: the stages' inner AdamW takes the scaled (capped) schedule, as the simulation does, and the
+// scale changes the training (so the equality above is not of two runs that ignore it).
+TEST_F(StageActorTest, DilocoInnerLearningRateScaleEqualsLocalSimulation) {
+  const JobSpec plain = WithDiloco(Spec(2, 1, 1, 2, "1f1b", 7), 3, 1, "none");
+  JobSpec scaled = plain;
+  scaled.mutable_diloco()->set_inner_lr_scale(1.5);
+  ExpectEqualToLocal(scaled);
+  const std::vector<float> with = LocalLosses(scaled), without = LocalLosses(plain);
+  ASSERT_EQ(with.size(), without.size());
+  EXPECT_EQ(with[0], without[0]);  // the first step's loss comes before any update
+  EXPECT_GT(std::abs(with.back() - without.back()), 1e-4);
+}
+
 // Two replicas per site: synchronous inside each site, outer steps across; pipelines of two stages.
 TEST_F(StageActorTest, DilocoGroupsOfTwoPipelinedEqualLocalSimulation) {
   ExpectEqualToLocal(WithDiloco(Spec(4, 2, 1, 1, "1f1b", 4), 2, 1, "none"), 1e-4);

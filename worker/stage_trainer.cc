@@ -9,6 +9,7 @@
 #include "comm/codec.h"
 #include "common/diloco_spec.h"
 #include "common/status.h"
+#include "model/trainer.h"
 
 namespace geotrain::worker {
 namespace {
@@ -116,10 +117,7 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   adam_options.beta2 = static_cast<float>(spec_.train().beta2());
   adam_options.weight_decay = static_cast<float>(spec_.train().weight_decay());
   ASSIGN_OR_RETURN(adam_, model::AdamW::Create(stage_->num_params(), stage_->segments(), adam_options, *backend_));
-  schedule_.max_lr = spec_.train().lr();
-  schedule_.min_lr = spec_.train().min_lr();
-  schedule_.warmup_steps = spec_.train().warmup_steps();
-  schedule_.total_steps = spec_.train().steps();
+  schedule_ = model::TrainSchedule(spec_);
 
   if ((first || last) && (data == nullptr || spec_.data().local())) {
     ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(spec_.data().train(), ranks_.replica_batch, T, ranks_.replica,

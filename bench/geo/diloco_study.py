@@ -10,9 +10,11 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          algorithm (the stage-actor tests check that a two-site cluster run equals it); validation loss every
          --eval-every steps; every run once per initialisation seed of --seeds, with the gap to synchronous DP
          per seed and its mean. The DiLoCo runs' inner AdamW takes --inner-lr (default --lr, the synchronous
-         run's). Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds; with a --batch
+         run's) and the spec's diloco.inner_lr_scale --inner-lr-scale (default 1: the schedule as it is; above 1
+         it is capped at the peak rate). Writes diloco_quality.csv and diloco_val_loss.png (the mean over the seeds; with a --batch
          other than 16, diloco_quality_batchN.csv and diloco_val_loss_batchN.png; likewise _stepsN for --steps
          other than 256, _lrX for an --lr other than 2e-3, _innerlrX for an --inner-lr other than --lr,
+         _innerscaleX for an --inner-lr-scale other than 1,
          _LAYERSxCHANNELS for another --model, which --data synthetic's 512-token model is: _4x128; _CODEC for a
          --quality-codec other than none).
          --warm-start N starts the DiLoCo runs from the synchronous run's checkpoint at step N (the sites
@@ -33,7 +35,7 @@ vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin)
 
 Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
            [--data fortunes|synthetic|DIR] [--steps 256] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
-           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--batch 16] [--warm-start N]
+           [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--inner-lr-scale 1] [--batch 16] [--warm-start N]
            [--model YAML] [--parts quality,cluster]
            [--repeats 3] [--cluster-steps 34] [--cluster-fragments 4] [--hybrids PLAN,...]
            [--baselines sync-dp,diloco] [--cluster-csv diloco_cluster.csv]
@@ -73,7 +75,8 @@ HYBRID_PLANS["dp2xtp2-dp-across"] = (
 
 
 def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="int8", wan_codec="bf16",
-              outer=(0.7, 0.9), fragments=1, lr=STUDY_LR, seed=1, batch=STUDY_BATCH, parallel=None):
+              outer=(0.7, 0.9), fragments=1, lr=STUDY_LR, seed=1, batch=STUDY_BATCH, parallel=None,
+              inner_lr_scale=1.0):
     """The study's job. `parallel` (a hybrid plan's parallel block) replaces DP=4 over sites a a b b."""
     parallel = parallel or f"{{plan: manual, dp: 4, microbatches: 1, sync: {sync}, placement: {SITES}}}"
     text = (f"name: {name}\nmodel: {model}\n"
@@ -84,7 +87,7 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":
         text += (f"diloco: {{inner_steps: {inner_steps}, outer_lr: {outer[0]:g}, outer_momentum: {outer[1]:g}, "
-                 f"codec: {codec}, fragments: {fragments}}}\n")
+                 f"codec: {codec}, fragments: {fragments}, inner_lr_scale: {inner_lr_scale:g}}}\n")
     return text
 
 
@@ -104,7 +107,7 @@ def quality(args, geotrain, data, work):
                 f.write(spec_text(name, data, args.steps, args.eval_every, args.model, sync, h,
                                   codec=args.quality_codec, outer=outer or (0.7, 0.9),
                                   fragments=args.quality_fragments, lr=run_lr(args, sync), seed=seed,
-                                  batch=args.batch))
+                                  batch=args.batch, inner_lr_scale=args.inner_lr_scale))
                 if args.warm_start and sync == "sync":  # its checkpoints do not change its training
                     f.write(f"checkpoint: {{dir: '{ckpt}', every_steps: {args.warm_start}, keep: -1}}\n")
                 elif args.warm_start:
@@ -116,7 +119,8 @@ def quality(args, geotrain, data, work):
             for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
                 if m.group(3):
                     rows.append({"run": name, "seed": seed, "inner_steps": h,
-                                 "lr": run_lr(args, sync), "warm_start": args.warm_start if h else 0,
+                                 "lr": run_lr(args, sync), "inner_lr_scale": args.inner_lr_scale if h else "",
+                                 "warm_start": args.warm_start if h else 0,
                                  "outer_lr": outer[0] if outer else "",
                                  "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
                                  "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
@@ -217,12 +221,14 @@ def quality_suffix(args):
     """The quality part's files name what differs from the study's settings (256 steps, batch 16, learning rate
     2e-3 for every run), so that they land beside the study's figures, not over them: --batch 32 writes
     diloco_quality_batch32.csv and diloco_val_loss_batch32.png, --steps 512 diloco_quality_steps512.csv, --lr 3e-3
-    diloco_quality_lr0.003.csv, --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv, --warm-start 32
+    diloco_quality_lr0.003.csv, --inner-lr 2.83e-3 diloco_quality_innerlr0.00283.csv, --inner-lr-scale 1.41421
+    diloco_quality_innerscale1.41421.csv, --warm-start 32
     diloco_quality_warm32.csv, a 6-layer, 256-channel --model diloco_quality_6x256.csv, and --quality-codec int8
     diloco_quality_int8.csv."""
     differs = [(args.model != STUDY_MODEL, f"_{model_label(args.model)}"),
                (args.steps != STUDY_STEPS, f"_steps{args.steps}"), (args.batch != STUDY_BATCH, f"_batch{args.batch}"),
                (args.lr != STUDY_LR, f"_lr{args.lr:g}"), (args.inner_lr != args.lr, f"_innerlr{args.inner_lr:g}"),
+               (args.inner_lr_scale != 1, f"_innerscale{args.inner_lr_scale:g}"),
                (args.warm_start > 0, f"_warm{args.warm_start}"),
                (args.quality_codec != "none", "_" + re.sub(r"[^\w.]+", "_", args.quality_codec))]
     return "".join(name for differ, name in differs if differ)
@@ -293,6 +299,9 @@ def main():
     ap.add_argument("--inner-lr", type=float, default=None,
                     help="the DiLoCo runs' inner AdamW learning rate (default: --lr); other than --lr: files "
                          "named _innerlrX")
+    ap.add_argument("--inner-lr-scale", type=float, default=1.0,
+                    help="the DiLoCo runs' diloco.inner_lr_scale: their inner rate is the schedule's times this, "
+                         "capped at the peak (1.41421 = sqrt(2 sites)); other than 1: files named _innerscaleX")
     ap.add_argument("--batch", type=int, default=STUDY_BATCH,
                     help="global batch of the quality runs (sequences of 64 tokens); other than 16: files "
                          "named _batchN")
@@ -333,6 +342,8 @@ def main():
         args.inner_lr = args.lr
     if args.lr <= 0 or args.inner_lr <= 0:
         ap.error(f"--lr {args.lr:g} and --inner-lr {args.inner_lr:g} must be positive (the study's: {STUDY_LR:g})")
+    if not 0 < args.inner_lr_scale <= 10:
+        ap.error(f"--inner-lr-scale {args.inner_lr_scale:g} must be in (0, 10] (1: the schedule as it is)")
     if not 0 <= args.warm_start < args.steps:
         ap.error(f"--warm-start {args.warm_start} must be 0 (off) or a step below --steps ({args.steps})")
     args.outer = [tuple(float(v) for v in o.split(":")) for o in args.outer.split(",")]
