@@ -14,7 +14,7 @@ namespace geotrain {
 // parallel.sync "sync".
 bool DilocoOn(const JobSpec& spec);
 // The diloco block with every default filled in: inner_steps 32, outer_lr 0.7, outer_momentum 0.9, nesterov,
-// codec int8, fragments 1.
+// codec int8, fragments 1, inner_lr_scale 1.
 DilocoSpec EffectiveDiloco(const JobSpec& spec);
 
 }  // namespace geotrain

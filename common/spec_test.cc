@@ -116,6 +116,14 @@ TEST(SpecTest, ValuesAreBoundedAndTheErrorNamesTheLimit) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.text;
     EXPECT_THAT(s.message(), HasSubstr(c.key)) << c.text;
   }
+  // The scale's bound is inclusive at 10, and only a job that trains with DiLoCo is held to it.
+  for (const char* text : {"diloco: {inner_steps: 8, inner_lr_scale: 10}",
+                           "parallel: {sync: sync}\ndiloco: {inner_steps: 8, inner_lr_scale: 11}"}) {
+    JobSpec spec;
+    ASSERT_TRUE(ParseYamlOrJson(text, "spec.yaml", &spec).ok()) << text;
+    ApplyJobDefaults(&spec);
+    EXPECT_TRUE(ValidateJobSpec(spec).ok()) << text << ": " << ValidateJobSpec(spec);
+  }
   JobSpec long_name;
   long_name.set_name(std::string(kSpecLimits.max_name_bytes + 1, 'j'));
   ApplyJobDefaults(&long_name);

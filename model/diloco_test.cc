@@ -42,6 +42,31 @@ TEST(DilocoScheduleTest, FragmentsTakeTurnsAndOverlapTheNextStep) {
   EXPECT_EQ(s.BlockingAfter(12), (std::vector<int>{0, 1}));  // the last step ends on the outer model
 }
 
+// diloco.inner_lr_scale scales the inner schedule only while DiLoCo is on: parallel.sync "sync" with a diloco
+// block, and a job without one, train at train.lr's schedule.
+TEST(TrainScheduleTest, TheInnerLearningRateScaleAppliesOnlyWithDiloco) {
+  JobSpec spec;
+  TrainSpec* t = spec.mutable_train();
+  t->set_lr(1e-3);
+  t->set_min_lr(1e-4);
+  t->set_warmup_steps(2);
+  t->set_steps(20);
+  EXPECT_EQ(TrainSchedule(spec).scale, 1.0);
+  spec.mutable_diloco()->set_inner_steps(4);
+  EXPECT_EQ(TrainSchedule(spec).scale, 1.0);  // absent: 1
+  spec.mutable_diloco()->set_inner_lr_scale(1.5);
+  const LearningRateSchedule on = TrainSchedule(spec);
+  EXPECT_EQ(on.scale, 1.5);
+  EXPECT_EQ(on.max_lr, 1e-3);
+  EXPECT_EQ(on.min_lr, 1e-4);
+  EXPECT_EQ(on.warmup_steps, 2);
+  EXPECT_EQ(on.total_steps, 20);
+  spec.mutable_parallel()->set_sync("sync");
+  EXPECT_EQ(TrainSchedule(spec).scale, 1.0);
+  spec.mutable_parallel()->set_sync("diloco");
+  EXPECT_EQ(TrainSchedule(spec).scale, 1.5);
+}
+
 TEST(DilocoGroupsTest, ReplicasOfOneSiteShareAGroupNumberedByFirstReplica) {
   EXPECT_EQ(DilocoGroups({"b", "a", "b", "a"}), (std::vector<int>{0, 1, 0, 1}));
   EXPECT_EQ(DilocoGroups({"x"}), std::vector<int>{0});

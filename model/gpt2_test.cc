@@ -312,6 +312,9 @@ TEST(GPT2Test, TrainingReducesLossAndScheduleHasItsShape) {
   EXPECT_DOUBLE_EQ(scaled.At(10), 1.0);
   EXPECT_NEAR(scaled.At(60), 0.825, 1e-12);
   EXPECT_NEAR(scaled.At(110), 0.15, 1e-12);
+  scaled.scale = 0.5;  // below 1 nothing reaches the cap
+  EXPECT_DOUBLE_EQ(scaled.At(9), 0.5);
+  EXPECT_NEAR(scaled.At(60), 0.275, 1e-12);
   EXPECT_FLOAT_EQ(ClipScale(4.0, 1.0), 1.0f / (4.0f + 1e-6f));
   EXPECT_EQ(ClipScale(0.5, 1.0), 1.0f);
 }

@@ -87,7 +87,9 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":
         text += (f"diloco: {{inner_steps: {inner_steps}, outer_lr: {outer[0]:g}, outer_momentum: {outer[1]:g}, "
-                 f"codec: {codec}, fragments: {fragments}, inner_lr_scale: {inner_lr_scale:g}}}\n")
+                 f"codec: {codec}, fragments: {fragments}"
+                 # only when set: binaries before 0211591 refuse the key, and the recorded rows name some
+                 + (f", inner_lr_scale: {inner_lr_scale:g}" if inner_lr_scale != 1 else "") + "}\n")
     return text
 
 
@@ -300,8 +302,9 @@ def main():
                     help="the DiLoCo runs' inner AdamW learning rate (default: --lr); other than --lr: files "
                          "named _innerlrX")
     ap.add_argument("--inner-lr-scale", type=float, default=1.0,
-                    help="the DiLoCo runs' diloco.inner_lr_scale: their inner rate is the schedule's times this, "
-                         "capped at the peak (1.41421 = sqrt(2 sites)); other than 1: files named _innerscaleX")
+                    help="quality: the DiLoCo runs' diloco.inner_lr_scale: their inner rate is the schedule's times "
+                         "this, capped at the peak (1.41421 = sqrt(2 sites)); other than 1: files named _innerscaleX "
+                         "(the cluster part, which measures time and bytes, keeps 1)")
     ap.add_argument("--batch", type=int, default=STUDY_BATCH,
                     help="global batch of the quality runs (sequences of 64 tokens); other than 16: files "
                          "named _batchN")
