@@ -147,15 +147,15 @@ class EquivalenceTest(unittest.TestCase):
 
     def test_validation_loss_and_diloco_across_sites(self):
         # Real head and workers: DiLoCo with one replica per site (inner_steps 2, Nesterov momentum, exact
-        # pseudo-gradients) and validation every 2 steps. The head's log (mean of the replicas' losses and
-        # validation losses) equals `train --local`'s simulation of the same spec.
+        # pseudo-gradients, the inner rate scaled by 1.5) and validation every 2 steps. The head's log (mean of the
+        # replicas' losses and validation losses) equals `train --local`'s simulation of the same spec.
         steps = 6
         text = spec_text("diloco-val", self.data, os.path.join(self.c.dir, "ckpt-diloco"), steps,
                          "{plan: manual, dp: 2, microbatches: 2, "
                          "placement: [{replica: 0, site: site-a}, {replica: 1, site: site-b}]}")
         text = text.replace(f"data: {{train: '{self.data}'}}", f"data: {{train: '{self.data}', val: '{self.val}'}}")
         text = text.replace("seed: 11}", "seed: 11, eval_every: 2, eval_batches: 2}")
-        text += "diloco: {inner_steps: 2, outer_lr: 0.7, outer_momentum: 0.9, codec: none}\n"
+        text += "diloco: {inner_steps: 2, outer_lr: 0.7, outer_momentum: 0.9, codec: none, inner_lr_scale: 1.5}\n"
         path, local_path = os.path.join(self.c.dir, "diloco-val.yaml"), os.path.join(self.c.dir, "diloco-local.yaml")
         with open(path, "w") as f:
             f.write(text)
@@ -164,6 +164,7 @@ class EquivalenceTest(unittest.TestCase):
         local = subprocess.run([GEOTRAIN, "train", "--local", local_path], capture_output=True, text=True, timeout=300)
         self.assertEqual(local.returncode, 0, local.stderr + local.stdout)
         self.assertIn("DiLoCo simulated: 2 replicas in 2 groups", local.stdout)
+        self.assertIn("inner lr x 1.5 (at most train.lr)", local.stdout)
         ref = {int(m.group(1)): (float(m.group(2)), m.group(3) and float(m.group(3)))
                for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", local.stdout)}
         out = self.c.cli(["job", "submit", path, "--follow"], check=False)
