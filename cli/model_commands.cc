@@ -99,6 +99,8 @@ int ModelSteps(const std::string& config_path, const std::string& weights, const
   ao.beta2 = static_cast<float>(t.beta2());
   ao.weight_decay = static_cast<float>(t.weight_decay());
   model::AdamW adam(model.num_params(), model.segments(), ao);
+  // One process, no DiLoCo: train's schedule as it is (model::TrainSchedule would apply a diloco block's
+  // inner_lr_scale, which this parity tool does not simulate).
   model::LearningRateSchedule schedule{
       .max_lr = t.lr(), .min_lr = t.min_lr(), .warmup_steps = t.warmup_steps(), .total_steps = t.steps()};
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
