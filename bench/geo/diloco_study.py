@@ -33,7 +33,7 @@ Data: the Debian fortunes corpus tokenized by `geotrain data prepare` (GPT-2 BPE
 gpt2-demo model, as `make demo` trains; `--data synthetic` takes the structured synthetic tokens and a 512-token
 vocabulary instead, `--data DIR` any prepared directory (train_*.bin, val_*.bin).
 
-Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
+Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo]
            [--data fortunes|synthetic|DIR] [--steps 256] [--inner-steps 8,32,128] [--outer 1.0:0,0.7:0.9]
            [--quality-fragments 1] [--seeds 1] [--lr 2e-3] [--inner-lr LR] [--inner-lr-scale 1] [--batch 16] [--warm-start N]
            [--model YAML] [--parts quality,cluster]
@@ -283,7 +283,7 @@ def plot(rows, out, suffix=""):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geotrain", default="build/bin/geotrain")
-    ap.add_argument("--out", default="docs/geo")
+    ap.add_argument("--out", default="docs/results/data/geo")
     ap.add_argument("--data", default="fortunes",
                     help="fortunes (default), synthetic, or a directory of train_*.bin and val_*.bin")
     ap.add_argument("--model", default=STUDY_MODEL,

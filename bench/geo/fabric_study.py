@@ -15,12 +15,12 @@ one WAN link of --bandwidth-mbps at each round trip of --rtt-ms (0, 10, 30, 103)
 All plans send bf16 across the WAN. For each run: the median step time of the steps after the warm-up
 (timed_lib.steady_steps), the emulated compute, and WAN bytes per step; and the planner's prediction of that very plan (`geotrain plan
 --predict`), so that the table shows how far the planner is from what ran. Writes CSV, a markdown table and a PNG
-to --out (default docs/geo/fabric). Every figure is EMULATED: the GPUs' compute is waited, not run; the
+to --out (default docs/results/data/geo/fabric). Every figure is EMULATED: the GPUs' compute is waited, not run; the
 communication (gRPC, codecs, the WAN emulator) really runs, on this machine's cores.
 
-Usage: /usr/bin/python3 bench/geo/fabric_study.py [--geotrain build/bin/geotrain] [--out docs/geo/fabric]
+Usage: /usr/bin/python3 bench/geo/fabric_study.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo/fabric]
            [--models gpt2-medium,gpt2-large] [--rtt-ms 0,10,30,103] [--plans dp,pp,dpxpp,tpxpp,auto] [--steps 3]
-           [--calibration docs/geo/fabric-calibration.json]
+           [--calibration docs/results/data/geo/fabric-calibration.json]
 Calibration (bench/geo/timed_lib.py): the A40's efficiency from the timed backend; the bandwidths inside a site
 from the profiling jobs inside a site (DP2 and TP2 on utah's two devices), one round of them on each round trip's
 own cluster before its plans. The plans of a round trip are ranked (auto) and first predicted with the fit to the
@@ -175,7 +175,7 @@ def report(rows, args, out, calibration):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geotrain", default=os.path.join(ROOT, "build", "bin", "geotrain"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "geo", "fabric"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "data", "geo", "fabric"))
     ap.add_argument("--models", default="gpt2-medium,gpt2-large")
     ap.add_argument("--rtt-ms", default="0,10,30,103")
     ap.add_argument("--plans", default="dp,pp,dpxpp,tpxpp,auto")

@@ -9,7 +9,7 @@ core (OMP_NUM_THREADS=1), so the two stages do not share cores. Records the medi
 after the first step, the depth the head chose (from the job log) and the ratio to the 0 ms run of the
 same mode, in a CSV and a Markdown table.
 
-Usage: /usr/bin/python3 bench/geo/pipeline_depth.py [--geotrain build/bin/geotrain] [--out docs/geo]
+Usage: /usr/bin/python3 bench/geo/pipeline_depth.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo]
                                                      [--steps 5] [--latencies 0,50] [--microbatches 192]
 """
 import argparse
@@ -43,7 +43,7 @@ def job_spec(path, name, data, steps, microbatches, depth):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geotrain", default="build/bin/geotrain")
-    ap.add_argument("--out", default="docs/geo")
+    ap.add_argument("--out", default="docs/results/data/geo")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--latencies", default="0,50")
     ap.add_argument("--microbatches", type=int, default=192)

@@ -9,7 +9,7 @@ lossless and, for the plans that send gradients or activations across sites, wit
 Records the median step time (steps after the first), tokens/s and WAN bytes per step in a CSV, and
 draws PNG figures.
 
-Usage: /usr/bin/python3 bench/geo/run_study.py [--geotrain build/bin/geotrain] [--out docs/geo]
+Usage: /usr/bin/python3 bench/geo/run_study.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo]
                                                [--steps 6] [--latencies 0,10,30,100] [--bandwidths 1000,100]
 """
 import argparse
@@ -81,7 +81,7 @@ def run(cmd, env, timeout=900):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geotrain", default="build/bin/geotrain")
-    ap.add_argument("--out", default="docs/geo")
+    ap.add_argument("--out", default="docs/results/data/geo")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--latencies", default="0,10,30,100")
     ap.add_argument("--bandwidths", default="1000,100")

@@ -13,7 +13,8 @@ for validate_timed.py --no-refit):
     DP2 inside the site (1.4 GB of gradients all-reduced over loopback for GPT-2 medium) equals its measured step;
   - the bandwidth inside a site for activations: the same on --intra-site-activation-gbps for TP2 inside the site
     (many all-reduces of one microbatch's activations, 4 MB each), with that bandwidth for the rest. Messages of
-    a few MB and of hundreds of MB move at different rates per byte on loopback (docs/benchmarks/comm.md (d)):
+    a few MB and of hundreds of MB move at different rates per byte on loopback
+    (docs/results/2026-12-04-pair-exchange.md):
     fitted as one bandwidth, the TP2 job was predicted 12-30% slow at the least latency allowed (2026-12-04), and
     the pipelines' sends, which are activations too, with it. The latency inside a site stays the planner's
     default (0.05 ms);
@@ -196,7 +197,7 @@ def planner_flags(calibration):
 def load_calibration(path):
     """A calibration that fabric_study.py wrote as JSON (its final refit_inside_site), checked for what planner_flags
     needs. Exits with a message naming the file when it cannot be read or is not one."""
-    hint = "give the -calibration.json that fabric_study.py wrote (docs/geo/fabric-calibration.json)"
+    hint = "give the -calibration.json that fabric_study.py wrote (docs/results/data/geo/fabric-calibration.json)"
     try:
         with open(path) as f:
             cal = json.load(f)

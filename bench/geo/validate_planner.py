@@ -24,7 +24,7 @@ that is what mixed devices mean here.
    against the best measured one.
 
 Usage: /usr/bin/python3 bench/geo/validate_planner.py [--geotrain build/bin/geotrain]
-           [--out docs/planner-validation] [--steps 7] [--quick] [--report-only]
+           [--out docs/results/data/planner-validation] [--steps 7] [--quick] [--report-only]
 Hold the build lock while it runs: flock /tmp/geotrain-build.lock /usr/bin/python3 bench/geo/...
 """
 import argparse
@@ -298,7 +298,7 @@ def spearman(xs, ys):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--geotrain", default="build/bin/geotrain")
-    ap.add_argument("--out", default="docs/planner-validation")
+    ap.add_argument("--out", default="docs/results/data/planner-validation")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     ap.add_argument("--quick", action="store_true", help="two topologies, for developing the script")

@@ -17,10 +17,12 @@ timed_lib.steady_steps; a plan with a short step runs --rounds jobs, interleaved
 plans and its profiling rounds, and reports their median: timed_lib.measure_plans) and the planner's prediction of
 that very plan (`geotrain plan --predict`). Criteria (issue 17): median relative error
 <= 10%, Spearman >= 0.9 over all runs, and the chosen plan within 5% of the best measured on every topology. Writes
-CSV, a markdown table, a PNG and the calibrations (-calibration.json) to --out (default docs/geo/validation-timed).
+CSV, a markdown table, a PNG and the calibrations (-calibration.json) to --out (default
+docs/results/data/geo/validation-timed).
 Every figure is EMULATED.
 
-Usage: /usr/bin/python3 bench/geo/validate_timed.py [--geotrain build/bin/geotrain] [--out docs/geo/validation-timed]
+Usage: /usr/bin/python3 bench/geo/validate_timed.py [--geotrain build/bin/geotrain]
+           [--out docs/results/data/geo/validation-timed]
            [--model gpt2-medium] [--steps 3 (calibration)] [--top 3] [--topologies t8,t12,t16]
            [--rounds 3] [--no-refit]
 """
@@ -68,7 +70,7 @@ def fixed_plans(sites, batch):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geotrain", default=os.path.join(ROOT, "build", "bin", "geotrain"))
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "geo", "validation-timed"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "data", "geo", "validation-timed"))
     ap.add_argument("--model", default="gpt2-medium")
     ap.add_argument("--steps", type=int, default=3, help="steps of the calibration's jobs, at least")
     ap.add_argument("--top", type=int, default=3)
