@@ -23,6 +23,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "comm/tensor_chunks.h"
@@ -57,7 +58,7 @@ void KeyToProto(const TensorKey& k, geotrain::TensorKey* out) {
 // gRPC reads the socket into 64 KiB buffers that it frees on another thread once the message is consumed.
 // With glibc's default trim threshold (128 KiB) every such free can hand the pages back to the kernel
 // (madvise/brk shrink, with TLB shoot-downs), so the next read page-faults fresh zeroed pages: on loopback
-// that cost ~10x the transfer itself (docs/benchmarks/comm.md). Keeping up to kRetainFreedBytes of freed heap
+// that cost ~10x the transfer itself (docs/results/2026-12-02-comm.md). Keeping up to kRetainFreedBytes of freed heap
 // makes the buffers warm again. Setting a threshold turns off glibc's dynamic mmap threshold (which would
 // otherwise rise to 32 MiB as large blocks are freed), so the mmap threshold is set to that ceiling too, or
 // every allocation above 128 KiB elsewhere in the process would be mmap'ed and faulted in afresh.
@@ -319,6 +320,19 @@ struct BuilderArgs {
 };
 }  // namespace
 
+namespace {
+constexpr absl::string_view kStoppedOnReceiver = " was stopped on the receiver; its tensors are no longer taken";
+}  // namespace
+
+absl::Status JobStoppedOnReceiverError(const std::string& job_id) {
+  return absl::FailedPreconditionError(absl::StrCat("job ", job_id, kStoppedOnReceiver));
+}
+
+bool IsJobStoppedOnReceiver(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition &&
+         absl::StrContains(status.message(), kStoppedOnReceiver);
+}
+
 void TensorStreamServer::Register(grpc::ServerBuilder* builder) {
   BuilderArgs args{builder};
   ApplyTransportOptions(options_, &args);
@@ -372,9 +386,12 @@ void TensorStreamServer::ReleaseLocked(const TensorKey& key, uint64_t bytes) {
 absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
-  if (cancelled_jobs_.contains(tensor.key.job_id)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", tensor.key.job_id, " was stopped on the receiver; its tensors are no longer taken"));
+  if (auto cancelled = cancelled_jobs_.find(tensor.key.job_id); cancelled != cancelled_jobs_.end()) {
+    if (!cancelled->second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", tensor.key.job_id, " failed on the receiver; its tensors are no longer taken"));
+    }
+    return JobStoppedOnReceiverError(tensor.key.job_id);
   }
   const uint64_t bytes = tensor.encoded.size();
   const TensorKey key = tensor.key;
@@ -407,9 +424,9 @@ absl::StatusOr<ReceivedTensor> TensorStreamServer::Recv(const TensorKey& key, ab
   return TakeLocked(it);
 }
 
-void TensorStreamServer::CancelJob(const std::string& job_id) {
+void TensorStreamServer::CancelJob(const std::string& job_id, bool stopped) {
   absl::MutexLock lock(&mu_);
-  if (!cancelled_jobs_.insert(job_id).second) return;
+  if (!cancelled_jobs_.emplace(job_id, stopped).second) return;
   cancelled_order_.push_back(job_id);
   if (cancelled_order_.size() > kMaxCancelledJobs) {
     cancelled_jobs_.erase(cancelled_order_.front());

@@ -48,7 +48,7 @@
 // process (mallopt M_TRIM_THRESHOLD = 256 MiB, and M_MMAP_THRESHOLD = 32 MiB, glibc's own dynamic ceiling,
 // unless GLIBC_TUNABLES sets either) so that gRPC's receive buffers stay resident between reads instead of
 // being returned to the kernel and page-faulted back in on every read, which cut loopback throughput ~10x
-// (docs/benchmarks/comm.md). Freed heap up to that size is kept by the process rather than returned.
+// (docs/results/2026-12-02-comm.md). Freed heap up to that size is kept by the process rather than returned.
 // Threading: all methods are thread-safe. Server callbacks run on gRPC's threads and never block; Recv and
 // RecvInto block the caller until the tensor arrives or the deadline passes (DEADLINE_EXCEEDED); Send blocks its
 // caller (every wait bounded by its deadline: a late Send cancels its stream's call).
@@ -94,6 +94,13 @@ using ::geotrain::TokenMatches;
 // streams, closed after use).
 inline constexpr size_t kMaxIdleStreamsPerPeer = 8;
 
+// A receiver refuses the tensors of a job it has stopped (TensorStreamServer::CancelJob) with this error: FAILED_PRECONDITION,
+// naming the job. The job is ending, not failing: a sender that gets it ends its own part as stopped, not as a fault
+// (the stop that reached the receiver is on its way to the sender too). IsJobStoppedOnReceiver recognises the error
+// after it crossed gRPC (code and message travel; FromGrpc's context prefix is allowed).
+absl::Status JobStoppedOnReceiverError(const std::string& job_id);
+bool IsJobStoppedOnReceiver(const absl::Status& status);
+
 struct TensorKey {
   std::string job_id;
   int64_t step = 0;
@@ -128,7 +135,7 @@ struct TensorStreamOptions {
   size_t max_name_bytes = 512;  // job id, tensor id, sender
   int max_rank = 8;             // dimensions of a shape
   // HTTP/2 transport tuning, applied by Register() to the server builder and by the client to its channels
-  // (0 leaves gRPC's default); see docs/benchmarks/comm.md.
+  // (0 leaves gRPC's default); see docs/results/2026-12-02-comm.md.
   // 0: gRPC's own flow control, whose BDP probing grows the window to the link's bandwidth-delay product
   // (a WAN needs it: a fixed window caps one stream at window / RTT). > 0: a fixed stream lookahead of this
   // many bytes with BDP probing off.
@@ -193,11 +200,13 @@ class TensorStreamServer {
 
   // Stops the receives of `job_id` (a key's job id exactly, e.g. one run of a job): every Recv waiting for
   // one of its tensors returns CANCELLED at once, later ones too, and its tensors are refused
-  // (FAILED_PRECONDITION to the sender). For a job that is stopping: its actors learn it without waiting for
+  // (JobStoppedOnReceiverError to the sender). For a job that is stopping: its actors learn it without waiting for
   // their receive deadlines. The mailbox shares it between every actor of the job on this endpoint. The endpoint
   // remembers the kMaxCancelledJobs most recently cancelled job ids (a worker lives through many jobs and
   // restarts); an older one's late tensors are taken into the mailbox again, where the orphan timeout drops them.
-  void CancelJob(const std::string& job_id);
+  // `stopped`: the job is stopping (refused tensors say so, JobStoppedOnReceiverError, and their senders stop too);
+  // false: this side failed (a send of the job failed part-way), which its senders hear as an error.
+  void CancelJob(const std::string& job_id, bool stopped = true);
   static constexpr size_t kMaxCancelledJobs = 4096;
   // Whether CancelJob(job_id) was called (among the last kMaxCancelledJobs cancelled).
   bool JobCancelled(const std::string& job_id) const;
@@ -273,7 +282,8 @@ class TensorStreamServer {
   absl::flat_hash_map<std::string, uint64_t> job_bytes_ ABSL_GUARDED_BY(mu_);   // the same by job id
   absl::flat_hash_map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);  // and by sender
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  absl::flat_hash_set<std::string> cancelled_jobs_ ABSL_GUARDED_BY(mu_);
+  // Cancelled job -> whether it was a stop (CancelJob's `stopped`; the first call's word stands).
+  absl::flat_hash_map<std::string, bool> cancelled_jobs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> cancelled_order_ ABSL_GUARDED_BY(mu_);  // cancelled_jobs_, oldest first
   Stats stats_ ABSL_GUARDED_BY(mu_);
   std::thread janitor_;  // DropOrphansLoop; joined by the destructor

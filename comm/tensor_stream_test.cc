@@ -495,8 +495,11 @@ TEST(TensorStream, CancelledJobsAreRememberedUpToABound) {
   endpoint.streams().CancelJob("job-1");
   endpoint.streams().CancelJob("job-1");  // once
   EXPECT_EQ(endpoint.streams().Recv(Key("a"), Soon()).status().code(), absl::StatusCode::kCancelled);
-  EXPECT_EQ(client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon()).code(),
-            absl::StatusCode::kFailedPrecondition);
+  const absl::Status refused = client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon());
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  // The sender can tell a stopped job from a failure, after the status crossed gRPC with the send's context.
+  EXPECT_TRUE(IsJobStoppedOnReceiver(refused)) << refused;
+  EXPECT_FALSE(IsJobStoppedOnReceiver(absl::FailedPreconditionError("job-1 has no such stage")));
   for (size_t i = 0; i + 1 < TensorStreamServer::kMaxCancelledJobs; ++i) {
     endpoint.streams().CancelJob(absl::StrCat("other-", i));
   }
@@ -508,6 +511,21 @@ TEST(TensorStream, CancelledJobsAreRememberedUpToABound) {
   // Its late tensors are taken again (the orphan timeout would drop them).
   EXPECT_TRUE(client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon()).ok());
   EXPECT_TRUE(endpoint.streams().Recv(Key("a"), Soon()).ok());
+}
+
+TEST(TensorStream, AJobCancelledByAFailureIsRefusedAsAFailure) {
+  // A job cancelled because this side failed (a send of it failed part-way) is refused as a failure, which its
+  // senders report as their error; a stop is refused as a stop, which its senders end on quietly.
+  Endpoint endpoint;
+  TensorStreamClient client(kToken);
+  const std::vector<float> data(10, 1.0f);
+  endpoint.streams().CancelJob("job-1", /*stopped=*/false);
+  endpoint.streams().CancelJob("job-1");  // the first word stands
+  const absl::Status failed = client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon());
+  EXPECT_EQ(failed.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(IsJobStoppedOnReceiver(failed)) << failed;
+  EXPECT_THAT(std::string(failed.message()), ::testing::HasSubstr("job job-1 failed on the receiver"));
+  EXPECT_EQ(endpoint.streams().Recv(Key("a"), Soon()).status().code(), absl::StatusCode::kCancelled);
 }
 
 TEST(TensorStream, DeadlinesExpireCleanly) {

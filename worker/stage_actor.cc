@@ -72,6 +72,9 @@ StageActor::~StageActor() {
 void StageActor::Start() {
   thread_ = std::thread([this] {
     absl::Status s = Run();
+    // A peer that refused a tensor because the job was stopped there: the stop reached that worker first and is
+    // on its way here. This actor stops too (and with it its job's receives on this worker), without an error.
+    if (!s.ok() && comm::IsJobStoppedOnReceiver(s)) Stop("a peer stopped the job");
     if (!s.ok()) {
       const std::string why = stop_ ? absl::StrCat("stopped: ", s.message()) : std::string(s.message());
       GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << " ended: " << why;
@@ -185,6 +188,8 @@ absl::Status StageActor::Run() {
     report.set_bubble_seconds(stats.bubble_seconds);
     report.set_tokens(static_cast<int64_t>(spec.train().global_batch()) * ranks.seq_len);
     report.set_val_loss(stats.val_loss);
+    report.set_loss_scale(stats.loss_scale);
+    report.set_skipped(stats.skipped);
     if (timed) {  // an emulated step: no real loss to report
       report.set_timed_compute(true);
       report.set_loss(0);

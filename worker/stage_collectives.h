@@ -99,7 +99,7 @@ class StageCollectives {
   virtual uint64_t BytesSent(TrafficClass traffic) const = 0;
   // Ends every receive of this run of the job at once (CANCELLED), now and later: after a send failed,
   // so that the actor stops waiting for peers and reports the failure. Any thread.
-  virtual void CancelReceives() = 0;
+  virtual void CancelReceives() = 0;  // as a failure (TensorStreamServer::CancelJob with stopped = false)
 };
 
 class CollectivesFactory {
