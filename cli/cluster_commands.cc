@@ -9,8 +9,9 @@
 //
 // Every worker has a state dir of its own (<state-dir>/nodes/<id>: its shard cache and checkpoint files), as on
 // separate machines. `--isolate` also gives each worker its own network namespace and address, and a filesystem
-// view without the head's state dir, the other workers' dirs and the directories given with --hide (the jobs' data
-// and checkpoint dirs): cli/cluster_isolation.h. `--tls` makes certificates (deploy/make-certs.sh) and runs every
+// view without the head's state dir, the other workers' dirs, anything under /tmp, /home, /root, /srv and
+// /var/lib/geotrain it was not given (the jobs' data and checkpoint dirs too), and the directories given with
+// --hide: cli/cluster_isolation.h. `--tls` makes certificates (deploy/make-certs.sh) and runs every
 // connection with TLS. `down` also removes every namespace and link `up --isolate` made.
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -30,6 +31,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cli/cluster_isolation.h"
 #include "cli/registry.h"
@@ -493,7 +495,13 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       for (const std::string& dir : hidden) {
         if (dir != own) others.push_back(dir);
       }
-      argv = IsolatedCommand(net.nodes[i], others, argv);
+      // What the node is given: its own disk, and the files its command line names (the binary, TLS files, device
+      // profiles); nothing else of /tmp, /home, /root, /srv or /var/lib/geotrain.
+      std::vector<std::string> given = {own};
+      for (const std::string& arg : argv) {
+        if (absl::StartsWith(arg, "/") && std::filesystem::exists(arg)) given.push_back(arg);
+      }
+      argv = IsolatedCommand(net.nodes[i], others, given, argv);
     }
     workers[i].reservation.reset();
     auto pid = Spawn(argv, absl::StrCat(state_dir, "/logs/worker-", w.id, ".log"));
@@ -616,8 +624,9 @@ void AddClusterCommands(CLI::App& app, Context& context) {
                "every worker in its own network namespace (own address) and mount namespace (own disk; needs root)");
   up->add_flag("--tls", up_options->tls, "make certificates and run every connection with mutual TLS");
   up->add_option("--hide", up_options->hidden,
-                 "with --isolate: a directory the workers must not see, e.g. the jobs' data and checkpoint dirs "
-                 "(repeatable; the head's state dir is always hidden)");
+                 "with --isolate: a directory the workers must not see besides those always hidden (the head's state "
+                 "dir, the other workers' dirs, and everything under /tmp, /home, /root, /srv and /var/lib/geotrain "
+                 "that a worker is not given); repeatable");
   up->add_flag("--timed-compute", up_options->timed_compute,
                "every worker waits its emulated GPU's time instead of computing (EMULATED step times, no real "
                "loss; docs/timed-compute.md)");

@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -170,22 +172,53 @@ int RemoveIsolatedNetwork(const std::string& prefix) {
   return removed;
 }
 
+namespace {
+
+bool Under(const std::string& path, const std::string& root) {
+  return path == root || absl::StartsWith(path, absl::StrCat(root, "/"));
+}
+
+}  // namespace
+
 std::vector<std::string> IsolatedCommand(const IsolatedNode& node, const std::vector<std::string>& hidden,
-                                         const std::vector<std::string>& argv) {
-  // `ip netns exec` gives the command a mount namespace of its own (mounts do not propagate back); the script covers
-  // the hidden directories, then becomes the command (same pid, so `cluster down` finds it).
-  std::vector<std::string> out = {
-      IpTool(),
-      "netns",
-      "exec",
-      node.netns,
-      "/bin/sh",
-      "-c",
-      absl::StrCat("n=", hidden.size(),
-                   "; while [ $n -gt 0 ]; do if [ -d \"$1\" ]; then mount -t tmpfs -o ro,size=4k,mode=0555 "
-                   "geotrain-hidden \"$1\" || exit 1; fi; shift; n=$((n-1)); done; exec \"$@\""),
-      "geotrain-node"};
-  out.insert(out.end(), hidden.begin(), hidden.end());
+                                         const std::vector<std::string>& given, const std::vector<std::string>& argv) {
+  // `ip netns exec` gives the command a mount namespace of its own (mounts do not propagate back). The script binds
+  // each given path under a private root to a staging tmpfs on /mnt (private to the namespace too), replaces the
+  // private roots by empty tmpfs, binds the given paths back at their places (mount points made in the new tmpfs),
+  // makes the roots read-only, covers the hidden directories, then becomes the command (same pid, so `cluster down`
+  // finds it). Any step that fails ends the node with that mount's error rather than run it half-hidden.
+  std::vector<std::string> kept;
+  for (const std::string& g : given) {
+    for (const char* root : kPrivateRoots) {
+      if (Under(g, root) && g != root) kept.push_back(g);
+    }
+  }
+  std::string script = "set -e; keep=/mnt; mount -t tmpfs -o size=64k,mode=0700 geotrain-keep \"$keep\"; ";
+  for (size_t i = 0; i < kept.size(); ++i) {
+    const std::string g = ShellQuote(kept[i]);
+    absl::StrAppend(&script, "if [ -d ", g, " ]; then mkdir \"$keep/", i, "\"; else touch \"$keep/", i, "\"; fi; ",
+                    "mount --bind ", g, " \"$keep/", i, "\"; ");
+  }
+  std::vector<std::string> roots;
+  for (const char* root : kPrivateRoots) {
+    if (std::filesystem::is_directory(root) && !std::filesystem::is_symlink(root)) roots.push_back(root);
+  }
+  for (const std::string& r : roots)
+    absl::StrAppend(&script, "mount -t tmpfs -o size=1m,mode=0755 geotrain-private ", r, "; ");
+  for (size_t i = 0; i < kept.size(); ++i) {
+    const std::string g = ShellQuote(kept[i]);
+    absl::StrAppend(&script, "if [ -d \"$keep/", i, "\" ]; then mkdir -p ", g, "; else mkdir -p \"$(dirname ", g,
+                    ")\"; touch ", g, "; fi; mount --bind \"$keep/", i, "\" ", g, "; ");
+  }
+  for (const std::string& r : roots) absl::StrAppend(&script, "mount -o remount,ro ", r, "; ");
+  absl::StrAppend(&script, "umount -l \"$keep\"; ");
+  for (const std::string& h : hidden) {
+    const std::string q = ShellQuote(h);
+    absl::StrAppend(&script, "if [ -d ", q, " ]; then mount -t tmpfs -o ro,size=4k,mode=0555 geotrain-hidden ", q,
+                    "; fi; ");
+  }
+  absl::StrAppend(&script, "exec \"$@\"");
+  std::vector<std::string> out = {IpTool(), "netns", "exec", node.netns, "/bin/sh", "-c", script, "geotrain-node"};
   out.insert(out.end(), argv.begin(), argv.end());
   return out;
 }

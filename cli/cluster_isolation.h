@@ -56,10 +56,17 @@ absl::StatusOr<IsolatedNetwork> CreateIsolatedNetwork(const std::string& prefix,
 // Removes every namespace and link named with `prefix`; returns how many it removed.
 int RemoveIsolatedNetwork(const std::string& prefix);
 
+// Where users keep their own files: an isolated node sees none of it but what it is given (its own disk, its
+// binary and the files its command line names), whatever --hide says. The system's files stay visible read-only
+// as they are (the node runs the machine's programs and libraries).
+inline constexpr const char* kPrivateRoots[] = {"/tmp", "/home", "/root", "/srv", "/var/lib/geotrain"};
+
 // argv that runs `argv` inside `node`: its network namespace, and a mount namespace of its own in which each of
-// `hidden` (directories that exist) is covered by an empty read-only tmpfs. `argv[0]` is an absolute path.
+// kPrivateRoots is replaced by an empty read-only tmpfs holding only the `given` paths under it (bound back from
+// the real files, writable as they were), and each of `hidden` (directories that exist elsewhere) is covered by an
+// empty read-only tmpfs. `argv[0]` and every path are absolute.
 std::vector<std::string> IsolatedCommand(const IsolatedNode& node, const std::vector<std::string>& hidden,
-                                         const std::vector<std::string>& argv);
+                                         const std::vector<std::string>& given, const std::vector<std::string>& argv);
 
 // The absolute path of the `ip` tool ("" when not found).
 std::string IpTool();

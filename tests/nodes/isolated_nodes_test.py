@@ -49,7 +49,7 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 def spec_text(name, data, ckpt, parallel, extra="", steps=STEPS):
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"
             f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: 1.0e-3, warmup_steps: 2, "
-            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11}}\n"
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11, precision: fp32}}\n"
             f"parallel: {parallel}\ncomm: {{wan_codec: none, grad_bucket_mb: 0.002}}\n"
             f"checkpoint: {{dir: '{ckpt}', every_steps: 4, keep: -1{extra}}}\n")
 
@@ -88,10 +88,16 @@ class IsolatedNodesTest(unittest.TestCase):
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr + out.stdout
         cls.reference = read_step_dir(newest(cls.local_ckpt))[1]
-        up = cls.cli(["cluster", "up", TOPOLOGY, "--isolate", "--tls", "--hide", cls.work], check=False)
+        # No --hide: an isolated node sees nothing under /tmp, /home, /root, /srv or /var/lib/geotrain that it was
+        # not given, the data and checkpoints in cls.work (under /tmp) included.
+        cls.stray = tempfile.mkdtemp(prefix="geotrain_nodes_stray_")  # a user's files beside the cluster's
+        with open(os.path.join(cls.stray, "secret"), "w") as f:
+            f.write("not for the workers\n")
+        up = cls.cli(["cluster", "up", TOPOLOGY, "--isolate", "--tls"], check=False)
         if up.returncode != 0 and "--isolate needs network and mount namespaces" in up.stderr:
             print(f"skipped: {up.stderr.strip()}")
             shutil.rmtree(cls.root, ignore_errors=True)
+            shutil.rmtree(cls.stray, ignore_errors=True)
             sys.exit(77)
         cls.up_output = up.stdout
         with open(os.path.join(cls.state, "cluster.json")) as f:
@@ -112,6 +118,7 @@ class IsolatedNodesTest(unittest.TestCase):
             print(f"kept {cls.root}")
         else:
             shutil.rmtree(cls.root, ignore_errors=True)
+        shutil.rmtree(cls.stray, ignore_errors=True)
         assert not left, f"cluster down left {left}"
 
     @classmethod
@@ -243,6 +250,13 @@ class IsolatedNodesTest(unittest.TestCase):
             self.assertEqual(self.in_node(worker, ["ls", "-A", other_dir]).stdout.strip(), "")
             self.assertEqual(self.in_node(worker, ["test", "-f", os.path.join(self.state, "nodes", worker, "token")])
                              .returncode, 0)
+            # Hidden by default: a user's files in /tmp and under /root; the system's files stay, read-only.
+            self.assertNotEqual(self.in_node(worker, ["test", "-e", os.path.join(self.stray, "secret")]).returncode, 0)
+            self.assertEqual(self.in_node(worker, ["ls", "-A", "/root"]).stdout.strip(), "")
+            self.assertEqual(self.in_node(worker, ["test", "-r", "/etc/os-release"]).returncode, 0)
+            touch = self.in_node(worker, ["touch", "/tmp/geotrain-isolation-probe"])
+            self.assertNotEqual(touch.returncode, 0, "the node could write to its /tmp view")
+            self.assertFalse(os.path.exists("/tmp/geotrain-isolation-probe"))
         # Sites reach each other only through the emulator: no route from site-a's node to site-b's address.
         b_ip = re.search(r"site-b-0=(\S+)", self.up_output).group(1)
         ping = self.in_node("site-a-0", ["ping", "-c", "1", "-W", "1", b_ip])
