@@ -378,6 +378,13 @@ void PrintJob(const v1::Job& job) {
     std::printf("  step %ld, loss %.4f, %.0f tokens/s\n", static_cast<long>(job.step()), job.loss(),
                 job.tokens_per_second());
   }
+  if (!job.precision().empty()) {
+    std::printf("  precision %s%s\n", job.precision().c_str(),
+                job.precision() == "fp16" ? absl::StrFormat(", loss scale %g, %ld step(s) skipped on overflow",
+                                                            job.loss_scale(), static_cast<long>(job.skipped_steps()))
+                                                .c_str()
+                                          : "");
+  }
   if (job.predicted_step_seconds() > 0 || job.measured_step_seconds() > 0) {
     std::printf("  step time: predicted %.3f s, measured %.3f s\n", job.predicted_step_seconds(),
                 job.measured_step_seconds());

@@ -94,11 +94,9 @@ int ModelSteps(const std::string& config_path, const std::string& weights, const
   auto loader = model::DataLoader::Create(tokens, B, T, 0, 1, l->config.vocab_size);
   if (!loader.ok()) return Fail(loader.status());
   GPT2Stage& model = **m;
-  model::AdamWOptions ao;
-  ao.beta1 = static_cast<float>(t.beta1());
-  ao.beta2 = static_cast<float>(t.beta2());
-  ao.weight_decay = static_cast<float>(t.weight_decay());
-  model::AdamW adam(model.num_params(), model.segments(), ao);
+  // fp32, as PyTorch's reference runs it.
+  model::AdamW adam(model.num_params(), model.segments(),
+                    model::TrainOptimizerOptions(l->spec, model::Precision::kFp32));
   // One process, no DiLoCo: train's schedule as it is (model::TrainSchedule would apply a diloco block's
   // inner_lr_scale, which this parity tool does not simulate).
   model::LearningRateSchedule schedule{

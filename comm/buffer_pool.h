@@ -30,7 +30,7 @@ namespace geotrain::comm {
 // its class for max_per_class), never the one being given back. A worker runs one job after another, and the
 // sizes change with the plan: the buffers of a job that ended must not hold the cap against the next job's
 // (they did, and every buffer of the next job was fresh memory: GPT-2 medium dp x pp 3.8 s per step on a fresh
-// timed cluster, 5.0-6.1 s after a dp job; docs/benchmarks.md).
+// timed cluster, 5.0-6.1 s after a dp job; docs/results/2026-12-05-timed-worker-after-dp.md).
 //
 // Thread safety: every method may be called from any thread.
 class BufferPool {

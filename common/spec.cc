@@ -146,12 +146,21 @@ absl::Status ReadFile(const std::string& path, std::string* text) {
 }
 
 constexpr KnownDevice kKnownDevices[] = {
-    // Dense fp16/bf16 tensor-core TFLOP/s, memory in GB and memory bandwidth in GB/s, from the vendors' data
-    // sheets (NVIDIA T4, Quadro RTX 6000, A30, A40, A10, V100 SXM2, L4, L40S, A100 80GB SXM, H100 SXM, H200 SXM).
-    {"T4", 65.0, 16.0, 320.0},     {"RTX6000", 130.5, 24.0, 672.0}, {"A30", 165.0, 24.0, 933.0},
-    {"A40", 149.7, 48.0, 696.0},   {"A10", 125.0, 24.0, 600.0},     {"V100", 125.0, 32.0, 900.0},
-    {"L4", 121.0, 24.0, 300.0},    {"L40S", 362.0, 48.0, 864.0},    {"A100", 312.0, 80.0, 2039.0},
-    {"H100", 989.0, 80.0, 3350.0}, {"H200", 989.0, 141.0, 4800.0},
+    // Dense fp16/bf16 tensor-core TFLOP/s, memory in GB and memory bandwidth in GB/s, compute capability, and the
+    // dense fp32 / fp16 / bf16 peaks, from the vendors' data sheets (NVIDIA T4, Quadro RTX 6000, A30, A40, A10,
+    // V100 SXM2, L4, L40S, A100 80GB SXM, H100 SXM, H200 SXM).
+    // name       tflops  mem_gb  GB/s    cc  fp32   fp16   bf16
+    {"T4", 65.0, 16.0, 320.0, 75, 8.1, 65.0, 0},
+    {"RTX6000", 130.5, 24.0, 672.0, 75, 16.3, 130.5, 0},
+    {"A30", 165.0, 24.0, 933.0, 80, 10.3, 165.0, 165.0},
+    {"A40", 149.7, 48.0, 696.0, 86, 37.4, 149.7, 149.7},
+    {"A10", 125.0, 24.0, 600.0, 86, 31.2, 125.0, 125.0},
+    {"V100", 125.0, 32.0, 900.0, 70, 15.7, 125.0, 0},
+    {"L4", 121.0, 24.0, 300.0, 89, 30.3, 121.0, 121.0},
+    {"L40S", 362.0, 48.0, 864.0, 89, 91.6, 362.0, 362.0},
+    {"A100", 312.0, 80.0, 2039.0, 80, 19.5, 312.0, 312.0},
+    {"H100", 989.0, 80.0, 3350.0, 90, 67.0, 989.0, 989.0},
+    {"H200", 989.0, 141.0, 4800.0, 90, 67.0, 989.0, 989.0},
 };
 
 std::string NormalizeDeviceName(std::string_view name) {
@@ -291,6 +300,21 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(range("train.beta2", t.beta2(), 0.0, 1.0));
   RETURN_IF_ERROR(range("train.eval_every", t.eval_every(), 0, l.max_steps));
   RETURN_IF_ERROR(range("train.eval_batches", t.eval_batches(), 0, l.max_eval_batches));
+  if (!t.precision().empty() && t.precision() != "auto" && t.precision() != "bf16" && t.precision() != "fp16" &&
+      t.precision() != "fp32") {
+    return bad("train.precision", absl::StrCat("must be auto, bf16, fp16 or fp32, got '", t.precision(), "'"));
+  }
+  if (t.has_loss_scale()) {
+    if (t.precision() == "bf16" || t.precision() == "fp32") {
+      return bad("train.loss_scale", absl::StrCat("applies to fp16 only (train.precision is ", t.precision(),
+                                                  "); remove it or set train.precision: fp16 or auto"));
+    }
+    if (t.loss_scale().initial() != 0) {
+      RETURN_IF_ERROR(
+          range("train.loss_scale.initial", t.loss_scale().initial(), 1.0 / 16777216, 18446744073709551616.0));
+    }
+    RETURN_IF_ERROR(range("train.loss_scale.growth_interval", t.loss_scale().growth_interval(), 0, 1000000));
+  }
   const ParallelSpec& p = spec.parallel();
   if (p.plan() != "auto" && p.plan() != "manual") {
     return bad("parallel.plan", absl::StrCat("must be auto or manual, got '", p.plan(), "'"));

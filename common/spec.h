@@ -85,6 +85,12 @@ struct KnownDevice {
   double tflops;
   double mem_gb;
   double bandwidth_gbs;  // HBM / GDDR, GB/s
+  // Compute capability (major * 10 + minor) and the dense peak TFLOP/s in each precision: fp32 on the CUDA cores,
+  // fp16 and bf16 on the tensor cores with fp32 accumulation (0: not supported, as bf16 before Ampere).
+  int compute_capability;
+  double fp32_tflops;
+  double fp16_tflops;
+  double bf16_tflops;
 };
 const KnownDevice* FindKnownDevice(std::string_view name);
 

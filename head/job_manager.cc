@@ -191,6 +191,8 @@ absl::Status JobManager::UpdateProgress(const std::string& job_id, const StepFig
   updated.set_timed_compute(figures.timed_compute());
   updated.set_tokens_per_second(figures.tokens_per_second());
   updated.set_measured_step_seconds(figures.step_seconds());
+  updated.set_loss_scale(figures.loss_scale());
+  if (figures.skipped()) updated.set_skipped_steps(updated.skipped_steps() + 1);
   updated.set_updated_unix_ms(clock_->UnixMillis());
   return CommitLocked(std::move(updated), "step", line, &figures).status();
 }

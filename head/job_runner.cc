@@ -41,9 +41,12 @@ constexpr JobFamily kValLoss{"geotrain_val_loss", "Validation loss (mean over re
 constexpr JobFamily kBubble{"geotrain_pipeline_bubble_ratio", "Pipeline bubble share of step time, by job"};
 constexpr JobFamily kTimedCompute{"geotrain_timed_compute",
                                   "1 when the job's step times are emulated (timed compute), by job"};
+constexpr JobFamily kLossScale{"geotrain_loss_scale", "fp16's dynamic loss scale (1 in other precisions), by job"};
+constexpr JobFamily kSkippedSteps{"geotrain_skipped_steps_total",
+                                  "Steps skipped because fp16 gradients overflowed (inf or NaN), by job"};
 constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss,
-                                    kValLoss,       kBubble,       kTimedCompute};
-constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost};
+                                    kValLoss,       kBubble,       kTimedCompute,    kLossScale};
+constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps};
 
 }  // namespace
 
@@ -340,6 +343,19 @@ absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, cons
       Check(jobs_->Log(job.job_id(), "  " + line), job.job_id(), "logging");
   }
   ASSIGN_OR_RETURN(std::vector<ActorPlacement> placement, PlaceActors(planned, workers, held));
+  // The precision for these devices (auto resolved), before any actor starts: one a device cannot run fails the job.
+  ASSIGN_OR_RETURN(const PrecisionChoice precision, ChoosePrecision(planned.spec(), placement, workers));
+  planned.mutable_spec()->mutable_train()->set_precision(std::string(model::PrecisionName(precision.precision)));
+  const model::LossScaleOptions scaling = model::LossScaleFromSpec(planned.spec().train(), precision.precision);
+  Check(jobs_
+            ->Update(job.job_id(),
+                     [&](JobInfo& j) {
+                       j.set_precision(std::string(model::PrecisionName(precision.precision)));
+                       if (j.loss_scale() == 0) j.set_loss_scale(scaling.enabled ? scaling.initial : 1);
+                     })
+            .status(),
+        job.job_id(), "recording the precision");
+  Check(jobs_->Log(job.job_id(), precision.explanation), job.job_id(), "logging");
   // A 1F1B pipeline across a slow link runs deeper than pp (placement.h); the depth is for this placement only.
   absl::StatusOr<PipelineDepthChoice> depth =
       ChoosePipelineDepth(planned.spec(), placement, workers, registry_->SiteLinks());
@@ -841,6 +857,9 @@ bool JobRunner::OnStepReport(const StepReport& report) {
       agg.checkpoint = std::max(agg.checkpoint, report.checkpoint_seconds());
       agg.tokens = report.tokens();
       agg.timed_compute = agg.timed_compute || report.timed_compute();
+      // Every actor decides the same (its group's, with DiLoCo): the step counts as skipped if any skipped it.
+      agg.loss_scale = std::max(agg.loss_scale, report.loss_scale());
+      agg.skipped = agg.skipped || report.skipped();
       if (report.carries_loss() && !report.timed_compute()) {
         agg.loss_sum += report.loss();
         agg.loss = agg.loss_sum / ++agg.loss_reports;
@@ -1044,6 +1063,8 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
   figures.set_tokens(agg.tokens);
   figures.set_val_loss(agg.val_reports > 0 ? agg.val_sum / agg.val_reports : -1);
   figures.set_timed_compute(agg.timed_compute);
+  figures.set_loss_scale(agg.loss_scale > 0 ? agg.loss_scale : 1);
+  figures.set_skipped(agg.skipped);
   Check(jobs_->UpdateProgress(job_id, figures, line), job_id, "recording progress");
   if (metrics_ == nullptr) return;
   absl::MutexLock series_lock(&series_mu_);
@@ -1071,6 +1092,9 @@ void JobRunner::RecordStep(const std::string& job_id, int64_t step, const StepAg
   metrics_->Gauges(kBubble.name, kBubble.help)
       .Add({{"job_id", job_id}})
       .Set(agg.step_seconds > 0 ? agg.bubble / agg.step_seconds : 0);
+  metrics_->Gauges(kLossScale.name, kLossScale.help).Add({{"job_id", job_id}}).Set(figures.loss_scale());
+  // Created at the first step, so that a job that never skips shows 0.
+  metrics_->Counters(kSkippedSteps.name, kSkippedSteps.help).Add({{"job_id", job_id}}).Increment(agg.skipped ? 1 : 0);
   auto& wan_family = metrics_->Counters("geotrain_wan_bytes_total", "Bytes sent between sites");
   for (const auto& [pair, bytes] : agg.wan_bytes) {
     const size_t gt = pair.find('>');

@@ -110,6 +110,8 @@ class JobRunner {
     int64_t tokens = 0;
     std::map<std::string, int64_t> wan_bytes;
     double compression_ratio = 0;
+    double loss_scale = 0;  // fp16's, the largest reported (all equal); 0: none reported
+    bool skipped = false;   // fp16: the step's gradients overflowed and it was skipped
   };
   enum class Phase {
     kRunning,     // actors created (or being created) and training

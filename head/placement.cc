@@ -14,6 +14,7 @@
 #include "common/spec.h"
 #include "common/status.h"
 #include "model/config.h"
+#include "model/precision.h"
 #include "scheduler/diloco_plan.h"
 #include "scheduler/planner.h"
 #include "scheduler/spec_planning.h"
@@ -61,8 +62,19 @@ struct PlanningCluster {
   bool grpc_collectives = false;
 };
 
+// A device's dense peak TFLOP/s for the job's train.precision: the peak of that precision where the device reports
+// it (fp32 runs on the CUDA cores, a fraction of the tensor cores' rate), else its planning figure (the tensor
+// cores' fp16/bf16 peak for a GPU, measured for a CPU). auto becomes bf16 or fp16 on GPUs, whose peaks are that one.
+double PeakTflops(const Device& d, const std::string& precision) {
+  const double peak = precision == "fp32"   ? d.fp32_tflops()
+                      : precision == "bf16" ? d.bf16_tflops()
+                      : precision == "fp16" ? d.fp16_tflops()
+                                            : 0;
+  return peak > 0 ? peak : d.tflops();
+}
+
 absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>& workers,
-                                                   const std::vector<SiteLink>& links) {
+                                                   const std::vector<SiteLink>& links, const std::string& precision) {
   PlanningCluster out;
   scheduler::Cluster& cluster = out.cluster;
   std::map<std::string, int> site_index;
@@ -88,7 +100,7 @@ absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>
       device.worker = worker;
       device.slot = d;
       device.name = w->devices(d).name();
-      device.tflops = std::max(1e-3, w->devices(d).tflops());
+      device.tflops = std::max(1e-3, PeakTflops(w->devices(d), precision));
       device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
       out.grpc_collectives = out.grpc_collectives || w->devices(d).kind() != DEVICE_KIND_CUDA;
       out.device_of[{w->worker_id(), d}] = static_cast<int>(cluster.devices.size());
@@ -113,6 +125,72 @@ absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>
 uint64_t EstimateActorMemory(const JobSpec& spec, int stage) {
   absl::StatusOr<double> bytes = scheduler::SpecStageMemoryBytes(spec, stage);
   return bytes.ok() ? static_cast<uint64_t>(std::ceil(*bytes)) : 0;
+}
+
+absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
+                                                const std::vector<WorkerInfo>& workers) {
+  // The devices the actors hold, each once, with its site.
+  struct Placed {
+    const Device* device;
+    std::string site;
+  };
+  std::map<std::pair<std::string, int>, Placed> placed;
+  for (const ActorPlacement& p : placement) {
+    for (const WorkerInfo& w : workers) {
+      if (w.worker_id() != p.actor.worker_id()) continue;
+      for (const Device& d : w.devices()) {
+        if (d.index() == p.actor.device_index()) placed[{w.worker_id(), d.index()}] = {&d, p.site};
+      }
+    }
+  }
+  auto describe = [](const Placed& p) {
+    return absl::StrCat("site ", p.site, "'s ", p.device->name(), " (",
+                        model::ComputeCapabilityName(p.device->compute_capability()), ")");
+  };
+  const std::string& asked = spec.train().precision();
+  PrecisionChoice choice;
+  if (asked.empty() || asked == "auto") {
+    const Placed* oldest = nullptr;  // the GPU of the lowest compute capability
+    for (const auto& [key, p] : placed) {
+      if (p.device->compute_capability() == 0) continue;  // a CPU
+      if (oldest == nullptr || p.device->compute_capability() < oldest->device->compute_capability()) oldest = &p;
+    }
+    if (oldest == nullptr) {
+      choice.explanation = "precision fp32 (auto: the job runs on CPUs)";
+    } else if (model::PrecisionSupported(model::Precision::kBf16, oldest->device->compute_capability())) {
+      choice.precision = model::Precision::kBf16;
+      choice.explanation = absl::StrCat("precision bf16 (auto: every GPU of the job has compute capability ",
+                                        model::ComputeCapabilityName(model::kBf16MinComputeCapability),
+                                        " or more; the oldest is ", describe(*oldest), ")");
+    } else {
+      choice.precision = model::Precision::kFp16;
+      choice.explanation = absl::StrCat("precision fp16 with dynamic loss scaling (auto: ", describe(*oldest),
+                                        " has no bf16, which needs compute capability ",
+                                        model::ComputeCapabilityName(model::kBf16MinComputeCapability), ")");
+    }
+  } else {
+    ASSIGN_OR_RETURN(choice.precision, model::ParsePrecision(asked));
+    for (const auto& [key, p] : placed) {
+      const int cc = p.device->compute_capability();
+      if (model::PrecisionSupported(choice.precision, cc)) continue;
+      std::vector<std::string> supported;
+      for (model::Precision q : {model::Precision::kBf16, model::Precision::kFp16, model::Precision::kFp32}) {
+        if (model::PrecisionSupported(q, cc)) supported.emplace_back(model::PrecisionName(q));
+      }
+      const int needs = choice.precision == model::Precision::kBf16 ? model::kBf16MinComputeCapability
+                                                                    : model::kFp16MinComputeCapability;
+      return absl::FailedPreconditionError(absl::StrCat(
+          asked, " needs compute capability ", model::ComputeCapabilityName(needs), "; ", describe(p), " supports ",
+          absl::StrJoin(supported, " and "), ": set train.precision to one of those, or auto"));
+    }
+    choice.explanation = absl::StrCat("precision ", asked, " (as the spec asks)");
+  }
+  if (choice.precision == model::Precision::kFp16) {
+    const model::LossScaleOptions scaling = model::LossScaleFromSpec(spec.train(), choice.precision);
+    absl::StrAppend(&choice.explanation, absl::StrFormat("; loss scale from %g, doubled after %d clean steps",
+                                                         scaling.initial, scaling.growth_interval));
+  }
+  return choice;
 }
 
 std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, const HeldDevices& held) {
@@ -272,7 +350,7 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
   ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
   planning.options.max_ranked = std::max(planning.options.max_ranked, max_plans);
   RankedAutoPlans out;
-  ASSIGN_OR_RETURN(PlanningCluster planning_cluster, ClusterForPlanning(workers, links));
+  ASSIGN_OR_RETURN(PlanningCluster planning_cluster, ClusterForPlanning(workers, links, spec.train().precision()));
   planning.job.grpc_collectives = planning_cluster.grpc_collectives;
   out.cluster = std::move(planning_cluster.cluster);
   const scheduler::Cluster& cluster = out.cluster;
@@ -358,7 +436,8 @@ absl::StatusOr<PipelineDepthChoice> ChoosePipelineDepth(const JobSpec& spec,
   }
   ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
   ASSIGN_OR_RETURN(scheduler::Plan plan, scheduler::RuntimePlanShape(spec, planning.model));
-  ASSIGN_OR_RETURN(const PlanningCluster planning_cluster, ClusterForPlanning(workers, links));
+  ASSIGN_OR_RETURN(const PlanningCluster planning_cluster,
+                   ClusterForPlanning(workers, links, spec.train().precision()));
   planning.job.grpc_collectives = planning_cluster.grpc_collectives;
   plan.devices.assign(plan.dp, std::vector<std::vector<int>>(plan.pp, std::vector<int>(plan.tp, -1)));
   std::set<int> sites;

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "control.pb.h"
+#include "model/precision.h"
 #include "scheduler/cluster.h"
 #include "scheduler/planner.h"
 
@@ -44,6 +45,18 @@ using HeldDevices = std::map<std::pair<std::string, int>, std::string>;
 // sites or a plan that does not fit in memory (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused).
 absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers,
                                                         const HeldDevices& held = {});
+
+// The precision a placed job trains in (train.precision) and one line saying why. auto: fp32 when no actor is on a
+// GPU (a CPU worker's native precision), else bf16 when every GPU of the job has compute capability 8.0 or more
+// and fp16 when one has less (Turing: T4, RTX 6000); emulated GPUs count as the GPU they stand for, and CPU
+// workers in such a job emulate its precision. An explicit precision that a placed device cannot run is
+// FAILED_PRECONDITION naming the device, its site and what it supports, before any actor starts.
+struct PrecisionChoice {
+  model::Precision precision = model::Precision::kFp32;
+  std::string explanation;
+};
+absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
+                                                const std::vector<WorkerInfo>& workers);
 
 // The workers as the planner should see them for a new job: each one's devices less those `held`.
 std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, const HeldDevices& held);

@@ -4,21 +4,31 @@
 
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "model/cuda_backend.h"
 #include "model/ops.h"
+#include "model/precision.h"
 #include "model/timed_backend.h"
 
 namespace geotrain::model {
 namespace {
 
-// Stateless: every op runs to completion on the calling thread's OpenMP team before it returns.
+// Every op runs to completion on the calling thread's OpenMP team before it returns. In fp32 it is stateless; in
+// bf16 or fp16 its GEMMs take their inputs rounded as a GPU's tensor cores would (model/precision.h), through
+// scratch buffers the backend owns (one driving thread at a time, as for every backend).
 class CpuBackend final : public Backend {
  public:
-  std::string name() const override { return "cpu"; }
+  explicit CpuBackend(Precision precision = Precision::kFp32) : precision_(precision) {}
+
+  std::string name() const override {
+    return precision_ == Precision::kFp32
+               ? "cpu"
+               : absl::StrCat("cpu (", std::string(PrecisionName(precision_)), " GEMM inputs, emulated)");
+  }
   bool is_cuda() const override { return false; }
 
   // operator new like the std::vector buffers this replaced, so alignment (and with it the
@@ -66,10 +76,22 @@ class CpuBackend final : public Backend {
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int C,
                       int OC) override {
+    if (precision_ != Precision::kFp32) {
+      inp = Rounded(0, inp, N * C);
+      weight = Rounded(1, weight, static_cast<int64_t>(OC) * C);
+    }
     model::matmul_forward(out, inp, weight, bias, N, C, OC);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int64_t N, int C, int OC, bool accumulate_dinp) override {
+    if (precision_ != Precision::kFp32) {
+      // The bias gradient sums the fp32 dout, as the GPU's bias kernel does; the GEMMs see it rounded.
+      if (dbias != nullptr) model::bias_backward(dbias, dout, N, OC);
+      dbias = nullptr;
+      dout = Rounded(0, dout, N * OC);
+      inp = Rounded(1, inp, N * C);
+      if (dinp != nullptr) weight = Rounded(2, weight, static_cast<int64_t>(OC) * C);
+    }
     model::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, accumulate_dinp);
   }
   void add_bias(float* out, const float* bias, int64_t N, int OC) override { model::add_bias(out, bias, N, OC); }
@@ -116,6 +138,18 @@ class CpuBackend final : public Backend {
                     float beta2, float eps, float grad_scale, float step_size, float bc2_sqrt) override {
     model::adamw_update(params, grads, m, v, n, decay, beta1, beta2, eps, grad_scale, step_size, bc2_sqrt);
   }
+
+ private:
+  // The `slot`th operand of a GEMM, rounded to precision_ into a scratch buffer that lives until the next GEMM.
+  const float* Rounded(int slot, const float* in, int64_t n) {
+    std::vector<float>& buffer = scratch_[slot];
+    if (buffer.size() < static_cast<size_t>(n)) buffer.resize(static_cast<size_t>(n));
+    RoundToPrecision(precision_, in, buffer.data(), n);
+    return buffer.data();
+  }
+
+  const Precision precision_;
+  std::vector<float> scratch_[3];  // the GEMM operands (inp, weight; dout, inp, weight) in half precision
 };
 
 }  // namespace
@@ -127,9 +161,9 @@ Backend* CpuBackendInstance() {
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device_view, Precision precision) {
   const std::string device(device_view);  // this Abseil's string_view is not std::string_view
-  if (device == "cpu") return std::unique_ptr<Backend>(new CpuBackend());
+  if (device == "cpu") return std::unique_ptr<Backend>(new CpuBackend(precision));
   if (device.starts_with("timed:")) {
-    ASSIGN_OR_RETURN(std::unique_ptr<TimedBackend> timed, MakeTimedBackend(device));
+    ASSIGN_OR_RETURN(std::unique_ptr<TimedBackend> timed, MakeTimedBackend(device, precision));
     return std::unique_ptr<Backend>(std::move(timed));
   }
   int index = 0;

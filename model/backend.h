@@ -26,13 +26,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/precision.h"
 
 namespace geotrain::model {
 
-// GEMM precision on devices that have a choice. Parameters, gradients, moments and activations stay
-// fp32 (the master copy) either way; kBf16 multiplies bf16-rounded inputs with fp32 accumulation.
-// The CPU is always fp32.
-enum class Precision { kFp32, kBf16 };
+// Precision (model/precision.h): the GEMMs' input precision. Parameters, gradients, moments and activations stay
+// fp32 (the master copy) in every precision; kBf16 / kFp16 multiply inputs rounded to bf16 / fp16 with fp32
+// accumulation, on a GPU's tensor cores or, on the CPU, by rounding before fp32 GEMMs (the same values).
 
 class Backend {
  public:
@@ -95,7 +95,7 @@ class Backend {
 };
 
 // The backend for a device name: "cpu", "cuda:N" ("cuda" is "cuda:0"), or "timed:..." (timed compute,
-// model/timed_backend.h). FAILED_PRECONDITION
+// model/timed_backend.h), running its GEMMs in `precision` (a timed backend computes nothing and ignores it). FAILED_PRECONDITION
 // naming the fix when this build has no CUDA or there is no such device; INVALID_ARGUMENT for any
 // other name.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(std::string_view device, Precision precision = Precision::kFp32);

@@ -87,6 +87,26 @@ absl::StatusOr<std::vector<NamedTensor>> ExportTensors(
   return out;
 }
 
+// fp16's loss scale from an optimizer file's metadata into adam's scaler. A checkpoint written without one (an
+// fp32 or bf16 run) leaves the scaler at its initial scale; one whose values do not parse is DATA_LOSS.
+absl::Status RestoreLossScale(const SafetensorsFile& optimizer_file, const std::string& step_dir, AdamW& adam) {
+  const auto& metadata = optimizer_file.metadata;
+  auto scale = metadata.find(kLossScaleKey);
+  if (scale == metadata.end()) return absl::OkStatus();
+  LossScaleState state;
+  auto clean = metadata.find(kLossScaleCleanStepsKey);
+  auto skipped = metadata.find(kLossScaleSkippedKey);
+  if (!absl::SimpleAtod(scale->second, &state.scale) || clean == metadata.end() ||
+      !absl::SimpleAtoi(clean->second, &state.clean_steps) || skipped == metadata.end() ||
+      !absl::SimpleAtoi(skipped->second, &state.skipped)) {
+    return absl::DataLossError(absl::StrCat(step_dir, ": the optimizer file's loss scale metadata does not parse"));
+  }
+  if (absl::Status s = adam.loss_scaler().Restore(state); !s.ok()) {
+    return absl::DataLossError(absl::StrCat(step_dir, ": ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<NamedTensor>> ExportStageTensors(GPT2Stage& stage, bool grads, const std::string& prefix) {
@@ -154,6 +174,7 @@ absl::StatusOr<CheckpointSnapshot> SnapshotStage(GPT2Stage& stage, AdamW& adam, 
     }
   }
   snapshot.optimizer_step = adam.step();
+  if (adam.loss_scaler().enabled()) snapshot.loss_scale = adam.loss_scaler().state();
   if (!keep) return CheckpointSnapshot{};
   return snapshot;
 }
@@ -286,6 +307,7 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage
     }
   }
   adam.set_step(optimizer_step);
+  if (adam.loss_scaler().enabled()) RETURN_IF_ERROR(RestoreLossScale(moments.begin()->second, step_dir, adam));
   info.step = manifest.step();
   info.data_position.shard = manifest.data_position().shard();
   info.data_position.offset = manifest.data_position().offset();

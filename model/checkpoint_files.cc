@@ -91,9 +91,14 @@ absl::StatusOr<WrittenShard> WriteCheckpointShard(const std::string& step_dir, c
   shard.model_file = absl::StrCat("model", suffix, ".safetensors");
   ASSIGN_OR_RETURN(WrittenShard::File model,
                    WriteTensorsFile(step_dir, shard.model_file, snapshot.weights, {{"format", "pt"}}));
-  ASSIGN_OR_RETURN(WrittenShard::File optimizer,
-                   WriteTensorsFile(step_dir, OptimizerFileFor(shard.model_file), snapshot.moments,
-                                    {{"step", absl::StrCat(snapshot.optimizer_step)}}));
+  std::map<std::string, std::string> optimizer_metadata = {{"step", absl::StrCat(snapshot.optimizer_step)}};
+  if (snapshot.loss_scale.has_value()) {
+    optimizer_metadata[kLossScaleKey] = absl::StrFormat("%.17g", snapshot.loss_scale->scale);  // exact
+    optimizer_metadata[kLossScaleCleanStepsKey] = absl::StrCat(snapshot.loss_scale->clean_steps);
+    optimizer_metadata[kLossScaleSkippedKey] = absl::StrCat(snapshot.loss_scale->skipped);
+  }
+  ASSIGN_OR_RETURN(WrittenShard::File optimizer, WriteTensorsFile(step_dir, OptimizerFileFor(shard.model_file),
+                                                                  snapshot.moments, optimizer_metadata));
   shard.files = {model, optimizer};
   if (!snapshot.outer.empty()) {
     ASSIGN_OR_RETURN(WrittenShard::File outer,

@@ -11,12 +11,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/loss_scale_state.h"
 #include "model/safetensors.h"
 #include "spec.pb.h"
 
@@ -36,11 +38,19 @@ std::string DilocoFileFor(const std::string& model_file);
 
 // A stage's weights and AdamW moments copied to host memory (model/checkpoint.h SnapshotStage), so that
 // they can be written while training goes on.
+// The optimizer file's metadata keys of the loss scale state.
+inline constexpr char kLossScaleKey[] = "loss_scale";
+inline constexpr char kLossScaleCleanStepsKey[] = "loss_scale_clean_steps";
+inline constexpr char kLossScaleSkippedKey[] = "loss_scale_skipped";
+
 struct CheckpointSnapshot {
   std::vector<NamedTensor> weights;  // HF names, full tensors
   std::vector<NamedTensor> moments;  // m.<name> and v.<name>
   std::vector<NamedTensor> outer;    // DiLoCo's outer state: outer.<name> and outer_m.<name>; empty otherwise
   int64_t optimizer_step = 0;
+  // fp16's loss scale (with its clean and skipped steps), kept in the optimizer file's metadata; absent when the
+  // run does not scale its loss.
+  std::optional<LossScaleState> loss_scale;
 };
 
 // What WriteCheckpointShard wrote: each file's name (in the step directory), size and CRC-32 (8 hex

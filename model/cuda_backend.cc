@@ -10,7 +10,15 @@ namespace geotrain::model {
 namespace {
 
 cuda::GemmPrecision ToGemmPrecision(Precision precision) {
-  return precision == Precision::kBf16 ? cuda::GemmPrecision::kBf16 : cuda::GemmPrecision::kFp32;
+  switch (precision) {
+    case Precision::kBf16:
+      return cuda::GemmPrecision::kBf16;
+    case Precision::kFp16:
+      return cuda::GemmPrecision::kFp16;
+    case Precision::kFp32:
+      break;
+  }
+  return cuda::GemmPrecision::kFp32;
 }
 
 class CudaBackend final : public Backend {
@@ -145,7 +153,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, Precision p
                    cuda::CudaContext::Create(device, ToGemmPrecision(precision)));
   absl::StatusOr<std::string> description = cuda::DeviceDescription(device);
   std::string name = absl::StrCat("cuda:", device, " (", description.ok() ? *description : "unknown device", ", ",
-                                  precision == Precision::kBf16 ? "bf16" : "fp32", " GEMMs)");
+                                  std::string(PrecisionName(precision)), " GEMMs)");
   return std::unique_ptr<Backend>(new CudaBackend(std::move(ctx), std::move(name)));
 }
 

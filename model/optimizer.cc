@@ -11,7 +11,11 @@
 namespace geotrain::model {
 
 AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options, Backend* backend)
-    : options_(options), segments_(std::move(segments)), num_params_(num_params), backend_(backend) {}
+    : options_(options),
+      segments_(std::move(segments)),
+      num_params_(num_params),
+      backend_(backend),
+      loss_scaler_(options.loss_scale) {}
 
 AdamW::AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options)
     : AdamW(num_params, std::move(segments), options, CpuBackendInstance()) {

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "model/backend.h"
 #include "model/gpt2.h"
+#include "model/loss_scaler.h"
 
 namespace geotrain::model {
 
@@ -29,6 +30,9 @@ struct AdamWOptions {
   float beta2 = 0.95f;
   float eps = 1e-8f;
   float weight_decay = 0.0f;  // applied only to segments with weight_decay set
+  // fp16 training's dynamic loss scale, which the optimizer keeps with its step count and moments (checkpoints
+  // save it with them). Disabled by default: the scale is 1.
+  LossScaleOptions loss_scale;
 };
 
 class AdamW {
@@ -58,6 +62,10 @@ class AdamW {
   absl::Status CopyMomentsToHost(std::vector<float>* m, std::vector<float>* v);
   absl::Status CopyMomentsFromHost(const std::vector<float>& m, const std::vector<float>& v);
   const AdamWOptions& options() const { return options_; }
+  // The loss scale of the gradients this optimizer applies (model/loss_scaler.h); the trainer decides each step
+  // with it and divides the applied gradients by its scale_applied().
+  LossScaler& loss_scaler() { return loss_scaler_; }
+  const LossScaler& loss_scaler() const { return loss_scaler_; }
 
  private:
   AdamW(int64_t num_params, std::vector<ParameterSegment> segments, AdamWOptions options, Backend* backend);
@@ -69,6 +77,7 @@ class AdamW {
   Backend* backend_;
   DeviceBuffer m_, v_;
   int64_t step_ = 0;
+  LossScaler loss_scaler_;
 };
 
 // Factor to multiply gradients with so that their global norm is at most max_norm (as

@@ -189,22 +189,25 @@ void TimedBackend::adamw_update(float*, const float*, float*, float*, int64_t n,
   Charge(AdamWCost(n));
 }
 
-absl::StatusOr<std::unique_ptr<TimedBackend>> MakeTimedBackend(std::string_view device_view) {
+absl::StatusOr<std::unique_ptr<TimedBackend>> MakeTimedBackend(std::string_view device_view, Precision precision) {
   const std::string device(device_view);
   const auto bad = [&device] {
     return absl::InvalidArgumentError(absl::StrCat(
-        "device '", device, "' is not timed:NAME@TFLOPS:GBPS:LAUNCH_US (achieved TFLOP/s, GB/s, us per op)"));
+        "device '", device,
+        "' is not timed:NAME@TFLOPS:GBPS:LAUNCH_US[:FP32_TFLOPS] (achieved TFLOP/s, GB/s, us per op, fp32 TFLOP/s)"));
   };
   if (!device.starts_with("timed:")) return bad();
   const std::string rest = device.substr(6);
   const size_t at = rest.rfind('@');
   if (at == std::string::npos || at == 0) return bad();
   std::vector<std::string> figures = absl::StrSplit(rest.substr(at + 1), ':');
-  double tflops = 0, gbps = 0, launch_us = 0;
-  if (figures.size() != 3 || !absl::SimpleAtod(figures[0], &tflops) || !absl::SimpleAtod(figures[1], &gbps) ||
-      !absl::SimpleAtod(figures[2], &launch_us)) {
+  double tflops = 0, gbps = 0, launch_us = 0, fp32_tflops = 0;
+  if ((figures.size() != 3 && figures.size() != 4) || !absl::SimpleAtod(figures[0], &tflops) ||
+      !absl::SimpleAtod(figures[1], &gbps) || !absl::SimpleAtod(figures[2], &launch_us) ||
+      (figures.size() == 4 && (!absl::SimpleAtod(figures[3], &fp32_tflops) || !(fp32_tflops > 0)))) {
     return bad();
   }
+  if (precision == Precision::kFp32 && fp32_tflops > 0) tflops = fp32_tflops;
   TimedBackend::Options options;
   options.device_name = rest.substr(0, at);
   options.roofline = {.flops_per_s = tflops * 1e12, .bytes_per_s = gbps * 1e9, .launch_s = launch_us * 1e-6};

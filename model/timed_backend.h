@@ -114,10 +114,13 @@ class TimedBackend : public Backend {
   std::map<void*, size_t> mappings_ ABSL_GUARDED_BY(mu_);
 };
 
-// The backend for a device name "timed:NAME@TFLOPS:GBPS:LAUNCH_US" (achieved FLOP/s in TFLOP/s, achieved
-// memory bandwidth in GB/s, per-op launch overhead in microseconds), as worker/devices.h's TimedDeviceName
-// writes it. INVALID_ARGUMENT naming the form otherwise.
-absl::StatusOr<std::unique_ptr<TimedBackend>> MakeTimedBackend(std::string_view device);
+// The backend for a device name "timed:NAME@TFLOPS:GBPS:LAUNCH_US[:FP32_TFLOPS]" (achieved FLOP/s in TFLOP/s on
+// the tensor cores, bf16 and fp16, achieved memory bandwidth in GB/s, per-op launch overhead in microseconds, and
+// the achieved fp32 FLOP/s where the device's fp32 peak is known), as worker/devices.h's TimedDeviceName writes it.
+// In fp32 the GEMMs run at FP32_TFLOPS when given (a GPU's CUDA cores, several times slower than its tensor cores).
+// INVALID_ARGUMENT naming the form otherwise.
+absl::StatusOr<std::unique_ptr<TimedBackend>> MakeTimedBackend(std::string_view device,
+                                                               Precision precision = Precision::kBf16);
 
 // Emulated device seconds of one training step of a whole `config` model (forward and backward of
 // `microbatches` microbatches of B x T tokens, then AdamW), under `roofline`: the waits a timed stage adds up,

@@ -46,6 +46,22 @@ LearningRateSchedule TrainSchedule(const JobSpec& spec) {
           .scale = DilocoOn(spec) ? EffectiveDiloco(spec).inner_lr_scale() : 1.0};
 }
 
+absl::StatusOr<Precision> SpecPrecision(const JobSpec& spec) {
+  const std::string& name = spec.train().precision();
+  if (name.empty() || name == "auto") return Precision::kFp32;
+  return ParsePrecision(name);
+}
+
+AdamWOptions TrainOptimizerOptions(const JobSpec& spec, Precision precision) {
+  const TrainSpec& t = spec.train();
+  AdamWOptions options;
+  options.beta1 = static_cast<float>(t.beta1());
+  options.beta2 = static_cast<float>(t.beta2());
+  options.weight_decay = static_cast<float>(t.weight_decay());
+  options.loss_scale = LossScaleFromSpec(t, precision);
+  return options;
+}
+
 absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& options) {
   absl::StatusOr<GPT2Config> config = GPT2Config::FromSpec(spec.model());
   if (!config.ok()) return config.status();
@@ -86,14 +102,19 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
   }
   const std::vector<int> group_of = DilocoGroups(replica_sites);
   const int num_groups = *std::max_element(group_of.begin(), group_of.end()) + 1;
+  ASSIGN_OR_RETURN(const Precision precision, SpecPrecision(spec));
+  // bf16 / fp16: the GEMMs take rounded inputs as a GPU's would (model/precision.h); fp32 keeps the plain CPU path.
+  // Declared before the groups, whose models' memory it owns, so that it outlives them.
+  std::unique_ptr<Backend> backend;
+  if (precision != Precision::kFp32) {
+    ASSIGN_OR_RETURN(backend, MakeBackend("cpu", precision));
+  }
   std::vector<Group> groups(num_groups);
   StageOptions stage_options;
   stage_options.max_batch = mb;
   stage_options.max_seq_len = T;
-  AdamWOptions adam_options;
-  adam_options.beta1 = static_cast<float>(t.beta1());
-  adam_options.beta2 = static_cast<float>(t.beta2());
-  adam_options.weight_decay = static_cast<float>(t.weight_decay());
+  stage_options.backend = backend.get();
+  const AdamWOptions adam_options = TrainOptimizerOptions(spec, precision);
   for (int r = 0; r < dp; ++r) {
     Group& g = groups[group_of[r]];
     for (int m = 0; m < micro; ++m) g.microbatch_rows.push_back(r * micro * mb + m * mb);
@@ -161,6 +182,14 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
                "in %d microbatches; %d steps\n",
                config->n_layer, config->n_head, config->n_embd, config->vocab_size,
                static_cast<long long>(config->NumParameters()), global_batch, T, micro, t.steps());
+  if (precision != Precision::kFp32) {
+    const LossScaler& scaler = groups.front().adam->loss_scaler();
+    std::fprintf(options.out,
+                 "precision: %s GEMMs, emulated on the CPU (inputs rounded as a GPU's tensor cores take "
+                 "them; fp32 weights and AdamW)%s\n",
+                 std::string(PrecisionName(precision)).c_str(),
+                 scaler.enabled() ? absl::StrFormat("; dynamic loss scale from %g", scaler.scale()).c_str() : "");
+  }
   const bool round_outer = diloco && options.outer_codec && num_groups > 1;
   if (diloco) {
     std::fprintf(options.out,
@@ -209,18 +238,31 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     RETURN_IF_ERROR((*train)->Next(inputs.data(), targets.data()));
     const double lr = schedule.At(step);
     double loss_sum = 0.0, norm = 0.0;
+    bool skipped = false;
+    double scale_used = 1;
     for (Group& g : groups) {
       g.model->ZeroGrad();
       const int rows = static_cast<int>(stage_options.max_batch);
+      LossScaler& scaler = g.adam->loss_scaler();
       for (int first : g.microbatch_rows) {
         const int64_t off = static_cast<int64_t>(first) * T;
         RETURN_IF_ERROR(g.model->Forward(rows, T, inputs.data() + off, nullptr, targets.data() + off));
         loss_sum += g.model->loss();
-        RETURN_IF_ERROR(g.model->Backward(nullptr, g.loss_scale));
+        RETURN_IF_ERROR(g.model->Backward(nullptr, g.loss_scale * scaler.scale()));
       }
-      const double group_norm = std::sqrt(g.model->GradSquaredNormShare());
-      if (&g == &groups.front()) norm = group_norm;
-      g.adam->Step(g.model->params(), g.model->grads(), static_cast<float>(lr), ClipScale(group_norm, t.grad_clip()));
+      // fp16: one decision for the group's gradients (the cluster all-reduces it over every actor of the group).
+      const bool finite =
+          !scaler.enabled() || AllFinite({g.model->grads(), static_cast<size_t>(g.model->num_params())});
+      const bool apply = scaler.Update(finite);
+      const double group_norm = std::sqrt(g.model->GradSquaredNormShare()) / scaler.scale_applied();
+      if (&g == &groups.front()) {
+        norm = group_norm;
+        skipped = !apply;
+        scale_used = scaler.scale_applied();
+      }
+      if (!apply) continue;
+      g.adam->Step(g.model->params(), g.model->grads(), static_cast<float>(lr),
+                   ClipScale(group_norm, t.grad_clip()) / scaler.scale_applied());
     }
     if (diloco) {
       for (const Pending& p : pending) {
@@ -240,6 +282,8 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     rec.loss = static_cast<float>(loss_sum / (micro * dp));
     rec.lr = lr;
     rec.grad_norm = norm;
+    rec.loss_scale = scale_used;
+    rec.skipped = skipped;
     rec.tokens_per_second = static_cast<double>(global_batch) * T / seconds;
     const bool last = step + 1 == t.steps();
     if (val != nullptr && ((step + 1) % t.eval_every() == 0 || last)) {
@@ -268,6 +312,9 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     if (rec.val_loss >= 0) absl::StrAppend(&line, " | val ", absl::StrFormat("%.4f", rec.val_loss));
     absl::StrAppend(&line, absl::StrFormat(" | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms", lr, norm,
                                            rec.tokens_per_second, seconds * 1e3));
+    if (groups.front().adam->loss_scaler().enabled()) {
+      absl::StrAppend(&line, absl::StrFormat(" | loss scale %g%s", scale_used, skipped ? " (overflow: skipped)" : ""));
+    }
     if (options.progress_bar) {
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
       const double left = elapsed / (step + 1 - start_step) * (t.steps() - step - 1);

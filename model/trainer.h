@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "model/optimizer.h"
+#include "model/precision.h"
 #include "spec.pb.h"
 
 namespace geotrain::model {
@@ -29,6 +31,14 @@ namespace geotrain::model {
 // The AdamW learning rate schedule of a job's (inner) steps: train's, times diloco.inner_lr_scale with DiLoCo.
 // `train --local` and the cluster's stages take it from here.
 LearningRateSchedule TrainSchedule(const JobSpec& spec);
+
+// The precision a spec trains in: train.precision, with auto (or unset) as fp32. The head resolves auto by the
+// job's devices before its actors start (head/precision.h) and hands them the resolved spec; `train --local` runs
+// on the CPU, whose native precision is fp32 (ask for bf16 or fp16 to emulate a GPU's).
+absl::StatusOr<Precision> SpecPrecision(const JobSpec& spec);
+// AdamW's options from a spec (betas, weight decay, and in fp16 the loss scaling of train.loss_scale): one rule
+// for `train --local`, the stages and the parity tools.
+AdamWOptions TrainOptimizerOptions(const JobSpec& spec, Precision precision);
 
 struct LocalTrainOptions {
   bool resume = false;
@@ -48,6 +58,10 @@ struct StepRecord {
   float loss = 0.0f;
   float val_loss = -1.0f;  // < 0 when not evaluated at this step
   double lr = 0.0, grad_norm = 0.0, tokens_per_second = 0.0;
+  // fp16: the loss scale the step's gradients carried, and whether the step was skipped (they overflowed; group 0's
+  // with DiLoCo, each group deciding for itself).
+  double loss_scale = 1;
+  bool skipped = false;
 };
 
 class LocalTrainer {

@@ -169,7 +169,7 @@ absl::StatusOr<Codec> ParseCodec(const std::string& name) {
       break;
   }
   if (spec.zstd) {
-    // zstd over the payload (docs/benchmarks/comm.md (b), level 1 on gradient-like data): it took 7-22% off
+    // zstd over the payload (docs/results/2026-12-02-comm.md (b), level 1 on gradient-like data): it took 7-22% off
     // the cast codecs' bytes and ran at about 1 GB/s of fp32 input, encode and decode together.
     codec.ratio *= kZstdRatio;
     codec.throughput_bytes_per_s =

@@ -126,7 +126,7 @@ struct JobOptions {
   // The bandwidth inside a site for messages of one microbatch's activations (the pipeline's sends between
   // stages, tensor parallelism's all-reduces), over the bandwidth inside a site that gradients and the tied
   // embedding get (hundreds of MB per message). 1 on real links; on one host's loopback a message of a few MB
-  // moves at another rate per byte than one of hundreds (docs/benchmarks/comm.md (d)), so the timed studies
+  // moves at another rate per byte than one of hundreds (docs/results/2026-12-04-pair-exchange.md), so the timed studies
   // calibrate the two apart (bench/geo/timed_lib.py).
   double activation_bandwidth_scale = 1;
   // Collectives run on gRPC (workers that compute on CPU or by timed compute, or a build without NCCL): data

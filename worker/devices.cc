@@ -71,11 +71,25 @@ absl::StatusOr<DeviceProfile> ParseDeviceProfile(const std::string& text) {
   return p;
 }
 
+namespace {
+// A known GPU's compute capability and per-precision peaks (left 0 for an unknown one).
+void SetCapabilities(const KnownDevice* known, Device* d) {
+  if (known == nullptr) return;
+  d->set_compute_capability(known->compute_capability);
+  d->set_fp32_tflops(known->fp32_tflops);
+  d->set_fp16_tflops(known->fp16_tflops);
+  d->set_bf16_tflops(known->bf16_tflops);
+}
+}  // namespace
+
 absl::StatusOr<Device> EmulatedDevice(const DeviceProfile& profile) {
   Device d;
   d.set_kind(DEVICE_KIND_EMULATED);
   d.set_name(profile.name);
   d.set_tflops(profile.peak_tflops);
+  // The emulated GPU's capabilities: an emulated T4 trains in fp16 as a real one must (the CPU emulates it). A
+  // device given only by its figures has none: it trains as the CPU does (fp32 under precision auto).
+  SetCapabilities(FindKnownDeviceInName(profile.name), &d);
   d.set_memory_bytes(static_cast<uint64_t>(profile.memory_gb * 1e9));
   return d;
 }
@@ -91,8 +105,13 @@ absl::StatusOr<std::string> TimedDeviceName(const DeviceProfile& profile) {
                                                    " has no memory bandwidth; give it as NAME:TFLOPS:MEM_GB:BW_GBS"));
   }
   const model::Roofline r = profile.roofline();
-  return absl::StrFormat("timed:%s@%.6g:%.6g:%.6g", profile.name, r.flops_per_s / 1e12, r.bytes_per_s / 1e9,
-                         r.launch_s * 1e6);
+  std::string name = absl::StrFormat("timed:%s@%.6g:%.6g:%.6g", profile.name, r.flops_per_s / 1e12, r.bytes_per_s / 1e9,
+                                     r.launch_s * 1e6);
+  // A known GPU's fp32 peak, at the same achieved fraction: an fp32 job on it is timed at its CUDA cores' rate.
+  if (const KnownDevice* known = FindKnownDeviceInName(profile.name); known != nullptr && known->fp32_tflops > 0) {
+    absl::StrAppendFormat(&name, ":%.6g", known->fp32_tflops * profile.flops_efficiency);
+  }
+  return name;
 }
 
 absl::StatusOr<bool> CalibrateDeviceProfile(const std::string& path, DeviceProfile* profile) {
@@ -211,6 +230,8 @@ std::vector<Device> DiscoverCudaDevices() {
     d.set_memory_bytes(prop.totalGlobalMem);
     const KnownDevice* known = FindKnownDeviceInName(prop.name);
     d.set_tflops(known ? known->tflops : 0);
+    SetCapabilities(known, &d);
+    d.set_compute_capability(prop.major * 10 + prop.minor);  // the runtime's word, known model or not
     out.push_back(d);
   }
 #endif

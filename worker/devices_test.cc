@@ -71,6 +71,14 @@ TEST(DeviceProfileTest, KnownProfilesOverridesAndTheirRoofline) {
   auto backend = model::MakeTimedBackend(*TimedDeviceName(*h100));
   ASSERT_TRUE(backend.ok()) << backend.status();
   EXPECT_NEAR((*backend)->roofline().flops_per_s, r.flops_per_s, 1e6);
+  // In fp32 the GEMMs run on the CUDA cores: the H100's 67 TFLOP/s at the same achieved fraction, not 989.
+  auto fp32 = model::MakeTimedBackend(*TimedDeviceName(*h100), model::Precision::kFp32);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_NEAR((*fp32)->roofline().flops_per_s, 67e12 * h100->flops_efficiency, 1e6);
+  // A device without a known fp32 peak keeps its one figure.
+  auto custom = model::MakeTimedBackend(*TimedDeviceName(*ParseDeviceProfile("X1:50:16:900")), model::Precision::kFp32);
+  ASSERT_TRUE(custom.ok()) << custom.status();
+  EXPECT_NEAR((*custom)->roofline().flops_per_s, 50e12 * 0.6, 1e6);
 }
 
 // A file of `text` in /tmp, removed when the object goes (a failed assertion included).

@@ -495,6 +495,32 @@ TEST_F(StageActorTest, DilocoWithInt8PseudoGradientsEqualsTheRoundingSimulation)
   EXPECT_GT(outer_bytes, 0u);  // the outer exchanges cross the sites, and are counted
 }
 
+// fp16 with a scale far too large (2^40) on DP2 x PP2 across two "sites": the first steps overflow; every actor of
+// the job skips exactly those steps and halves the scale each time (one decision, from the all-reduced gradient
+// norm), then the job trains; its losses equal the single-process simulation's, which skips the same steps.
+TEST_F(StageActorTest, Fp16OverflowSkipsTheSameStepsOnEveryActorAndEqualsLocal) {
+  JobSpec spec = WithValidation(Spec(2, 2, 1, 2, "1f1b", 20), 10, 1);
+  spec.mutable_train()->set_precision("fp16");
+  spec.mutable_train()->mutable_loss_scale()->set_initial(std::ldexp(1.0, 40));
+  ExpectEqualToLocal(spec, 1e-5);
+  const std::vector<model::StepRecord> local = LocalHistory(spec);
+  int skips = 0;
+  for (const model::StepRecord& r : local) skips += r.skipped;
+  ASSERT_GE(skips, 2);
+  std::map<std::string, int> reports_of;
+  for (const StepReport& r : head_.reports()) {
+    if (r.step() == 0 || !r.error().empty()) continue;
+    const model::StepRecord& want = local[r.step() - 1];
+    EXPECT_EQ(r.skipped(), want.skipped) << r.actor_id() << " step " << r.step();
+    EXPECT_EQ(r.loss_scale(), want.loss_scale) << r.actor_id() << " step " << r.step();
+    ++reports_of[r.actor_id()];
+  }
+  EXPECT_EQ(reports_of.size(), 4u);
+  for (const auto& [actor, n] : reports_of) EXPECT_EQ(n, 20) << actor;
+  for (int i = 0; i < skips; ++i) EXPECT_EQ(local[i].loss_scale, std::ldexp(1.0, 40 - i));
+  EXPECT_FALSE(local.back().skipped);
+}
+
 TEST_F(StageActorTest, AStopInTheMiddleEndsEveryActorWithoutAnError) {
   head_.StopFromStep(2);  // the head answers step 2's reports with stop
   StartJob(Spec(1, 2, 1, 2, "1f1b", 50), 5000);

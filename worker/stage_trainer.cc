@@ -59,6 +59,16 @@ absl::StatusOr<std::function<absl::Status(int group, int fragment, absl::Span<fl
   };
 }
 
+absl::StatusOr<model::Precision> StagePrecision(const JobSpec& spec, const std::string& device) {
+  const std::string& name = spec.train().precision();
+  if (name.empty() || name == "auto") {
+    // A GPU, or timed compute's emulated one: bf16, as before precision was a setting.
+    return device.starts_with("cuda") || device.starts_with("timed:") ? model::Precision::kBf16
+                                                                      : model::Precision::kFp32;
+  }
+  return model::SpecPrecision(spec);
+}
+
 StageTrainer::StageTrainer(const JobSpec& spec, ActorRanks ranks) : spec_(spec), ranks_(std::move(ranks)) {}
 
 StageTrainer::~StageTrainer() {
@@ -88,10 +98,12 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   const bool first = ranks_.first_stage, last = ranks_.last_stage;
 
   // The device: on a CUDA worker the stage's parameters, gradients, optimizer state and activations live
-  // on its GPU (bf16 GEMMs, fp32 master weights).
+  // on its GPU (GEMMs in the job's precision, fp32 master weights). On the CPU, bf16 and fp16 round the GEMMs'
+  // inputs as a GPU would (an emulated Turing worker trains in fp16 for real).
+  ASSIGN_OR_RETURN(const model::Precision precision, StagePrecision(spec_, device));
   backend_ = model::CpuBackendInstance();
-  if (device != "cpu") {
-    ASSIGN_OR_RETURN(device_backend_, model::MakeBackend(device, model::Precision::kBf16));
+  if (device != "cpu" || precision != model::Precision::kFp32) {
+    ASSIGN_OR_RETURN(device_backend_, model::MakeBackend(device, precision));
     backend_ = device_backend_.get();
   }
   on_device_ = backend_->is_cuda();
@@ -112,10 +124,9 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   stage_options.max_seq_len = T;
   ASSIGN_OR_RETURN(stage_, model::GPT2Stage::Create(config_, stage_options));
   if (!timed_) stage_->InitializeWeights(spec_.train().seed());
-  model::AdamWOptions adam_options;
-  adam_options.beta1 = static_cast<float>(spec_.train().beta1());
-  adam_options.beta2 = static_cast<float>(spec_.train().beta2());
-  adam_options.weight_decay = static_cast<float>(spec_.train().weight_decay());
+  // Timed compute has no real gradients to scale: its loss scaling stays off.
+  model::AdamWOptions adam_options = model::TrainOptimizerOptions(spec_, precision);
+  if (timed_) adam_options.loss_scale.enabled = false;
   ASSIGN_OR_RETURN(adam_, model::AdamW::Create(stage_->num_params(), stage_->segments(), adam_options, *backend_));
   schedule_ = model::TrainSchedule(spec_);
 
@@ -378,7 +389,7 @@ absl::Status StageTrainer::Backward(int m) {
       if (hook_status.ok()) grad_buckets_->GroupReady(num_layers_ - 1 - l);
     });
   }
-  absl::Status backward_status = stage_->Backward(dout, loss_scale_);
+  absl::Status backward_status = stage_->Backward(dout, loss_scale_ * adam_->loss_scaler().scale());
   stage_->set_layer_gradients_ready(nullptr);
   RETURN_IF_ERROR(backward_status);
   RETURN_IF_ERROR(hook_status);
@@ -496,10 +507,19 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
     RETURN_IF_ERROR(collectives_->replica->AllReduceSum(absl::MakeSpan(norm_share, 2), "norm"));
   }
   stats_.wait_seconds += SecondsSince(sync_start);
-  const double norm = std::sqrt(static_cast<double>(norm_share[0]));
+  // fp16: the norm is of the scaled gradients. It is not finite when any gradient of the replica is not (the
+  // all-reduce carries infinities and NaNs), and the replicas' gradients are summed before it (DiLoCo: its group's),
+  // so every actor takes the same decision, without a collective of its own.
+  model::LossScaler& scaler = adam_->loss_scaler();
+  const bool apply = scaler.Update(!scaler.enabled() || std::isfinite(norm_share[0]));
+  stats_.loss_scale = scaler.scale_applied();
+  stats_.skipped = !apply;
+  const double norm = std::sqrt(static_cast<double>(norm_share[0])) / scaler.scale_applied();
   const auto t0 = Clock::now();
-  adam_->Step(stage_->params(), stage_->grads(), static_cast<float>(schedule_.At(static_cast<int>(step) - 1)),
-              model::ClipScale(norm, spec_.train().grad_clip()));
+  if (apply) {
+    adam_->Step(stage_->params(), stage_->grads(), static_cast<float>(schedule_.At(static_cast<int>(step) - 1)),
+                model::ClipScale(norm, spec_.train().grad_clip()) / scaler.scale_applied());
+  }
   stats_.compute_seconds += SecondsSince(t0);
   RETURN_IF_ERROR(FinishOuterExchanges(step));
 

@@ -77,7 +77,16 @@ struct StepStats {
   double wait_seconds = 0;     // blocked on peers: activations, gradients, all-reduces
   double bubble_seconds = 0;   // waiting for the pipeline to fill
   SiteTraffic traffic;         // bytes this actor sent across sites in the step
+  // fp16: the loss scale this step's gradients carried, and whether it was skipped (they overflowed somewhere in the
+  // job, or in its DiLoCo group: every actor decides the same from the all-reduced gradient norm).
+  double loss_scale = 1;
+  bool skipped = false;
 };
+
+// The precision a stage trains in: the spec's (the head resolves auto by the job's devices); auto or unset, as an
+// actor started without a head may get it, is bf16 on a CUDA device (or timed compute's emulated GPU) and fp32 on
+// the CPU.
+absl::StatusOr<model::Precision> StagePrecision(const JobSpec& spec, const std::string& device);
 
 // `train --local`'s model::LocalTrainOptions::outer_codec for `spec`: the rounding that its cluster run's outer
 // all-reduce (ExchangeOuter, through diloco.codec) gives each group's pseudo-gradient, kept per group and fragment
@@ -162,7 +171,7 @@ class StageTrainer {
   std::vector<PipelineOp> pipeline_;
   int num_layers_ = 0;
   size_t activation_floats_ = 0;  // one microbatch's activations at a stage boundary
-  float loss_scale_ = 1;
+  float loss_scale_ = 1;          // of the loss gradient over the microbatches and replicas (fp16's scale comes on top)
   // The step's batch (first and last stage), the inputs kept per microbatch (not first stage), the
   // gradient of the output (not last stage).
   std::vector<int32_t> inputs_, targets_;

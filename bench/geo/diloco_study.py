@@ -82,7 +82,8 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
     text = (f"name: {name}\nmodel: {model}\n"
             f"data: {{train: '{data}/train_*.bin', val: '{data}/val_*.bin'}}\n"
             f"train: {{global_batch: {batch}, seq_len: 64, steps: {steps}, lr: {lr:g}, warmup_steps: 10, "
-            f"weight_decay: 0.1, grad_clip: 1.0, seed: {seed}, eval_every: {eval_every}, eval_batches: 4}}\n"
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: {seed}, eval_every: {eval_every}, eval_batches: 4, "
+            f"precision: fp32}}\n"  # fp32 as train --local runs it: the cluster's emulated RTX 6000s would be fp16
             f"parallel: {parallel}\n"
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":

@@ -82,7 +82,7 @@ __global__ void PackInt8Kernel(float* scales, int8_t* q, const float* in, int64_
     const int64_t i = block * kInt8BlockSize + threadIdx.x;
     const float x = i < n ? in[i] : 0.0f;
     // Largest |x| as bits: non-negative floats order like their bit patterns (as the CPU's max).
-    const uint32_t bits = __reduce_max_sync(internal::kFullMask, __float_as_uint(x) & 0x7FFFFFFFu);
+    const uint32_t bits = internal::WarpMaxBits(__float_as_uint(x) & 0x7FFFFFFFu);
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
     __syncthreads();
     uint32_t max_bits = warp_max[0];

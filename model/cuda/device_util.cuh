@@ -31,6 +31,18 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
+// Largest of the warp's 32 values: one instruction from sm_80 (Ampere) on, a shuffle tree on Turing (sm_75),
+// which lacks __reduce_max_sync. The same result either way.
+__device__ __forceinline__ uint32_t WarpMaxBits(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(kFullMask, v);
+#else
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+#endif
+}
+
 // First index and stride of a 1-D grid-stride loop, in 64 bits (N*C may pass 2^31).
 __device__ __forceinline__ int64_t GlobalThread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

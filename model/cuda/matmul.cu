@@ -12,13 +12,16 @@
 //       gemm(N, T, m=C, n=OC, k=N, A=inp lda=C, B=dout ldb=OC, C=dW ldc=C, beta=1)
 //
 // Precision. kFp32: fp32 in and out with CUBLAS_COMPUTE_32F_PEDANTIC (no TF32, no reduced-precision
-// reductions), the parity mode. kBf16: the inputs are rounded to bf16 (nearest even) into the context's
-// workspace, then multiplied on the tensor cores with fp32 accumulation and fp32 output.
+// reductions), the parity mode. kBf16 / kFp16: the inputs are rounded to bf16 / fp16 (nearest even; fp16
+// overflows to infinity past 65504, which loss scaling catches) into the context's workspace, then multiplied on
+// the tensor cores with fp32 accumulation and fp32 output. model/precision.h rounds the same way on the CPU.
+// bf16 GEMMs need compute capability 8.0; fp16 runs on Turing (7.5) too.
 //
 // cuBLAS takes int dimensions: N above 2^30 rows is processed in slices of rows (forward, dinp) or of the
 // reduction (dweight, with beta = 1 after the first slice), which changes nothing numerically but order.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -39,7 +42,15 @@ __global__ void ToBf16Kernel(__nv_bfloat16* out, const float* in, int64_t n) {
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) out[i] = __float2bfloat16_rn(in[i]);
 }
 
-// Where a GEMM operand lives and in which type: the fp32 original or its bf16 copy in the workspace.
+__global__ void ToFp16Kernel(__half* out, const float* in, int64_t n) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) out[i] = __float2half_rn(in[i]);
+}
+
+// Both half formats take two bytes an element in the workspace.
+using HalfBits = uint16_t;
+static_assert(sizeof(__nv_bfloat16) == sizeof(HalfBits) && sizeof(__half) == sizeof(HalfBits));
+
+// Where a GEMM operand lives and in which type: the fp32 original or its half-precision copy in the workspace.
 struct Operand {
   const void* data;
   cudaDataType_t type;
@@ -47,11 +58,15 @@ struct Operand {
   const void* At(int64_t element) const { return static_cast<const char*>(data) + element * element_bytes; }
 };
 
-// Rounds `n` floats to bf16 into `scratch` (kBf16) or passes them through (kFp32).
-Operand Prepare(CudaContext& ctx, const float* in, int64_t n, __nv_bfloat16* scratch) {
+// Rounds `n` floats to bf16 or fp16 into `scratch` (kBf16, kFp16) or passes them through (kFp32).
+Operand Prepare(CudaContext& ctx, const float* in, int64_t n, HalfBits* scratch) {
   if (ctx.precision() == GemmPrecision::kFp32) return {in, CUDA_R_32F, sizeof(float)};
-  ToBf16Kernel<<<GridFor(ctx, n, kBlock), kBlock, 0, ctx.stream()>>>(scratch, in, n);
-  return {scratch, CUDA_R_16BF, sizeof(__nv_bfloat16)};
+  if (ctx.precision() == GemmPrecision::kFp16) {
+    ToFp16Kernel<<<GridFor(ctx, n, kBlock), kBlock, 0, ctx.stream()>>>(reinterpret_cast<__half*>(scratch), in, n);
+    return {scratch, CUDA_R_16F, sizeof(HalfBits)};
+  }
+  ToBf16Kernel<<<GridFor(ctx, n, kBlock), kBlock, 0, ctx.stream()>>>(reinterpret_cast<__nv_bfloat16*>(scratch), in, n);
+  return {scratch, CUDA_R_16BF, sizeof(HalfBits)};
 }
 
 cublasComputeType_t ComputeType(const CudaContext& ctx) {
@@ -81,15 +96,15 @@ void matmul_forward(CudaContext& ctx, float* out, const float* inp, const float*
     if (bias != nullptr) add_bias(ctx, out, bias, N, OC);
     return;
   }
-  const bool bf16 = ctx.precision() == GemmPrecision::kBf16;
+  const bool half = ctx.precision() != GemmPrecision::kFp32;
   WorkspaceLayout layout;
-  const int inp_piece = layout.Add(bf16 ? N * C * sizeof(__nv_bfloat16) : 0);
-  const int weight_piece = layout.Add(bf16 ? static_cast<size_t>(OC) * C * sizeof(__nv_bfloat16) : 0);
-  if (bf16 && !layout.Acquire(ctx, "matmul_forward")) return;
-  const Operand a = Prepare(ctx, inp, N * C, bf16 ? layout.Get<__nv_bfloat16>(inp_piece) : nullptr);
+  const int inp_piece = layout.Add(half ? N * C * sizeof(HalfBits) : 0);
+  const int weight_piece = layout.Add(half ? static_cast<size_t>(OC) * C * sizeof(HalfBits) : 0);
+  if (half && !layout.Acquire(ctx, "matmul_forward")) return;
+  const Operand a = Prepare(ctx, inp, N * C, half ? layout.Get<HalfBits>(inp_piece) : nullptr);
   const Operand w =
-      Prepare(ctx, weight, static_cast<int64_t>(OC) * C, bf16 ? layout.Get<__nv_bfloat16>(weight_piece) : nullptr);
-  CheckLaunch(ctx, "matmul_forward (bf16 conversion)");
+      Prepare(ctx, weight, static_cast<int64_t>(OC) * C, half ? layout.Get<HalfBits>(weight_piece) : nullptr);
+  CheckLaunch(ctx, "matmul_forward (half-precision conversion)");
   for (int64_t n0 = 0; n0 < N; n0 += kMaxGemmRows) {
     const int64_t rows = std::min(kMaxGemmRows, N - n0);
     CheckCublas(
@@ -112,20 +127,19 @@ void matmul_backward(CudaContext& ctx, float* dinp, float* dweight, float* dbias
     }
     return;
   }
-  const bool bf16 = ctx.precision() == GemmPrecision::kBf16;
+  const bool half = ctx.precision() != GemmPrecision::kFp32;
   WorkspaceLayout layout;
-  const int dout_piece = layout.Add(bf16 ? N * OC * sizeof(__nv_bfloat16) : 0);
-  const int inp_piece = layout.Add(bf16 ? N * C * sizeof(__nv_bfloat16) : 0);
-  const int weight_piece =
-      layout.Add(bf16 && dinp != nullptr ? static_cast<size_t>(OC) * C * sizeof(__nv_bfloat16) : 0);
-  if (bf16 && !layout.Acquire(ctx, "matmul_backward")) return;
-  const Operand d = Prepare(ctx, dout, N * OC, bf16 ? layout.Get<__nv_bfloat16>(dout_piece) : nullptr);
-  const Operand a = Prepare(ctx, inp, N * C, bf16 ? layout.Get<__nv_bfloat16>(inp_piece) : nullptr);
-  CheckLaunch(ctx, "matmul_backward (bf16 conversion)");
+  const int dout_piece = layout.Add(half ? N * OC * sizeof(HalfBits) : 0);
+  const int inp_piece = layout.Add(half ? N * C * sizeof(HalfBits) : 0);
+  const int weight_piece = layout.Add(half && dinp != nullptr ? static_cast<size_t>(OC) * C * sizeof(HalfBits) : 0);
+  if (half && !layout.Acquire(ctx, "matmul_backward")) return;
+  const Operand d = Prepare(ctx, dout, N * OC, half ? layout.Get<HalfBits>(dout_piece) : nullptr);
+  const Operand a = Prepare(ctx, inp, N * C, half ? layout.Get<HalfBits>(inp_piece) : nullptr);
+  CheckLaunch(ctx, "matmul_backward (half-precision conversion)");
   if (dinp != nullptr) {
     const Operand w =
-        Prepare(ctx, weight, static_cast<int64_t>(OC) * C, bf16 ? layout.Get<__nv_bfloat16>(weight_piece) : nullptr);
-    CheckLaunch(ctx, "matmul_backward (bf16 conversion)");
+        Prepare(ctx, weight, static_cast<int64_t>(OC) * C, half ? layout.Get<HalfBits>(weight_piece) : nullptr);
+    CheckLaunch(ctx, "matmul_backward (half-precision conversion)");
     for (int64_t n0 = 0; n0 < N; n0 += kMaxGemmRows) {
       const int64_t rows = std::min(kMaxGemmRows, N - n0);
       CheckCublas(ctx,

@@ -34,7 +34,7 @@ namespace geotrain::model::cuda {
 
 struct CublasApi;  // cublas_loader.h
 
-enum class GemmPrecision { kFp32, kBf16 };
+enum class GemmPrecision { kFp32, kBf16, kFp16 };
 
 // Number of CUDA devices visible (0 when there is no driver or no device; never an error).
 int DeviceCount();

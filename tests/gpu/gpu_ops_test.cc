@@ -11,6 +11,8 @@
 //
 // Seeds: each run draws a fresh seed and prints it; GEOTRAIN_GPU_TEST_SEED=N reproduces a run. Without a
 // CUDA device every test skips (run them on a GPU host with tests/gpu/run.sh).
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -240,13 +242,25 @@ const GemmShape kGemmShapes[] = {{1, 5, 3}, {67, 96, 130}, {256, 768, 2304}, {33
 
 std::string GemmName(const char* op, const GemmShape& s, cuda::GemmPrecision precision) {
   return std::string(op) + " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" + std::to_string(s.OC) +
-         (precision == cuda::GemmPrecision::kBf16 ? " bf16" : " fp32");
+         (precision == cuda::GemmPrecision::kBf16   ? " bf16"
+          : precision == cuda::GemmPrecision::kFp16 ? " fp16"
+                                                    : " fp32");
+}
+
+// The GEMM precisions device 0 runs: bf16 from compute capability 8.0 (Ampere) on, fp16 and fp32 everywhere.
+std::vector<cuda::GemmPrecision> GemmPrecisions() {
+  cudaDeviceProp prop;
+  const bool bf16 = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major >= 8;
+  std::vector<cuda::GemmPrecision> out = {cuda::GemmPrecision::kFp32, cuda::GemmPrecision::kFp16};
+  if (bf16) out.push_back(cuda::GemmPrecision::kBf16);
+  return out;
 }
 
 TEST_F(GpuOpsTest, MatmulForward) {
-  for (const auto precision : {cuda::GemmPrecision::kFp32, cuda::GemmPrecision::kBf16}) {
+  for (const auto precision : GemmPrecisions()) {
     ctx_->set_precision(precision);
-    const double tolerance = precision == cuda::GemmPrecision::kBf16 ? kBf16Tolerance : kFp32Tolerance;
+    // fp16 keeps 3 more bits than bf16: the half-precision tolerance holds for both.
+    const double tolerance = precision == cuda::GemmPrecision::kFp32 ? kFp32Tolerance : kBf16Tolerance;
     for (const GemmShape& s : kGemmShapes) {
       for (const bool with_bias : {true, false}) {
         const auto inp = Random(s.N * s.C), weight = Random(static_cast<size_t>(s.OC) * s.C, 0.05f);
@@ -264,9 +278,10 @@ TEST_F(GpuOpsTest, MatmulForward) {
 }
 
 TEST_F(GpuOpsTest, MatmulBackward) {
-  for (const auto precision : {cuda::GemmPrecision::kFp32, cuda::GemmPrecision::kBf16}) {
+  for (const auto precision : GemmPrecisions()) {
     ctx_->set_precision(precision);
-    const double tolerance = precision == cuda::GemmPrecision::kBf16 ? kBf16Tolerance : kFp32Tolerance;
+    // fp16 keeps 3 more bits than bf16: the half-precision tolerance holds for both.
+    const double tolerance = precision == cuda::GemmPrecision::kFp32 ? kFp32Tolerance : kBf16Tolerance;
     for (const GemmShape& s : kGemmShapes) {
       // (accumulate dinp, compute dinp, compute dbias)
       for (const auto [accumulate, with_dinp, with_dbias] :

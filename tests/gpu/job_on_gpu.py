@@ -21,15 +21,26 @@ from cluster_lib import LocalCluster, wait_for  # noqa: E402
 from run_study import write_tokens  # noqa: E402
 
 STEPS = 30
-# bf16 GEMMs on the GPU against fp32 on the CPU: the final loss within 3% (the model tests bound the
-# per-step difference more tightly; this checks the distributed path end to end).
+# The GPU's GEMMs against the CPU's train --local in the same precision: the final loss within 3% (the model tests
+# bound the per-step difference more tightly; this checks the distributed path end to end).
 TOLERANCE = 0.03
 
 
-def spec(name, data, parallel):
+def spec(name, data, parallel, train_extra=""):
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"
-            f"train: {{global_batch: 8, seq_len: 32, steps: {STEPS}, lr: 1.0e-3, warmup_steps: 2, seed: 3}}\n"
-            f"parallel: {parallel}\ncomm: {{wan_codec: none}}\n")
+            f"train: {{global_batch: 8, seq_len: 32, steps: {STEPS}, lr: 1.0e-3, warmup_steps: 2, seed: 3"
+            f"{train_extra}}}\nparallel: {parallel}\ncomm: {{wan_codec: none}}\n")
+
+
+def compute_capability():
+    """Device 0's compute capability as major * 10 + minor (0 when nvidia-smi cannot say)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.split()
+    try:
+        major, minor = out[0].split(".")
+        return int(major) * 10 + int(minor)
+    except (IndexError, ValueError):
+        return 0
 
 
 def losses_of(text, pattern):
@@ -48,29 +59,53 @@ def main():
     try:
         data = os.path.join(c.dir, "train_000000.bin")
         write_tokens(data, 100000, 512)
-        local_spec = os.path.join(c.dir, "local.yaml")
-        with open(local_spec, "w") as f:
-            f.write(spec("local", data, "{plan: manual}"))
-        out = subprocess.run([geotrain, "train", "--local", local_spec], capture_output=True, text=True,
-                             timeout=300, env=c.env)
-        cpu = losses_of(out.stdout, r"step \d+/\d+ \| loss ([0-9.]+)")
-        if out.returncode != 0 or len(cpu) != STEPS:
-            print(f"train --local failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-            return 1
+        # The CPU's train --local of the same job, in the same precision (the CPU emulates bf16 and fp16 by rounding
+        # the GEMMs' inputs as the tensor cores take them): the reference each GPU job must follow.
+        references = {}
+
+        def reference(train_extra):
+            if train_extra not in references:
+                path = os.path.join(c.dir, f"local-{len(references)}.yaml")
+                with open(path, "w") as f:
+                    f.write(spec("local", data, "{plan: manual}", train_extra))
+                out = subprocess.run([geotrain, "train", "--local", path], capture_output=True, text=True,
+                                     timeout=300, env=c.env)
+                losses = losses_of(out.stdout, r"step \d+/\d+ \| loss ([0-9.]+)")
+                skipped = out.stdout.count("(overflow: skipped)")
+                if out.returncode != 0 or len(losses) != STEPS:
+                    raise RuntimeError(f"train --local failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+                references[train_extra] = (losses, skipped)
+            return references[train_extra]
         c.start_head()
         c.start_worker("gpu0", "gpu-site")
         wait_for(lambda: list(c.worker_states().values()).count("WORKER_ALIVE") == 1, 60, "the GPU worker")
         # (name, parallel section, what the actors' log lines must say about NCCL)
         # and how many actors the job has.
-        jobs = [("gpu-single", "{plan: manual}", None, 1)]
+        # precision auto (bf16 from compute capability 8.0, fp16 before), then each precision forced in turn, and fp16
+        # from a loss scale of 2^40: its first steps overflow on the GPU and are skipped, as the CPU's are.
+        jobs = [("gpu-single", "{plan: manual}", None, 1, "")]
+        jobs += [("gpu-fp32", "{plan: manual}", None, 1, ", precision: fp32"),
+                 ("gpu-fp16", "{plan: manual}", None, 1, ", precision: fp16"),
+                 ("gpu-fp16-overflow", "{plan: manual}", None, 1,
+                  ", precision: fp16, loss_scale: {initial: 1099511627776}")]
+        if compute_capability() >= 80:
+            jobs.append(("gpu-bf16", "{plan: manual}", None, 1, ", precision: bf16"))
         if gpus >= 2:
-            jobs += [("gpu-tp2", "{plan: manual, tp: 2}", "tensor-parallel all-reduces on NCCL", 2),
-                     ("gpu-dp2", "{plan: manual, dp: 2}", "on NCCL inside the site", 2)]
-        for name, parallel, nccl_line, actors in jobs:
+            jobs += [("gpu-tp2", "{plan: manual, tp: 2}", "tensor-parallel all-reduces on NCCL", 2, ""),
+                     ("gpu-dp2", "{plan: manual, dp: 2}", "on NCCL inside the site", 2, "")]
+        for name, parallel, nccl_line, actors, train_extra in jobs:
+            # auto on a GPU resolves to bf16 (8.0 and newer) or fp16: the CPU reference runs the same.
+            resolved = train_extra or (", precision: bf16" if compute_capability() >= 80 else ", precision: fp16")
+            try:
+                cpu, cpu_skipped = reference(resolved)
+            except RuntimeError as e:
+                print(f"{name}: FAIL {e}")
+                failed = 1
+                continue
             lines_before = c.logs().count(nccl_line) if nccl_line else 0
             path = os.path.join(c.dir, f"{name}.yaml")
             with open(path, "w") as f:
-                f.write(spec(name, data, parallel))
+                f.write(spec(name, data, parallel, train_extra))
             try:
                 r = c.cli(["job", "submit", path, "--follow"], check=False, timeout=90)
             except subprocess.TimeoutExpired:
@@ -85,9 +120,16 @@ def main():
             # Every actor of the job logs the line once (the logs are read after the job: it ran alone).
             on_nccl = nccl_line is None or logs.count(nccl_line) - lines_before >= actors
             diff = abs(gpu[-1] - cpu[-1]) / cpu[-1] if ok else float("nan")
-            good = ok and on_gpu and on_nccl and diff <= TOLERANCE and gpu[-1] < gpu[0]
-            print(f"{name}: {'PASS' if good else 'FAIL'} final loss {gpu[-1] if gpu else 'n/a'} vs CPU {cpu[-1]:.4f} "
-                  f"(relative {diff:.4f}, bound {TOLERANCE}); first {gpu[0] if gpu else 'n/a'}; "
+            status = c.cli(["job", "status", r.stdout.split()[1] if ok else "", "--json"], check=False).stdout \
+                if ok else ""
+            skipped = int(re.search(r'"skipped_?[sS]teps": "?(\d+)', status).group(1)) \
+                if re.search(r'"skipped_?[sS]teps": "?(\d+)', status) else 0
+            precision = (re.search(r'"precision": "(\w+)"', status) or [None, "?"])[1] if status else "?"
+            # The GPU skips the steps the CPU's emulation skips (fp16 overflows the same way).
+            good = ok and on_gpu and on_nccl and diff <= TOLERANCE and gpu[-1] < gpu[0] and skipped == cpu_skipped
+            print(f"{name}: {'PASS' if good else 'FAIL'} precision {precision}, final loss "
+                  f"{gpu[-1] if gpu else 'n/a'} vs CPU {cpu[-1]:.4f} (relative {diff:.4f}, bound {TOLERANCE}); "
+                  f"first {gpu[0] if gpu else 'n/a'}; skipped steps {skipped} (CPU {cpu_skipped}); "
                   f"stage on the GPU: {on_gpu}; NCCL as expected: {on_nccl}")
             if not good:
                 failed = 1

@@ -7,13 +7,27 @@
 # more, bench_nccl_allreduce.
 #
 #   bash tests/gpu/run.sh            # results in $OUT if set, else ./gpu-results/
+#   bash tests/gpu/run.sh --plan     # prints the checks it would run, with their limits; runs nothing
 #
-# Results: one log per step and results.md (pass/fail and time per step, device, ctest summary, benchmark
-# figures), rewritten after every step so that a run cut short still leaves one. Each step has its own time
+# What it checks: every kernel and the whole model against the CPU in fp32, bf16 (compute capability 8.0 and
+# newer) and fp16, each forced in turn, also against the CPU's emulation of the same precision; NCCL inside the
+# GPUs of this machine; a real head-and-worker job in precision auto, fp32, fp16, bf16, and fp16 from a loss scale
+# of 2^40 (its overflowing steps skipped on the GPU as on the CPU); the GPT-2 124M step benchmark with its MFU.
+#
+# Results: one log per step, results.md (pass/fail and time per step, device, ctest summary, benchmark
+# figures) and summary.json (the same as JSON), rewritten after every step so that a run cut short still leaves
+# them; one line per check on stdout at the end. Each step has its own time
 # limit, all of them within an overall budget (GEOTRAIN_GPU_BUDGET_S, default 450 s); a failed step does
 # not stop the script, which exits 1 if any step failed.
 # Dependencies: if configuring fails, deploy/install-deps.sh runs once and configuring is retried.
 set -u -o pipefail
+PLAN=0
+if [ "${1:-}" = "--plan" ]; then
+  PLAN=1
+elif [ $# -gt 0 ]; then
+  echo "usage: bash tests/gpu/run.sh [--plan]" >&2
+  exit 2
+fi
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT" || exit 1
@@ -27,6 +41,7 @@ SUMMARY=$RESULTS/results.md
 
 failed=0
 rows=()
+checks=()  # "name<TAB>result<TAB>seconds" for summary.json
 
 # The time left in the overall budget, in seconds.
 remaining() { echo $((BUDGET_S - ($(date +%s) - START_S))); }
@@ -37,7 +52,7 @@ write_summary() {
     echo "# geotrain GPU check"
     echo
     echo "- date: $(date -u '+%Y-%m-%d %H:%M:%S UTC'); host: $(hostname); commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo "- devices: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | paste -sd ';' - || echo none)"
+    echo "- devices: $(nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader 2>/dev/null | paste -sd ';' -)"
     echo "- CUDA architectures: ${CUDA_ARCH:-not configured}; build: $BUILD; $JOBS cores"
     echo
     echo "| step | result | time |"
@@ -62,6 +77,18 @@ write_summary() {
       fi
     done
   } > "$SUMMARY"
+  {
+    printf '{"commit": "%s", "plan_only": %s, "checks": [' "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+      "$([ "$PLAN" = 1 ] && echo true || echo false)"
+    local first=1 name result seconds
+    for c in "${checks[@]}"; do
+      IFS=$'\t' read -r name result seconds <<< "$c"
+      [ $first = 1 ] || printf ', '
+      first=0
+      printf '{"name": "%s", "result": "%s", "seconds": %s}' "$name" "${result//\"/\'}" "${seconds:-null}"
+    done
+    printf ']}\n'
+  } > "$RESULTS/summary.json"
 }
 
 # step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit (cut to the budget left), its output in
@@ -77,6 +104,13 @@ step() {
     return 1
   fi
   [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$PLAN" = 1 ]; then
+    echo "would run: $name (limit ${limit}s): $*"
+    rows+=("| $name | planned | - |")
+    checks+=("$name"$'\t'"planned"$'\t'"null")
+    write_summary
+    return 0
+  fi
   echo "== $name (limit ${limit}s)"
   local begin rc verdict
   begin=$(date +%s)
@@ -91,6 +125,7 @@ step() {
   fi
   [ "$rc" -ne 0 ] && failed=1
   rows+=("| $name | $verdict | $(($(date +%s) - begin)) s |")
+  checks+=("$name"$'\t'"$verdict"$'\t'"$(($(date +%s) - begin))")
   write_summary
   return "$rc"
 }
@@ -98,6 +133,7 @@ step() {
 skip() {
   echo "== $1: skipped ($2)"
   rows+=("| $1 | skipped: $2 | - |")
+  checks+=("$1"$'\t'"skipped: $2"$'\t'"null")
   write_summary
 }
 
@@ -128,6 +164,10 @@ configure_or_install() {
 
 # The targets among the arguments that this build defines.
 existing_targets() {
+  if [ "$PLAN" = 1 ]; then  # nothing is configured: every target counts
+    printf '%s\n' "$@"
+    return
+  fi
   local listing target
   listing=$(cmake --build "$BUILD" --target help 2>/dev/null)
   for target in "$@"; do
@@ -137,16 +177,27 @@ existing_targets() {
 }
 
 # The path of a built executable, or nothing.
-find_executable() { find "$BUILD" -type f -name "$1" -perm -u+x 2> /dev/null | head -n 1; }
+find_executable() {
+  if [ "$PLAN" = 1 ]; then
+    echo "$BUILD/bin/$1"
+  else
+    find "$BUILD" -type f -name "$1" -perm -u+x 2> /dev/null | head -n 1
+  fi
+}
 
 CUDA_ARCH=$(choose_arch)
 export BUILD CUDA_ARCH
 export -f configure configure_or_install
 write_summary
 
-echo "== devices"
-nvidia-smi 2>&1 | tee "$RESULTS/nvidia-smi.log"
-GPU_COUNT=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+if [ "$PLAN" = 1 ]; then
+  GPU_COUNT=${GEOTRAIN_GPU_PLAN_GPUS:-1}
+  echo "== plan for $GPU_COUNT GPU(s) (GEOTRAIN_GPU_PLAN_GPUS), CUDA architectures $CUDA_ARCH, overall budget ${BUDGET_S}s (each check's limit is cut to what is left); nothing runs"
+else
+  echo "== devices"
+  nvidia-smi 2>&1 | tee "$RESULTS/nvidia-smi.log"
+  GPU_COUNT=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+fi
 
 if step configure 180 bash -c configure_or_install; then
   mapfile -t test_targets < <(existing_targets gpu_ops_test gpu_model_test)
@@ -190,5 +241,17 @@ fi
 write_summary
 echo
 cat "$SUMMARY"
+echo
+# One line per check, with its figure where it has one (the benchmark's MFU, each GPU job's losses).
+for c in "${checks[@]}"; do
+  IFS=$'\t' read -r name result seconds <<< "$c"
+  figure=""
+  case "$name" in
+    bench_gpu_step) [ -s "$RESULTS/bench_gpu_step.json" ] && figure=$(grep -o '"mfu[^,}]*' "$RESULTS/bench_gpu_step.json" | head -n 1) ;;
+    job_on_gpu) [ -f "$RESULTS/job_on_gpu.log" ] && figure=$(grep -cE '^gpu-[a-z0-9-]+: PASS' "$RESULTS/job_on_gpu.log")" jobs passed" ;;
+  esac
+  [ "$seconds" = null ] && seconds=""
+  echo "CHECK $name: $result${seconds:+ (${seconds} s)}${figure:+; $figure}"
+done
 echo "results: $RESULTS (total $(($(date +%s) - START_S)) s)"
 exit "$failed"

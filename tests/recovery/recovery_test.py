@@ -40,7 +40,7 @@ class Cluster(ClusterUp):
 def spec_text(name, data, ckpt, parallel, steps=STEPS, extra=""):
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"
             f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: 1.0e-3, warmup_steps: 2, "
-            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11}}\n"
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11, precision: fp32}}\n"
             f"parallel: {parallel}\ncomm: {{wan_codec: none, grad_bucket_mb: 0.002}}\n"
             f"checkpoint: {{dir: '{ckpt}', every_steps: 2, keep: -1}}\n{extra}")
 

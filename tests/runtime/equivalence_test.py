@@ -43,7 +43,7 @@ def read_checkpoint(ckpt, steps):
 def spec_text(name, data_glob, ckpt, steps, parallel, codec="none", lr="1.0e-3"):
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data_glob}'}}\n"
             f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: {lr}, warmup_steps: 2, "
-            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11}}\n"
+            f"weight_decay: 0.1, grad_clip: 1.0, seed: 11, precision: fp32}}\n"
             f"parallel: {parallel}\ncomm: {{wan_codec: '{codec}', grad_bucket_mb: 0.002}}\n"
             f"checkpoint: {{dir: '{ckpt}', every_steps: 0}}\n")
 
