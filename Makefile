@@ -15,7 +15,8 @@ FUZZ_SECONDS ?= 60
 # TSan runs the tests with threads of their own: the runtime, control-plane and comm tests.
 TSAN_TESTS ?= ^(comm_(stream|collective|rendezvous)|netem\.Emulator|control_plane|cluster_up|prometheus_scrape|runtime_|StageActorTest|Collectives|RegistryTest|JobManagerTest|PlaceActorsTest|AuthTest|RpcTest)
 
-.PHONY: all deps configure build demo test study clean format asan-configure fuzz-build fuzz test-asan test-tsan
+.PHONY: all deps configure build demo test study clean format asan-configure fuzz-build fuzz test-asan test-tsan \
+        cuda-check
 
 all: build
 
@@ -31,13 +32,13 @@ build: configure
 demo: build
 	bash deploy/demo.sh
 
-# Issue 17's study at GPU scale by timed compute (EMULATED; docs/geo-study.md): the FABRIC experiment and the
-# planner's validation on timed clusters, written to docs/geo/. About 55 minutes on this 2-core machine.
+# The study at GPU scale by timed compute (EMULATED; docs/geo-study.md): the FABRIC experiment and the planner's
+# validation on timed clusters, written to docs/results/data/geo/. About 55 minutes on this 2-core machine.
 study: build
 	bash bench/geo/run_all.sh $(BUILD)
 
-# The suite includes a short run of every fuzz target (fuzz.<target>), so the fuzz build comes first.
-test: build fuzz-build
+# The plain suite. The fuzz smoke runs (fuzz.<target>) belong to the ASan build and run with `make test-asan`.
+test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 # The ASan + UBSan build (clang, with libFuzzer's coverage instrumentation): configured once for both the fuzz
@@ -54,7 +55,8 @@ fuzz-build: asan-configure
 fuzz: fuzz-build
 	bash fuzz/run_all.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
-# The whole suite under ASan + UBSan; integration tests start the sanitized binaries.
+# The whole suite under ASan + UBSan, with a short run of every fuzz target (fuzz.<target>); integration tests
+# start the sanitized binaries.
 test-asan: asan-configure
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 	bash tests/sanitizers/run_ctest.sh $(ASAN_BUILD) address -j $(JOBS)
@@ -66,8 +68,23 @@ test-tsan: deps
 	cmake --build $(TSAN_BUILD) -j $(JOBS)
 	bash tests/sanitizers/run_ctest.sh $(TSAN_BUILD) thread -j $(JOBS) -R '$(TSAN_TESTS)'
 
+# Compiles and links the CUDA backend, the NCCL communicator and the GPU tests for CUDA_ARCHS on a machine without
+# a GPU (nvcc and NCCL suffice), in its own build directory, then reads the objects' fat binaries back to check
+# that each architecture's machine code is there (and PTX for the newest). E.g. make cuda-check CUDA_ARCHS="75 86".
+CUDA_ARCHS ?= 75 80 86 89 90
+CUDA_CHECK_BUILD ?= build-cuda-check
+empty :=
+space := $(empty) $(empty)
+cuda_archs_sorted = $(shell echo $(CUDA_ARCHS) | tr ' ' '\n' | sort -n | tr '\n' ' ')
+cuda_arch_list = $(subst $(space),;,$(strip $(foreach a,$(filter-out $(lastword $(cuda_archs_sorted)),$(cuda_archs_sorted)),$(a)-real) $(lastword $(cuda_archs_sorted))))
+cuda-check: deps
+	cmake -S . -B $(CUDA_CHECK_BUILD) -DCMAKE_BUILD_TYPE=Release -DGEOTRAIN_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$(cuda_arch_list)"
+	cmake --build $(CUDA_CHECK_BUILD) -j $(JOBS) --target geotrain_model_cuda geotrain_comm_nccl gpu_ops_test \
+	  gpu_model_test cublas_loader_test comm_nccl_test
+	python3 tests/gpu/check_archs.py $(CUDA_CHECK_BUILD) $(CUDA_ARCHS)
+
 format:
 	bash tests/style/check_format.sh $(CURDIR) --fix
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD) $(CUDA_CHECK_BUILD)
