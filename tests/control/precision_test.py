@@ -7,8 +7,9 @@ rounded as its tensor cores take them):
 - precision auto on the RTX 6000s is fp16 with dynamic loss scaling: `job status --json` gives precision and
   loss_scale, the job log says why at the start, and the head exports geotrain_loss_scale and
   geotrain_skipped_steps_total;
-- fp16 from a loss scale of 2^40 on DP2: the same steps overflow and are skipped as in `train --local`, whose losses
+- fp16 from a loss scale of 2^24 on DP2: the same steps overflow and are skipped as in `train --local`, whose losses
   the job equals; the skipped steps are counted in the job's status and metric;
+- a job resumed from its checkpoint after the skips goes on at the scale it had and equals the uninterrupted run;
 - on an emulated A30 (8.0) auto is bf16.
 Usage: precision_test.py PATH/TO/geotrain
 """
@@ -96,12 +97,13 @@ class PrecisionTest(unittest.TestCase):
         self.assertRegex(text, rf'geotrain_skipped_steps_total{{job_id="{job_id}"}} 0')
 
     def test_fp16_overflow_skips_the_steps_train_local_skips_and_equals_it(self):
-        extra = ", precision: fp16, loss_scale: {initial: 1099511627776}"
+        extra = ", precision: fp16, loss_scale: {initial: 16777216}"
         path = self.spec("overflow", "{plan: manual, dp: 2, microbatches: 1, placement: [{replica: 0, stage: 0, "
                                      "site: utah}, {replica: 1, stage: 0, site: utah}]}", extra)
         local_path = self.spec("overflow-local", "{plan: manual, dp: 2, microbatches: 1}", extra)
         losses, skipped = self.local_history(local_path)
         self.assertGreater(sum(skipped), 1)
+        self.assertFalse(skipped[-1], "the scale came down to what fits: the last steps train")
         job_id, out, status = self.run_job(path)
         self.assertEqual(status["state"], "JOB_SUCCEEDED", out.stdout + out.stderr + self.c.logs())
         self.assertEqual(int(status.get("skipped_steps", 0)), sum(skipped))
@@ -110,6 +112,35 @@ class PrecisionTest(unittest.TestCase):
         for step, (a, b) in enumerate(zip(cluster, losses), 1):
             self.assertAlmostEqual(a, b, delta=1e-4 * b, msg=f"step {step}")
         self.assertRegex(self.metrics(), rf'geotrain_skipped_steps_total{{job_id="{job_id}"}} {sum(skipped)}')
+
+    def test_a_resumed_fp16_job_restores_its_loss_scale(self):
+        # From 2^24 with a checkpoint every step; resumed from the checkpoint after the skips, the job goes on at the
+        # halved scale it had (not at 2^24, which would skip again) and ends as the uninterrupted one did.
+        extra = ", precision: fp16, loss_scale: {initial: 16777216}"
+        placement = "{plan: manual, dp: 1, microbatches: 1, placement: [{replica: 0, stage: 0, site: utah}]}"
+        ckpt = os.path.join(self.c.dir, "ckpt-scale")
+        path = self.spec("scale-full", placement, extra)
+        with open(path, "a") as f:
+            f.write(f"checkpoint: {{dir: '{ckpt}', every_steps: 1, keep: -1}}\n")
+        job_id, out, status = self.run_job(path)
+        self.assertEqual(status["state"], "JOB_SUCCEEDED", out.stdout + out.stderr + self.c.logs())
+        skips = int(status.get("skipped_steps", 0))
+        self.assertGreater(skips, 1)
+        self.assertLess(skips, STEPS - 3, "steps after the skips train")
+        full = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out.stdout)]
+        resumed_path = self.spec("scale-resumed", placement, extra)
+        middle = os.path.join(ckpt, f"step_{skips:08d}")
+        out = self.c.cli(["job", "submit", resumed_path, "--follow", "--resume-from", middle], check=False,
+                         timeout=300)
+        resumed_id = out.stdout.split()[1]
+        resumed = json.loads(self.c.cli(["job", "status", resumed_id, "--json"]).stdout)
+        self.assertEqual(resumed["state"], "JOB_SUCCEEDED", out.stdout + out.stderr + self.c.logs())
+        self.assertEqual(int(resumed.get("skipped_steps", 0)), 0, "the restored scale does not overflow again")
+        self.assertEqual(float(resumed["loss_scale"]), float(status["loss_scale"]))
+        again = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out.stdout)]
+        self.assertEqual(len(again), STEPS - skips, out.stdout)
+        for step, (a, b) in enumerate(zip(again, full[skips:]), skips + 1):
+            self.assertAlmostEqual(a, b, delta=1e-5 * b, msg=f"step {step}")
 
     def test_auto_on_ampere_is_bf16(self):
         path = self.spec("auto-ampere", "{plan: manual, dp: 1, microbatches: 1, placement: [{replica: 0, stage: 0, "
