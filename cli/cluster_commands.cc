@@ -354,9 +354,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
       }
       const std::string host = up.isolate ? net.nodes[worker_index].ip : "127.0.0.1";
       ++worker_index;
-      for (int d = 0; d < std::max(1, w.count()); ++d) {
-        p.devices.push_back(absl::StrCat(w.device().empty() ? "GPU" : w.device(), ":", w.tflops(), ":", w.mem_gb()));
-      }
+      p.devices = TopologyWorkerDevices(w);
       for (const TopologySite& other : topology.sites()) {
         if (other.name() == site.name() || !links.count(std::minmax(other.name(), site.name()))) continue;
         netem::RouteSpec r;

@@ -1,8 +1,9 @@
-// `geotrain plan`: ranks parallelisation plans for a model on a topology file with the planner
-// (scheduler/planner.h) and explains the winner; --json prints the same as one JSON object. With
-// --job SPEC the model, batch, sequence length and WAN codec come from a job spec, planned as the head
-// plans a `plan: auto` job (scheduler/spec_planning.h), and --predict simulates that spec's manual plan
-// (as the runtime runs it) instead of searching.
+// `geotrain plan`: the plan the head would run for a `plan: auto` job on a topology file, whether the job is given
+// as --job SPEC or as --model with --global-batch and --seq-len: the head's own planning (head::RankAutoPlans) on
+// the workers and links `cluster up` would bring up, allow_diloco and parallel.sites included; the ranked plans
+// and the explanation follow; --json prints the same as one JSON object. Flags that change the planner's model
+// (--efficiency, --codecs, --no-subsets, ...) make it a what-if on the planner alone (scheduler/planner.h), said
+// in the output. --predict simulates the --job spec's manual plan (as the runtime runs it) instead of searching.
 //
 //   geotrain plan --topology utah_amsterdam.yaml --model gpt2-medium --global-batch 48 --seq-len
 //   1024
@@ -13,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,20 +22,30 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "cli/registry.h"
+#include "cli/support.h"
 #include "common/spec.h"
 #include "common/status.h"
+#include "head/placement.h"
 #include "model/config.h"
 #include "scheduler/cluster.h"
 #include "scheduler/cost_model.h"
 #include "scheduler/planner.h"
 #include "scheduler/spec_planning.h"
+#include "worker/devices.h"
 
 namespace geotrain::cli {
 namespace {
 
 struct PlanFlags {
+  // A flag that changes the planner's model of the cluster (efficiency, codecs, the search...): the result is a
+  // what-if, not the plan the head runs for `plan: auto`.
+  bool what_if = false;
+  bool allow_diloco = false;
+  bool emulated = false;  // --emulated: the topology as `cluster up` emulates it (CPU workers, gRPC collectives)
+  std::string sites;      // --sites: all, or NAME,NAME
   std::string topology;
   std::string model;  // a preset, or --job
   int global_batch = 0;
@@ -139,10 +151,131 @@ absl::StatusOr<scheduler::Plan> PlanOfSpec(const JobSpec& spec, const scheduler:
   return plan;
 }
 
+// The workers and site links the head would see for `topology`: a worker per topology worker (SITE-INDEX), alive,
+// with its devices (their capabilities included) as CUDA GPUs (the testbed the topology describes: NCCL inside a
+// site) or, `emulated`, as `cluster up` starts them on this machine (CPU workers standing in for the GPUs, every
+// collective on gRPC); and the links as configured (the head plans with what it measures, which the WAN emulator
+// makes the configured figures).
+absl::StatusOr<std::pair<std::vector<WorkerInfo>, std::vector<SiteLink>>> ClusterOfTopology(const Topology& topology,
+                                                                                            bool emulated) {
+  std::vector<WorkerInfo> workers;
+  for (const TopologySite& site : topology.sites()) {
+    for (int i = 0; i < site.workers_size(); ++i) {
+      WorkerInfo w;
+      w.set_worker_id(absl::StrCat(site.name(), "-", i));
+      w.set_site(site.name());
+      w.set_state(WORKER_ALIVE);
+      for (const std::string& text : TopologyWorkerDevices(site.workers(i))) {
+        ASSIGN_OR_RETURN(Device d, worker::ParseEmulatedDevice(text));
+        if (!emulated) d.set_kind(DEVICE_KIND_CUDA);
+        d.set_index(w.devices_size());
+        *w.add_devices() = std::move(d);
+      }
+      workers.push_back(std::move(w));
+    }
+  }
+  std::vector<SiteLink> links;
+  for (const TopologyLink& l : topology.links()) {
+    SiteLink link;
+    link.set_a(l.a());
+    link.set_b(l.b());
+    link.set_latency_ms(l.latency_ms());
+    link.set_bandwidth_mbps(l.bandwidth_mbps());
+    links.push_back(std::move(link));
+  }
+  return std::make_pair(std::move(workers), std::move(links));
+}
+
+// The job to plan: --job's spec, or --model with --global-batch and --seq-len (the defaults a submitted spec
+// gets); planned as `plan: auto`, with --allow-diloco and --sites on top.
+absl::StatusOr<JobSpec> SpecToPlan(const PlanFlags& flags) {
+  JobSpec spec;
+  if (!flags.job_spec.empty()) {
+    ASSIGN_OR_RETURN(spec, LoadJobSpecFile(flags.job_spec));
+  } else if (!flags.model.empty()) {
+    spec.mutable_model()->set_preset(flags.model);
+    ApplyJobDefaults(&spec);
+  } else {
+    return absl::InvalidArgumentError("give --model PRESET or --job SPEC.yaml");
+  }
+  if (flags.global_batch != 0) spec.mutable_train()->set_global_batch(flags.global_batch);
+  if (flags.seq_len != 0) spec.mutable_train()->set_seq_len(flags.seq_len);
+  ParallelSpec* p = spec.mutable_parallel();
+  if (p->plan() != "auto") {  // planned as the head plans an auto job; --predict simulates the manual plan
+    const bool diloco = p->allow_diloco();
+    p->Clear();
+    p->set_plan("auto");
+    p->set_allow_diloco(diloco);
+    ApplyJobDefaults(&spec);
+  }
+  if (flags.allow_diloco) p->set_allow_diloco(true);
+  if (!flags.sites.empty()) {
+    p->clear_sites();
+    for (absl::string_view site : absl::StrSplit(flags.sites, ',', absl::SkipEmpty())) p->add_sites(std::string(site));
+  }
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  return spec;
+}
+
+// What the head would run for `plan: auto`: head::RankAutoPlans on the topology's workers and links.
+int RunHeadPlan(const PlanFlags& flags, const Topology& topology) {
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "geotrain plan: %s\n", std::string(s.message()).c_str());
+    return 2;
+  };
+  absl::StatusOr<JobSpec> spec = SpecToPlan(flags);
+  if (!spec.ok()) return fail(spec.status());
+  absl::StatusOr<std::pair<std::vector<WorkerInfo>, std::vector<SiteLink>>> cluster =
+      ClusterOfTopology(topology, flags.emulated);
+  if (!cluster.ok()) return fail(cluster.status());
+  absl::StatusOr<head::RankedAutoPlans> ranked =
+      head::RankAutoPlans(*spec, cluster->first, cluster->second, std::max(flags.top, 1));
+  if (!ranked.ok()) {
+    std::fprintf(stderr, "geotrain plan: %s\n", std::string(ranked.status().message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<scheduler::SpecPlanning> planning = scheduler::PlanningForSpec(*spec);
+  if (!planning.ok()) return fail(planning.status());
+  // The ranked plans the head chooses from, best first (the first is what it runs, or its DiLoCo form).
+  scheduler::PlanResult result;
+  for (const head::RankedAutoPlan& p : ranked->plans) result.ranked.push_back(p.candidate);
+  result.explanation = ranked->explanation;
+  result.plans_simulated = ranked->plans_simulated;
+  result.planning_seconds = ranked->planning_seconds;
+  const head::RankedAutoPlan& chosen = ranked->plans.front();
+  const ParallelSpec& p = chosen.parallel;
+  std::set<std::string> sites;
+  for (const PlacementSpec& pin : p.placement()) sites.insert(pin.site());
+  const std::string runs =
+      absl::StrFormat("dp %d x pp %d x tp %d, %d microbatches, %s%s on %s, predicted step %.3f s", p.dp(), p.pp(),
+                      p.tp(), p.microbatches(), p.schedule(), p.sync() == "diloco" ? ", DiLoCo" : "",
+                      absl::StrJoin(sites, "+"), chosen.predicted_step_seconds);
+  if (flags.json) {
+    // The planner's JSON, with the plan the head runs (in job spec form) first.
+    std::string json = scheduler::PlanResultToJson(ranked->cluster, planning->model, planning->job, result, flags.top);
+    json.insert(1, absl::StrCat("\"head_runs\": ", ToJson(p),
+                                ", \"predicted_step_seconds\": ", chosen.predicted_step_seconds, ", "));
+    std::cout << json;
+    return 0;
+  }
+  std::cout << "geotrain plan: " << (flags.job_spec.empty() ? flags.model : flags.job_spec) << " on " << flags.topology
+            << ", as the head plans `plan: auto`\n";
+  std::cout << "the head runs: " << runs << "\n\n";
+  std::cout << scheduler::FormatPlanResult(ranked->cluster, planning->model, planning->job, result, flags.top);
+  return 0;
+}
+
 int RunPlan(const PlanFlags& flags) {
   absl::StatusOr<Topology> topology = LoadTopologyFile(flags.topology);
   if (!topology.ok()) {
     std::fprintf(stderr, "geotrain plan: %s\n", std::string(topology.status().message()).c_str());
+    return 2;
+  }
+  if (!flags.what_if && !flags.predict) return RunHeadPlan(flags, *topology);
+  if (flags.allow_diloco || !flags.sites.empty() || flags.emulated) {
+    std::fprintf(stderr,
+                 "geotrain plan: --allow-diloco, --sites and --emulated plan as the head does; leave out the flags "
+                 "that change the planner's model (--efficiency, --codecs, --no-subsets, ...)\n");
     return 2;
   }
   scheduler::ClusterOptions cluster_options;
@@ -297,7 +430,8 @@ int RunPlan(const PlanFlags& flags) {
   } else {
     std::cout << "geotrain plan: " << (spec ? flags.job_spec : flags.model) << " ("
               << absl::StrFormat("%.0fM", config->NumParameters() / 1e6) << " parameters) on " << flags.topology
-              << "\n";
+              << " (what-if: flags that change the planner's model were given, so this is not necessarily what "
+                 "the head runs for plan: auto)\n";
     std::cout << scheduler::FormatPlanResult(*cluster, model, job, *result, flags.top);
   }
   return 0;
@@ -374,7 +508,25 @@ void AddPlanCommands(CLI::App& app, Context& context) {
                    "one-way latency inside a site (default 0.05)");
   plan->add_option("--tp-degrees", flags->tp_degrees, "tensor-parallel degrees to try (default 1,2,4,8)");
   plan->add_flag("--no-subsets", flags->no_subsets, "do not try leaving out slow devices or whole sites");
-  plan->callback([flags, &context]() { context.exit_code = RunPlan(*flags); });
+  plan->add_flag("--allow-diloco", flags->allow_diloco,
+                 "let the plan be DiLoCo when it predicts a shorter step (parallel.allow_diloco)");
+  plan->add_flag("--emulated", flags->emulated,
+                 "plan for the topology as `cluster up` emulates it on this machine (CPU workers standing in for the "
+                 "GPUs, collectives on gRPC), as the head of such a cluster does; default: the GPUs themselves");
+  plan->add_option("--sites", flags->sites,
+                   "sites the plan must use: all, or NAME,NAME (parallel.sites); the explanation says what it costs");
+  plan->callback([flags, plan, &context]() {
+    // Without these the answer is the head's for `plan: auto` (head::RankAutoPlans); with any, a what-if.
+    for (const char* option :
+         {"--efficiency", "--memory-headroom", "--intra-site-gbps", "--intra-site-activation-gbps",
+          "--intra-site-latency-ms", "--tp-degrees", "--no-subsets", "--codecs", "--efficiency-by-device",
+          "--layer-overhead-us", "--step-overhead-ms", "--sequential-sync", "--message-round-trips",
+          "--message-window-kib", "--shared-host-scale", "--sites-share-one-host", "--grpc-collectives",
+          "--wan-window-mb", "--runtime-plans"}) {
+      flags->what_if = flags->what_if || plan->count(option) > 0;
+    }
+    context.exit_code = RunPlan(*flags);
+  });
 }
 
 bool registered = RegisterCommands("plan", &AddPlanCommands);

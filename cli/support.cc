@@ -1,6 +1,7 @@
 // What every verb shares (see support.h).
 #include "cli/support.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -40,6 +41,15 @@ absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& ad
     default:
       return FromGrpc(status);
   }
+}
+
+std::vector<std::string> TopologyWorkerDevices(const TopologyWorker& worker) {
+  std::vector<std::string> devices;
+  for (int d = 0; d < std::max(1, worker.count()); ++d) {
+    devices.push_back(
+        absl::StrCat(worker.device().empty() ? "GPU" : worker.device(), ":", worker.tflops(), ":", worker.mem_gb()));
+  }
+  return devices;
 }
 
 }  // namespace geotrain::cli

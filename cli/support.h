@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,6 +24,7 @@
 #include "geotrain/v1/cluster.grpc.pb.h"
 #include "geotrain/v1/jobs.grpc.pb.h"
 #include "geotrain/v1/planner.grpc.pb.h"
+#include "spec.pb.h"
 
 namespace geotrain::cli {
 
@@ -48,5 +50,9 @@ absl::StatusOr<HeadClient> ConnectToHead(const std::string& head, const std::str
 // An RPC failure in terms of what the user can do: an unreachable head (start it, or pass --head), a
 // refused token, else the status as is.
 absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& address);
+
+// The --emulate-device arguments of a topology worker's devices, NAME:TFLOPS:MEM_GB each (count of them): what
+// `cluster up` starts the worker with and what `plan` registers for it, so that both see the same devices.
+std::vector<std::string> TopologyWorkerDevices(const TopologyWorker& worker);
 
 }  // namespace geotrain::cli

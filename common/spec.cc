@@ -59,7 +59,9 @@ class YamlToJson {
                                                        PathOr(path, "the top level"), ": ", KnownKeys(d)));
       }
       nlohmann::json& value = (*out)[f->name()];  // a key given twice: the last one wins
-      if (f->is_repeated()) {
+      if (f->is_repeated() && kv.second.IsScalar() && f->type() == FieldDescriptor::TYPE_STRING) {
+        value = nlohmann::json::array({kv.second.as<std::string>()});  // `sites: all`: a list of one
+      } else if (f->is_repeated()) {
         if (!kv.second.IsSequence()) return Error(child, "expected a list");
         value = nlohmann::json::array();
         for (size_t i = 0; i < kv.second.size(); ++i) {
@@ -321,6 +323,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   if (p.dp() <= 0 || p.pp() <= 0 || p.tp() <= 0 || p.microbatches() <= 0) {
     return bad("parallel", "dp, pp, tp and microbatches must be positive");
+  }
+  if (p.sites_size() > 0 && p.plan() != "auto") {
+    return bad("parallel.sites", "applies to plan: auto (a manual plan places its actors with parallel.placement)");
+  }
+  RETURN_IF_ERROR(range("parallel.sites (count)", p.sites_size(), 0, 256));
+  for (const std::string& site : p.sites()) {
+    if (site.empty() || site.size() > 256) return bad("parallel.sites", "holds an empty or over-long site name");
   }
   RETURN_IF_ERROR(range("parallel.dp", p.dp(), 1, l.max_parallel));
   RETURN_IF_ERROR(range("parallel.pp", p.pp(), 1, l.max_parallel));

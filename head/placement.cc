@@ -345,6 +345,26 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   return out;
 }
 
+// parallel.sites as site indices of the planning cluster: "all" is every site with an alive worker; a name with no
+// alive worker is INVALID_ARGUMENT naming the sites there are.
+absl::StatusOr<std::vector<int>> RequiredSites(const ParallelSpec& parallel, const scheduler::Cluster& cluster) {
+  std::set<int> required;
+  for (const std::string& name : parallel.sites()) {
+    if (name == "all") {
+      for (int s = 0; s < cluster.num_sites(); ++s) required.insert(s);
+      continue;
+    }
+    auto it = std::find(cluster.site_names.begin(), cluster.site_names.end(), name);
+    if (it == cluster.site_names.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.sites names site '", name,
+                                                     "', which has no alive worker; the sites are ",
+                                                     absl::StrJoin(cluster.site_names, ", "), " (or use all)"));
+    }
+    required.insert(static_cast<int>(it - cluster.site_names.begin()));
+  }
+  return std::vector<int>(required.begin(), required.end());
+}
+
 absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
                                               const std::vector<SiteLink>& links, int max_plans) {
   ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
@@ -356,9 +376,34 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
   const scheduler::Cluster& cluster = out.cluster;
   out.alive_workers = planning_cluster.alive_workers;
   const scheduler::ModelCosts& model = planning.model;
+  ASSIGN_OR_RETURN(planning.options.required_sites, RequiredSites(spec.parallel(), cluster));
   ASSIGN_OR_RETURN(const scheduler::PlanResult result,
                    scheduler::PlanJob(cluster, model, planning.job, planning.options));
   out.explanation = result.explanation;
+  if (!planning.options.required_sites.empty()) {
+    // What the requirement costs: the best plan the planner finds without it.
+    scheduler::PlannerOptions free = planning.options;
+    free.required_sites.clear();
+    free.max_ranked = 1;
+    absl::StatusOr<scheduler::PlanResult> unrequired = scheduler::PlanJob(cluster, model, planning.job, free);
+    const scheduler::PlanCandidate& best = result.ranked.front();
+    std::string cost = "no plan without the requirement fits";
+    if (unrequired.ok()) {
+      const scheduler::PlanCandidate& other = unrequired->ranked.front();
+      const double ratio = best.prediction.step_time_s / other.prediction.step_time_s;
+      cost = ratio > 1 + 1e-9
+                 ? absl::StrFormat(
+                       "the best plan without it, dp %d pp %d tp %d (%s), takes %.3f s: the requirement "
+                       "costs %.0f%% of step time",
+                       other.plan.dp, other.plan.pp, other.plan.tp, scheduler::DevicesUsedName(cluster, other),
+                       other.prediction.step_time_s, 100 * (ratio - 1))
+                 : "it costs nothing: the best plan without it uses those sites too";
+    }
+    out.explanation.insert(
+        out.explanation.begin(),
+        absl::StrFormat("sites required (%s): the best plan on them takes %.3f s; %s",
+                        absl::StrJoin(spec.parallel().sites(), ", "), best.prediction.step_time_s, cost));
+  }
   out.plans_simulated = result.plans_simulated;
   out.planning_seconds = result.planning_seconds;
   for (const scheduler::PlanCandidate& candidate : result.ranked) {

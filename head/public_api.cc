@@ -60,14 +60,14 @@ v1::RankedPlan PublicPlan(const RankedAutoPlan& plan, const scheduler::Cluster& 
   v1::RankedPlan out;
   out.set_rank(rank);
   *out.mutable_parallel() = parallel;
-  out.set_predicted_step_seconds(p.step_time_s);
+  out.set_predicted_step_seconds(plan.predicted_step_seconds);  // DiLoCo's when the plan is DiLoCo
   out.set_predicted_tokens_per_second(p.tokens_per_s);
   out.set_pipeline_seconds(p.pipeline_time_s);
   out.set_exposed_allreduce_seconds(p.dp_exposed_s);
   out.set_bubble_fraction(p.bubble_fraction);
   out.set_max_memory_fraction(p.max_memory_fraction);
   out.set_devices(parallel.dp() * parallel.pp() * parallel.tp());
-  out.set_subset(plan.candidate.subset);
+  out.set_subset(scheduler::DevicesUsedName(cluster, plan.candidate));  // the devices the plan uses, in words
   for (const scheduler::LinkTraffic& link : p.cross_site) {
     v1::CrossSiteTraffic* traffic = out.add_cross_site();
     traffic->set_site_a(cluster.site_names.at(link.site_a));

@@ -42,6 +42,11 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
                                    const PlannerOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(cluster.Validate());
+  for (int site : options.required_sites) {
+    if (site < 0 || site >= cluster.num_sites()) {
+      return absl::InvalidArgumentError(absl::StrCat("plan: required site index ", site, " is not in the cluster"));
+    }
+  }
   if (job.global_batch < 1 || job.seq_len < 1) {
     return absl::InvalidArgumentError("plan: global batch and sequence length must be positive");
   }
@@ -56,6 +61,9 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   std::map<std::string, std::vector<int>> subset_devices;
   auto evaluate = [&](const std::vector<int>& devices, const std::string& name) {
     if (devices.empty() || subset_best.count(name)) return;
+    for (int site : options.required_sites) {  // a subset without a required site has no plan for the job
+      if (std::none_of(devices.begin(), devices.end(), [&](int d) { return cluster.devices[d].site == site; })) return;
+    }
     subset_devices[name] = devices;
     const int64_t before = search.simulated();
     const auto t0 = std::chrono::steady_clock::now();

@@ -40,6 +40,8 @@ struct PlannerOptions {
   // every replica. `parallel: {plan: auto}` jobs and the validation (docs/planner.md) use it, so
   // that the predicted plan is the one that runs.
   bool runtime_plans = false;
+  // Sites (indices into Cluster::site_names) every plan must use, with at least one device each; empty: any.
+  std::vector<int> required_sites;
   int max_ranked = 10;  // plans kept in PlanResult::ranked (distinct shapes)
   int max_rejected = 10;
 };
@@ -48,9 +50,12 @@ struct PlanCandidate {
   Plan plan;
   Prediction prediction;
   std::string layout;         // "pipeline-major" or "stage-major"
-  std::string subset;         // "all devices", "without site X", "without T4", ...
+  std::string subset;         // the device subset searched: "all devices", "without site X", "without T4", ...
   std::vector<int> left_out;  // device indices not used by this plan
 };
+
+// The devices a plan uses, in words: "all devices", or "without 2 x T4 at star, 1 x A40 at star" (its left_out).
+std::string DevicesUsedName(const Cluster& cluster, const PlanCandidate& candidate);
 
 struct PlanResult {
   std::vector<PlanCandidate> ranked;     // fitting plans, fastest first, one per (subset, dp, pp, tp, layout)

@@ -16,6 +16,17 @@ std::string DeviceTypeName(const Cluster& cluster, const std::vector<int>& devic
   return absl::StrJoin(names, "+");
 }
 
+// "2 x T4 at star, 1 x A40 at star" for a plan's left-out devices, by site.
+std::string LeftOutParts(const Cluster& cluster, const std::vector<int>& left_out) {
+  std::map<int, std::vector<int>> by_site;
+  for (int d : left_out) by_site[cluster.devices[d].site].push_back(d);
+  std::vector<std::string> parts;
+  for (const auto& [site, ds] : by_site) {
+    parts.push_back(absl::StrFormat("%d x %s at %s", ds.size(), DeviceTypeName(cluster, ds), cluster.site_names[site]));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
 std::string Gb(double bytes) { return absl::StrFormat("%.2f GB", bytes / 1e9); }
 
 // " depth 6" when the 1F1B pipeline runs deeper than pp to cover a slow boundary's round trip.
@@ -110,13 +121,6 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
   }
   // Devices left out.
   if (!w.left_out.empty()) {
-    std::map<int, std::vector<int>> by_site;
-    for (int d : w.left_out) by_site[cluster.devices[d].site].push_back(d);
-    std::vector<std::string> parts;
-    for (const auto& [site, ds] : by_site) {
-      parts.push_back(
-          absl::StrFormat("%d x %s at %s", ds.size(), DeviceTypeName(cluster, ds), cluster.site_names[site]));
-    }
     std::string why;
     auto all = subset_best.find("all devices");
     if (w.subset != "all devices" && all != subset_best.end()) {
@@ -138,7 +142,7 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
                                   more->prediction.step_time_s, more->prediction.step_time_s / pr.step_time_s)
                 : absl::StrFormat("no plan that uses them fits in memory or fills the shape %s", ShapeName(p));
     }
-    lines.push_back(absl::StrCat("left out: ", absl::StrJoin(parts, ", "), "; ", why));
+    lines.push_back(absl::StrCat("left out: ", LeftOutParts(cluster, w.left_out), "; ", why));
   } else {
     lines.push_back("left out: none; every device speeds the job up");
   }
@@ -158,3 +162,12 @@ std::vector<std::string> Explain(const Cluster& cluster, const ModelCosts& model
 }
 
 }  // namespace geotrain::scheduler::internal
+
+namespace geotrain::scheduler {
+
+std::string DevicesUsedName(const Cluster& cluster, const PlanCandidate& candidate) {
+  if (candidate.left_out.empty()) return "all devices";
+  return absl::StrCat("without ", internal::LeftOutParts(cluster, candidate.left_out));
+}
+
+}  // namespace geotrain::scheduler

@@ -152,6 +152,7 @@ Json CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCa
               {"pipeline_depth", pr.pipeline_depth},
               {"layout", c.layout},
               {"subset", c.subset},
+              {"devices_used", DevicesUsedName(cluster, c)},
               {"fits", pr.fits},
               {"reject_reason", pr.reject_reason},
               {"step_time_s", JsonNumber(pr.step_time_s)},
@@ -215,7 +216,7 @@ std::string FormatPlanResult(const Cluster& cluster, const ModelCosts& model, co
     absl::StrAppendFormat(&out, "%-4d %9.4f %10.0f %3d %3d %3d %4d %-11s %-6s %5.0f%% %8.2f %10.3f  %-14s %s\n", i + 1,
                           pr.step_time_s, pr.tokens_per_s, c.plan.dp, c.plan.pp, c.plan.tp, c.plan.microbatch_size, m,
                           ScheduleName(c.plan.schedule), 100 * pr.bubble_fraction, mem / 1e9, wan / 1e9, c.layout,
-                          c.subset);
+                          DevicesUsedName(cluster, c));
   }
   out += "\nwhy this plan:\n";
   for (const std::string& line : result.explanation) absl::StrAppend(&out, "  - ", line, "\n");

@@ -198,6 +198,14 @@ void Search::Consider(PlanCandidate candidate, const Key& key) {
   for (int d = 0; d < static_cast<int>(cluster_.devices.size()); ++d) {
     if (!used[d]) candidate.left_out.push_back(d);
   }
+  // A plan that leaves out a required site is not a plan for this job (nor a bound for the search).
+  for (int site : options_.required_sites) {
+    bool present = false;
+    for (int d = 0; d < static_cast<int>(cluster_.devices.size()) && !present; ++d) {
+      present = used[d] && cluster_.devices[d].site == site;
+    }
+    if (!present) return;
+  }
   if (!candidate.prediction.fits) {
     rejected_by_key_[key] = std::move(candidate);
     return;

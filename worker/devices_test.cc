@@ -52,7 +52,8 @@ TEST(DeviceProfileTest, KnownProfilesOverridesAndTheirRoofline) {
   EXPECT_DOUBLE_EQ(r.flops_per_s, 989e12 * 0.6);
   EXPECT_DOUBLE_EQ(r.bytes_per_s, 3350e9 * 0.8);
   EXPECT_DOUBLE_EQ(r.launch_s, 5e-6);
-  EXPECT_EQ(*TimedDeviceName(*h100), "timed:h100@593.4:2680:5");
+  // Achieved tensor TFLOP/s, GB/s, launch us, and the achieved fp32 TFLOP/s (67 x 0.6) for fp32 jobs.
+  EXPECT_EQ(*TimedDeviceName(*h100), "timed:h100@593.4:2680:5:40.2");
   // Overrides: TFLOPS and memory, and the bandwidth; an unknown device needs all three for timed compute.
   auto slow = ParseDeviceProfile("T4:10:8:100");
   ASSERT_TRUE(slow.ok());
