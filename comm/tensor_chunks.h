@@ -32,7 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "comm/codec.h"
-#include "comm/tensor_stream.h"
+#include "comm/tensor_types.h"
 
 namespace geotrain {
 class TensorHeader;  // proto/tensor.proto
@@ -49,39 +49,6 @@ absl::StatusOr<uint64_t> ShapeElements(absl::Span<const int64_t> shape, int max_
 
 // Encode + CRC and copy + CRC work in blocks of this size so that the second pass reads from L1/L2.
 inline constexpr size_t kStreamCacheBlockBytes = 64 * 1024;
-
-// A waiting receiver's buffer (RecvInto) that an assembler may decode a tensor into. `out` is set before the
-// destination is shared and never changes; the flags are the sink's state, guarded by the sink's own lock (the
-// assembler never reads them).
-struct TensorDestination {
-  absl::Span<float> out;
-  bool claimed = false;    // an assembler is receiving the tensor into `out`
-  bool writing = false;    // that assembler is writing into `out` now (outside the sink's lock)
-  bool withdrawn = false;  // the receiver stopped waiting: nothing may be written into `out` any more
-  bool done = false;       // the tensor is in `out` and passed every check
-};
-
-// Where an assembler's tensors go (TensorStreamServer, per stream). Called from the assembler's thread.
-class TensorSink {
- public:
-  virtual ~TensorSink() = default;
-  // Mailbox path: Reserve(key, bytes) comes once per tensor after its header passed and before its buffer is
-  // allocated; its error ends the stream. Release gives the reservation back (the tensor failed); Deliver takes
-  // a complete, valid tensor over together with its reservation of tensor.encoded.size() bytes (also when it
-  // refuses the tensor: it then releases the reservation itself).
-  virtual absl::Status Reserve(const TensorKey& key, uint64_t bytes) = 0;
-  virtual void Release(const TensorKey& key, uint64_t bytes) = 0;
-  virtual absl::Status Deliver(ReceivedTensor tensor) = 0;
-  // Decode-on-arrival path: the waiting receiver's buffer for `key` if it takes exactly `elements` floats and
-  // nobody else holds it (null: use the mailbox). Each write into d->out is bracketed by BeginWrite (which fails
-  // once the receiver gave up: the tensor is then refused) and EndWrite. The claim ends with CompleteClaim (the
-  // tensor is complete and valid, `bytes` encoded bytes) or Unclaim (it failed; the receiver waits on).
-  virtual std::shared_ptr<TensorDestination> Claim(const TensorKey& key, uint64_t elements) = 0;
-  virtual absl::Status BeginWrite(TensorDestination* d, const TensorKey& key) = 0;
-  virtual void EndWrite(TensorDestination* d) = 0;
-  virtual absl::Status CompleteClaim(TensorDestination* d, const TensorKey& key, uint64_t bytes) = 0;
-  virtual void Unclaim(TensorDestination* d) = 0;
-};
 
 class ChunkReader;  // tensor_chunks.cc: reads a message spread over several pieces
 

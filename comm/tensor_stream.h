@@ -74,6 +74,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "comm/codec.h"
+#include "comm/tensor_types.h"
 #include "common/token.h"
 
 namespace grpc {
@@ -83,8 +84,6 @@ class ChannelCredentials;
 }  // namespace grpc
 
 namespace geotrain::comm {
-
-struct TensorDestination;  // tensor_chunks.h
 
 // The cluster token's key and check are common/token.h's (kTokenMetadataKey, TokenMatches): one rule for
 // every service.
@@ -100,71 +99,6 @@ inline constexpr size_t kMaxIdleStreamsPerPeer = 8;
 // after it crossed gRPC (code and message travel; FromGrpc's context prefix is allowed).
 absl::Status JobStoppedOnReceiverError(const std::string& job_id);
 bool IsJobStoppedOnReceiver(const absl::Status& status);
-
-struct TensorKey {
-  std::string job_id;
-  int64_t step = 0;
-  int32_t microbatch = 0;
-  std::string tensor_id;
-  std::string src;  // the sender's name; receivers wait on (..., src)
-
-  bool operator==(const TensorKey& other) const = default;
-  template <typename H>
-  friend H AbslHashValue(H h, const TensorKey& k) {
-    return H::combine(std::move(h), k.job_id, k.step, k.microbatch, k.tensor_id, k.src);
-  }
-  std::string ToString() const;
-};
-
-struct TensorStreamOptions {
-  size_t chunk_bytes = size_t{1} << 20;  // payload bytes per chunk when sending (1 KiB .. max_chunk_bytes)
-  // Receiving limits.
-  size_t max_chunk_bytes = (size_t{4} << 20) - (size_t{64} << 10);  // below gRPC's default 4 MiB message cap
-  uint64_t max_tensor_bytes = uint64_t{4} << 30;
-  // Memory budgets of the mailbox: tensors complete or being received, counted from their header until a
-  // Recv takes them (or they are dropped). Over any of them a Send is refused with RESOURCE_EXHAUSTED naming the
-  // budget; the receiver lives on. A peer is the sender named in the key (TensorKey::src).
-  uint64_t max_mailbox_bytes = uint64_t{16} << 30;  // all jobs and peers together
-  uint64_t max_job_bytes = uint64_t{8} << 30;       // per job id
-  uint64_t max_peer_bytes = uint64_t{4} << 30;      // per sender
-  // A tensor nobody took from the mailbox for this long is dropped (its job has no receiver here, or it gave up).
-  absl::Duration orphan_timeout = absl::Minutes(10);
-  // Open streams at once (all peers); one more is refused with RESOURCE_EXHAUSTED when it opens. Register() also
-  // caps gRPC's concurrent streams per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS) at this.
-  int max_streams = 1024;
-  size_t max_name_bytes = 512;  // job id, tensor id, sender
-  int max_rank = 8;             // dimensions of a shape
-  // HTTP/2 transport tuning, applied by Register() to the server builder and by the client to its channels
-  // (0 leaves gRPC's default); see docs/results/2026-12-02-comm.md.
-  // 0: gRPC's own flow control, whose BDP probing grows the window to the link's bandwidth-delay product
-  // (a WAN needs it: a fixed window caps one stream at window / RTT). > 0: a fixed stream lookahead of this
-  // many bytes with BDP probing off.
-  int http2_window_bytes = 0;
-  int http2_max_frame_bytes = 0;
-  int tcp_read_chunk_bytes = 0;
-  // The client's channel credentials: TLS when the workers' servers serve it (common/rpc.h MakeChannelCredentials);
-  // null: plaintext.
-  std::shared_ptr<grpc::ChannelCredentials> channel_credentials;
-  // The client calls this after each acknowledged Send with the peer's address, the encoded bytes and the time from
-  // the first chunk's write to the ack (encoding overlapped with the writes included): the link's goodput as this
-  // sender sees it (worker/link_metrics.h). Runs on the sending thread, so it must be thread-safe and cheap. Null:
-  // nothing is called.
-  std::function<void(const std::string& peer_address, uint64_t bytes, absl::Duration took)> on_acknowledged;
-};
-
-// A tensor as received: validated, checksum verified, still encoded.
-struct ReceivedTensor {
-  TensorKey key;
-  std::vector<int64_t> shape;
-  std::string codec;  // as the sender named it
-  Bytes encoded;      // codec bytes (comm/codec.h), complete
-
-  int64_t num_elements() const;
-  // Decodes into `out` (size must be num_elements()); the payload CRC was verified on arrival.
-  absl::Status DecodeInto(absl::Span<float> out) const;
-  absl::Status DecodeAddInto(absl::Span<float> accumulator) const;
-  absl::StatusOr<std::vector<float>> Decode() const;
-};
 
 class TensorStreamServer {
  public:
