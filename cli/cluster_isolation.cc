@@ -210,7 +210,10 @@ std::vector<std::string> IsolatedCommand(const IsolatedNode& node, const std::ve
     absl::StrAppend(&script, "if [ -d \"$keep/", i, "\" ]; then mkdir -p ", g, "; else mkdir -p \"$(dirname ", g,
                     ")\"; touch ", g, "; fi; mount --bind \"$keep/", i, "\" ", g, "; ");
   }
-  for (const std::string& r : roots) absl::StrAppend(&script, "mount -o remount,ro ", r, "; ");
+  // Source and target both given: mount does not look the target up in the host's fstab (whose options for it,
+  // e.g. a btrfs subvol, tmpfs would refuse).
+  for (const std::string& r : roots)
+    absl::StrAppend(&script, "mount -t tmpfs -o remount,ro geotrain-private ", r, "; ");
   absl::StrAppend(&script, "umount -l \"$keep\"; ");
   for (const std::string& h : hidden) {
     const std::string q = ShellQuote(h);

@@ -350,8 +350,12 @@ absl::Status JobRunner::PlaceAndLaunch(const JobInfo& job, int64_t attempt, cons
   Check(jobs_
             ->Update(job.job_id(),
                      [&](JobInfo& j) {
-                       j.set_precision(std::string(model::PrecisionName(precision.precision)));
-                       if (j.loss_scale() == 0) j.set_loss_scale(scaling.enabled ? scaling.initial : 1);
+                       // A restart on other devices may resolve auto differently: the scale starts again then.
+                       const std::string name(model::PrecisionName(precision.precision));
+                       if (j.loss_scale() == 0 || j.precision() != name) {
+                         j.set_loss_scale(scaling.enabled ? scaling.initial : 1);
+                       }
+                       j.set_precision(name);
                      })
             .status(),
         job.job_id(), "recording the precision");

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/codec_spec.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "model/config.h"
@@ -95,6 +96,13 @@ absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>
     }
     const int worker = workers_in_site[w->site()]++;
     for (int d = 0; d < w->devices_size(); ++d) {
+      // A GPU that cannot run the job's precision (bf16 asked of a Turing GPU; any precision of a GPU older than
+      // this build's oldest) is no device for this job: the plan leaves it out rather than fail on it.
+      absl::StatusOr<model::Precision> asked = model::ParsePrecision(precision);
+      const int cc = w->devices(d).compute_capability();
+      if (cc > 0 && (cc < model::kMinComputeCapability || (asked.ok() && !model::PrecisionSupported(*asked, cc)))) {
+        continue;
+      }
       scheduler::Device device;
       device.site = site_index[w->site()];
       device.worker = worker;
@@ -147,6 +155,22 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
     return absl::StrCat("site ", p.site, "'s ", p.device->name(), " (",
                         model::ComputeCapabilityName(p.device->compute_capability()), ")");
   };
+  // A GPU older than any this build runs has no precision at all.
+  for (const auto& [key, p] : placed) {
+    const int cc = p.device->compute_capability();
+    if (cc > 0 && cc < model::kMinComputeCapability) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          describe(p), " is older than the oldest GPU geotrain's CUDA build runs (compute capability ",
+          model::ComputeCapabilityName(model::kMinComputeCapability), ", Turing); leave its worker out of the job"));
+    }
+  }
+  // fp16's overflow steps send infinities through the gradient all-reduces, which int8 and top-k cannot encode
+  // (they refuse non-finite input): fp16 needs a WAN and LAN codec that carries them (none, fp16, bf16).
+  std::string lossy;
+  for (const std::string* codec : {&spec.comm().wan_codec(), &spec.comm().lan_codec()}) {
+    absl::StatusOr<CodecSpec> parsed = ParseCodecSpec(*codec);
+    if (parsed.ok() && (parsed->kind == CodecKind::kInt8 || parsed->kind == CodecKind::kTopK)) lossy = *codec;
+  }
   const std::string& asked = spec.train().precision();
   PrecisionChoice choice;
   if (asked.empty() || asked == "auto") {
@@ -162,6 +186,10 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
       choice.explanation = absl::StrCat("precision bf16 (auto: every GPU of the job has compute capability ",
                                         model::ComputeCapabilityName(model::kBf16MinComputeCapability),
                                         " or more; the oldest is ", describe(*oldest), ")");
+    } else if (!lossy.empty()) {
+      choice.explanation = absl::StrCat("precision fp32 (auto: ", describe(*oldest),
+                                        " has no bf16, and fp16's overflow steps cannot go through the ", lossy,
+                                        " codec; with wan_codec bf16 or fp16 auto would choose fp16)");
     } else {
       choice.precision = model::Precision::kFp16;
       choice.explanation = absl::StrCat("precision fp16 with dynamic loss scaling (auto: ", describe(*oldest),
@@ -177,11 +205,20 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
       for (model::Precision q : {model::Precision::kBf16, model::Precision::kFp16, model::Precision::kFp32}) {
         if (model::PrecisionSupported(q, cc)) supported.emplace_back(model::PrecisionName(q));
       }
-      const int needs = choice.precision == model::Precision::kBf16 ? model::kBf16MinComputeCapability
-                                                                    : model::kFp16MinComputeCapability;
+      const int needs =
+          choice.precision == model::Precision::kBf16 ? model::kBf16MinComputeCapability : model::kMinComputeCapability;
       return absl::FailedPreconditionError(absl::StrCat(
           asked, " needs compute capability ", model::ComputeCapabilityName(needs), "; ", describe(p), " supports ",
           absl::StrJoin(supported, " and "), ": set train.precision to one of those, or auto"));
+    }
+    if (choice.precision == model::Precision::kFp16 && !lossy.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("fp16 cannot train through the ", lossy,
+                       " codec: an overflowing step's infinities must reach every "
+                       "replica to be skipped, and ",
+                       lossy,
+                       " refuses them; set comm.wan_codec (and lan_codec) to bf16, fp16 or "
+                       "none, or train.precision to fp32"));
     }
     choice.explanation = absl::StrCat("precision ", asked, " (as the spec asks)");
   }
@@ -345,8 +382,9 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
   return out;
 }
 
-// parallel.sites as site indices of the planning cluster: "all" is every site with an alive worker; a name with no
-// alive worker is INVALID_ARGUMENT naming the sites there are.
+// parallel.sites as site indices of the planning cluster (the free devices of alive workers): "all" is every site
+// that has one; a name with none is UNAVAILABLE (the job waits for a device there, as for any device it needs),
+// naming the sites that have free devices.
 absl::StatusOr<std::vector<int>> RequiredSites(const ParallelSpec& parallel, const scheduler::Cluster& cluster) {
   std::set<int> required;
   for (const std::string& name : parallel.sites()) {
@@ -356,9 +394,10 @@ absl::StatusOr<std::vector<int>> RequiredSites(const ParallelSpec& parallel, con
     }
     auto it = std::find(cluster.site_names.begin(), cluster.site_names.end(), name);
     if (it == cluster.site_names.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("parallel.sites names site '", name,
-                                                     "', which has no alive worker; the sites are ",
-                                                     absl::StrJoin(cluster.site_names, ", "), " (or use all)"));
+      return absl::UnavailableError(absl::StrCat("parallel.sites needs site '", name,
+                                                 "', which has no free device on an alive worker now (sites with "
+                                                 "free devices: ",
+                                                 absl::StrJoin(cluster.site_names, ", "), ")"));
     }
     required.insert(static_cast<int>(it - cluster.site_names.begin()));
   }
@@ -397,7 +436,8 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
                        "costs %.0f%% of step time",
                        other.plan.dp, other.plan.pp, other.plan.tp, scheduler::DevicesUsedName(cluster, other),
                        other.prediction.step_time_s, 100 * (ratio - 1))
-                 : "it costs nothing: the best plan without it uses those sites too";
+                 : absl::StrFormat("the best plan found without it takes %.3f s: the requirement costs nothing",
+                                   other.prediction.step_time_s);
     }
     out.explanation.insert(
         out.explanation.begin(),

@@ -44,6 +44,42 @@ JobInfo Job(int dp, int pp, int tp) {
   return job;
 }
 
+// A placed job's precision: auto by the oldest GPU; what a device cannot run is refused by name; fp16 needs a codec
+// that carries its overflow steps' infinities (auto falls back to fp32 then); a GPU older than Turing runs nothing.
+TEST(ChoosePrecisionTest, AutoExplicitCodecsAndTooOldGpus) {
+  auto with_cc = [](WorkerInfo w, const std::string& name, int cc) {
+    for (Device& d : *w.mutable_devices()) {
+      d.set_name(name);
+      d.set_compute_capability(cc);
+    }
+    return w;
+  };
+  std::vector<WorkerInfo> workers = {with_cc(Worker("w1", "utah", 16), "RTX6000", 75),
+                                     with_cc(Worker("w2", "tacc", 16), "A30", 80)};
+  JobInfo job = Job(2, 1, 1);
+  auto placed = PlaceActors(job, workers);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  auto choice = ChoosePrecision(job.spec(), *placed, workers);
+  ASSERT_TRUE(choice.ok()) << choice.status();
+  EXPECT_EQ(choice->precision, model::Precision::kFp16);
+  EXPECT_THAT(choice->explanation, HasSubstr("site utah's RTX6000 (7.5) has no bf16"));
+  job.mutable_spec()->mutable_train()->set_precision("bf16");
+  EXPECT_THAT(ChoosePrecision(job.spec(), *placed, workers).status().message(),
+              HasSubstr("bf16 needs compute capability 8.0; site utah's RTX6000 (7.5) supports fp16 and fp32"));
+  job.mutable_spec()->mutable_train()->set_precision("fp16");
+  job.mutable_spec()->mutable_comm()->set_wan_codec("int8");
+  EXPECT_THAT(ChoosePrecision(job.spec(), *placed, workers).status().message(),
+              HasSubstr("fp16 cannot train through the int8 codec"));
+  job.mutable_spec()->mutable_train()->set_precision("auto");
+  choice = ChoosePrecision(job.spec(), *placed, workers);
+  ASSERT_TRUE(choice.ok()) << choice.status();
+  EXPECT_EQ(choice->precision, model::Precision::kFp32);
+  EXPECT_THAT(choice->explanation, HasSubstr("cannot go through the int8 codec"));
+  workers[0] = with_cc(workers[0], "V100", 70);
+  EXPECT_THAT(ChoosePrecision(job.spec(), *placed, workers).status().message(),
+              HasSubstr("site utah's V100 (7.0) is older than the oldest GPU geotrain's CUDA build runs"));
+}
+
 TEST(PlaceActorsTest, FillsDevicesInSiteOrderAndWaitsWhenShort) {
   std::vector<WorkerInfo> workers = {Worker("w2", "b", 16), Worker("w1", "a", 16), Worker("w3", "b", 16)};
   auto placed = PlaceActors(Job(3, 1, 1), workers);

@@ -45,12 +45,4 @@ absl::Status LossScaler::Restore(const LossScaleState& state) {
   return absl::OkStatus();
 }
 
-bool AllFinite(absl::Span<const float> values) {
-  // A sum of x * 0 is NaN exactly when some x is infinite or NaN; one vectorisable pass with no branch.
-  float probe = 0.0f;
-#pragma omp simd reduction(+ : probe)
-  for (size_t i = 0; i < values.size(); ++i) probe += values[i] * 0.0f;
-  return probe == 0.0f;
-}
-
 }  // namespace geotrain::model

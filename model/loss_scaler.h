@@ -6,7 +6,7 @@
 //
 //   LossScaler scaler(LossScaleOptions{.enabled = precision == Precision::kFp16});
 //   model.Backward(nullptr, microbatch_scale * scaler.scale());
-//   const bool finite = AllFinite(grads);               // one decision: all-reduced over the job first
+//   const bool finite = std::isfinite(squared_norm);   // one decision: the norm all-reduced over the job first
 //   if (scaler.Update(finite)) adam.Step(params, grads, lr, clip / scaler.scale_applied());
 //
 // Disabled (fp32, bf16), the scale is 1 and every step applies: bf16 has fp32's range. The state (scale, clean
@@ -17,7 +17,6 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "absl/types/span.h"
 #include "model/loss_scale_state.h"
 
 namespace geotrain::model {
@@ -45,8 +44,5 @@ class LossScaler {
   LossScaleState state_;
   double applied_ = 1;
 };
-
-// Whether every element is finite (no infinity, no NaN).
-bool AllFinite(absl::Span<const float> values);
 
 }  // namespace geotrain::model

@@ -46,13 +46,13 @@ absl::StatusOr<Precision> ParsePrecision(std::string_view name) {
 
 bool PrecisionSupported(Precision precision, int compute_capability) {
   if (compute_capability == 0) return true;  // the CPU: every precision, by rounding
+  if (compute_capability < kMinComputeCapability) return false;
   switch (precision) {
     case Precision::kFp32:
+    case Precision::kFp16:
       return true;
     case Precision::kBf16:
       return compute_capability >= kBf16MinComputeCapability;
-    case Precision::kFp16:
-      return compute_capability >= kFp16MinComputeCapability;
   }
   return false;
 }

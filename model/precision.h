@@ -31,7 +31,9 @@ absl::StatusOr<Precision> ParsePrecision(std::string_view name);
 // Compute capability as major * 10 + minor (75 for Turing, 80 for A100, 90 for H100); 0 for the CPU, which
 // runs every precision (emulated by rounding).
 inline constexpr int kBf16MinComputeCapability = 80;
-inline constexpr int kFp16MinComputeCapability = 70;
+// The oldest GPU geotrain's CUDA build runs (CUDA 13 compiles for Turing, 7.5, and newer): below it (a V100, 7.0)
+// no precision is supported.
+inline constexpr int kMinComputeCapability = 75;
 bool PrecisionSupported(Precision precision, int compute_capability);
 // "7.5" for 75.
 std::string ComputeCapabilityName(int compute_capability);

@@ -68,8 +68,9 @@ TEST(PrecisionTest, NamesAndSupportByComputeCapability) {
   EXPECT_EQ(ParsePrecision("tf32").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(PrecisionSupported(Precision::kBf16, 75));  // Turing: T4, RTX 6000
   EXPECT_TRUE(PrecisionSupported(Precision::kFp16, 75));
-  EXPECT_TRUE(PrecisionSupported(Precision::kBf16, 80));  // A30, A100
-  EXPECT_TRUE(PrecisionSupported(Precision::kBf16, 0));   // the CPU emulates every one
+  EXPECT_TRUE(PrecisionSupported(Precision::kBf16, 80));   // A30, A100
+  EXPECT_TRUE(PrecisionSupported(Precision::kBf16, 0));    // the CPU emulates every one
+  EXPECT_FALSE(PrecisionSupported(Precision::kFp32, 70));  // a V100: older than this build's oldest GPU
   EXPECT_EQ(ComputeCapabilityName(86), "8.6");
 }
 

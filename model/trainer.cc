@@ -250,11 +250,11 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
         loss_sum += g.model->loss();
         RETURN_IF_ERROR(g.model->Backward(nullptr, g.loss_scale * scaler.scale()));
       }
-      // fp16: one decision for the group's gradients (the cluster all-reduces it over every actor of the group).
-      const bool finite =
-          !scaler.enabled() || AllFinite({g.model->grads(), static_cast<size_t>(g.model->num_params())});
-      const bool apply = scaler.Update(finite);
-      const double group_norm = std::sqrt(g.model->GradSquaredNormShare()) / scaler.scale_applied();
+      // fp16: one decision for the group's gradients, from their squared norm as a float, as the cluster takes it
+      // from its all-reduced (float) norm shares: not finite when a gradient is not (or the sum passes FLT_MAX).
+      const double squared = g.model->GradSquaredNormShare();
+      const bool apply = scaler.Update(!scaler.enabled() || std::isfinite(static_cast<float>(squared)));
+      const double group_norm = std::sqrt(squared) / scaler.scale_applied();
       if (&g == &groups.front()) {
         norm = group_norm;
         skipped = !apply;

@@ -16,13 +16,14 @@ std::string DeviceTypeName(const Cluster& cluster, const std::vector<int>& devic
   return absl::StrJoin(names, "+");
 }
 
-// "2 x T4 at star, 1 x A40 at star" for a plan's left-out devices, by site.
+// "2 x T4 at star, 1 x A40 at star" for a plan's left-out devices, by site and device type.
 std::string LeftOutParts(const Cluster& cluster, const std::vector<int>& left_out) {
-  std::map<int, std::vector<int>> by_site;
-  for (int d : left_out) by_site[cluster.devices[d].site].push_back(d);
+  std::map<std::pair<int, std::string>, std::vector<int>> by_site_and_type;
+  for (int d : left_out) by_site_and_type[{cluster.devices[d].site, cluster.devices[d].name}].push_back(d);
   std::vector<std::string> parts;
-  for (const auto& [site, ds] : by_site) {
-    parts.push_back(absl::StrFormat("%d x %s at %s", ds.size(), DeviceTypeName(cluster, ds), cluster.site_names[site]));
+  for (const auto& [where, ds] : by_site_and_type) {
+    parts.push_back(
+        absl::StrFormat("%d x %s at %s", ds.size(), DeviceTypeName(cluster, ds), cluster.site_names[where.first]));
   }
   return absl::StrJoin(parts, ", ");
 }

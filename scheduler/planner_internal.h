@@ -74,6 +74,8 @@ class Search {
 
   // Searches every shape on `devices`; returns the best step time found.
   double Run(const std::vector<int>& devices, const std::string& subset_name);
+  // Whether `plan` has a device in every site of PlannerOptions::required_sites.
+  bool CoversRequiredSites(const Plan& plan) const;
 
   double best_time() const { return best_time_; }
   int64_t simulated() const { return simulated_; }

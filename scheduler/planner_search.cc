@@ -188,6 +188,19 @@ double Search::CommunicationFloor(const std::vector<std::vector<const Unit*>>& u
   return floor;
 }
 
+bool Search::CoversRequiredSites(const Plan& plan) const {
+  for (int site : options_.required_sites) {
+    bool present = false;
+    for (const auto& replica : plan.devices) {
+      for (const auto& stage : replica) {
+        for (int d : stage) present = present || cluster_.devices[d].site == site;
+      }
+    }
+    if (!present) return false;
+  }
+  return true;
+}
+
 void Search::Consider(PlanCandidate candidate, const Key& key) {
   std::vector<char> used(cluster_.devices.size(), 0);
   for (const auto& replica : candidate.plan.devices) {
@@ -199,13 +212,7 @@ void Search::Consider(PlanCandidate candidate, const Key& key) {
     if (!used[d]) candidate.left_out.push_back(d);
   }
   // A plan that leaves out a required site is not a plan for this job (nor a bound for the search).
-  for (int site : options_.required_sites) {
-    bool present = false;
-    for (int d = 0; d < static_cast<int>(cluster_.devices.size()) && !present; ++d) {
-      present = used[d] && cluster_.devices[d].site == site;
-    }
-    if (!present) return;
-  }
+  if (!CoversRequiredSites(candidate.plan)) return;
   if (!candidate.prediction.fits) {
     rejected_by_key_[key] = std::move(candidate);
     return;
@@ -237,6 +244,35 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
                        [&](int a, int b) { return all_units[a].flops > all_units[b].flops; });
       std::vector<bool> keep(U, false);
       for (int i = 0; i < dp * pp; ++i) keep[order[i]] = true;
+      // A required site keeps its fastest unit, in place of the slowest kept unit of a site that keeps another (or
+      // is not required): otherwise a site of slower devices would never be in a shape that leaves units out.
+      for (int site : options_.required_sites) {
+        auto kept_in = [&](int s) {
+          int n = 0;
+          for (int i = 0; i < U; ++i) n += keep[i] && all_units[i].site == s;
+          return n;
+        };
+        if (kept_in(site) > 0) continue;
+        int in = -1, out = -1;
+        for (int i : order) {
+          if (!keep[i] && all_units[i].site == site) {
+            in = i;
+            break;
+          }
+        }
+        for (auto it = order.rbegin(); it != order.rend() && in >= 0; ++it) {
+          const int s = all_units[*it].site;
+          const bool required = std::count(options_.required_sites.begin(), options_.required_sites.end(), s) > 0;
+          if (keep[*it] && (!required || kept_in(s) > 1)) {
+            out = *it;
+            break;
+          }
+        }
+        if (in >= 0 && out >= 0) {
+          keep[out] = false;
+          keep[in] = true;
+        }
+      }
       std::vector<const Unit*> units;
       for (int i = 0; i < U; ++i) {
         if (keep[i]) units.push_back(&all_units[i]);
@@ -386,7 +422,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
             absl::StatusOr<Prediction> p = Simulate(cluster_, model_, job_, plan);
             ++simulated_;
             if (!p.ok()) continue;
-            if (p->fits) {
+            if (p->fits && CoversRequiredSites(plan)) {
               subset_best = std::min(subset_best, p->step_time_s);
               fitted = true;
             }

@@ -65,7 +65,7 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
 StageActor::~StageActor() {
   // A finished actor (the worker forgets it) leaves its job's mailbox alone: other actors of the job may still
   // receive there.
-  if (!finished()) Stop("the worker is shutting down");
+  if (!finished()) Stop("the worker is shutting down", /*job_stopping=*/false);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -99,14 +99,16 @@ void StageActor::Start() {
   });
 }
 
-void StageActor::Stop(const std::string& reason) {
+void StageActor::Stop(const std::string& reason, bool job_stopping) {
   if (!stop_.exchange(true)) {
     {
       absl::MutexLock lock(&mu_);
       if (state_ != ACTOR_DEAD) message_ = reason;
     }
     // Receives blocked on peers end now rather than at their deadline.
-    if (services_.mailbox != nullptr) services_.mailbox->CancelJob(CommJobId(config_.actor.job_id(), config_.attempt));
+    if (services_.mailbox != nullptr) {
+      services_.mailbox->CancelJob(CommJobId(config_.actor.job_id(), config_.attempt), job_stopping);
+    }
   }
 }
 

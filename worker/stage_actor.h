@@ -82,7 +82,10 @@ class StageActor {
   StageActor& operator=(const StageActor&) = delete;
 
   void Start();
-  void Stop(const std::string& reason);
+  // Ends the actor at its next step boundary or receive. `job_stopping`: the job is stopping (the head said so, or a
+  // peer refused a tensor because it stopped), so peers that send here are told it stopped and stop too; false (the
+  // worker shuts down): they are told this side failed, and report it, so the head learns at once.
+  void Stop(const std::string& reason, bool job_stopping = true);
   ActorRecord Record() const;
 
   // Tells whether the actor's thread has finished (after the last step, an error, or a stop).

@@ -121,7 +121,7 @@ class FailingFactory : public CollectivesFactory {
       pipeline = failing_.get();
     }
     uint64_t BytesSent(TrafficClass traffic) const override { return inner_->BytesSent(traffic); }
-    void CancelReceives() override { inner_->CancelReceives(); }
+    void CancelReceives(bool stopped) override { inner_->CancelReceives(stopped); }
 
    private:
     std::unique_ptr<StageCollectives> inner_;

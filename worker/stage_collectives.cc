@@ -156,7 +156,7 @@ class GrpcStageCollectives : public StageCollectives {
         mailbox_(mailbox),
         comm_job_id_(std::move(comm_job_id)) {}
 
-  void CancelReceives() override { mailbox_->CancelJob(comm_job_id_, /*stopped=*/false); }
+  void CancelReceives(bool stopped) override { mailbox_->CancelJob(comm_job_id_, stopped); }
 
   uint64_t BytesSent(TrafficClass traffic) const override {
     switch (traffic) {

@@ -99,7 +99,9 @@ class StageCollectives {
   virtual uint64_t BytesSent(TrafficClass traffic) const = 0;
   // Ends every receive of this run of the job at once (CANCELLED), now and later: after a send failed,
   // so that the actor stops waiting for peers and reports the failure. Any thread.
-  virtual void CancelReceives() = 0;  // as a failure (TensorStreamServer::CancelJob with stopped = false)
+  // `stopped`: the job is stopping (a peer refused a send because it stopped), not failing
+  // (TensorStreamServer::CancelJob's word to this side's senders).
+  virtual void CancelReceives(bool stopped = false) = 0;
 };
 
 class CollectivesFactory {

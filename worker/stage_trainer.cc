@@ -274,7 +274,8 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   const int in_flight = std::clamp(depth - ranks_.pp + 1, 1, kAsyncSendsInFlight);
   sender_ = std::make_unique<AsyncSender>(
       collectives_->pipeline, [c = collectives_.get()] { return c->BytesSent(TrafficClass::kPipeline); }, ranks_.site,
-      [c = collectives_.get()](const absl::Status&) { c->CancelReceives(); }, in_flight);
+      [c = collectives_.get()](const absl::Status& s) { c->CancelReceives(comm::IsJobStoppedOnReceiver(s)); },
+      in_flight);
   return absl::OkStatus();
 }
 

@@ -544,7 +544,7 @@ void WorkerServer::Shutdown() {
     absl::MutexLock lock(&mu_);
     actors.swap(actors_);
   }
-  for (auto& [id, actor] : actors) actor->Stop("the worker is shutting down");
+  for (auto& [id, actor] : actors) actor->Stop("the worker is shutting down", /*job_stopping=*/false);
   if (tensor_streams_) tensor_streams_->Shutdown();  // wakes actors blocked in a receive
   actors.clear();                                    // joins their threads
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

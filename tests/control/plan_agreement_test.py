@@ -6,7 +6,7 @@
   predicted step; `--allow-diloco` and the spec's `allow_diloco: true` agree too.
 - The devices column never contradicts the explanation: a plan that leaves devices out says so in both.
 - `--sites all` (and `parallel: {sites: all}`) gives a plan with a device in every site and an explanation of what
-  the requirement costs; an unknown site is refused by name.
+  the requirement costs; a site with no free device is named (a submitted job waits for one).
 - On a `cluster up` of two of the topologies the head's own planner (`job plan SPEC`, the PlanJob RPC that
   `plan: auto` uses, on the links the head measured) picks the plan the offline command picked for that cluster
   (`--emulated`: CPU workers standing in for the GPUs).
@@ -150,7 +150,8 @@ class PlanAgreementTest(unittest.TestCase):
         bad = self.plan("--topology", topology, "--model", "gpt2-medium", "--global-batch", "64", "--seq-len",
                         "1024", "--sites", "utah,mars", check=False)
         self.assertNotEqual(bad.returncode, 0)
-        self.assertIn("parallel.sites names site 'mars', which has no alive worker; the sites are", bad.stderr)
+        self.assertIn("parallel.sites needs site 'mars', which has no free device on an alive worker now (sites with "
+                      "free devices: star, tacc, utah)", bad.stderr)
 
     def test_the_head_picks_the_offline_plan_on_cluster_up(self):
         # A small model, so that the plan is about these devices and links, not memory.
