@@ -16,6 +16,7 @@ packages=(
   prometheus curl procps iproute2 openssl
   python3-torch python3-numpy python3-matplotlib
   python3-grpcio python3-protobuf python3-yaml python3-pytest python3-nbclient python3-nbformat python3-ipykernel
+  python3-venv python3-pip
   fortunes libcli11-dev clang-format nlohmann-json3-dev
   clang libclang-rt-14-dev llvm libomp-14-dev
 )

@@ -17,7 +17,8 @@ for f in ./usr/bin/geotrain ./usr/bin/geotrain-netem ./usr/share/geotrain/tokeni
          ./usr/share/geotrain/systemd/geotrain-worker.service ./usr/share/geotrain/systemd/worker.env \
          ./usr/share/geotrain/prometheus/prometheus.yml ./usr/share/geotrain/grafana/geotrain-dashboard.json \
          ./usr/share/geotrain/open-ports.sh ./usr/lib/python3/dist-packages/geotrain/__init__.py \
-         ./usr/lib/python3/dist-packages/geotrain/v1/jobs_pb2_grpc.py; do
+         ./usr/lib/python3/dist-packages/geotrain/v1/jobs_pb2_grpc.py \
+         "./usr/share/geotrain/python/geotrain-$(grep -oP 'set\(GEOTRAIN_VERSION \K[0-9.]+' "$(dirname "$0")/../../deploy/CMakeLists.txt")-py3-none-any.whl"; do
   grep -qx "$f" "$out/contents" || { cat "$out/contents" >&2; fail "$(basename "$deb") lacks $f"; }
 done
 dpkg-deb -x "$deb" "$out/root"

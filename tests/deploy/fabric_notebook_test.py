@@ -1,13 +1,16 @@
 """deploy/fabric/geotrain_study.ipynb, headless (nbclient and ipykernel from Debian), against a local
 `geotrain cluster up` (tests/control/two-sites-5ms.yaml): every cell runs as a user would run it, with ON_FABRIC
 False (the FABRIC cells do nothing) and the parameters cell's values overridden for a tiny model and a few steps,
-as papermill would inject them. Checks what the study leaves: one run per ranked plan, each SUCCEEDED with every
-step's loss and step time, the planner's ranks in order, and the plot.
+as papermill would inject them. Checks the first job, followed in the background with a live plot (the cell that
+starts it returns while the job runs; the plot drew every step), and what the study leaves: one run per ranked
+plan, each SUCCEEDED with every step's loss and step time, the planner's ranks in order, and the plot.
 
 Usage: fabric_notebook_test.py GEOTRAIN_BIN NOTEBOOK PYTHON_PACKAGE_DIR (ctest passes them; tests/deploy/).
 """
+import datetime
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -16,14 +19,17 @@ import unittest
 import nbclient
 import nbformat
 
-GEOTRAIN, NOTEBOOK, PACKAGE_DIR = sys.argv[1:4]
+GEOTRAIN, NOTEBOOK, PACKAGE_DIR = (os.path.abspath(a) for a in sys.argv[1:4])  # the kernel runs elsewhere
 del sys.argv[1:4]
 SOURCE_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "control"))
 from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
+sys.path.insert(0, PACKAGE_DIR)
+import geotrain  # noqa: E402
 
 PLANS = 2
 STEPS = 3
+FIRST_JOB_STEPS = 40  # long enough that the cell starting the follower returns well before the end
 
 
 class StudyNotebookTest(unittest.TestCase):
@@ -44,7 +50,8 @@ class StudyNotebookTest(unittest.TestCase):
         parameters = [c for c in notebook.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
         self.assertEqual(len(parameters), 1, "the notebook has one cell tagged `parameters`")
         overrides = {"ON_FABRIC": False, "DATA": corpus, "MODEL": {"preset": "gpt2-tiny-test"}, "GLOBAL_BATCH": 8,
-                     "SEQ_LEN": 16, "FIRST_JOB_STEPS": STEPS, "STEPS": STEPS, "PLANS": PLANS, "OUT_DIR": out_dir}
+                     "SEQ_LEN": 16, "FIRST_JOB_STEPS": FIRST_JOB_STEPS, "STEPS": STEPS, "PLANS": PLANS,
+                     "OUT_DIR": out_dir}
         for name in overrides:
             self.assertIn(f"\n{name} = ", "\n" + parameters[0].source, f"the parameters cell sets {name}")
         # Injected after the parameters cell, as papermill does, so the notebook's own values stay as they are.
@@ -78,6 +85,23 @@ class StudyNotebookTest(unittest.TestCase):
                           for o in c.get("outputs", []))
         self.assertIn("site site-a: 2 alive workers", printed)
         self.assertIn("SUCCEEDED - plan:", printed)
+        first = re.search(r"following (job-\d+) in the background", printed)
+        self.assertIsNotNone(first, printed)
+        # The cell that starts following returned while the job ran: its reply came before the job's end.
+        follow_cell = [c for c in notebook.cells if "client.follow(first, on_event=" in c.source]
+        self.assertEqual(len(follow_cell), 1)
+        returned = datetime.datetime.fromisoformat(
+            follow_cell[0].metadata.execution["shell.execute_reply"].replace("Z", "+00:00")).timestamp()
+        with open(os.path.join(self.up.home, "current_cluster.json")) as f:
+            record = json.load(f)
+        with geotrain.Client(head=record["address"], token_file=record["token_file"]) as client:
+            events = list(client.follow(first.group(1)))
+        ended = [e for e in events if e.state == "SUCCEEDED"][0].proto.unix_ms / 1000
+        self.assertLess(returned, ended, "the cell following the job returned only after the job had ended")
+        self.assertRegex(printed, rf"{FIRST_JOB_STEPS} steps: loss \d+\.\d+ -> \d+\.\d+")
+        # The first job's live plot, as its figure stood once the job had ended.
+        with open(os.path.join(out_dir, "first-job.png"), "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
         with open(os.path.join(out_dir, "study.json")) as f:
             runs = json.load(f)
         self.assertEqual([r["rank"] for r in runs], list(range(1, len(runs) + 1)))

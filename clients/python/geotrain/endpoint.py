@@ -1,6 +1,7 @@
-"""Where the head is and which token to give it, found the way the `geotrain` CLI finds them (common/rpc.h
-ResolveHead): the arguments first, then GEOTRAIN_HEAD and GEOTRAIN_TOKEN (or GEOTRAIN_TOKEN_FILE), then the
-record a head started on this machine leaves in $GEOTRAIN_HOME (default ~/.geotrain)/current_cluster.json."""
+"""Where the head is, which token to give it and which TLS files to use, found the way the `geotrain` CLI finds
+them (common/rpc.h ResolveHead, TlsFromFlagsOrEnvironment): the arguments first, then GEOTRAIN_HEAD and
+GEOTRAIN_TOKEN (or GEOTRAIN_TOKEN_FILE), GEOTRAIN_TLS_CA, GEOTRAIN_TLS_CERT and GEOTRAIN_TLS_KEY, then the record a
+head started on this machine leaves in $GEOTRAIN_HOME (default ~/.geotrain)/current_cluster.json."""
 import json
 import os
 from dataclasses import dataclass
@@ -80,3 +81,29 @@ def resolve_head(head=None, token=None, token_file=None):
                                    "head's <state-dir>/token, mode 0600), or pass token= / set GEOTRAIN_TOKEN",
                                    "UNAUTHENTICATED")
     return Endpoint(address, token)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: str = ""  # the CA certificate (PEM) that signed the head's certificate
+    cert: str = ""  # this client's certificate and key (PEM), for a head that asks for them (mutual TLS)
+    key: str = ""
+
+    @property
+    def enabled(self):
+        return bool(self.ca or self.cert or self.key)
+
+
+def resolve_tls(ca=None, cert=None, key=None):
+    """The TLS files, as the CLI finds them: the arguments when any is given, else GEOTRAIN_TLS_CA, GEOTRAIN_TLS_CERT
+    and GEOTRAIN_TLS_KEY when any is set, else those recorded by a head started on this machine (or by `cluster up
+    --tls`). All empty: plaintext."""
+    given = TlsFiles(ca or "", cert or "", key or "")
+    if given.enabled:
+        return given
+    environment = TlsFiles(*(os.environ.get(f"GEOTRAIN_TLS_{name}", "") for name in ("CA", "CERT", "KEY")))
+    if environment.enabled:
+        return environment
+    record = _cluster_record() or {}
+    recorded = TlsFiles(*(str(record.get(f"tls_{name}") or "") for name in ("ca", "cert", "key")))
+    return recorded if recorded.enabled else given
