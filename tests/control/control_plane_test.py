@@ -67,8 +67,14 @@ class ControlPlaneTest(unittest.TestCase):
         os.killpg(c.head.pid, signal.SIGKILL)
         c.head.wait()
         c.start_head()
-        wait_for(lambda: [c.worker_states().get(w) for w in ("w-utah-1", "w-utah-2")] ==
-                 ["WORKER_ALIVE", "WORKER_ALIVE"], 15, "utah workers back")
+        # Back means registered again with the new head (a new incarnation), not only ALIVE: the new head restores
+        # the workers' records from its state dir, and a loaded machine can show them ALIVE before they re-register.
+        def back():
+            workers = {w["worker_id"]: w for w in c.status()["workers"]}
+            return all(workers.get(w, {}).get("state") == "WORKER_ALIVE" and int(workers[w].get("incarnation", 0)) >= 2
+                       for w in ("w-utah-1", "w-utah-2"))
+
+        wait_for(back, 15, "utah workers back")
         incarnations = {w["worker_id"]: int(w["incarnation"]) for w in c.status()["workers"]}
         self.assertGreaterEqual(incarnations["w-utah-1"], 2, "the worker registered again")
         listing = c.cli(["job", "list"]).stdout
