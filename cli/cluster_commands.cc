@@ -34,6 +34,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cli/cluster_isolation.h"
+#include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
 #include "common/rpc.h"
@@ -250,6 +251,25 @@ absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address, const s
   return status;
 }
 
+// The head's dashboard as a link that logs in at once (`<url>?token=TOKEN`), or "" when it serves none.
+std::string DashboardLink(const std::string& address, const std::string& tls_ca, const std::string& token_file) {
+  TlsFiles tls;
+  if (!tls_ca.empty()) {
+    const std::string dir = std::filesystem::path(tls_ca).parent_path().string();
+    tls = TlsFiles{.cert = dir + "/server.pem", .key = dir + "/server.key", .ca = tls_ca};
+  }
+  absl::StatusOr<HeadClient> client = ConnectToHead(address, "", tls);
+  absl::StatusOr<std::string> token = ReadTokenFile(token_file);
+  if (!client.ok() || !token.ok()) return "";
+  grpc::ClientContext ctx;
+  v1::ClusterInfo info;
+  if (!client->cluster->GetClusterInfo(client->Prepare(&ctx, 3000), v1::GetClusterInfoRequest(), &info).ok() ||
+      info.dashboard_url().empty()) {
+    return "";
+  }
+  return absl::StrCat(info.dashboard_url(), "?token=", *token);
+}
+
 // deploy/make-certs.sh: installed beside the binary's prefix, or in the source tree of a build.
 std::string MakeCertsScript() {
   for (const std::string& candidate : {SelfDirectory() + "/../share/geotrain/make-certs.sh",
@@ -281,180 +301,235 @@ absl::StatusOr<std::vector<std::string>> MakeClusterCertificates(const std::stri
       dir + "/ca.pem", "--tls-require-client-cert"};
 }
 
-absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir, const UpOptions& up) {
-  if (!up.device_profiles.empty() && !up.timed_compute) {
-    return absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add --timed-compute");
-  }
-  ASSIGN_OR_RETURN(auto topology, LoadTopologyFile(topology_path));
-  if (auto existing = ReadClusterFile(state_dir); existing.ok()) {
-    for (const Started& p : existing->processes) {
-      if (p.pid > 0 && ::kill(p.pid, 0) == 0 && RunsGeotrain(p.pid)) {
-        return absl::AlreadyExistsError(
-            absl::StrCat("a cluster is already up (", state_dir, "); stop it first with `geotrain cluster down`"));
-      }
-    }
-  }
-  std::filesystem::create_directories(state_dir + "/logs");
-  const std::string bin = SelfDirectory();
-  const std::string geotrain = bin + "/geotrain";
-  const std::string netem_binary = bin + "/geotrain-netem";
-  ClusterFile file;
-  file.topology = std::filesystem::absolute(topology_path).string();
-  auto fail = [&file, &state_dir](absl::Status s) {
-    StopProcesses(file.processes);
-    if (!file.isolation_prefix.empty()) RemoveIsolatedNetwork(file.isolation_prefix);
-    std::filesystem::remove(ClusterFilePath(state_dir));
-    return s;
-  };
-  if (up.isolate) RETURN_IF_ERROR(CheckIsolationAvailable(IsolationPrefix(state_dir)));
+// A worker `cluster up` starts: its id (SITE-INDEX), its port and devices, and the emulator routes that reach it
+// from other sites.
+struct PlannedWorker {
+  std::string id, site;
+  int port;
+  std::optional<ReservedPort> reservation;  // until the worker starts (not with isolate: its own namespace)
+  std::vector<std::string> devices;
+  std::map<std::string, size_t> route_index_by_site;  // other site -> its route in the emulator's list
+};
 
-  // Links by unordered site pair.
-  std::map<std::pair<std::string, std::string>, const TopologyLink*> links;
-  for (const TopologyLink& l : topology.links()) {
-    links[std::minmax(l.a(), l.b())] = &l;
-  }
-
-  // Workers, their ports, and the emulator routes that reach them from other sites.
-  struct PlannedWorker {
-    std::string id, site;
-    int port;
-    std::optional<ReservedPort> reservation;  // until the worker starts (not with isolate: its own namespace)
-    std::vector<std::string> devices;
-    std::map<std::string, size_t> route_index_by_site;
-  };
-  std::vector<PlannedWorker> workers;
-  std::vector<netem::RouteSpec> routes;
+// Every topology worker as (site, SITE-INDEX), grouped by site in the topology's order.
+std::vector<std::pair<std::string, std::string>> SiteWorkerIds(const Topology& topology) {
   std::vector<std::pair<std::string, std::string>> site_workers;
   for (const TopologySite& site : topology.sites()) {
-    for (int i = 0; i < site.workers_size(); ++i)
-      site_workers.push_back({site.name(), absl::StrCat(site.name(), "-", i)});
-  }
-  IsolatedNetwork net;
-  if (up.isolate) {
-    // Recorded before it is made: a crash in between still lets `cluster down` remove it.
-    file.isolation_prefix = IsolationPrefix(state_dir);
-    RETURN_IF_ERROR(WriteClusterFile(state_dir, file));
-    absl::StatusOr<IsolatedNetwork> made = CreateIsolatedNetwork(file.isolation_prefix, site_workers);
-    if (!made.ok()) return fail(made.status());
-    net = std::move(*made);
-  }
-  size_t worker_index = 0;
-  for (const TopologySite& site : topology.sites()) {
     for (int i = 0; i < site.workers_size(); ++i) {
-      const TopologyWorker& w = site.workers(i);
-      PlannedWorker p;
-      p.id = absl::StrCat(site.name(), "-", i);
-      p.site = site.name();
-      if (up.isolate) {
-        p.port = kIsolatedWorkerPort;  // its own namespace: the port is free
-      } else {
-        ASSIGN_OR_RETURN(ReservedPort port, ReservedPort::Pick());
-        p.port = port.port();
-        p.reservation = std::move(port);
-      }
-      const std::string host = up.isolate ? net.nodes[worker_index].ip : "127.0.0.1";
-      ++worker_index;
-      p.devices = TopologyWorkerDevices(w);
-      for (const TopologySite& other : topology.sites()) {
-        if (other.name() == site.name() || !links.count(std::minmax(other.name(), site.name()))) continue;
-        netem::RouteSpec r;
-        r.src_site = other.name();
-        r.dst_site = site.name();
-        r.target_host = host;
-        r.target_port = p.port;
-        p.route_index_by_site[other.name()] = routes.size();
-        routes.push_back(r);
-      }
-      workers.push_back(std::move(p));
+      site_workers.push_back({site.name(), absl::StrCat(site.name(), "-", i)});
     }
   }
+  return site_workers;
+}
 
-  // The emulator first: workers need its route ports.
-  netem::EmulatorProcessSpec netem_spec;
-  netem_spec.binary = netem_binary;
-  netem_spec.topology_path = file.topology;
-  netem_spec.routes = routes;
-  netem_spec.ready_file = state_dir + "/netem.ready";
-  if (up.isolate) netem_spec.listen_host = "0.0.0.0";  // each site reaches the routes at its bridge's address
-  std::vector<std::string> tls_flags;
-  if (up.tls) {
+// An error when the processes a cluster.json in `state_dir` records still run.
+absl::Status CheckNoClusterUp(const std::string& state_dir) {
+  absl::StatusOr<ClusterFile> existing = ReadClusterFile(state_dir);
+  if (!existing.ok()) return absl::OkStatus();
+  for (const Started& p : existing->processes) {
+    if (p.pid > 0 && ::kill(p.pid, 0) == 0 && RunsGeotrain(p.pid)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("a cluster is already up (", state_dir, "); stop it first with `geotrain cluster down`"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One `cluster up` as it goes: what it planned and what it started so far (recorded in cluster.json as it starts
+// each process), so that a failure stops exactly that. Used once, by one thread.
+class ClusterLaunch {
+ public:
+  ClusterLaunch(std::string state_dir, const UpOptions& up, Topology topology, std::string topology_path)
+      : state_dir_(std::move(state_dir)),
+        up_(up),
+        topology_(std::move(topology)),
+        geotrain_(SelfDirectory() + "/geotrain"),
+        netem_binary_(SelfDirectory() + "/geotrain-netem") {
+    file_.topology = std::move(topology_path);
+  }
+
+  // Starts the emulator, the head and the workers, waits for every worker to join and prints what runs. On an
+  // error after the network is made, stops what it started, removes the network and cluster.json.
+  absl::Status Run() {
+    if (up_.isolate) {
+      RETURN_IF_ERROR(CheckIsolationAvailable(IsolationPrefix(state_dir_)));
+      RETURN_IF_ERROR(MakeIsolatedNetwork());
+    }
+    RETURN_IF_ERROR(PlanWorkers());  // fails only picking ports, before anything runs (not with --isolate)
+    if (absl::Status s = StartEverything(); !s.ok()) {
+      StopStarted();
+      return s;
+    }
+    PrintSummary();
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status MakeIsolatedNetwork() {
+    // Recorded before it is made: a crash in between still lets `cluster down` remove it.
+    file_.isolation_prefix = IsolationPrefix(state_dir_);
+    RETURN_IF_ERROR(WriteClusterFile(state_dir_, file_));
+    absl::StatusOr<IsolatedNetwork> made = CreateIsolatedNetwork(file_.isolation_prefix, SiteWorkerIds(topology_));
+    if (!made.ok()) {
+      StopStarted();
+      return made.status();
+    }
+    net_ = std::move(*made);
+    return absl::OkStatus();
+  }
+
+  // Workers, their ports, and the emulator routes that reach them from other sites (a route per linked site).
+  absl::Status PlanWorkers() {
+    std::map<std::pair<std::string, std::string>, const TopologyLink*> links;  // by unordered site pair
+    for (const TopologyLink& l : topology_.links()) links[std::minmax(l.a(), l.b())] = &l;
+    size_t worker_index = 0;
+    for (const TopologySite& site : topology_.sites()) {
+      for (int i = 0; i < site.workers_size(); ++i) {
+        PlannedWorker p;
+        p.id = absl::StrCat(site.name(), "-", i);
+        p.site = site.name();
+        if (up_.isolate) {
+          p.port = kIsolatedWorkerPort;  // its own namespace: the port is free
+        } else {
+          ASSIGN_OR_RETURN(ReservedPort port, ReservedPort::Pick());
+          p.port = port.port();
+          p.reservation = std::move(port);
+        }
+        const std::string host = up_.isolate ? net_.nodes[worker_index].ip : "127.0.0.1";
+        ++worker_index;
+        p.devices = TopologyWorkerDevices(site.workers(i));
+        for (const TopologySite& other : topology_.sites()) {
+          if (other.name() == site.name() || !links.count(std::minmax(other.name(), site.name()))) continue;
+          netem::RouteSpec r;
+          r.src_site = other.name();
+          r.dst_site = site.name();
+          r.target_host = host;
+          r.target_port = p.port;
+          p.route_index_by_site[other.name()] = routes_.size();
+          routes_.push_back(r);
+        }
+        workers_.push_back(std::move(p));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The emulator first (workers need its route ports), then the head, then the workers.
+  absl::Status StartEverything() {
+    RETURN_IF_ERROR(MakeCertificates());
+    RETURN_IF_ERROR(StartEmulator());
+    RETURN_IF_ERROR(StartHead());
+    RETURN_IF_ERROR(StartWorkers());
+    return WaitForWorkers();
+  }
+
+  // --tls: certificates for every address a node has, and the TLS flags every node gets.
+  absl::Status MakeCertificates() {
+    if (!up_.tls) return absl::OkStatus();
     std::vector<std::string> addresses;
-    for (const auto& [site, gateway] : net.gateway_by_site) addresses.push_back(gateway);
-    for (const IsolatedNode& n : net.nodes) addresses.push_back(n.ip);
-    absl::StatusOr<std::vector<std::string>> flags = MakeClusterCertificates(state_dir, addresses);
-    if (!flags.ok()) return fail(flags.status());
-    tls_flags = *flags;
-    file.tls_ca = state_dir + "/certs/ca.pem";
-  }
-  std::filesystem::remove(netem_spec.ready_file);
-  // A topology without links between sites (one site, or sites left unlinked) has no emulated traffic: no emulator.
-  netem::ReadyInfo emulator;
-  if (!routes.empty()) {
-    auto netem_pid = Spawn(netem::EmulatorCommandLine(netem_spec), state_dir + "/logs/netem.log");
-    if (!netem_pid.ok()) return fail(netem_pid.status());
-    file.processes.push_back({"netem", *netem_pid});
-    auto ready = netem::WaitForReadyFile(netem_spec.ready_file, std::chrono::seconds(15), *netem_pid);
-    if (!ready.ok()) {
-      return fail(absl::UnavailableError(absl::StrCat("the WAN emulator did not start: ", ready.status().message(),
-                                                      "; see ", state_dir, "/logs/netem.log")));
-    }
-    emulator = *std::move(ready);
-  }
-  file.netem_control_port = emulator.control_port;
-
-  absl::StatusOr<ReservedPort> head_reserved = ReservedPort::Pick();
-  absl::StatusOr<ReservedPort> metrics_reserved = ReservedPort::Pick();
-  if (!head_reserved.ok() || !metrics_reserved.ok()) return fail(absl::UnavailableError("no free ports"));
-  const int head_port = head_reserved->port(), metrics_port = metrics_reserved->port();
-  file.head_address = absl::StrCat("127.0.0.1:", head_port);
-  std::vector<std::string> head_argv = {geotrain,
-                                        "head",
-                                        "start",
-                                        "--bind",
-                                        up.isolate ? "0.0.0.0" : "127.0.0.1",
-                                        "--port",
-                                        std::to_string(head_port),
-                                        "--metrics-port",
-                                        std::to_string(metrics_port),
-                                        "--metrics-bind",
-                                        "127.0.0.1",
-                                        "--state-dir",
-                                        state_dir + "/head"};
-  head_argv.insert(head_argv.end(), tls_flags.begin(), tls_flags.end());
-  head_reserved->Release();
-  metrics_reserved->Release();
-  auto head_pid = Spawn(head_argv, state_dir + "/logs/head.log");
-  if (!head_pid.ok()) return fail(head_pid.status());
-  file.processes.push_back({"head", *head_pid});
-  if (absl::Status s = WriteClusterFile(state_dir, file); !s.ok()) return fail(s);
-  const auto head_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-  while (!HeadStatus(file.head_address, file.tls_ca).ok()) {
-    if (std::chrono::steady_clock::now() > head_deadline || ::waitpid(*head_pid, nullptr, WNOHANG) != 0) {
-      return fail(absl::UnavailableError(absl::StrCat("the head did not start; see ", state_dir, "/logs/head.log")));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (const auto& [site, gateway] : net_.gateway_by_site) addresses.push_back(gateway);
+    for (const IsolatedNode& n : net_.nodes) addresses.push_back(n.ip);
+    ASSIGN_OR_RETURN(tls_flags_, MakeClusterCertificates(state_dir_, addresses));
+    file_.tls_ca = state_dir_ + "/certs/ca.pem";
+    return absl::OkStatus();
   }
 
-  // Each worker's own disk: its state dir, and a copy of the token (the head's state dir may be hidden from it).
-  auto token = ReadSmallFile(state_dir + "/head/token");
-  if (!token.ok()) return fail(WithContext(token.status(), "reading the head's token"));
-  std::vector<std::string> hidden = {std::filesystem::absolute(state_dir + "/head").string()};
-  for (const std::string& dir : up.hidden) hidden.push_back(std::filesystem::absolute(dir).lexically_normal().string());
-  for (const PlannedWorker& w : workers) {
-    // Made now: a directory that does not exist when a node starts is not covered in its view.
-    std::filesystem::create_directories(absl::StrCat(state_dir, "/nodes/", w.id));
-    hidden.push_back(std::filesystem::absolute(absl::StrCat(state_dir, "/nodes/", w.id)).string());
+  absl::Status StartEmulator() {
+    netem::EmulatorProcessSpec spec;
+    spec.binary = netem_binary_;
+    spec.topology_path = file_.topology;
+    spec.routes = routes_;
+    spec.ready_file = state_dir_ + "/netem.ready";
+    if (up_.isolate) spec.listen_host = "0.0.0.0";  // each site reaches the routes at its bridge's address
+    std::filesystem::remove(spec.ready_file);
+    // A topology without links between sites (one site, or sites left unlinked) has no emulated traffic: no emulator.
+    if (!routes_.empty()) {
+      ASSIGN_OR_RETURN(pid_t pid, Spawn(netem::EmulatorCommandLine(spec), state_dir_ + "/logs/netem.log"));
+      file_.processes.push_back({"netem", pid});
+      absl::StatusOr<netem::ReadyInfo> ready = netem::WaitForReadyFile(spec.ready_file, std::chrono::seconds(15), pid);
+      if (!ready.ok()) {
+        return absl::UnavailableError(absl::StrCat("the WAN emulator did not start: ", ready.status().message(),
+                                                   "; see ", state_dir_, "/logs/netem.log"));
+      }
+      emulator_ = *std::move(ready);
+    }
+    file_.netem_control_port = emulator_.control_port;
+    return absl::OkStatus();
   }
-  std::vector<pid_t> worker_pids;  // by index in workers
-  for (size_t i = 0; i < workers.size(); ++i) {
-    const PlannedWorker& w = workers[i];
-    const std::string node_dir = absl::StrCat(state_dir, "/nodes/", w.id);
-    std::filesystem::create_directories(node_dir);
-    if (absl::Status s = WriteFileAtomically(node_dir + "/token", *token, 0600); !s.ok()) return fail(s);
+
+  // Starts the head on free ports and waits (15 s at most) until it answers.
+  absl::Status StartHead() {
+    absl::StatusOr<ReservedPort> head_reserved = ReservedPort::Pick();
+    absl::StatusOr<ReservedPort> metrics_reserved = ReservedPort::Pick();
+    if (!head_reserved.ok() || !metrics_reserved.ok()) return absl::UnavailableError("no free ports");
+    head_port_ = head_reserved->port();
+    const int metrics_port = metrics_reserved->port();
+    file_.head_address = absl::StrCat("127.0.0.1:", head_port_);
+    std::vector<std::string> argv = {geotrain_,
+                                     "head",
+                                     "start",
+                                     "--bind",
+                                     up_.isolate ? "0.0.0.0" : "127.0.0.1",
+                                     "--port",
+                                     std::to_string(head_port_),
+                                     "--metrics-port",
+                                     std::to_string(metrics_port),
+                                     "--metrics-bind",
+                                     "127.0.0.1",
+                                     "--topology",
+                                     std::filesystem::absolute(file_.topology).string(),
+                                     "--state-dir",
+                                     state_dir_ + "/head"};
+    argv.insert(argv.end(), tls_flags_.begin(), tls_flags_.end());
+    head_reserved->Release();
+    metrics_reserved->Release();
+    ASSIGN_OR_RETURN(pid_t head_pid, Spawn(argv, state_dir_ + "/logs/head.log"));
+    file_.processes.push_back({"head", head_pid});
+    RETURN_IF_ERROR(WriteClusterFile(state_dir_, file_));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    while (!HeadStatus(file_.head_address, file_.tls_ca).ok()) {
+      if (std::chrono::steady_clock::now() > deadline || ::waitpid(head_pid, nullptr, WNOHANG) != 0) {
+        return absl::UnavailableError(absl::StrCat("the head did not start; see ", state_dir_, "/logs/head.log"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status StartWorkers() {
+    // Each worker's own disk: its state dir, and a copy of the token (the head's state dir may be hidden from it).
+    absl::StatusOr<std::string> token = ReadSmallFile(state_dir_ + "/head/token");
+    if (!token.ok()) return WithContext(token.status(), "reading the head's token");
+    std::vector<std::string> hidden = {std::filesystem::absolute(state_dir_ + "/head").string()};
+    for (const std::string& dir : up_.hidden) {
+      hidden.push_back(std::filesystem::absolute(dir).lexically_normal().string());
+    }
+    for (const PlannedWorker& w : workers_) {
+      // Made now: a directory that does not exist when a node starts is not covered in its view.
+      std::filesystem::create_directories(absl::StrCat(state_dir_, "/nodes/", w.id));
+      hidden.push_back(std::filesystem::absolute(absl::StrCat(state_dir_, "/nodes/", w.id)).string());
+    }
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      const std::string node_dir = absl::StrCat(state_dir_, "/nodes/", workers_[i].id);
+      std::filesystem::create_directories(node_dir);
+      RETURN_IF_ERROR(WriteFileAtomically(node_dir + "/token", *token, 0600));
+      const std::vector<std::string> argv = WorkerCommandLine(i, node_dir, hidden);
+      workers_[i].reservation.reset();
+      ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, absl::StrCat(state_dir_, "/logs/worker-", workers_[i].id, ".log")));
+      file_.processes.push_back({"worker " + workers_[i].id, pid});
+      worker_pids_.push_back(pid);
+    }
+    return WriteClusterFile(state_dir_, file_);
+  }
+
+  // `geotrain worker start` for workers_[i], inside its isolated node with --isolate.
+  std::vector<std::string> WorkerCommandLine(size_t i, const std::string& node_dir,
+                                             const std::vector<std::string>& hidden) const {
+    const PlannedWorker& w = workers_[i];
     const std::string head_address =
-        up.isolate ? absl::StrCat(net.nodes[i].gateway, ":", head_port) : file.head_address;
-    const std::string own_host = up.isolate ? net.nodes[i].ip : "127.0.0.1";
-    std::vector<std::string> argv = {geotrain,
+        up_.isolate ? absl::StrCat(net_.nodes[i].gateway, ":", head_port_) : file_.head_address;
+    const std::string own_host = up_.isolate ? net_.nodes[i].ip : "127.0.0.1";
+    std::vector<std::string> argv = {geotrain_,
                                      "worker",
                                      "start",
                                      "--head",
@@ -462,7 +537,7 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
                                      "--site",
                                      w.site,
                                      "--bind",
-                                     up.isolate ? "0.0.0.0" : "127.0.0.1",
+                                     up_.isolate ? "0.0.0.0" : "127.0.0.1",
                                      "--port",
                                      std::to_string(w.port),
                                      "--advertise-address",
@@ -475,89 +550,123 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
                                      node_dir,
                                      "--token-file",
                                      node_dir + "/token"};
-    argv.insert(argv.end(), tls_flags.begin(), tls_flags.end());
+    argv.insert(argv.end(), tls_flags_.begin(), tls_flags_.end());
     for (const std::string& d : w.devices) argv.insert(argv.end(), {"--emulate-device", d});
-    if (up.timed_compute) argv.push_back("--timed-compute");
-    if (!up.device_profiles.empty()) {
-      argv.insert(argv.end(), {"--device-profiles", std::filesystem::absolute(up.device_profiles).string()});
+    if (up_.timed_compute) argv.push_back("--timed-compute");
+    if (!up_.device_profiles.empty()) {
+      argv.insert(argv.end(), {"--device-profiles", std::filesystem::absolute(up_.device_profiles).string()});
     }
     for (const auto& [site, index] : w.route_index_by_site) {
       // Peers at `site` dial the emulator's route at their own side: their bridge, or loopback.
-      const std::string route_host = up.isolate ? net.gateway_by_site[site] : "127.0.0.1";
+      const auto gateway = net_.gateway_by_site.find(site);
+      const std::string route_host = !up_.isolate                            ? "127.0.0.1"
+                                     : gateway == net_.gateway_by_site.end() ? ""
+                                                                             : gateway->second;
       argv.insert(argv.end(),
-                  {"--advertise-for", absl::StrCat(site, "=", route_host, ":", emulator.routes[index].bound_port)});
+                  {"--advertise-for", absl::StrCat(site, "=", route_host, ":", emulator_.routes[index].bound_port)});
     }
-    if (up.isolate) {
-      std::vector<std::string> others;
-      const std::string own = std::filesystem::absolute(node_dir).string();
-      for (const std::string& dir : hidden) {
-        if (dir != own) others.push_back(dir);
-      }
-      // What the node is given: its own disk, and the files its command line names (the binary, TLS files, device
-      // profiles); nothing else of /tmp, /home, /root, /srv or /var/lib/geotrain.
-      std::vector<std::string> given = {own};
-      for (const std::string& arg : argv) {
-        if (absl::StartsWith(arg, "/") && std::filesystem::exists(arg)) given.push_back(arg);
-      }
-      argv = IsolatedCommand(net.nodes[i], others, given, argv);
+    if (!up_.isolate) return argv;
+    std::vector<std::string> others;
+    const std::string own = std::filesystem::absolute(node_dir).string();
+    for (const std::string& dir : hidden) {
+      if (dir != own) others.push_back(dir);
     }
-    workers[i].reservation.reset();
-    auto pid = Spawn(argv, absl::StrCat(state_dir, "/logs/worker-", w.id, ".log"));
-    if (!pid.ok()) return fail(pid.status());
-    file.processes.push_back({"worker " + w.id, *pid});
-    worker_pids.push_back(*pid);
+    // What the node is given: its own disk, and the files its command line names (the binary, TLS files, device
+    // profiles); nothing else of /tmp, /home, /root, /srv or /var/lib/geotrain.
+    std::vector<std::string> given = {own};
+    for (const std::string& arg : argv) {
+      if (absl::StartsWith(arg, "/") && std::filesystem::exists(arg)) given.push_back(arg);
+    }
+    return IsolatedCommand(net_.nodes[i], others, given, argv);
   }
-  if (absl::Status s = WriteClusterFile(state_dir, file); !s.ok()) return fail(s);
 
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  int alive = 0;
-  while (true) {
-    auto status = HeadStatus(file.head_address, file.tls_ca);
-    alive = 0;
-    if (status.ok()) {
-      for (const v1::Worker& w : status->workers()) alive += w.state() == v1::WORKER_ALIVE;
+  // Waits (60 s at most) until the head counts every worker alive; a worker that exits first fails it at once.
+  absl::Status WaitForWorkers() const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (true) {
+      absl::StatusOr<v1::ClusterStatus> status = HeadStatus(file_.head_address, file_.tls_ca);
+      int alive = 0;
+      if (status.ok()) {
+        for (const v1::Worker& w : status->workers()) alive += w.state() == v1::WORKER_ALIVE;
+      }
+      if (alive == static_cast<int>(workers_.size())) return absl::OkStatus();
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        // A worker that exits will never join: say why now rather than after the deadline.
+        if (::waitpid(worker_pids_[i], nullptr, WNOHANG) == 0) continue;
+        const std::string log = absl::StrCat(state_dir_, "/logs/worker-", workers_[i].id, ".log");
+        const std::string why = LastLogLine(log);
+        return absl::UnavailableError(absl::StrCat("worker ", workers_[i].id, " exited before it joined",
+                                                   why.empty() ? "" : absl::StrCat(": ", why), "; see ", log));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("only ", alive, " of ", workers_.size(),
+                                                        " workers joined within 60 s; see ", state_dir_, "/logs/"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    if (alive == static_cast<int>(workers.size())) break;
-    for (size_t i = 0; i < workers.size(); ++i) {
-      // A worker that exits will never join: say why now rather than after the deadline.
-      if (::waitpid(worker_pids[i], nullptr, WNOHANG) == 0) continue;
-      const std::string log = absl::StrCat(state_dir, "/logs/worker-", workers[i].id, ".log");
-      const std::string why = LastLogLine(log);
-      return fail(absl::UnavailableError(absl::StrCat("worker ", workers[i].id, " exited before it joined",
-                                                      why.empty() ? "" : absl::StrCat(": ", why), "; see ", log)));
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      return fail(absl::DeadlineExceededError(absl::StrCat("only ", alive, " of ", workers.size(),
-                                                           " workers joined within 60 s; see ", state_dir, "/logs/")));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  std::printf("cluster up: head at %s, %zu workers in %d sites, %s\n", file.head_address.c_str(), workers.size(),
-              topology.sites_size(),
-              routes.empty() ? "no WAN emulator (no links between sites)"
-                             : absl::StrCat("WAN emulator with ", routes.size(), " routes (control port ",
-                                            file.netem_control_port, ")")
-                                   .c_str());
-  if (up.timed_compute) {
+
+  void PrintSummary() const {
+    std::printf("cluster up: head at %s, %zu workers in %d sites, %s\n", file_.head_address.c_str(), workers_.size(),
+                topology_.sites_size(),
+                routes_.empty() ? "no WAN emulator (no links between sites)"
+                                : absl::StrCat("WAN emulator with ", routes_.size(), " routes (control port ",
+                                               file_.netem_control_port, ")")
+                                      .c_str());
+    if (up_.timed_compute) {
+      std::printf(
+          "  timed compute: every worker waits its emulated GPU's time instead of computing; step times are "
+          "EMULATED and losses are not real\n");
+    }
+    for (const TopologyLink& l : topology_.links()) {
+      std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
+                  l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
+    }
+    if (up_.isolate) {
+      std::printf("  isolated nodes (own network and mount namespaces, names %s-*):", file_.isolation_prefix.c_str());
+      for (const IsolatedNode& n : net_.nodes) std::printf(" %s=%s", n.worker_id.c_str(), n.ip.c_str());
+      std::printf("\n");
+    }
+    if (up_.tls) std::printf("  mutual TLS on every connection; certificates in %s/certs\n", state_dir_.c_str());
     std::printf(
-        "  timed compute: every worker waits its emulated GPU's time instead of computing; step times are "
-        "EMULATED and losses are not real\n");
+        "state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
+        "`geotrain cluster down`\n",
+        state_dir_.c_str());
+    const std::string link = DashboardLink(file_.head_address, file_.tls_ca, state_dir_ + "/head/token");
+    if (!link.empty()) std::printf("dashboard (logs in with the cluster token): %s\n", link.c_str());
   }
-  for (const TopologyLink& l : topology.links()) {
-    std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
-                l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
+
+  // After a failure: stops what started, removes the isolated network and cluster.json.
+  void StopStarted() {
+    StopProcesses(file_.processes);
+    if (!file_.isolation_prefix.empty()) RemoveIsolatedNetwork(file_.isolation_prefix);
+    std::filesystem::remove(ClusterFilePath(state_dir_));
   }
-  if (up.isolate) {
-    std::printf("  isolated nodes (own network and mount namespaces, names %s-*):", file.isolation_prefix.c_str());
-    for (const IsolatedNode& n : net.nodes) std::printf(" %s=%s", n.worker_id.c_str(), n.ip.c_str());
-    std::printf("\n");
+
+  const std::string state_dir_;
+  const UpOptions& up_;
+  const Topology topology_;
+  const std::string geotrain_;  // the binaries, beside this one
+  const std::string netem_binary_;
+  ClusterFile file_;     // what cluster.json records
+  IsolatedNetwork net_;  // --isolate
+  std::vector<PlannedWorker> workers_;
+  std::vector<netem::RouteSpec> routes_;
+  std::vector<std::string> tls_flags_;  // --tls: what every node is started with
+  netem::ReadyInfo emulator_;           // its route ports (none without links between sites)
+  int head_port_ = 0;
+  std::vector<pid_t> worker_pids_;  // by index in workers_
+};
+
+absl::Status ClusterUp(const std::string& topology_path, const std::string& state_dir, const UpOptions& up) {
+  if (!up.device_profiles.empty() && !up.timed_compute) {
+    return absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add --timed-compute");
   }
-  if (up.tls) std::printf("  mutual TLS on every connection; certificates in %s/certs\n", state_dir.c_str());
-  std::printf(
-      "state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
-      "`geotrain cluster down`\n",
-      state_dir.c_str());
-  return absl::OkStatus();
+  ASSIGN_OR_RETURN(Topology topology, LoadTopologyFile(topology_path));
+  RETURN_IF_ERROR(CheckNoClusterUp(state_dir));
+  std::filesystem::create_directories(state_dir + "/logs");
+  ClusterLaunch launch(state_dir, up, std::move(topology), std::filesystem::absolute(topology_path).string());
+  return launch.Run();
 }
 
 absl::Status ClusterDown(const std::string& state_dir) {
@@ -609,6 +718,11 @@ absl::Status ClusterShow(const std::string& state_dir) {
   return absl::OkStatus();
 }
 
+// --state-dir of the verbs that act on a cluster `cluster up` started.
+void AddStateDirOfUp(CLI::App* cmd, std::string* state_dir) {
+  cmd->add_option("--state-dir", *state_dir, "the state dir given to `cluster up`")->capture_default_str();
+}
+
 void AddClusterCommands(CLI::App& app, Context& context) {
   CLI::App* cluster = app.add_subcommand("cluster", "a whole multi-site cluster on this machine, WAN emulated");
   cluster->require_subcommand(1);
@@ -625,22 +739,18 @@ void AddClusterCommands(CLI::App& app, Context& context) {
                  "with --isolate: a directory the workers must not see besides those always hidden (the head's state "
                  "dir, the other workers' dirs, and everything under /tmp, /home, /root, /srv and /var/lib/geotrain "
                  "that a worker is not given); repeatable");
-  up->add_flag("--timed-compute", up_options->timed_compute,
-               "every worker waits its emulated GPU's time instead of computing (EMULATED step times, no real "
-               "loss; docs/timed-compute.md)");
-  up->add_option("--device-profiles", up_options->device_profiles,
-                 "with --timed-compute: measured figures calibrating the emulated devices (JSON lines, e.g. "
-                 "tests/gpu/run.sh's bench_gpu_step.json)");
+  AddTimedComputeFlag(up, &up_options->timed_compute);
+  AddDeviceProfilesOption(up, &up_options->device_profiles);
   up->callback([topology, state_dir, up_options, &context] {
     if (absl::Status s = ClusterUp(*topology, *state_dir, *up_options); !s.ok()) context.exit_code = Fail(s);
   });
   CLI::App* down = cluster->add_subcommand("down", "stop everything `cluster up` started");
-  down->add_option("--state-dir", *state_dir, "the state dir given to `cluster up`")->capture_default_str();
+  AddStateDirOfUp(down, state_dir.get());
   down->callback([state_dir, &context] {
     if (absl::Status s = ClusterDown(*state_dir); !s.ok()) context.exit_code = Fail(s);
   });
   CLI::App* status = cluster->add_subcommand("status", "links as configured and as measured, emulator traffic");
-  status->add_option("--state-dir", *state_dir, "the state dir given to `cluster up`")->capture_default_str();
+  AddStateDirOfUp(status, state_dir.get());
   status->callback([state_dir, &context] {
     if (absl::Status s = ClusterShow(*state_dir); !s.ok()) context.exit_code = Fail(s);
   });

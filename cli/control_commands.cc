@@ -9,20 +9,19 @@
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <iostream>
-#include <map>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
 #include "common/log.h"
 #include "common/names.h"
 #include "common/rpc.h"
 #include "common/spec.h"
-#include "common/status.h"
 #include "head/head_server.h"
 #include "head/job_manager.h"
 #include "worker/devices.h"
@@ -70,43 +69,6 @@ std::thread StopOnSignal(std::function<void()> on_signal) {
   });
 }
 
-// --token and --token-file, one or the other: a file keeps the token out of `ps` and shell histories.
-void AddTokenOptions(CLI::App* cmd, std::string* token, std::string* token_file, const std::string& fallback) {
-  CLI::Option* token_option =
-      cmd->add_option("--token", *token, absl::StrCat("cluster token (default: ", fallback, ")"));
-  cmd->add_option("--token-file", *token_file, "file holding the cluster token (default: GEOTRAIN_TOKEN_FILE)")
-      ->excludes(token_option);
-}
-
-// A node's TLS flags: its certificate and key (served, and presented as a client with mutual TLS), the CA of
-// the others, and whether its server requires client certificates.
-void AddNodeTlsOptions(CLI::App* cmd, TlsFiles* tls, const std::string& role) {
-  cmd->add_option("--tls-cert", tls->cert, absl::StrCat("this ", role, "'s certificate (PEM): enables TLS"));
-  cmd->add_option("--tls-key", tls->key, absl::StrCat("this ", role, "'s private key (PEM)"));
-  cmd->add_option("--tls-ca", tls->ca, "CA (PEM) that signed every node's certificate");
-  cmd->add_flag("--tls-require-client-cert", tls->require_client_cert,
-                "mutual TLS: refuse clients without a certificate the CA signed");
-}
-
-struct HeadFlags {
-  std::string head;
-  std::string token;
-  std::string token_file;
-  TlsFiles tls;
-  void Add(CLI::App* cmd) {
-    cmd->add_option("--head", head, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
-    AddTokenOptions(cmd, &token, &token_file, "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or the head's token file");
-    cmd->add_option("--tls-ca", tls.ca, "CA certificate (PEM) to verify a TLS head (default: GEOTRAIN_TLS_CA)");
-    cmd->add_option("--tls-cert", tls.cert, "client certificate (PEM) for mutual TLS (default: GEOTRAIN_TLS_CERT)");
-    cmd->add_option("--tls-key", tls.key, "client private key (PEM) for mutual TLS (default: GEOTRAIN_TLS_KEY)");
-  }
-};
-
-absl::StatusOr<HeadClient> Connect(const HeadFlags& flags) {
-  ASSIGN_OR_RETURN(std::string token, TokenFromFlagsOrEnvironment(flags.token, flags.token_file));
-  return ConnectToHead(flags.head, token, TlsFromFlagsOrEnvironment(flags.tls));
-}
-
 // The public enums mirror the internal ones value for value (head/public_api_test.cc checks it), so their display
 // names are common/names.h's.
 const char* StateName(v1::JobState state) { return JobStateName(static_cast<JobState>(state)); }
@@ -130,9 +92,8 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   auto options = std::make_shared<HeadOptions>();
   options->state_dir = absl::StrCat(GeotrainHome(), "/head");
   start->add_option("--port", options->port, "gRPC port")->capture_default_str();
-  start->add_option("--metrics-port", options->metrics_port, "Prometheus metrics port (0: any free, -1: off)")
-      ->capture_default_str();
-  start->add_option("--bind", options->bind_host, "address to listen on")->capture_default_str();
+  AddMetricsPortOption(start, &options->metrics_port);
+  AddBindOption(start, &options->bind_host);
   start->add_option("--advertise-host", options->advertise_host, "host the CLI and workers should dial");
   start->add_option("--state-dir", options->state_dir, "where the head persists its state")->capture_default_str();
   auto token_file = std::make_shared<std::string>();
@@ -150,6 +111,11 @@ void AddHeadCommands(CLI::App& app, Context& context) {
       ->capture_default_str();
   start->add_option("--metrics-bind", options->metrics_bind,
                     "address /metrics listens on (default: the advertised host, else 127.0.0.1)");
+  start->add_option("--dashboard-port", options->dashboard_port,
+                    "web dashboard port (default: the metrics port; under TLS, HTTPS on a free port; 0: a free port; "
+                    "-1: off); it listens where /metrics does");
+  start->add_option("--topology", options->topology_file,
+                    "the cluster's topology file: the dashboard shows its links as configured");
   AddNodeTlsOptions(start, &options->tls, "head");
   start->callback([options, token_file, &context] {
     SetLogProcessName("head");
@@ -176,6 +142,10 @@ void AddHeadCommands(CLI::App& app, Context& context) {
         "join workers with: geotrain worker start --head <this-host>:%d --site NAME --token-file <a copy of "
         "%s/token>\n",
         server.port(), options->state_dir.c_str());
+    if (!server.dashboard_url().empty()) {
+      std::printf("dashboard: %s (log in with the token in %s/token)\n", server.dashboard_url().c_str(),
+                  options->state_dir.c_str());
+    }
     std::fflush(stdout);
     std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
     server.Wait();
@@ -191,18 +161,16 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   auto options = std::make_shared<WorkerOptions>();
   auto emulate = std::make_shared<std::vector<std::string>>();
   auto head_flag = std::make_shared<std::string>();
-  start->add_option("--head", *head_flag, "head address HOST:PORT (default: GEOTRAIN_HEAD or this machine's head)");
+  AddHeadOption(start, head_flag.get());
   start->add_option("--site", options->site, "site this worker belongs to")->required();
   start->add_option("--port", options->port, "gRPC port (0: any free port)")->capture_default_str();
-  start->add_option("--bind", options->bind_host, "address to listen on")->capture_default_str();
+  AddBindOption(start, &options->bind_host);
   start->add_option("--advertise-address", options->advertise_address,
                     "HOST[:PORT] the head and peers dial (behind NAT or a proxy)");
-  start->add_option("--metrics-port", options->metrics_port, "Prometheus metrics port (0: any free, -1: off)")
-      ->capture_default_str();
+  AddMetricsPortOption(start, &options->metrics_port);
   start->add_option("--worker-id", options->worker_id, "stable worker id (default: assigned by the head)");
   auto token_file = std::make_shared<std::string>();
-  AddTokenOptions(start, &options->token, token_file.get(),
-                  "GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE or this machine's head");
+  AddHeadTokenOptions(start, &options->token, token_file.get());
   auto advertise_for = std::make_shared<std::vector<std::string>>();
   start->add_option("--advertise-for", *advertise_for,
                     "SITE=HOST:PORT: the address peers at SITE dial (repeatable; e.g. a WAN emulator route)");
@@ -218,13 +186,9 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
       ->capture_default_str();
   start->add_option("--emulate-device", *emulate,
                     "stand in for a GPU: NAME[:TFLOPS:MEM_GB[:BW_GBS]] (repeatable), e.g. T4 or T4:65:16");
-  start->add_flag("--timed-compute", options->timed_compute,
-                  "run the emulated devices' stages on timed compute: every op waits the device's time instead of "
-                  "computing (EMULATED times, no real loss; docs/timed-compute.md)");
+  AddTimedComputeFlag(start, &options->timed_compute);
   auto profiles_file = std::make_shared<std::string>();
-  start->add_option("--device-profiles", *profiles_file,
-                    "with --timed-compute: measured figures (JSON lines, e.g. tests/gpu/run.sh's bench_gpu_step.json) "
-                    "that calibrate the emulated devices' achieved FLOP/s and bandwidth");
+  AddDeviceProfilesOption(start, profiles_file.get());
   start->add_option("--metrics-bind", options->metrics_bind,
                     "address /metrics listens on (default: the advertised address's host)");
   start->add_option("--state-dir", options->state_dir,
@@ -337,25 +301,28 @@ void AddStatusCommand(CLI::App& app, Context& context) {
   auto flags = std::make_shared<HeadFlags>();
   auto json = std::make_shared<bool>(false);
   flags->Add(cmd);
-  cmd->add_flag("--json", *json, "print JSON instead of a table");
+  AddJsonFlag(cmd, json.get());
   cmd->callback([flags, json, &context] {
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
     grpc::ClientContext ctx;
     v1::ClusterStatus status;
-    grpc::Status s = client->cluster->GetClusterStatus(client->Prepare(&ctx), v1::GetClusterStatusRequest(), &status);
-    if (!s.ok()) {
-      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
+    if (!RpcSucceeded(client->cluster->GetClusterStatus(client->Prepare(&ctx), v1::GetClusterStatusRequest(), &status),
+                      *client, context)) {
       return;
     }
     status.set_head_address(client->endpoint.address);
+    // The dashboard's address ("" from a head that serves none, or predates GetClusterInfo).
+    grpc::ClientContext info_ctx;
+    v1::ClusterInfo info;
+    (void)client->cluster->GetClusterInfo(client->Prepare(&info_ctx), v1::GetClusterInfoRequest(), &info);
     if (*json) {
-      std::printf("%s\n", ToJson(status, true).c_str());
+      Json out = {{"dashboard_url", info.dashboard_url()}};
+      out.update(Json::parse(ToJson(status, false)));
+      std::printf("%s\n", out.dump(1, ' ', false, Json::error_handler_t::replace).c_str());
     } else {
       PrintStatus(status, client->endpoint.address);
+      if (!info.dashboard_url().empty()) std::printf("dashboard: %s\n", info.dashboard_url().c_str());
     }
   });
 }
@@ -468,15 +435,19 @@ int StreamLogs(const HeadClient& client, const std::string& job_id, bool follow,
   return 0;
 }
 
-void AddJobCommands(CLI::App& app, Context& context) {
-  CLI::App* job = app.add_subcommand("job", "submit and follow training jobs");
-  job->require_subcommand(1);
-  auto flags = std::make_shared<HeadFlags>();
+// The positional arguments the job verbs share.
+void AddSpecArgument(CLI::App* cmd, std::string* spec_path) {
+  cmd->add_option("spec", *spec_path, "job spec file")->required();
+}
+void AddJobIdArgument(CLI::App* cmd, std::string* job_id) { cmd->add_option("id", *job_id, "job id")->required(); }
 
+// job submit SPEC [--follow [--progress]] [--resume-from DIR]
+void AddJobSubmitCommand(CLI::App* job, Context& context) {
   CLI::App* submit = job->add_subcommand("submit", "submit a job spec (YAML or JSON)");
+  auto flags = std::make_shared<HeadFlags>();
   auto spec_path = std::make_shared<std::string>();
   auto follow = std::make_shared<bool>(false);
-  submit->add_option("spec", *spec_path, "job spec file")->required();
+  AddSpecArgument(submit, spec_path.get());
   submit->add_flag("--follow", *follow, "stream the job's log until it ends");
   auto progress = std::make_shared<bool>(false);
   submit->add_flag("--progress", *progress, "with --follow: one progress line for the steps (default on a terminal)");
@@ -492,22 +463,15 @@ void AddJobCommands(CLI::App& app, Context& context) {
       return;
     }
     if (!resume_from->empty()) spec->mutable_checkpoint()->set_resume_from(*resume_from);
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
     grpc::ClientContext ctx;
     v1::SubmitJobRequest request;
     *request.mutable_spec() = *spec;
     request.set_spec_source(*spec_path);
     request.set_base_dir(std::filesystem::current_path().string());  // workers may run elsewhere: paths go absolute
     v1::Job reply;
-    grpc::Status s = client->jobs->SubmitJob(client->Prepare(&ctx), request, &reply);
-    if (!s.ok()) {
-      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
-      return;
-    }
+    if (!RpcSucceeded(client->jobs->SubmitJob(client->Prepare(&ctx), request, &reply), *client, context)) return;
     std::printf("submitted %s (%s): %s\n", reply.job_id().c_str(), reply.name().c_str(), StateName(reply.state()));
     std::fflush(stdout);
     if (*follow) {
@@ -515,29 +479,27 @@ void AddJobCommands(CLI::App& app, Context& context) {
           StreamLogs(*client, reply.job_id(), true, *progress || isatty(STDOUT_FILENO), reply.spec().train().steps());
     }
   });
+}
 
+// job list [--json]: the queue, pending jobs in the order the head tries them (submission order).
+void AddJobListCommand(CLI::App* job, Context& context) {
   CLI::App* list = job->add_subcommand("list", "list jobs");
-  auto list_json = std::make_shared<bool>(false);
-  list->add_flag("--json", *list_json, "print JSON");
+  auto flags = std::make_shared<HeadFlags>();
+  auto json = std::make_shared<bool>(false);
+  AddJsonFlag(list, json.get());
   flags->Add(list);
-  list->callback([flags, list_json, &context] {
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
+  list->callback([flags, json, &context] {
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
     grpc::ClientContext ctx;
     v1::ListJobsReply reply;
-    grpc::Status s = client->jobs->ListJobs(client->Prepare(&ctx), v1::ListJobsRequest(), &reply);
-    if (!s.ok()) {
-      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
+    if (!RpcSucceeded(client->jobs->ListJobs(client->Prepare(&ctx), v1::ListJobsRequest(), &reply), *client, context)) {
       return;
     }
-    if (*list_json) {
+    if (*json) {
       std::printf("%s\n", ToJson(reply, true).c_str());
       return;
     }
-    // The queue: pending jobs in the order the head tries them (submission order).
     std::printf("%-12s %-24s %-11s %-6s %-20s %s\n", "JOB", "NAME", "STATE", "QUEUE", "SUBMITTED", "MESSAGE");
     int queued = 0;
     for (const v1::Job& j : reply.jobs()) {
@@ -546,90 +508,89 @@ void AddJobCommands(CLI::App& app, Context& context) {
                   queue.c_str(), FormatTime(j.submitted_unix_ms()).c_str(), j.message().c_str());
     }
   });
+}
 
-  auto job_id = std::make_shared<std::string>();
+// job status ID [--json]
+void AddJobStatusCommand(CLI::App* job, Context& context) {
   CLI::App* status = job->add_subcommand("status", "show one job, its actors and its progress");
-  status->add_option("id", *job_id, "job id")->required();
-  auto status_json = std::make_shared<bool>(false);
-  status->add_flag("--json", *status_json, "print JSON");
+  auto flags = std::make_shared<HeadFlags>();
+  auto job_id = std::make_shared<std::string>();
+  AddJobIdArgument(status, job_id.get());
+  auto json = std::make_shared<bool>(false);
+  AddJsonFlag(status, json.get());
   flags->Add(status);
-  status->callback([flags, job_id, status_json, &context] {
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
+  status->callback([flags, job_id, json, &context] {
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
     grpc::ClientContext ctx;
     v1::GetJobRequest request;
     request.set_job_id(*job_id);
     v1::Job reply;
-    grpc::Status s = client->jobs->GetJob(client->Prepare(&ctx), request, &reply);
-    if (!s.ok()) {
-      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
-      return;
-    }
-    if (*status_json) {
+    if (!RpcSucceeded(client->jobs->GetJob(client->Prepare(&ctx), request, &reply), *client, context)) return;
+    if (*json) {
       std::printf("%s\n", ToJson(reply, true).c_str());
     } else {
       PrintJob(reply);
     }
   });
+}
 
+// job cancel ID
+void AddJobCancelCommand(CLI::App* job, Context& context) {
   CLI::App* cancel = job->add_subcommand("cancel", "cancel a job and stop its actors");
-  cancel->add_option("id", *job_id, "job id")->required();
+  auto flags = std::make_shared<HeadFlags>();
+  auto job_id = std::make_shared<std::string>();
+  AddJobIdArgument(cancel, job_id.get());
   flags->Add(cancel);
   cancel->callback([flags, job_id, &context] {
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
     grpc::ClientContext ctx;
     v1::CancelJobRequest request;
     request.set_job_id(*job_id);
     v1::Job reply;
-    grpc::Status s = client->jobs->CancelJob(client->Prepare(&ctx), request, &reply);
-    if (!s.ok()) {
-      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
-      return;
-    }
+    if (!RpcSucceeded(client->jobs->CancelJob(client->Prepare(&ctx), request, &reply), *client, context)) return;
     std::printf("job %s: %s\n", reply.job_id().c_str(), StateName(reply.state()));
   });
+}
 
+// job logs ID [--follow]
+void AddJobLogsCommand(CLI::App* job, Context& context) {
   CLI::App* logs = job->add_subcommand("logs", "print a job's log; --follow streams it until the job ends");
-  logs->add_option("id", *job_id, "job id")->required();
-  auto logs_follow = std::make_shared<bool>(false);
-  logs->add_flag("--follow,-f", *logs_follow, "keep streaming until the job ends");
+  auto flags = std::make_shared<HeadFlags>();
+  auto job_id = std::make_shared<std::string>();
+  AddJobIdArgument(logs, job_id.get());
+  auto follow = std::make_shared<bool>(false);
+  logs->add_flag("--follow,-f", *follow, "keep streaming until the job ends");
   flags->Add(logs);
-  logs->callback([flags, job_id, logs_follow, &context] {
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
-    context.exit_code = StreamLogs(*client, *job_id, *logs_follow);
+  logs->callback([flags, job_id, follow, &context] {
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
+    context.exit_code = StreamLogs(*client, *job_id, *follow);
   });
+}
 
+// job plan SPEC [--top N] [--json]: the head's planner on the cluster as it is; submits nothing.
+void AddJobPlanCommand(CLI::App* job, Context& context) {
   CLI::App* plan = job->add_subcommand(
       "plan",
       "rank plans for a job spec on the cluster as it is (the head's planner, as for `plan: auto`); submits nothing");
-  plan->add_option("spec", *spec_path, "job spec file")->required();
+  auto flags = std::make_shared<HeadFlags>();
+  auto spec_path = std::make_shared<std::string>();
+  AddSpecArgument(plan, spec_path.get());
   auto top = std::make_shared<int>(5);
   plan->add_option("--top", *top, "how many ranked plans to show")->capture_default_str()->check(CLI::Range(1, 100));
-  auto plan_json = std::make_shared<bool>(false);
-  plan->add_flag("--json", *plan_json, "print JSON");
+  auto json = std::make_shared<bool>(false);
+  AddJsonFlag(plan, json.get());
   flags->Add(plan);
-  plan->callback([flags, spec_path, top, plan_json, &context] {
+  plan->callback([flags, spec_path, top, json, &context] {
     auto spec = LoadJobSpecFile(*spec_path);
     if (!spec.ok()) {
       context.exit_code = Fail(spec.status());
       return;
     }
-    auto client = Connect(*flags);
-    if (!client.ok()) {
-      context.exit_code = Fail(client.status());
-      return;
-    }
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
     grpc::ClientContext ctx;
     v1::PlanJobRequest request;
     *request.mutable_spec() = *spec;
@@ -637,12 +598,10 @@ void AddJobCommands(CLI::App& app, Context& context) {
     request.set_base_dir(std::filesystem::current_path().string());
     request.set_max_plans(*top);
     v1::PlanJobReply reply;
-    grpc::Status s = client->planner->PlanJob(client->Prepare(&ctx, 60000), request, &reply);
-    if (!s.ok()) {
-      context.exit_code = Fail(ExplainRpcFailure(s, client->endpoint.address));
+    if (!RpcSucceeded(client->planner->PlanJob(client->Prepare(&ctx, 60000), request, &reply), *client, context)) {
       return;
     }
-    if (*plan_json) {
+    if (*json) {
       std::printf("%s\n", ToJson(reply, true).c_str());
       return;
     }
@@ -652,6 +611,17 @@ void AddJobCommands(CLI::App& app, Context& context) {
     for (const v1::RankedPlan& p : reply.plans()) std::printf("  %d. %s\n", p.rank(), p.summary().c_str());
     for (const std::string& line : reply.explanation()) std::printf("%s\n", line.c_str());
   });
+}
+
+void AddJobCommands(CLI::App& app, Context& context) {
+  CLI::App* job = app.add_subcommand("job", "submit and follow training jobs");
+  job->require_subcommand(1);
+  AddJobSubmitCommand(job, context);
+  AddJobListCommand(job, context);
+  AddJobStatusCommand(job, context);
+  AddJobCancelCommand(job, context);
+  AddJobLogsCommand(job, context);
+  AddJobPlanCommand(job, context);
 }
 
 void AddControlCommands(CLI::App& app, Context& context) {

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
 #include "common/spec.h"
@@ -174,12 +175,17 @@ int TimedStep(const TimedStepArgs& a) {
   if (!seconds.ok()) return Fail(seconds.status());
   const model::Roofline r = profile->roofline();
   if (a.json) {
-    std::printf(
-        "{\"model\": \"%s\", \"device\": \"%s\", \"batch\": %d, \"seq_len\": %d, \"microbatches\": %d, "
-        "\"achieved_tflops\": %.6g, \"achieved_bandwidth_gbs\": %.6g, \"launch_us\": %.6g, \"step_seconds\": %.9g, "
-        "\"source\": \"%s\"}\n",
-        a.model.c_str(), profile->name.c_str(), a.batch, a.seq_len, a.microbatches, r.flops_per_s / 1e12,
-        r.bytes_per_s / 1e9, r.launch_s * 1e6, *seconds, profile->source.c_str());
+    const Json json = {{"model", a.model},
+                       {"device", profile->name},
+                       {"batch", a.batch},
+                       {"seq_len", a.seq_len},
+                       {"microbatches", a.microbatches},
+                       {"achieved_tflops", JsonFigure(r.flops_per_s / 1e12, 6)},
+                       {"achieved_bandwidth_gbs", JsonFigure(r.bytes_per_s / 1e9, 6)},
+                       {"launch_us", JsonFigure(r.launch_s * 1e6, 6)},
+                       {"step_seconds", JsonFigure(*seconds, 9)},
+                       {"source", profile->source}};
+    std::printf("%s\n", DumpJson(json).c_str());
   } else {
     std::printf(
         "EMULATED %s step of %s, %d x %d microbatch x %d: %.6f s (%.1f TFLOP/s, %.0f GB/s achieved, %.0f us "
@@ -196,11 +202,11 @@ void AddTimedStepCommand(CLI::App* model_cmd, Context& context) {
       "timed-step", "Emulated seconds of one training step on an emulated GPU, as --timed-compute waits them");
   cmd->add_option("--model", args->model, "GPT-2 preset")->capture_default_str();
   cmd->add_option("--device", args->device, "NAME[:TFLOPS:MEM_GB[:BW_GBS]]")->capture_default_str();
-  cmd->add_option("--device-profiles", args->profiles, "calibration file (JSON lines, docs/timed-compute.md)");
+  AddDeviceProfilesOption(cmd, &args->profiles);
   cmd->add_option("--batch", args->batch, "microbatch size B")->capture_default_str();
   cmd->add_option("--seq-len", args->seq_len, "sequence length T")->capture_default_str();
   cmd->add_option("--microbatches", args->microbatches, "microbatches per step")->capture_default_str();
-  cmd->add_flag("--json", args->json, "one JSON object");
+  AddJsonFlag(cmd, &args->json);
   cmd->callback([&context, args]() { context.exit_code = TimedStep(*args); });
 }
 

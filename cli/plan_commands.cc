@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
 #include "common/spec.h"
@@ -217,17 +218,19 @@ absl::StatusOr<JobSpec> SpecToPlan(const PlanFlags& flags) {
   return spec;
 }
 
+// Prints "geotrain plan: <message>" for an error in what the user asked and returns the exit code 2.
+int PlanUsageError(const absl::Status& status) {
+  std::fprintf(stderr, "geotrain plan: %s\n", std::string(status.message()).c_str());
+  return 2;
+}
+
 // What the head would run for `plan: auto`: head::RankAutoPlans on the topology's workers and links.
 int RunHeadPlan(const PlanFlags& flags, const Topology& topology) {
-  auto fail = [](const absl::Status& s) {
-    std::fprintf(stderr, "geotrain plan: %s\n", std::string(s.message()).c_str());
-    return 2;
-  };
   absl::StatusOr<JobSpec> spec = SpecToPlan(flags);
-  if (!spec.ok()) return fail(spec.status());
+  if (!spec.ok()) return PlanUsageError(spec.status());
   absl::StatusOr<std::pair<std::vector<WorkerInfo>, std::vector<SiteLink>>> cluster =
       ClusterOfTopology(topology, flags.emulated);
-  if (!cluster.ok()) return fail(cluster.status());
+  if (!cluster.ok()) return PlanUsageError(cluster.status());
   absl::StatusOr<head::RankedAutoPlans> ranked =
       head::RankAutoPlans(*spec, cluster->first, cluster->second, std::max(flags.top, 1));
   if (!ranked.ok()) {
@@ -235,7 +238,7 @@ int RunHeadPlan(const PlanFlags& flags, const Topology& topology) {
     return 1;
   }
   absl::StatusOr<scheduler::SpecPlanning> planning = scheduler::PlanningForSpec(*spec);
-  if (!planning.ok()) return fail(planning.status());
+  if (!planning.ok()) return PlanUsageError(planning.status());
   // The ranked plans the head chooses from, best first (the first is what it runs, or its DiLoCo form).
   scheduler::PlanResult result;
   for (const head::RankedAutoPlan& p : ranked->plans) result.ranked.push_back(p.candidate);
@@ -244,20 +247,22 @@ int RunHeadPlan(const PlanFlags& flags, const Topology& topology) {
   result.planning_seconds = ranked->planning_seconds;
   const head::RankedAutoPlan& chosen = ranked->plans.front();
   const ParallelSpec& p = chosen.parallel;
+  if (flags.json) {
+    // The planner's JSON, with the plan the head runs (in job spec form) first.
+    Json json = {{"head_runs", Json::parse(ToJson(p))},
+                 {"predicted_step_seconds", JsonFigure(chosen.predicted_step_seconds, 6)}};
+    const Json planner =
+        Json::parse(scheduler::PlanResultToJson(ranked->cluster, planning->model, planning->job, result, flags.top));
+    for (const auto& item : planner.items()) json[item.key()] = item.value();
+    std::cout << DumpJson(json) << "\n";
+    return 0;
+  }
   std::set<std::string> sites;
   for (const PlacementSpec& pin : p.placement()) sites.insert(pin.site());
   const std::string runs =
       absl::StrFormat("dp %d x pp %d x tp %d, %d microbatches, %s%s on %s, predicted step %.3f s", p.dp(), p.pp(),
                       p.tp(), p.microbatches(), p.schedule(), p.sync() == "diloco" ? ", DiLoCo" : "",
                       absl::StrJoin(sites, "+"), chosen.predicted_step_seconds);
-  if (flags.json) {
-    // The planner's JSON, with the plan the head runs (in job spec form) first.
-    std::string json = scheduler::PlanResultToJson(ranked->cluster, planning->model, planning->job, result, flags.top);
-    json.insert(1, absl::StrCat("\"head_runs\": ", ToJson(p),
-                                ", \"predicted_step_seconds\": ", chosen.predicted_step_seconds, ", "));
-    std::cout << json;
-    return 0;
-  }
   std::cout << "geotrain plan: " << (flags.job_spec.empty() ? flags.model : flags.job_spec) << " on " << flags.topology
             << ", as the head plans `plan: auto`\n";
   std::cout << "the head runs: " << runs << "\n\n";
@@ -265,176 +270,175 @@ int RunHeadPlan(const PlanFlags& flags, const Topology& topology) {
   return 0;
 }
 
-int RunPlan(const PlanFlags& flags) {
-  absl::StatusOr<Topology> topology = LoadTopologyFile(flags.topology);
-  if (!topology.ok()) {
-    std::fprintf(stderr, "geotrain plan: %s\n", std::string(topology.status().message()).c_str());
-    return 2;
-  }
-  if (!flags.what_if && !flags.predict) return RunHeadPlan(flags, *topology);
-  if (flags.allow_diloco || !flags.sites.empty() || flags.emulated) {
-    std::fprintf(stderr,
-                 "geotrain plan: --allow-diloco, --sites and --emulated plan as the head does; leave out the flags "
-                 "that change the planner's model (--efficiency, --codecs, --no-subsets, ...)\n");
-    return 2;
-  }
-  scheduler::ClusterOptions cluster_options;
-  cluster_options.intra_site = {flags.intra_site_latency_ms * 1e-3, flags.intra_site_gbps * 1e9 / 8};
-  absl::StatusOr<scheduler::Cluster> cluster = scheduler::ClusterFromTopology(*topology, cluster_options);
-  if (!cluster.ok()) {
-    std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.topology.c_str(),
-                 std::string(cluster.status().message()).c_str());
-    return 2;
-  }
-  // With --job the spec is planned as the head plans a `plan: auto` job (scheduler::PlanningForSpec: its
-  // codec, the runtime's step end and plans); the flags below override it.
-  std::optional<JobSpec> spec;
+// The job a what-if plans, and how the planner searches for it.
+struct WhatIfJob {
+  std::optional<JobSpec> spec;  // --job's spec
+  GPT2Config config;
   scheduler::JobOptions job;
   scheduler::PlannerOptions options;
+};
+
+// The job from --job (planned as the head plans a `plan: auto` job, scheduler::PlanningForSpec: its codec, the
+// runtime's step end and plans) or from --model, with --global-batch and --seq-len on top. Errors name the flag.
+absl::StatusOr<WhatIfJob> WhatIfJobOfFlags(const PlanFlags& flags) {
+  WhatIfJob what;
   int global_batch = flags.global_batch, seq_len = flags.seq_len;
   absl::StatusOr<GPT2Config> config = absl::InvalidArgumentError("give --model or --job");
   if (!flags.job_spec.empty()) {
-    absl::StatusOr<JobSpec> loaded = LoadJobSpecFile(flags.job_spec);
-    if (!loaded.ok()) {
-      std::fprintf(stderr, "geotrain plan: %s\n", std::string(loaded.status().message()).c_str());
-      return 2;
-    }
-    spec = *std::move(loaded);
-    if (global_batch != 0) spec->mutable_train()->set_global_batch(global_batch);
-    if (seq_len != 0) spec->mutable_train()->set_seq_len(seq_len);
-    absl::StatusOr<scheduler::SpecPlanning> planning = scheduler::PlanningForSpec(*spec);
-    if (!planning.ok()) {
-      std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.job_spec.c_str(),
-                   std::string(planning.status().message()).c_str());
-      return 2;
-    }
+    ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpecFile(flags.job_spec));
+    if (global_batch != 0) spec.mutable_train()->set_global_batch(global_batch);
+    if (seq_len != 0) spec.mutable_train()->set_seq_len(seq_len);
+    absl::StatusOr<scheduler::SpecPlanning> planning = scheduler::PlanningForSpec(spec);
+    if (!planning.ok()) return WithContext(planning.status(), flags.job_spec);
     config = planning->config;
-    job = planning->job;
-    options = planning->options;
-    global_batch = job.global_batch;
-    seq_len = job.seq_len;
+    what.job = planning->job;
+    what.options = planning->options;
+    global_batch = what.job.global_batch;
+    seq_len = what.job.seq_len;
+    what.spec = std::move(spec);
   } else if (!flags.model.empty()) {
     config = GPT2Config::FromPreset(flags.model);
   }
-  if (!config.ok()) {
-    std::fprintf(stderr, "geotrain plan: %s\n", std::string(config.status().message()).c_str());
-    return 2;
-  }
-  if (flags.predict && !spec) {
-    std::fprintf(stderr, "geotrain plan: --predict needs --job SPEC.yaml with a manual plan\n");
-    return 2;
+  if (!config.ok()) return config.status();
+  if (flags.predict && !what.spec) {
+    return absl::InvalidArgumentError("--predict needs --job SPEC.yaml with a manual plan");
   }
   if (seq_len < 1 || seq_len > config->block_size) {
-    std::fprintf(stderr, "geotrain plan: --seq-len %d must be between 1 and the model's block size %d\n", seq_len,
-                 config->block_size);
-    return 2;
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--seq-len %d must be between 1 and the model's block size %d", seq_len, config->block_size));
   }
-  if (global_batch < 1) {
-    std::fprintf(stderr, "geotrain plan: --global-batch must be a positive number of sequences\n");
-    return 2;
-  }
-  job.global_batch = global_batch;
-  job.seq_len = seq_len;
-  job.efficiency = flags.efficiency;
-  job.memory_headroom = flags.memory_headroom;
-  job.layer_overhead_s = flags.layer_overhead_us * 1e-6;
-  job.step_overhead_s = flags.step_overhead_ms * 1e-3;
-  job.sequential_sync = job.sequential_sync || flags.sequential_sync;
-  job.message_round_trips = flags.message_round_trips;
-  job.message_window_bytes = flags.message_window_kib * 1024;
-  job.sites_share_one_host = flags.sites_share_one_host;
+  if (global_batch < 1) return absl::InvalidArgumentError("--global-batch must be a positive number of sequences");
+  what.config = *std::move(config);
+  what.job.global_batch = global_batch;
+  what.job.seq_len = seq_len;
+  return what;
+}
+
+// The flags that change the planner's model of the devices and the network: efficiencies, overheads, the links
+// inside a site, the step end, flow-control windows, shared hosts.
+absl::Status ApplyCostFlags(const PlanFlags& flags, scheduler::JobOptions* job) {
+  job->efficiency = flags.efficiency;
+  job->memory_headroom = flags.memory_headroom;
+  job->layer_overhead_s = flags.layer_overhead_us * 1e-6;
+  job->step_overhead_s = flags.step_overhead_ms * 1e-3;
+  job->sequential_sync = job->sequential_sync || flags.sequential_sync;
+  job->message_round_trips = flags.message_round_trips;
+  job->message_window_bytes = flags.message_window_kib * 1024;
+  job->sites_share_one_host = flags.sites_share_one_host;
   if (flags.intra_site_activation_gbps < 0 || flags.intra_site_gbps <= 0) {
-    std::fprintf(stderr,
-                 "geotrain plan: --intra-site-gbps must be positive and --intra-site-activation-gbps 0 (the same) "
-                 "or positive\n");
-    return 2;
+    return absl::InvalidArgumentError(
+        "--intra-site-gbps must be positive and --intra-site-activation-gbps 0 (the same) or positive");
   }
   if (flags.intra_site_activation_gbps > 0) {
-    job.activation_bandwidth_scale = flags.intra_site_activation_gbps / flags.intra_site_gbps;
+    job->activation_bandwidth_scale = flags.intra_site_activation_gbps / flags.intra_site_gbps;
   }
-  job.grpc_collectives = job.grpc_collectives || flags.grpc_collectives;
+  job->grpc_collectives = job->grpc_collectives || flags.grpc_collectives;
   if (flags.wan_window_mb < 0) {
-    std::fprintf(stderr, "geotrain plan: --wan-window-mb must be 0 (no window) or a positive number of MB\n");
-    return 2;
+    return absl::InvalidArgumentError("--wan-window-mb must be 0 (no window) or a positive number of MB");
   }
-  job.wan_window_bytes = flags.wan_window_mb * 1e6;
+  job->wan_window_bytes = flags.wan_window_mb * 1e6;
   for (absl::string_view item : absl::StrSplit(flags.shared_host_scale, ',', absl::SkipEmpty())) {
     std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
     int n = 0;
     double scale = 0;
     if (!absl::SimpleAtoi(kv.first, &n) || !absl::SimpleAtod(kv.second, &scale) || n < 1 || !(scale > 0)) {
-      std::fprintf(stderr, "geotrain plan: --shared-host-scale '%s': give DEVICES=SCALE, e.g. 2=0.7\n",
-                   std::string(item).c_str());
-      return 2;
+      return absl::InvalidArgumentError(
+          absl::StrCat("--shared-host-scale '", item, "': give DEVICES=SCALE, e.g. 2=0.7"));
     }
-    job.shared_host_scale[n] = scale;
+    job->shared_host_scale[n] = scale;
   }
-  if (absl::Status s = ParseEfficiencies(flags.efficiency_by_device, &job.efficiency_by_device); !s.ok()) {
-    std::fprintf(stderr, "geotrain plan: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
-  if (!spec || flags.codecs_given) {
-    job.codecs.clear();
+  return ParseEfficiencies(flags.efficiency_by_device, &job->efficiency_by_device);
+}
+
+// The flags that shape the search: the codecs (with --job, the spec's unless --codecs is given), the
+// tensor-parallel degrees, subsets, runtime plans only, and how many ranked plans to keep.
+absl::Status ApplySearchFlags(const PlanFlags& flags, bool from_spec, scheduler::JobOptions* job,
+                              scheduler::PlannerOptions* options) {
+  if (!from_spec || flags.codecs_given) {
+    job->codecs.clear();
     for (absl::string_view name : absl::StrSplit(flags.codecs, ',', absl::SkipEmpty())) {
       if (name == "none") continue;
       absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
-      if (!codec.ok()) {
-        std::fprintf(stderr, "geotrain plan: --codecs: %s\n", std::string(codec.status().message()).c_str());
-        return 2;
-      }
-      job.codecs.push_back(*codec);
+      if (!codec.ok()) return WithContext(codec.status(), "--codecs");
+      job->codecs.push_back(*codec);
     }
   }
-  options.search_subsets = !flags.no_subsets;
-  options.runtime_plans = options.runtime_plans || flags.runtime_plans;
-  options.max_ranked = std::max(flags.top, 1);
-  options.tp_degrees.clear();
+  options->search_subsets = !flags.no_subsets;
+  options->runtime_plans = options->runtime_plans || flags.runtime_plans;
+  options->max_ranked = std::max(flags.top, 1);
+  options->tp_degrees.clear();
   for (absl::string_view degree : absl::StrSplit(flags.tp_degrees, ',', absl::SkipEmpty())) {
     int t = 0;
     if (!absl::SimpleAtoi(degree, &t) || t < 1) {
-      std::fprintf(stderr, "geotrain plan: --tp-degrees takes positive integers, e.g. 1,2,4,8\n");
-      return 2;
+      return absl::InvalidArgumentError("--tp-degrees takes positive integers, e.g. 1,2,4,8");
     }
-    options.tp_degrees.push_back(t);
+    options->tp_degrees.push_back(t);
   }
-  const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(*config, seq_len);
-  if (flags.predict) {
-    absl::StatusOr<scheduler::Plan> plan = PlanOfSpec(*spec, *cluster, model);
-    absl::StatusOr<scheduler::Prediction> prediction = plan.ok() ? scheduler::Simulate(*cluster, model, job, *plan)
-                                                                 : absl::StatusOr<scheduler::Prediction>(plan.status());
-    if (!prediction.ok()) {
-      std::fprintf(stderr, "geotrain plan: %s: %s\n", flags.job_spec.c_str(),
-                   std::string(prediction.status().message()).c_str());
-      return 2;
-    }
-    const scheduler::PlanCandidate candidate{*plan, *prediction, "as placed", "spec", {}};
-    if (flags.json) {
-      std::cout << scheduler::PlanCandidateToJson(*cluster, model, candidate) << "\n";
-    } else {
-      std::cout << absl::StrFormat(
-          "%s on %s: predicted step %.3f s (pipeline %.3f s, exposed all-reduce %.3f s, tied "
-          "exchange %.3f s, bubble %.0f%%)%s\n",
-          flags.job_spec, flags.topology, prediction->step_time_s, prediction->pipeline_time_s,
-          prediction->dp_exposed_s, prediction->tied_sync_s, 100 * prediction->bubble_fraction,
-          prediction->fits ? "" : absl::StrCat("; does not fit: ", prediction->reject_reason));
-    }
-    return 0;
+  return absl::OkStatus();
+}
+
+// --predict: the step time of the --job spec's manual plan, as placed, on `cluster`.
+int PrintPrediction(const PlanFlags& flags, const scheduler::Cluster& cluster, const scheduler::ModelCosts& model,
+                    const WhatIfJob& what) {
+  absl::StatusOr<scheduler::Plan> plan = PlanOfSpec(*what.spec, cluster, model);
+  absl::StatusOr<scheduler::Prediction> prediction = plan.ok() ? scheduler::Simulate(cluster, model, what.job, *plan)
+                                                               : absl::StatusOr<scheduler::Prediction>(plan.status());
+  if (!prediction.ok()) return PlanUsageError(WithContext(prediction.status(), flags.job_spec));
+  const scheduler::PlanCandidate candidate{*plan, *prediction, "as placed", "spec", {}};
+  if (flags.json) {
+    std::cout << scheduler::PlanCandidateToJson(cluster, model, candidate) << "\n";
+  } else {
+    std::cout << absl::StrFormat(
+        "%s on %s: predicted step %.3f s (pipeline %.3f s, exposed all-reduce %.3f s, tied "
+        "exchange %.3f s, bubble %.0f%%)%s\n",
+        flags.job_spec, flags.topology, prediction->step_time_s, prediction->pipeline_time_s, prediction->dp_exposed_s,
+        prediction->tied_sync_s, 100 * prediction->bubble_fraction,
+        prediction->fits ? "" : absl::StrCat("; does not fit: ", prediction->reject_reason));
   }
-  absl::StatusOr<scheduler::PlanResult> result = scheduler::PlanJob(*cluster, model, job, options);
+  return 0;
+}
+
+// A what-if (flags that change the planner's model were given) or --predict: the planner alone on the topology.
+int RunWhatIfPlan(const PlanFlags& flags, const Topology& topology) {
+  if (flags.allow_diloco || !flags.sites.empty() || flags.emulated) {
+    return PlanUsageError(absl::InvalidArgumentError(
+        "--allow-diloco, --sites and --emulated plan as the head does; leave out the flags that change the "
+        "planner's model (--efficiency, --codecs, --no-subsets, ...)"));
+  }
+  scheduler::ClusterOptions cluster_options;
+  cluster_options.intra_site = {flags.intra_site_latency_ms * 1e-3, flags.intra_site_gbps * 1e9 / 8};
+  absl::StatusOr<scheduler::Cluster> cluster = scheduler::ClusterFromTopology(topology, cluster_options);
+  if (!cluster.ok()) return PlanUsageError(WithContext(cluster.status(), flags.topology));
+  absl::StatusOr<WhatIfJob> what = WhatIfJobOfFlags(flags);
+  if (!what.ok()) return PlanUsageError(what.status());
+  if (absl::Status s = ApplyCostFlags(flags, &what->job); !s.ok()) return PlanUsageError(s);
+  if (absl::Status s = ApplySearchFlags(flags, what->spec.has_value(), &what->job, &what->options); !s.ok()) {
+    return PlanUsageError(s);
+  }
+  const scheduler::ModelCosts model = scheduler::ModelCosts::FromConfig(what->config, what->job.seq_len);
+  if (flags.predict) return PrintPrediction(flags, *cluster, model, *what);
+  absl::StatusOr<scheduler::PlanResult> result = scheduler::PlanJob(*cluster, model, what->job, what->options);
   if (!result.ok()) {
     std::fprintf(stderr, "geotrain plan: %s\n", std::string(result.status().message()).c_str());
     return 1;
   }
   if (flags.json) {
-    std::cout << scheduler::PlanResultToJson(*cluster, model, job, *result, flags.top);
+    std::cout << scheduler::PlanResultToJson(*cluster, model, what->job, *result, flags.top);
   } else {
-    std::cout << "geotrain plan: " << (spec ? flags.job_spec : flags.model) << " ("
-              << absl::StrFormat("%.0fM", config->NumParameters() / 1e6) << " parameters) on " << flags.topology
+    std::cout << "geotrain plan: " << (what->spec ? flags.job_spec : flags.model) << " ("
+              << absl::StrFormat("%.0fM", what->config.NumParameters() / 1e6) << " parameters) on " << flags.topology
               << " (what-if: flags that change the planner's model were given, so this is not necessarily what "
                  "the head runs for plan: auto)\n";
-    std::cout << scheduler::FormatPlanResult(*cluster, model, job, *result, flags.top);
+    std::cout << scheduler::FormatPlanResult(*cluster, model, what->job, *result, flags.top);
   }
   return 0;
+}
+
+int RunPlan(const PlanFlags& flags) {
+  absl::StatusOr<Topology> topology = LoadTopologyFile(flags.topology);
+  if (!topology.ok()) return PlanUsageError(topology.status());
+  if (!flags.what_if && !flags.predict) return RunHeadPlan(flags, *topology);
+  return RunWhatIfPlan(flags, *topology);
 }
 
 void AddPlanCommands(CLI::App& app, Context& context) {
@@ -487,7 +491,7 @@ void AddPlanCommands(CLI::App& app, Context& context) {
                    "first window at the link's rate and the rest at most at window / round trip (default 0: none)");
   plan->add_option("--step-overhead-ms", flags->step_overhead_ms,
                    "fixed cost per optimizer step (optimizer, step barrier), in ms (default 0)");
-  plan->add_flag("--json", flags->json, "print the result as JSON");
+  AddJsonFlag(plan, &flags->json);
   plan->add_option("--top", flags->top, "how many ranked plans to print (default 5)");
   plan->add_option_function<std::string>(
       "--codecs",

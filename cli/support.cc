@@ -2,9 +2,12 @@
 #include "cli/support.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status.h"
 
 namespace geotrain::cli {
@@ -41,6 +44,23 @@ absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& ad
     default:
       return FromGrpc(status);
   }
+}
+
+std::optional<HeadClient> ConnectOrFail(const HeadFlags& flags, Context& context) {
+  absl::StatusOr<std::string> token = TokenFromFlagsOrEnvironment(flags.token, flags.token_file);
+  absl::StatusOr<HeadClient> client =
+      token.ok() ? ConnectToHead(flags.head, *token, TlsFromFlagsOrEnvironment(flags.tls)) : token.status();
+  if (!client.ok()) {
+    context.exit_code = Fail(client.status());
+    return std::nullopt;
+  }
+  return *std::move(client);
+}
+
+bool RpcSucceeded(const grpc::Status& status, const HeadClient& client, Context& context) {
+  if (status.ok()) return true;
+  context.exit_code = Fail(ExplainRpcFailure(status, client.endpoint.address));
+  return false;
 }
 
 std::vector<std::string> TopologyWorkerDevices(const TopologyWorker& worker) {

@@ -1,10 +1,14 @@
-// What every `geotrain` verb shares: how it reports an error, and how it reaches the head.
+// What every `geotrain` verb shares: how it reports an error, how it reaches the head, and how it writes
+// figures into JSON. A verb's callback that calls the head:
 //
-//   absl::StatusOr<HeadClient> client = ConnectToHead(flags.head, flags.token, tls);
-//   if (!client.ok()) return Fail(client.status());
+//   std::optional<HeadClient> client = ConnectOrFail(*flags, context);  // flags: a HeadFlags (flags.h)
+//   if (!client) return;
 //   grpc::ClientContext ctx;
-//   grpc::Status s = client->jobs->ListJobs(client->Prepare(&ctx), v1::ListJobsRequest(), &reply);
-//   if (!s.ok()) return Fail(ExplainRpcFailure(s, client->endpoint.address));
+//   v1::ListJobsReply reply;
+//   if (!RpcSucceeded(client->jobs->ListJobs(client->Prepare(&ctx), v1::ListJobsRequest(), &reply), *client,
+//                     context)) {
+//     return;
+//   }
 //
 // The CLI talks to the head through the public API only (proto/geotrain/v1, docs/api.md).
 // Thread safety: Fail writes to stderr; a HeadClient is used by one thread at a time (its stubs are
@@ -15,11 +19,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cli/flags.h"
+#include "cli/registry.h"
+#include "common/json.h"  // JsonFigure, DumpJson: the --json output
 #include "common/rpc.h"
 #include "geotrain/v1/cluster.grpc.pb.h"
 #include "geotrain/v1/jobs.grpc.pb.h"
@@ -50,6 +58,15 @@ absl::StatusOr<HeadClient> ConnectToHead(const std::string& head, const std::str
 // An RPC failure in terms of what the user can do: an unreachable head (start it, or pass --head), a
 // refused token, else the status as is.
 absl::Status ExplainRpcFailure(const grpc::Status& status, const std::string& address);
+
+// A verb's connection to the head named by `flags`: the token from --token/--token-file or the environment,
+// the head and the TLS files as ConnectToHead and common/rpc.h resolve them. On failure it prints the error
+// (Fail), sets context.exit_code and returns nullopt.
+std::optional<HeadClient> ConnectOrFail(const HeadFlags& flags, Context& context);
+
+// True when `status`, the answer of an RPC `client` made, is OK; else it prints the failure as
+// ExplainRpcFailure says it (Fail), sets context.exit_code and returns false.
+bool RpcSucceeded(const grpc::Status& status, const HeadClient& client, Context& context);
 
 // The --emulate-device arguments of a topology worker's devices, NAME:TFLOPS:MEM_GB each (count of them): what
 // `cluster up` starts the worker with and what `plan` registers for it, so that both see the same devices.

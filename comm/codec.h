@@ -83,6 +83,7 @@ absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Byt
 // next. EncodedElementBytes is 4 or 2 for those codecs and 0 for the others (int8's scales precede all values;
 // top-k and zstd need the whole tensor). EncodeElements writes input.size() encoded elements to `out`;
 // WriteCodecHeader writes the 40-byte header for `element_count` elements whose payload has CRC-32C `payload_crc`.
+// Which of the two ways a tensor is sent is decided in one place: OutgoingTensor (comm/tensor_stream_client.h).
 size_t EncodedElementBytes(const Codec& codec);
 void EncodeElements(const Codec& codec, absl::Span<const float> input, uint8_t* out);
 void WriteCodecHeader(const Codec& codec, uint64_t element_count, uint32_t payload_crc, uint8_t* out);

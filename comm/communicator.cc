@@ -134,17 +134,18 @@ absl::Status GrpcCommunicator::SendWithRetries(const Call& call, const std::func
 
 absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
                                       const Codec& codec, const std::string& residual_key) {
-  const int64_t n = static_cast<int64_t>(data.size());
-  const TensorKey key = MakeKey(call, part, rank_);
-  if (EncodedElementBytes(codec) > 0) {  // element-wise codecs: each attempt encodes again, identically
-    return SendWithRetries(
-        call, [&] { return client_->Send(peers_[peer].address, key, {n}, data, codec, call.deadline, nullptr); });
-  }
-  // The others are encoded once (top-k's error feedback must see the tensor once), then sent.
+  // Prepared once, however many attempts it takes (top-k's error feedback must see the tensor once).
   std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
-  Bytes encoded;
-  RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
-  return SendEncodedTo(call, part, peer, codec, encoded, n);
+  ASSIGN_OR_RETURN(OutgoingTensor tensor, OutgoingTensor::Prepare(codec, data, residual));
+  return SendOutgoing(call, part, peer, tensor);
+}
+
+absl::Status GrpcCommunicator::SendOutgoing(const Call& call, const std::string& part, int peer,
+                                            const OutgoingTensor& tensor) {
+  const TensorKey key = MakeKey(call, part, rank_);
+  const int64_t elements = static_cast<int64_t>(tensor.size());
+  return SendWithRetries(call,
+                         [&] { return client_->Send(peers_[peer].address, key, {elements}, tensor, call.deadline); });
 }
 
 absl::Status GrpcCommunicator::SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
@@ -250,21 +251,12 @@ absl::Status GrpcCommunicator::PairAllReduce(absl::Span<float> data, std::string
 absl::Status GrpcCommunicator::PairExchange(const Call& call, int peer, const std::string& part,
                                             absl::Span<float> data) {
   const Codec& codec = LinkCodec(rank_, peer);
-  const int64_t elements = static_cast<int64_t>(data.size());
-  // Element-wise codecs stream (SendTo encodes each chunk as it goes), and a lossy one's own operand is rounded
-  // once the send has read it; the others are encoded once, before the send (top-k's error feedback sees the
-  // tensor once).
-  const bool streamed = EncodedElementBytes(codec) > 0;
-  Bytes encoded;
-  if (!streamed) {
-    std::vector<float>* residual =
-        codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/", part)) : nullptr;
-    RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
-  }
-  AsyncStatus sent([&] {
-    return streamed ? SendTo(call, part, peer, data, codec, absl::StrCat(call.prefix, "/", part))
-                    : SendEncodedTo(call, part, peer, codec, encoded, elements);
-  });
+  // OutgoingTensor decides how the codec is sent (an element-wise one encoded as it streams, the others now: top-k's
+  // error feedback sees the tensor once); a lossy codec's own operand is rounded once the send has read it.
+  std::vector<float>* residual =
+      codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/", part)) : nullptr;
+  ASSIGN_OR_RETURN(OutgoingTensor outgoing, OutgoingTensor::Prepare(codec, data, residual));
+  AsyncStatus sent([&] { return SendOutgoing(call, part, peer, outgoing); });
   absl::StatusOr<ReceivedTensor> got = RecvFrom(call, part, peer);
   absl::Status status = got.status();
   if (status.ok()) status = CheckElements(*got, data.size());
@@ -275,7 +267,7 @@ absl::Status GrpcCommunicator::PairExchange(const Call& call, int peer, const st
   RETURN_IF_ERROR(sent.Wait());
   RETURN_IF_ERROR(status);
   if (!codec.lossless()) {  // the operand the peer adds: this rank's tensor as the peer decodes it
-    if (streamed) RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded));
+    ASSIGN_OR_RETURN(Bytes encoded, outgoing.Encoded());
     RETURN_IF_ERROR(DecodeTensor(encoded.span(), data));
   }
   return got->DecodeAddInto(data);

@@ -142,11 +142,16 @@ class GrpcCommunicator : public Communicator {
                              const Codec& codec);
   // The codec for the all-gather phase of a ring: the WAN codec if the ring crosses sites, else the LAN codec.
   const Codec& GatherCodec(const std::vector<int>& group) const;
+  // Sends `data` to `peer` under `part` of `call`: prepared once (OutgoingTensor: top-k's error feedback kept under
+  // `residual_key`), then sent with retries (SendOutgoing).
   absl::Status SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
                       const Codec& codec, const std::string& residual_key);
   // Runs `send` again with backoff (50 ms doubling to 1 s) while it fails UNAVAILABLE (a connection lost or
   // refused: a link that flaps), until the call's deadline or until the job's receives are cancelled here.
   absl::Status SendWithRetries(const Call& call, const std::function<absl::Status()>& send);
+  // Sends `tensor` (prepared once) with retries, as SendWithRetries.
+  absl::Status SendOutgoing(const Call& call, const std::string& part, int peer, const OutgoingTensor& tensor);
+  // Sends an encoded tensor (forwarded, or the same bytes to several ranks) with retries.
   absl::Status SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
                              const Bytes& encoded, int64_t elements);
   absl::StatusOr<ReceivedTensor> RecvFrom(const Call& call, const std::string& part, int peer);

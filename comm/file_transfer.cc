@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -82,5 +83,23 @@ absl::StatusOr<uint32_t> FileCrc32c(const std::string& path, int64_t bytes) {
 }
 
 std::string Hex32(uint32_t value) { return absl::StrFormat("%08x", value); }
+
+absl::Status ServeFile(const std::string& path, uint64_t offset, grpc::ServerWriterInterface<FileChunk>* writer) {
+  ASSIGN_OR_RETURN(uint64_t size, FileSize(path));
+  if (offset > size) return absl::OutOfRangeError(absl::StrCat(path, ": offset ", offset, " is past its end"));
+  bool first = true;
+  auto send = [&](absl::string_view data, uint64_t at) -> absl::Status {
+    FileChunk chunk;
+    if (first) chunk.set_bytes(size);
+    first = false;
+    chunk.set_offset(at);
+    chunk.set_data(std::string(data));
+    if (!writer->Write(chunk)) return absl::CancelledError(absl::StrCat("sending ", path, ": the reader went away"));
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(ReadFileRange(path, offset, size, kFileChunkBytes, send));
+  if (first) return send("", size);  // nothing left to send: the size alone
+  return absl::OkStatus();
+}
 
 }  // namespace geotrain::comm

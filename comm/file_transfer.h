@@ -1,13 +1,19 @@
 // Moving files between nodes in chunks (data staging and checkpoint gathering, proto/staging.proto): reading a
-// byte range of a file chunk by chunk, CRC-32C of a file or a prefix of it, and writing a file that arrives in
-// chunks into a temporary name that takes the final name only once its size and checksum verify.
+// byte range of a file chunk by chunk, CRC-32C of a file or a prefix of it, and serving a file from an offset on a
+// DataStaging stream (the FileChunk messages of FetchCheckpointFile), which the head's and the workers' services
+// share. Receiving a checkpoint file, which knows the checkpoint's names and checksums, is model's
+// (model/checkpoint_receive.h).
 //
 //   RETURN_IF_ERROR(ReadFileRange(path, offset, size, kFileChunkBytes,
 //                                 [&](absl::string_view data, uint64_t at) { return Send(data, at); }));
 //   ASSIGN_OR_RETURN(uint32_t crc, FileCrc32c(path));
+//   grpc::Status s = ToGrpc(ServeFile(path, request->offset(), writer));
 //
-// Thread-safety: the functions are independent and keep no state. Errors name the file.
+// Thread-safety: the functions are independent and keep no state; each ServeFile call serves one stream. Errors
+// name the file.
 #pragma once
+
+#include <grpcpp/support/sync_stream.h>
 
 #include <cstdint>
 #include <functional>
@@ -16,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "staging.pb.h"
 
 namespace geotrain::comm {
 
@@ -34,5 +41,9 @@ std::string Hex32(uint32_t value);
 
 // The size of a file (NOT_FOUND when it does not exist).
 absl::StatusOr<uint64_t> FileSize(const std::string& path);
+
+// Streams the file from `offset` (the first message carries the file's size). Errors name the file: NOT_FOUND,
+// OUT_OF_RANGE for an offset past its end, CANCELLED when the reader went away.
+absl::Status ServeFile(const std::string& path, uint64_t offset, grpc::ServerWriterInterface<FileChunk>* writer);
 
 }  // namespace geotrain::comm

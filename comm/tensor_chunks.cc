@@ -180,6 +180,14 @@ TensorKey KeyFromProto(const geotrain::TensorKey& k) {
   return TensorKey{k.job_id(), k.step(), k.microbatch(), k.tensor_id(), k.src()};
 }
 
+void KeyToProto(const TensorKey& k, geotrain::TensorKey* out) {
+  out->set_job_id(k.job_id);
+  out->set_step(k.step);
+  out->set_microbatch(k.microbatch);
+  out->set_tensor_id(k.tensor_id);
+  out->set_src(k.src);
+}
+
 absl::StatusOr<uint64_t> ShapeElements(absl::Span<const int64_t> shape, int max_rank) {
   if (static_cast<int>(shape.size()) > max_rank) {
     return absl::InvalidArgumentError(absl::StrCat("shape has ", shape.size(), " dimensions, at most ", max_rank));

@@ -12,7 +12,7 @@
 //     else if (*delivered) ack(assembler.delivered_key(), assembler.delivered_bytes());
 //   at the stream's end: assembler.Abandon() (a tensor still in progress gives back its reservation or claim)
 //
-// What is checked (tensor_stream.h's contract): key field sizes, dtype, shape (rank, non-negative dims, product
+// What is checked (tensor_stream_server.h's contract): key field sizes, dtype, shape (rank, non-negative dims, product
 // without overflow), codec name, total size against the codec's size for that element count and
 // options.max_tensor_bytes, chunk size, contiguous offsets, the last flag, the trailer (only on the last chunk,
 // only with a zero header checksum), the payload CRC-32C, and the codec header (its CRC, element count = shape
@@ -41,8 +41,9 @@ class TensorKey;
 
 namespace geotrain::comm {
 
-// The key as the wire carries it.
+// The key as the wire carries it, both ways (the sender's header and the receiver's ack).
 TensorKey KeyFromProto(const geotrain::TensorKey& key);
+void KeyToProto(const TensorKey& key, geotrain::TensorKey* out);
 
 // The element count of `shape`: at most max_rank dimensions, none negative, product <= kMaxCodecElements.
 absl::StatusOr<uint64_t> ShapeElements(absl::Span<const int64_t> shape, int max_rank);

@@ -1,7 +1,8 @@
 // Tensor stream tests with a real gRPC server on loopback: round trips of several shapes and codecs, big
 // tensors over many chunks, concurrent senders, the token check, malformed chunks sent raw through the
 // generated stub (with the checksums in the stream header, and in the last chunk's trailer as Send writes them when
-// it encodes while sending), back-pressure from a receiver that stops reading, mailbox limits and deadlines.
+// it encodes while sending), a prepared tensor sent again, back-pressure from a receiver that stops reading, mailbox
+// limits and deadlines.
 #include "comm/tensor_stream.h"
 
 #include <grpcpp/grpcpp.h>
@@ -343,6 +344,34 @@ TEST(TensorStream, EncodeWhileSendingMatchesEncodeThenSend) {
   const std::vector<float> data(10, 1.0f);
   EXPECT_EQ(client.Send(endpoint.address(), Key("m"), {11}, data, Codec{}, Soon()).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A prepared tensor sent twice (a communicator's retry) carries the same bytes both times, which are Encoded()'s;
+// top-k's error feedback sees it once, in Prepare.
+TEST(TensorStream, APreparedTensorSentTwiceCarriesTheSameBytes) {
+  Endpoint endpoint;
+  TensorStreamClient client(kToken);
+  const std::vector<float> data = RandomTensor(3001, 7);
+  int id = 0;
+  for (const char* codec_name : {"none", "bf16", "int8", "topk:0.1", "fp16+zstd"}) {
+    const Codec codec = ParseCodec(codec_name).value();
+    std::vector<float> residual;
+    absl::StatusOr<OutgoingTensor> tensor = OutgoingTensor::Prepare(codec, data, &residual);
+    ASSERT_TRUE(tensor.ok()) << tensor.status();
+    EXPECT_EQ(tensor->encoded_while_sent(), EncodedElementBytes(codec) > 0) << codec_name;
+    const std::vector<float> residual_after_prepare = residual;
+    absl::StatusOr<Bytes> expected = tensor->Encoded();
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const TensorKey key = Key("p" + std::to_string(id++));
+      ASSERT_TRUE(client.Send(endpoint.address(), key, {3001}, *tensor, Soon()).ok()) << codec_name;
+      absl::StatusOr<ReceivedTensor> got = endpoint.streams().Recv(key, Soon());
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->encoded.size(), expected->size()) << codec_name;
+      EXPECT_EQ(std::memcmp(got->encoded.data(), expected->data(), expected->size()), 0) << codec_name;
+    }
+    EXPECT_EQ(residual, residual_after_prepare) << codec_name;
+  }
 }
 
 // A receiver that reads the first chunk and then stops reading until released.

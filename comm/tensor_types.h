@@ -1,7 +1,7 @@
 // The types both sides of a tensor stream share, with no gRPC: a tensor's key, the streams' options and limits, a
-// tensor as received, and the sink an assembler delivers into (with a waiting receiver's buffer). tensor_stream.h
-// (the gRPC server and client) and tensor_chunks.h (the chunk assembler) both build on this header, and neither
-// includes the other.
+// tensor as received, and the sink an assembler delivers into (with a waiting receiver's buffer). tensor_stream_server.h
+// and tensor_stream_client.h (the gRPC ends) and tensor_chunks.h (the chunk assembler) build on this header, and
+// none of their headers includes another.
 #pragma once
 
 #include <cstdint>

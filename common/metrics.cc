@@ -1,20 +1,11 @@
-// Metrics server, RPC metrics and a /proc-based process collector.
+// Metrics server (on common/http_server.h), RPC metrics and a /proc-based process collector.
 #include "common/metrics.h"
 
-#include <arpa/inet.h>
 #include <dirent.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <prometheus/text_serializer.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -114,52 +105,26 @@ MetricsServer::MetricsServer()
       process_(std::make_shared<ProcessCollector>()),
       rpc_(*registry_) {}
 
-MetricsServer::~MetricsServer() {
-  if (wake_fds_[1] >= 0) (void)!::write(wake_fds_[1], "x", 1);
-  if (server_thread_.joinable()) server_thread_.join();
-  for (int fd : {listen_fd_, wake_fds_[0], wake_fds_[1]}) {
-    if (fd >= 0) ::close(fd);
-  }
-}
+MetricsServer::~MetricsServer() = default;
 
-absl::Status MetricsServer::Start(const std::string& bind_address) {
-  const size_t colon = bind_address.rfind(':');
-  if (colon == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", bind_address, "' is not HOST:PORT"));
+absl::Status MetricsServer::Start(const std::string& bind_address, HttpHandler others, size_t others_max_body_bytes) {
+  HttpServerOptions options;
+  options.max_connections = kMetricsMaxConnections;
+  options.max_head_bytes = kMetricsMaxRequestBytes;
+  options.connection_timeout_ms = kMetricsConnectionTimeoutMs;
+  options.max_body_bytes = others ? others_max_body_bytes : 0;
+  options.handler_threads = others ? 3 : 1;  // a slow page (a plan) leaves threads for the scrapes
+  auto http = std::make_unique<HttpServer>();
+  absl::Status started =
+      http->Start(bind_address, options, [this, others](const HttpRequest& request, std::string_view raw_head) {
+        if (others && !request.method.empty() && request.path != "/metrics") return others(request, raw_head);
+        return MetricsHttpResponse(raw_head, [this] { return Scrape(); });
+      });
+  if (!started.ok()) {
+    return absl::Status(started.code(), absl::StrCat("cannot serve metrics: ", started.message(),
+                                                     "; choose another port with --metrics-port"));
   }
-  const std::string host = bind_address.substr(0, colon);
-  const std::string port = bind_address.substr(colon + 1);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found); rc != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", bind_address, "': ", gai_strerror(rc)));
-  }
-  int fd = ::socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  const bool bound = fd >= 0 && ::bind(fd, found->ai_addr, found->ai_addrlen) == 0 && ::listen(fd, 128) == 0;
-  const std::string error = std::strerror(errno);
-  freeaddrinfo(found);
-  if (!bound) {
-    if (fd >= 0) ::close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", bind_address, ": ", error,
-                                               "; choose another port with --metrics-port"));
-  }
-  sockaddr_storage addr{};
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                           : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-  if (::pipe2(wake_fds_, O_CLOEXEC) != 0) {
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("metrics server: pipe: ", std::strerror(errno)));
-  }
-  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-  listen_fd_ = fd;
-  server_thread_ = std::thread([this] { ServeLoop(); });
+  http_ = std::move(http);
   return absl::OkStatus();
 }
 
@@ -183,117 +148,6 @@ std::string MetricsHttpResponse(std::string_view request, const std::function<st
   }
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n",
                       "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body);
-}
-
-// One open connection: reading its request head, then writing the response.
-struct MetricsServer::Connection {
-  int fd = -1;
-  std::chrono::steady_clock::time_point deadline;
-  std::string request;
-  std::string response;  // non-empty once the request was answered
-  size_t sent = 0;       // bytes of `response` sent; once all are, the rest of the request is drained
-};
-
-namespace {
-
-void SendAndClose(int fd, std::string_view bytes) {
-  (void)::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);  // best effort, never blocks
-  ::close(fd);
-}
-
-}  // namespace
-
-void MetricsServer::AcceptAll(std::vector<Connection>* connections) {
-  while (true) {
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;  // EAGAIN: nothing more pending (or a transient error: poll reports it again)
-    if (connections->size() >= static_cast<size_t>(kMetricsMaxConnections)) {
-      static constexpr std::string_view kBusy =
-          "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
-      SendAndClose(fd, kBusy);
-      continue;
-    }
-    Connection c;
-    c.fd = fd;
-    c.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kMetricsConnectionTimeoutMs);
-    connections->push_back(std::move(c));
-  }
-}
-
-bool MetricsServer::Progress(Connection* c) {
-  if (c->response.empty()) {
-    char buf[4096];
-    while (true) {
-      const ssize_t n = ::recv(c->fd, buf, sizeof(buf), 0);
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // wait for more
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) return false;
-      if (n > 0) c->request.append(buf, std::min<size_t>(n, kMetricsMaxRequestBytes - c->request.size()));
-      // Only the request line matters: answer once the head is complete, the client stopped sending, or the
-      // head reached its bound.
-      if (n == 0 || c->request.find("\r\n\r\n") != std::string::npos || c->request.size() >= kMetricsMaxRequestBytes) {
-        c->response = MetricsHttpResponse(c->request, [this] { return Scrape(); });
-        c->request.clear();
-        break;
-      }
-    }
-  }
-  while (c->sent < c->response.size()) {
-    const ssize_t n = ::send(c->fd, c->response.data() + c->sent, c->response.size() - c->sent, MSG_NOSIGNAL);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    c->sent += static_cast<size_t>(n);
-    if (c->sent == c->response.size()) ::shutdown(c->fd, SHUT_WR);
-  }
-  // Answered: what the client still sends is read and dropped until it closes (or the deadline), since
-  // closing with unread bytes would reset the connection and could lose the response on its way.
-  char buf[4096];
-  while (true) {
-    const ssize_t n = ::recv(c->fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-    if (n <= 0) return false;
-  }
-}
-
-void MetricsServer::ServeLoop() {
-  std::vector<Connection> connections;
-  std::vector<pollfd> polled;
-  while (true) {
-    polled.clear();
-    polled.push_back({wake_fds_[0], POLLIN, 0});
-    polled.push_back({listen_fd_, POLLIN, 0});
-    auto now = std::chrono::steady_clock::now();
-    auto next_deadline = now + std::chrono::hours(1);
-    for (const Connection& c : connections) {
-      const bool writing = !c.response.empty() && c.sent < c.response.size();
-      polled.push_back({c.fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0});
-      next_deadline = std::min(next_deadline, c.deadline);
-    }
-    const int timeout_ms =
-        static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(next_deadline - now).count() + 1);
-    if (::poll(polled.data(), polled.size(), std::max(timeout_ms, 0)) < 0 && errno != EINTR) break;
-    if (polled[0].revents != 0) break;  // the destructor
-    now = std::chrono::steady_clock::now();
-    // Connections first (their pollfds are in the same order), then new ones.
-    std::vector<Connection> kept;
-    kept.reserve(connections.size());
-    for (size_t i = 0; i < connections.size(); ++i) {
-      Connection& c = connections[i];
-      bool open = now < c.deadline;
-      if (open && polled[i + 2].revents != 0) open = Progress(&c);
-      if (open) {
-        kept.push_back(std::move(c));
-      } else {
-        ::close(c.fd);
-      }
-    }
-    connections = std::move(kept);
-    if (polled[1].revents & (POLLHUP | POLLERR | POLLNVAL)) break;
-    if (polled[1].revents & POLLIN) AcceptAll(&connections);
-  }
-  for (const Connection& c : connections) ::close(c.fd);
 }
 
 prometheus::Family<prometheus::Gauge>& MetricsServer::Gauges(const std::string& name, const std::string& help) {

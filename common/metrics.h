@@ -2,7 +2,7 @@
 // format over HTTP by a small built-in server (GET /metrics; many clients at once, within the limits below;
 // Debian's civetweb-based exposer crashes on the first scrape, see docs/architecture.md), with the process basics
 // (CPU seconds, resident memory, start time, open file descriptors) read from /proc on each scrape, and RPC counts
-// and latencies per method.
+// and latencies per method. The HTTP server itself is common/http_server.h's.
 //
 //   MetricsServer metrics;
 //   absl::Status s = metrics.Start("0.0.0.0:9470");     // port 0 picks a free one; see port()
@@ -22,10 +22,10 @@
 #include <memory>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/http_server.h"
 
 namespace geotrain {
 
@@ -64,16 +64,18 @@ class RpcTimer {
 // fuzz/metrics_http_fuzzer.cc).
 std::string MetricsHttpResponse(std::string_view request, const std::function<std::string()>& scrape);
 
-// The metrics server's limits. It serves many clients at once from one thread (non-blocking sockets, poll), so a
-// slow or silent client holds only its own connection: each connection is closed kMetricsConnectionTimeout after
-// it was accepted, whatever state it is in; beyond kMetricsMaxConnections open connections a new one is answered
-// 503 and closed at once; a request head is read up to kMetricsMaxRequestBytes (then answered as it is).
+// The metrics server's limits (common/http_server.h serves it). It serves many clients at once from one thread
+// (non-blocking sockets, poll), so a slow or silent client holds only its own connection: each connection is closed
+// kMetricsConnectionTimeout after it was accepted while it reads or writes; beyond kMetricsMaxConnections open
+// connections a new one is answered 503 and closed at once; a request head is read up to kMetricsMaxRequestBytes
+// (then answered as it is).
 inline constexpr int kMetricsMaxConnections = 64;
 inline constexpr size_t kMetricsMaxRequestBytes = 16 * 1024;
 inline constexpr int kMetricsConnectionTimeoutMs = 5000;
 
-// Serves GET /metrics over HTTP/1.1 (one request per connection). Threads: Start and the destructor from one
-// thread; the registry and families are thread-safe; the serving thread is the server's own.
+// Serves GET /metrics over HTTP/1.1 (one request per connection), and, when given, other paths next to it (the
+// head's dashboard). Threads: Start and the destructor from one thread; the registry and families are thread-safe;
+// the serving thread and its handler pool are the server's own.
 class MetricsServer {
  public:
   MetricsServer();
@@ -81,9 +83,11 @@ class MetricsServer {
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;
 
-  // Starts serving /metrics on `bind_address` (host:port). Port 0 picks a free port.
-  absl::Status Start(const std::string& bind_address);
-  int port() const { return port_; }
+  // Starts serving /metrics on `bind_address` (host:port). Port 0 picks a free port. With `others`, every request
+  // whose head parses and whose path is not /metrics goes to `others` instead (bodies up to others_max_body_bytes
+  // are read for it); without, the answers are MetricsHttpResponse's.
+  absl::Status Start(const std::string& bind_address, HttpHandler others = nullptr, size_t others_max_body_bytes = 0);
+  int port() const { return http_ ? http_->port() : 0; }
 
   prometheus::Registry& registry() { return *registry_; }
   RpcMetrics* rpc() { return &rpc_; }
@@ -91,21 +95,12 @@ class MetricsServer {
   prometheus::Family<prometheus::Counter>& Counters(const std::string& name, const std::string& help);
 
  private:
+  std::string Scrape();
+
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> process_;
   RpcMetrics rpc_;
-  struct Connection;
-  void ServeLoop();
-  std::string Scrape();
-  // Accepts every pending connection (non-blocking), answering 503 beyond kMetricsMaxConnections.
-  void AcceptAll(std::vector<Connection>* connections);
-  // Reads or writes what `c` is ready for; false once the connection is done (to be closed).
-  bool Progress(Connection* c);
-
-  int listen_fd_ = -1;
-  int wake_fds_[2] = {-1, -1};  // a pipe: the destructor writes to wake the serving thread
-  int port_ = 0;
-  std::thread server_thread_;  // owns the listening socket and every connection
+  std::unique_ptr<HttpServer> http_;  // last: stopped first, while the registry is still there
 };
 
 }  // namespace geotrain

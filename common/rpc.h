@@ -1,8 +1,9 @@
 // RPC plumbing shared by every geotrain service and client: the cluster token, TLS credentials,
 // Status conversion, and where the CLI finds a head started on this machine.
 //
-//   Server side, first line of every handler:
-//     if (grpc::Status s = auth.Check(context); !s.ok()) return s;
+//   Server side, first lines of every handler (common/rpc_call.h: times the call, checks the token):
+//     RpcCall call(metrics, auth, context, "Method");
+//     if (!call.authorized()) return call.status();
 //   Client side:
 //     grpc::ClientContext ctx; AttachToken(&ctx, token); SetDeadline(&ctx, 5000);
 #pragma once
@@ -35,22 +36,6 @@ class TokenAuth {
                              const std::string& peer) const;
   std::string token_;
 };
-
-// The start of a service method that needs the cluster token: times the call (RpcTimer, common/metrics.h) into
-// `metrics` (a MetricsServer*, may be null) and returns UNAUTHENTICATED unless `auth` (a TokenAuth) accepts
-// `context`. Declares `timer` (set its code on other early returns) and `fail(status)`, which converts an
-// absl::Status (ToGrpc) and records its code on the timer. The user includes common/metrics.h.
-#define GT_CHECKED_RPC(metrics, auth, context, method)                \
-  RpcTimer timer((metrics) ? (metrics)->rpc() : nullptr, method);     \
-  if (grpc::Status s = (auth).Check(context); !s.ok()) {              \
-    timer.set_code(s.error_code());                                   \
-    return s;                                                         \
-  }                                                                   \
-  [[maybe_unused]] auto fail = [&timer](const absl::Status& status) { \
-    grpc::Status converted = ToGrpc(status);                          \
-    timer.set_code(converted.error_code());                           \
-    return converted;                                                 \
-  }
 
 void AttachToken(grpc::ClientContext* context, const std::string& token);
 void SetDeadlineMillis(grpc::ClientContext* context, int64_t millis);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -268,149 +269,190 @@ absl::Status CheckRange(absl::string_view what, absl::string_view key, T value, 
       absl::StrCat(what, ": ", key, " must be in [", lo, ", ", hi, "] (got ", value, ")"));
 }
 
-}  // namespace
+// ValidateJobSpec's errors: a key with what is wrong with it, and a key's value outside [lo, hi] (in the value's
+// type).
+absl::Status BadKey(absl::string_view key, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("job spec: ", key, " ", what));
+}
+template <typename T>
+absl::Status CheckJobRange(absl::string_view key, T value, std::type_identity_t<T> lo, std::type_identity_t<T> hi) {
+  return CheckRange("job spec", key, value, lo, hi);
+}
 
-absl::Status ValidateJobSpec(const JobSpec& spec) {
-  const TrainSpec& t = spec.train();
-  auto bad = [](absl::string_view key, absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("job spec: ", key, " ", what));
-  };
-  auto range = [](absl::string_view key, auto value, decltype(value) lo, decltype(value) hi) {
-    return CheckRange("job spec", key, value, lo, hi);
-  };
+// The job's name, the model's dimensions and train's schedule, optimizer and precision.
+absl::Status ValidateModelAndTrain(const JobSpec& spec) {
   const SpecLimits& l = kSpecLimits;
-  RETURN_IF_ERROR(range("name (bytes)", static_cast<int64_t>(spec.name().size()), int64_t{0}, l.max_name_bytes));
+  const TrainSpec& t = spec.train();
+  RETURN_IF_ERROR(
+      CheckJobRange("name (bytes)", static_cast<int64_t>(spec.name().size()), int64_t{0}, l.max_name_bytes));
   const ModelSpec& m = spec.model();
-  RETURN_IF_ERROR(range("model.n_layer", m.n_layer(), 0, l.max_layers));
-  RETURN_IF_ERROR(range("model.n_head", m.n_head(), 0, l.max_heads));
-  RETURN_IF_ERROR(range("model.n_embd", m.n_embd(), 0, l.max_embd));
-  RETURN_IF_ERROR(range("model.block_size", m.block_size(), 0, l.max_seq_len));
-  RETURN_IF_ERROR(range("model.vocab_size", m.vocab_size(), 0, l.max_vocab));
-  RETURN_IF_ERROR(range("train.global_batch", t.global_batch(), 1, l.max_global_batch));
-  RETURN_IF_ERROR(range("train.seq_len", t.seq_len(), 1, l.max_seq_len));
-  RETURN_IF_ERROR(range("train.steps", t.steps(), 1, l.max_steps));
-  if (t.lr() <= 0) return bad("train.lr", "must be positive");
-  RETURN_IF_ERROR(range("train.lr", t.lr(), 0.0, l.max_lr));
-  RETURN_IF_ERROR(range("train.min_lr", t.min_lr(), 0.0, l.max_lr));
-  if (t.warmup_steps() < 0) return bad("train.warmup_steps", "must not be negative");
-  RETURN_IF_ERROR(range("train.warmup_steps", t.warmup_steps(), 0, l.max_steps));
-  if (t.weight_decay() < 0) return bad("train.weight_decay", "must not be negative");
-  RETURN_IF_ERROR(range("train.weight_decay", t.weight_decay(), 0.0, 1e3));
-  if (t.grad_clip() < 0) return bad("train.grad_clip", "must not be negative (0 disables clipping)");
-  RETURN_IF_ERROR(range("train.grad_clip", t.grad_clip(), 0.0, 1e12));
-  RETURN_IF_ERROR(range("train.beta1", t.beta1(), 0.0, 1.0));
-  RETURN_IF_ERROR(range("train.beta2", t.beta2(), 0.0, 1.0));
-  RETURN_IF_ERROR(range("train.eval_every", t.eval_every(), 0, l.max_steps));
-  RETURN_IF_ERROR(range("train.eval_batches", t.eval_batches(), 0, l.max_eval_batches));
+  RETURN_IF_ERROR(CheckJobRange("model.n_layer", m.n_layer(), 0, l.max_layers));
+  RETURN_IF_ERROR(CheckJobRange("model.n_head", m.n_head(), 0, l.max_heads));
+  RETURN_IF_ERROR(CheckJobRange("model.n_embd", m.n_embd(), 0, l.max_embd));
+  RETURN_IF_ERROR(CheckJobRange("model.block_size", m.block_size(), 0, l.max_seq_len));
+  RETURN_IF_ERROR(CheckJobRange("model.vocab_size", m.vocab_size(), 0, l.max_vocab));
+  RETURN_IF_ERROR(CheckJobRange("train.global_batch", t.global_batch(), 1, l.max_global_batch));
+  RETURN_IF_ERROR(CheckJobRange("train.seq_len", t.seq_len(), 1, l.max_seq_len));
+  RETURN_IF_ERROR(CheckJobRange("train.steps", t.steps(), 1, l.max_steps));
+  if (t.lr() <= 0) return BadKey("train.lr", "must be positive");
+  RETURN_IF_ERROR(CheckJobRange("train.lr", t.lr(), 0.0, l.max_lr));
+  RETURN_IF_ERROR(CheckJobRange("train.min_lr", t.min_lr(), 0.0, l.max_lr));
+  if (t.warmup_steps() < 0) return BadKey("train.warmup_steps", "must not be negative");
+  RETURN_IF_ERROR(CheckJobRange("train.warmup_steps", t.warmup_steps(), 0, l.max_steps));
+  if (t.weight_decay() < 0) return BadKey("train.weight_decay", "must not be negative");
+  RETURN_IF_ERROR(CheckJobRange("train.weight_decay", t.weight_decay(), 0.0, 1e3));
+  if (t.grad_clip() < 0) return BadKey("train.grad_clip", "must not be negative (0 disables clipping)");
+  RETURN_IF_ERROR(CheckJobRange("train.grad_clip", t.grad_clip(), 0.0, 1e12));
+  RETURN_IF_ERROR(CheckJobRange("train.beta1", t.beta1(), 0.0, 1.0));
+  RETURN_IF_ERROR(CheckJobRange("train.beta2", t.beta2(), 0.0, 1.0));
+  RETURN_IF_ERROR(CheckJobRange("train.eval_every", t.eval_every(), 0, l.max_steps));
+  RETURN_IF_ERROR(CheckJobRange("train.eval_batches", t.eval_batches(), 0, l.max_eval_batches));
   if (!t.precision().empty() && t.precision() != "auto" && t.precision() != "bf16" && t.precision() != "fp16" &&
       t.precision() != "fp32") {
-    return bad("train.precision", absl::StrCat("must be auto, bf16, fp16 or fp32, got '", t.precision(), "'"));
+    return BadKey("train.precision", absl::StrCat("must be auto, bf16, fp16 or fp32, got '", t.precision(), "'"));
   }
   if (t.has_loss_scale()) {
     if (t.precision() == "bf16" || t.precision() == "fp32") {
-      return bad("train.loss_scale", absl::StrCat("applies to fp16 only (train.precision is ", t.precision(),
-                                                  "); remove it or set train.precision: fp16 or auto"));
+      return BadKey("train.loss_scale", absl::StrCat("applies to fp16 only (train.precision is ", t.precision(),
+                                                     "); remove it or set train.precision: fp16 or auto"));
     }
     if (t.loss_scale().initial() != 0) {
       RETURN_IF_ERROR(
-          range("train.loss_scale.initial", t.loss_scale().initial(), 1.0 / 16777216, 18446744073709551616.0));
+          CheckJobRange("train.loss_scale.initial", t.loss_scale().initial(), 1.0 / 16777216, 18446744073709551616.0));
     }
-    RETURN_IF_ERROR(range("train.loss_scale.growth_interval", t.loss_scale().growth_interval(), 0, 1000000));
+    RETURN_IF_ERROR(CheckJobRange("train.loss_scale.growth_interval", t.loss_scale().growth_interval(), 0, 1000000));
   }
+  return absl::OkStatus();
+}
+
+// The plan and its shape: dp, pp, tp, microbatches, sites, placement and the pipeline schedule.
+absl::Status ValidateParallel(const JobSpec& spec) {
+  const SpecLimits& l = kSpecLimits;
   const ParallelSpec& p = spec.parallel();
   if (p.plan() != "auto" && p.plan() != "manual") {
-    return bad("parallel.plan", absl::StrCat("must be auto or manual, got '", p.plan(), "'"));
+    return BadKey("parallel.plan", absl::StrCat("must be auto or manual, got '", p.plan(), "'"));
   }
   if (p.dp() <= 0 || p.pp() <= 0 || p.tp() <= 0 || p.microbatches() <= 0) {
-    return bad("parallel", "dp, pp, tp and microbatches must be positive");
+    return BadKey("parallel", "dp, pp, tp and microbatches must be positive");
   }
   if (p.sites_size() > 0 && p.plan() != "auto") {
-    return bad("parallel.sites", "applies to plan: auto (a manual plan places its actors with parallel.placement)");
+    return BadKey("parallel.sites", "applies to plan: auto (a manual plan places its actors with parallel.placement)");
   }
-  RETURN_IF_ERROR(range("parallel.sites (count)", p.sites_size(), 0, 256));
+  RETURN_IF_ERROR(CheckJobRange("parallel.sites (count)", p.sites_size(), 0, 256));
   for (const std::string& site : p.sites()) {
-    if (site.empty() || site.size() > 256) return bad("parallel.sites", "holds an empty or over-long site name");
+    if (site.empty() || site.size() > 256) return BadKey("parallel.sites", "holds an empty or over-long site name");
   }
-  RETURN_IF_ERROR(range("parallel.dp", p.dp(), 1, l.max_parallel));
-  RETURN_IF_ERROR(range("parallel.pp", p.pp(), 1, l.max_parallel));
-  RETURN_IF_ERROR(range("parallel.tp", p.tp(), 1, l.max_parallel));
-  RETURN_IF_ERROR(range("parallel.microbatches", p.microbatches(), 1, l.max_microbatches));
-  RETURN_IF_ERROR(range("parallel.dp x pp x tp", int64_t{p.dp()} * p.pp() * p.tp(), int64_t{1}, l.max_actors));
-  RETURN_IF_ERROR(range("parallel.placement (entries)", int64_t{p.placement_size()}, int64_t{0}, l.max_actors));
+  RETURN_IF_ERROR(CheckJobRange("parallel.dp", p.dp(), 1, l.max_parallel));
+  RETURN_IF_ERROR(CheckJobRange("parallel.pp", p.pp(), 1, l.max_parallel));
+  RETURN_IF_ERROR(CheckJobRange("parallel.tp", p.tp(), 1, l.max_parallel));
+  RETURN_IF_ERROR(CheckJobRange("parallel.microbatches", p.microbatches(), 1, l.max_microbatches));
+  RETURN_IF_ERROR(CheckJobRange("parallel.dp x pp x tp", int64_t{p.dp()} * p.pp() * p.tp(), int64_t{1}, l.max_actors));
+  RETURN_IF_ERROR(CheckJobRange("parallel.placement (entries)", int64_t{p.placement_size()}, int64_t{0}, l.max_actors));
   if (p.schedule() != "1f1b" && p.schedule() != "gpipe") {
-    return bad("parallel.schedule", absl::StrCat("must be 1f1b or gpipe, got '", p.schedule(), "'"));
+    return BadKey("parallel.schedule", absl::StrCat("must be 1f1b or gpipe, got '", p.schedule(), "'"));
   }
   if (p.plan() == "manual") {
     const int64_t per_step = static_cast<int64_t>(p.dp()) * p.microbatches();
-    if (t.global_batch() % per_step != 0) {
-      return bad("train.global_batch",
-                 absl::StrCat("(", t.global_batch(), ") must be a multiple of dp x microbatches (", per_step, ")"));
+    if (spec.train().global_batch() % per_step != 0) {
+      return BadKey("train.global_batch", absl::StrCat("(", spec.train().global_batch(),
+                                                       ") must be a multiple of dp x microbatches (", per_step, ")"));
     }
-  }
-  if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
-    return bad("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
-  }
-  if (spec.comm().chunk_bytes() != 0) {
-    RETURN_IF_ERROR(range("comm.chunk_bytes", spec.comm().chunk_bytes(), int64_t{1024}, l.max_chunk_bytes));
-  }
-  if (p.pipeline_depth() < 0)
-    return bad("parallel.pipeline_depth", "must not be negative (0 or absent: chosen from the links)");
-  RETURN_IF_ERROR(range("parallel.pipeline_depth", p.pipeline_depth(), 0, l.max_microbatches));
-  if (p.sync() != "" && p.sync() != "sync" && p.sync() != "diloco") {
-    return bad("parallel.sync", absl::StrCat("must be sync or diloco (or absent), got '", p.sync(), "'"));
-  }
-  if (p.allow_diloco() && p.plan() != "auto") {
-    return bad("parallel.allow_diloco", "applies to plan: auto only; with a manual plan, a diloco block turns it on");
-  }
-  const DilocoSpec& d = spec.diloco();
-  if (d.inner_steps() < 0) return bad("diloco.inner_steps", "must be positive");
-  RETURN_IF_ERROR(range("diloco.inner_steps", d.inner_steps(), 0, l.max_steps));
-  RETURN_IF_ERROR(range("diloco.fragments", d.fragments(), 0, l.max_microbatches));
-  if (DilocoOn(spec) || p.allow_diloco()) {
-    const DilocoSpec e = EffectiveDiloco(spec);
-    if (!(e.outer_lr() > 0 && e.outer_lr() <= 10)) return bad("diloco.outer_lr", "must be in (0, 10]");
-    if (!(e.outer_momentum() >= 0 && e.outer_momentum() < 1)) {
-      return bad("diloco.outer_momentum", "must be in [0, 1) (0: no momentum)");
-    }
-    if (!(e.inner_lr_scale() > 0 && e.inner_lr_scale() <= 10)) {
-      return bad("diloco.inner_lr_scale", "must be in (0, 10] (1: train's schedule as it is)");
-    }
-    if (e.fragments() > e.inner_steps()) {
-      return bad("diloco.fragments",
-                 absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),
-                              "): each fragment syncs once every inner_steps steps"));
-    }
-    if (absl::StatusOr<CodecSpec> codec = ParseCodecSpec(e.codec()); !codec.ok()) {
-      return bad("diloco.codec", codec.status().message());
-    }
-  }
-  const CheckpointSpec& k = spec.checkpoint();
-  if (k.every_steps() < 0) return bad("checkpoint.every_steps", "must not be negative");
-  RETURN_IF_ERROR(range("checkpoint.every_steps", k.every_steps(), 0, l.max_steps));
-  if (k.keep() < -1) return bad("checkpoint.keep", "must be -1 (keep all) or a count of checkpoints to keep");
-  RETURN_IF_ERROR(range("checkpoint.keep", k.keep(), -1, l.max_checkpoints_kept));
-  if (k.resume() != "" && k.resume() != "auto") {
-    return bad("checkpoint.resume", absl::StrCat("must be auto (or absent), got '", k.resume(), "'"));
-  }
-  if (k.resume() == "auto" && k.dir().empty()) {
-    return bad("checkpoint.resume", "auto needs checkpoint.dir: the directory to resume from");
-  }
-  RETURN_IF_ERROR(range("checkpoint.dir (bytes)", static_cast<int64_t>(k.dir().size()), int64_t{0}, l.max_path_bytes));
-  RETURN_IF_ERROR(range("checkpoint.resume_from (bytes)", static_cast<int64_t>(k.resume_from().size()), int64_t{0},
-                        l.max_path_bytes));
-  RETURN_IF_ERROR(
-      range("data.train (bytes)", static_cast<int64_t>(spec.data().train().size()), int64_t{0}, l.max_path_bytes));
-  RETURN_IF_ERROR(
-      range("data.val (bytes)", static_cast<int64_t>(spec.data().val().size()), int64_t{0}, l.max_path_bytes));
-  const FaultToleranceSpec& f = spec.fault_tolerance();
-  if (f.has_max_restarts() && f.max_restarts() < -1) {
-    return bad("fault_tolerance.max_restarts", "must be -1 (unlimited), 0 (fail on the first fault) or a count");
-  }
-  RETURN_IF_ERROR(range("fault_tolerance.max_restarts", f.max_restarts(), -1, l.max_restarts));
-  if (!(f.wait_for_workers_s() >= 0 && f.wait_for_workers_s() <= 7 * 24 * 3600)) {
-    return bad("fault_tolerance.wait_for_workers_s", "must be between 0 and 604800 (a week)");
   }
   return absl::OkStatus();
+}
+
+// How tensors travel: the gradient buckets, the stream chunks and the pipeline's depth of sends in flight.
+absl::Status ValidateComm(const JobSpec& spec) {
+  const SpecLimits& l = kSpecLimits;
+  if (!(spec.comm().grad_bucket_mb() >= 0 && spec.comm().grad_bucket_mb() <= 1e6)) {
+    return BadKey("comm.grad_bucket_mb", "must be in (0, 1e6] (0 or absent: 25)");
+  }
+  if (spec.comm().chunk_bytes() != 0) {
+    RETURN_IF_ERROR(CheckJobRange("comm.chunk_bytes", spec.comm().chunk_bytes(), int64_t{1024}, l.max_chunk_bytes));
+  }
+  const ParallelSpec& p = spec.parallel();
+  if (p.pipeline_depth() < 0)
+    return BadKey("parallel.pipeline_depth", "must not be negative (0 or absent: chosen from the links)");
+  RETURN_IF_ERROR(CheckJobRange("parallel.pipeline_depth", p.pipeline_depth(), 0, l.max_microbatches));
+  return absl::OkStatus();
+}
+
+// Synchronous or DiLoCo: parallel.sync, parallel.allow_diloco and the diloco block (with its defaults filled).
+absl::Status ValidateDiloco(const JobSpec& spec) {
+  const SpecLimits& l = kSpecLimits;
+  const ParallelSpec& p = spec.parallel();
+  if (p.sync() != "" && p.sync() != "sync" && p.sync() != "diloco") {
+    return BadKey("parallel.sync", absl::StrCat("must be sync or diloco (or absent), got '", p.sync(), "'"));
+  }
+  if (p.allow_diloco() && p.plan() != "auto") {
+    return BadKey("parallel.allow_diloco",
+                  "applies to plan: auto only; with a manual plan, a diloco block turns it on");
+  }
+  const DilocoSpec& d = spec.diloco();
+  if (d.inner_steps() < 0) return BadKey("diloco.inner_steps", "must be positive");
+  RETURN_IF_ERROR(CheckJobRange("diloco.inner_steps", d.inner_steps(), 0, l.max_steps));
+  RETURN_IF_ERROR(CheckJobRange("diloco.fragments", d.fragments(), 0, l.max_microbatches));
+  if (!DilocoOn(spec) && !p.allow_diloco()) return absl::OkStatus();
+  const DilocoSpec e = EffectiveDiloco(spec);
+  if (!(e.outer_lr() > 0 && e.outer_lr() <= 10)) return BadKey("diloco.outer_lr", "must be in (0, 10]");
+  if (!(e.outer_momentum() >= 0 && e.outer_momentum() < 1)) {
+    return BadKey("diloco.outer_momentum", "must be in [0, 1) (0: no momentum)");
+  }
+  if (!(e.inner_lr_scale() > 0 && e.inner_lr_scale() <= 10)) {
+    return BadKey("diloco.inner_lr_scale", "must be in (0, 10] (1: train's schedule as it is)");
+  }
+  if (e.fragments() > e.inner_steps()) {
+    return BadKey("diloco.fragments",
+                  absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),
+                               "): each fragment syncs once every inner_steps steps"));
+  }
+  if (absl::StatusOr<CodecSpec> codec = ParseCodecSpec(e.codec()); !codec.ok()) {
+    return BadKey("diloco.codec", codec.status().message());
+  }
+  return absl::OkStatus();
+}
+
+// Checkpoints and resumes, the data's paths, and how the job meets faults.
+absl::Status ValidateCheckpointDataAndFaults(const JobSpec& spec) {
+  const SpecLimits& l = kSpecLimits;
+  const CheckpointSpec& k = spec.checkpoint();
+  if (k.every_steps() < 0) return BadKey("checkpoint.every_steps", "must not be negative");
+  RETURN_IF_ERROR(CheckJobRange("checkpoint.every_steps", k.every_steps(), 0, l.max_steps));
+  if (k.keep() < -1) return BadKey("checkpoint.keep", "must be -1 (keep all) or a count of checkpoints to keep");
+  RETURN_IF_ERROR(CheckJobRange("checkpoint.keep", k.keep(), -1, l.max_checkpoints_kept));
+  if (k.resume() != "" && k.resume() != "auto") {
+    return BadKey("checkpoint.resume", absl::StrCat("must be auto (or absent), got '", k.resume(), "'"));
+  }
+  if (k.resume() == "auto" && k.dir().empty()) {
+    return BadKey("checkpoint.resume", "auto needs checkpoint.dir: the directory to resume from");
+  }
+  RETURN_IF_ERROR(
+      CheckJobRange("checkpoint.dir (bytes)", static_cast<int64_t>(k.dir().size()), int64_t{0}, l.max_path_bytes));
+  RETURN_IF_ERROR(CheckJobRange("checkpoint.resume_from (bytes)", static_cast<int64_t>(k.resume_from().size()),
+                                int64_t{0}, l.max_path_bytes));
+  RETURN_IF_ERROR(CheckJobRange("data.train (bytes)", static_cast<int64_t>(spec.data().train().size()), int64_t{0},
+                                l.max_path_bytes));
+  RETURN_IF_ERROR(
+      CheckJobRange("data.val (bytes)", static_cast<int64_t>(spec.data().val().size()), int64_t{0}, l.max_path_bytes));
+  const FaultToleranceSpec& f = spec.fault_tolerance();
+  if (f.has_max_restarts() && f.max_restarts() < -1) {
+    return BadKey("fault_tolerance.max_restarts", "must be -1 (unlimited), 0 (fail on the first fault) or a count");
+  }
+  RETURN_IF_ERROR(CheckJobRange("fault_tolerance.max_restarts", f.max_restarts(), -1, l.max_restarts));
+  if (!(f.wait_for_workers_s() >= 0 && f.wait_for_workers_s() <= 7 * 24 * 3600)) {
+    return BadKey("fault_tolerance.wait_for_workers_s", "must be between 0 and 604800 (a week)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  RETURN_IF_ERROR(ValidateModelAndTrain(spec));
+  RETURN_IF_ERROR(ValidateParallel(spec));
+  RETURN_IF_ERROR(ValidateComm(spec));
+  RETURN_IF_ERROR(ValidateDiloco(spec));
+  return ValidateCheckpointDataAndFaults(spec);
 }
 
 absl::Status ValidateLinkFigures(std::string_view what, double latency_ms, double bandwidth_mbps, double jitter_ms) {

@@ -13,7 +13,8 @@ packages=(
   libabsl-dev libboost-dev libboost-system-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev libzstd-dev libyaml-cpp-dev libsqlite3-dev libicu-dev
-  prometheus curl procps iproute2 openssl
+  prometheus curl procps iproute2 openssl libssl-dev
+  chromium  # headless, for the dashboard's browser test (tests/dashboard)
   python3-torch python3-numpy python3-matplotlib
   python3-grpcio python3-protobuf python3-yaml python3-pytest python3-nbclient python3-nbformat python3-ipykernel
   python3-venv python3-pip

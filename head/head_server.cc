@@ -11,8 +11,9 @@
 #include "absl/time/time.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/rpc_call.h"
 #include "common/status.h"
-#include "head/rpc_call.h"
+#include "head/dashboard_figures.h"
 #include "head/scrape_targets.h"
 #include "internal.grpc.pb.h"
 
@@ -168,14 +169,8 @@ absl::Status HeadServer::Start() {
     return absl::OkStatus();
   });
 
-  if (options_.metrics_port >= 0) {
-    metrics_ = std::make_unique<MetricsServer>();
-    const std::string metrics_host = !options_.metrics_bind.empty()     ? options_.metrics_bind
-                                     : !options_.advertise_host.empty() ? options_.advertise_host
-                                                                        : "127.0.0.1";
-    RETURN_IF_ERROR(metrics_->Start(absl::StrCat(metrics_host, ":", options_.metrics_port)));
-    metrics_host_ = metrics_host;
-  }
+  std::vector<v1::ConfiguredLink> configured_links;
+  RETURN_IF_ERROR(StartHttp(&configured_links));
 
   JobRunnerOptions runner_options;
   runner_options.token = token_;
@@ -197,7 +192,12 @@ absl::Status HeadServer::Start() {
   components.started_unix_ms = started_unix_ms_;
   components.stopping = [this] { return IsStopping(); };
   components.changed = [this] { RefreshMetrics(); };
+  components.dashboard_url = dashboard_url_;
+  if (metrics_) components.metrics_url = absl::StrCat("http://", UrlHost(), ":", metrics_->port(), "/metrics");
+  components.topology_file = options_.topology_file;
+  components.configured_links = std::move(configured_links);
   public_api_ = std::make_unique<PublicApi>(std::move(components), token_);
+  dashboard_->Attach(public_api_.get());
   staging_ = std::make_unique<HeadStagingService>(
       token_, options_.state_dir,
       HeadStagingService::Hooks{.get_job = [this](const std::string& job_id) { return jobs_->Get(job_id); },
@@ -240,8 +240,74 @@ absl::Status HeadServer::Start() {
   });
   detector_ = std::thread([this] { DetectorLoop(); });
   GT_LOG(INFO) << "head " << head_id_ << " serving on " << host << ":" << port_ << ", metrics on port "
-               << metrics_port() << ", state in " << options_.state_dir << ", " << workers->size()
-               << " known worker(s), " << jobs_->List().size() << " job(s)";
+               << metrics_port() << ", dashboard at " << (dashboard_url_.empty() ? "(none)" : dashboard_url_)
+               << ", state in " << options_.state_dir << ", " << workers->size() << " known worker(s), "
+               << jobs_->List().size() << " job(s)";
+  return absl::OkStatus();
+}
+
+absl::Status HeadServer::StartHttp(std::vector<v1::ConfiguredLink>* configured_links) {
+  dashboard_ = std::make_shared<Dashboard>(DashboardOptions{.token = token_, .tls = options_.tls.enabled()});
+  if (options_.metrics_port >= 0) {
+    metrics_ = std::make_unique<MetricsServer>();
+    const std::string metrics_host = HttpBindHost();
+    // The dashboard shares the port unless the head has TLS (HTTPS on a port of its own) or was given a port for it.
+    const bool with_dashboard = options_.dashboard_port == kDashboardOnMetricsPort && !options_.tls.enabled();
+    HttpHandler dashboard = [d = dashboard_](const HttpRequest& r, std::string_view raw) { return d->Handle(r, raw); };
+    RETURN_IF_ERROR(metrics_->Start(absl::StrCat(metrics_host, ":", options_.metrics_port),
+                                    with_dashboard ? dashboard : nullptr, kDashboardMaxBodyBytes));
+    metrics_host_ = metrics_host;
+  }
+  RETURN_IF_ERROR(StartDashboard());
+  if (!options_.topology_file.empty()) {
+    auto links = ConfiguredLinksOf(options_.topology_file);
+    if (!links.ok()) return WithContext(links.status(), "head: --topology");
+    *configured_links = *std::move(links);
+  }
+  return absl::OkStatus();
+}
+
+std::string HeadServer::HttpBindHost() const {
+  return !options_.metrics_bind.empty()     ? options_.metrics_bind
+         : !options_.advertise_host.empty() ? options_.advertise_host
+                                            : "127.0.0.1";
+}
+
+std::string HeadServer::UrlHost() const {
+  // What a browser on this machine or the cluster's network dials: the address the HTTP servers listen on, unless
+  // that is every address.
+  const std::string host = HttpBindHost();
+  if (host == "0.0.0.0" || host == "::") return options_.advertise_host.empty() ? "127.0.0.1" : options_.advertise_host;
+  return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]") : host;
+}
+
+absl::Status HeadServer::StartDashboard() {
+  const bool on_metrics_port = options_.dashboard_port == kDashboardOnMetricsPort && !options_.tls.enabled();
+  if (options_.dashboard_port == -1 || (on_metrics_port && !metrics_)) return absl::OkStatus();
+  const char* scheme = options_.tls.enabled() ? "https" : "http";
+  if (on_metrics_port) {
+    dashboard_url_ = absl::StrCat(scheme, "://", UrlHost(), ":", metrics_->port(), "/");
+    return absl::OkStatus();
+  }
+  HttpServerOptions http;
+  http.max_body_bytes = kDashboardMaxBodyBytes;
+  http.handler_threads = 3;
+  http.tls = {.cert = options_.tls.cert,
+              .key = options_.tls.key,
+              .ca = options_.tls.ca,
+              .require_client_cert = options_.tls.require_client_cert};
+  const std::string host = HttpBindHost();
+  const int port = options_.dashboard_port == kDashboardOnMetricsPort ? 0 : options_.dashboard_port;
+  dashboard_server_ = std::make_unique<HttpServer>();
+  absl::Status started = dashboard_server_->Start(
+      absl::StrCat(host, ":", port), http,
+      [d = dashboard_](const HttpRequest& r, std::string_view raw) { return d->Handle(r, raw); });
+  if (!started.ok()) {
+    dashboard_server_.reset();
+    return absl::Status(started.code(), absl::StrCat("head: cannot serve the dashboard: ", started.message(),
+                                                     "; choose another port with --dashboard-port (-1: none)"));
+  }
+  dashboard_url_ = absl::StrCat(scheme, "://", UrlHost(), ":", dashboard_server_->port(), "/");
   return absl::OkStatus();
 }
 
@@ -327,10 +393,13 @@ void HeadServer::Shutdown() {
     if (stopping_) return;
     stopping_ = true;
   }
+  if (dashboard_) dashboard_->Detach();  // before the components it reads go
+  dashboard_server_.reset();
   if (detector_.joinable()) detector_.join();
-  if (runner_) runner_->Shutdown();
   if (rendezvous_) rendezvous_->Shutdown();  // wakes waiting fetches before the server drains
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // After the server: a handler in flight (ReportStep, CancelJob) may still call the runner and its executor.
+  if (runner_) runner_->Shutdown();
   if (options_.write_cluster_record) RemoveClusterRecordIfOwned(getpid());
   GT_LOG(INFO) << "head " << head_id_ << " stopped";
 }

@@ -2,8 +2,8 @@
 // Cluster and Planner, what the CLI and clients call) and the internal HeadControl service (workers register and
 // heartbeat, actors report steps and exchange NCCL unique ids through its rendezvous); it runs the failure
 // detector, keeps the job table, persists its state
-// under the state dir, serves Prometheus metrics, and records its address and token so that the CLI on
-// this machine finds it with no flags.
+// under the state dir, serves Prometheus metrics and its web dashboard (head/dashboard.h), and records its address
+// and token so that the CLI on this machine finds it with no flags.
 //
 //   HeadOptions options;  options.state_dir = "/var/lib/geotrain";
 //   HeadServer head(options);
@@ -29,8 +29,10 @@
 
 #include "absl/status/status.h"
 #include "common/clock.h"
+#include "common/http_server.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
+#include "head/dashboard.h"
 #include "head/job_manager.h"
 #include "head/job_runner.h"
 #include "head/public_api.h"
@@ -40,6 +42,9 @@
 #include "head/store.h"
 
 namespace geotrain::head {
+
+// HeadOptions::dashboard_port's default: the dashboard shares the metrics port.
+inline constexpr int kDashboardOnMetricsPort = -2;
 
 struct HeadOptions {
   std::string bind_host = "0.0.0.0";
@@ -56,6 +61,11 @@ struct HeadOptions {
   int64_t unreachable_timeout_ms = 30000;
   TlsFiles tls;  // one configuration for the head's server and its calls to workers (common/rpc.h)
   bool write_cluster_record = true;
+  // The web dashboard (head/dashboard.h), where /metrics listens: kDashboardOnMetricsPort serves it on the metrics
+  // port, except under TLS, where /metrics stays plaintext for Prometheus and the dashboard gets HTTPS on a free port
+  // of its own; 0: a free port of its own; N: port N (HTTPS under TLS); -1: no dashboard.
+  int dashboard_port = kDashboardOnMetricsPort;
+  std::string topology_file;  // the cluster's topology file: its links are the configured ones (optional)
 };
 
 // Options for a head inside a test's or a benchmark's process: loopback, a free port (port() after Start),
@@ -79,6 +89,8 @@ class HeadServer {
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   const std::string& head_id() const { return head_id_; }
   const std::string& token() const { return token_; }
+  // The dashboard's address ("http://127.0.0.1:9470/"; https under TLS), "" when it is not served.
+  const std::string& dashboard_url() const { return dashboard_url_; }
   bool IsStopping();
 
  private:
@@ -86,6 +98,14 @@ class HeadServer {
   void DetectorLoop();
   void RefreshMetrics();
   void WriteScrapeTargets();
+  // Starts /metrics and the dashboard (on the metrics port, or its own server), and reads the topology's links.
+  absl::Status StartHttp(std::vector<v1::ConfiguredLink>* configured_links);
+  // Starts the dashboard's own server when it has one (not on the metrics port), and sets dashboard_url_.
+  absl::Status StartDashboard();
+  // Where /metrics and the dashboard listen: --metrics-bind, else the advertised host, else 127.0.0.1.
+  std::string HttpBindHost() const;
+  // The host part of the URLs the head prints: the HTTP servers' address, or the advertised host.
+  std::string UrlHost() const;
 
   HeadOptions options_;
   const Clock* clock_;
@@ -105,6 +125,9 @@ class HeadServer {
   std::unique_ptr<PublicApi> public_api_;
   std::unique_ptr<HeadStagingService> staging_;  // shards to workers, checkpoint files from actors
   std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<Dashboard> dashboard_;          // shared with the HTTP server that serves it
+  std::unique_ptr<HttpServer> dashboard_server_;  // when it has a port of its own
+  std::string dashboard_url_;
 
   absl::Mutex targets_mu_;  // RefreshMetrics runs on handler threads and the detector thread
   std::string scrape_targets_ ABSL_GUARDED_BY(targets_mu_);  // last written prometheus_targets.json

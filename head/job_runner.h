@@ -25,33 +25,52 @@
 // committed) is in the job record (JobManager, SQLite); Restore() rebuilds the runs, and actors that kept
 // training report to the new head (their reports wait in their queues while it is away).
 //
+// The parts, one per concern (like Ray's GCS managers), each with its contract in its header:
+//   head/actor_launcher.h        placement -> actors created on their workers; stopping them (the executor)
+//   head/job_recovery.h          faults: which restart, from which checkpoint, which fail the job; Restore
+//   head/step_aggregator.h       step reports -> step events, progress and the job's metric families
+//   head/checkpoint_committer.h  checkpoint shards -> committed manifests
+//   head/job_run.h               the runs they share (one table, one mutex)
+// JobRunner itself is the job's state machine: it starts pending jobs, launches runs, reconciles them with the
+// workers' heartbeats, ends jobs (retrying an end the store could not write), and routes reports and faults.
 // Placement and `plan: auto` planning are in head/placement.h.
 //
-// Threads: one job-control thread (Start) plans, places, launches, restarts and reconciles; the RPCs to
-// workers run on an executor (actors are created in parallel, stops are sent at once); gRPC handlers call
-// OnStepReport, StopJob and Kick; the detector thread calls OnWorkerDead, which only queues the fault.
-// One mutex guards the runs; no RPC is made while holding it.
+// Threads and ownership:
+//   - the job-control thread (Start) runs ControlLoop: RetryPendingEnds, JobRecovery::HandleFaults, Reconcile,
+//     JobRecovery::RecoverJobs, StartPendingJobs, StepAggregator::ForgetEndedJobSeries, then `on_tick`. It alone
+//     plans, places, launches and restarts runs.
+//   - gRPC handlers call OnStepReport (aggregation and checkpoint gathering under JobRuns::mu, then recording and
+//     commits without it), StopJob, Actors and Kick; the detector thread calls OnWorkerDead, which only queues
+//     the fault (JobRecovery::Fault).
+//   - the launcher's executor threads make the RPCs to workers; they touch no run.
+//   - JobRuns::mu guards the runs (runs_.by_job, runs_.kicked) and the runner's own stopping_ and pending_ends_;
+//     no RPC is made and no other component is called while holding it. The step aggregator's series mutex is
+//     its own (taken before the job table's, never with JobRuns::mu).
+// Errors: the public calls return none: a job that cannot run ends FAILED with the reason, and a failed bookkeeping write (the job table) is logged; an end the store refuses (UNAVAILABLE: a full disk) is
+// retried on every look until it is written.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <map>
-#include <memory>
-#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/status/status.h"
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
-#include "head/executor.h"
+#include "head/actor_launcher.h"
+#include "head/checkpoint_committer.h"
 #include "head/job_manager.h"
+#include "head/job_recovery.h"
+#include "head/job_run.h"
 #include "head/placement.h"  // PlaceActors, PlanAutoJob (moved there; callers keep including this header)
 #include "head/registry.h"
-#include "internal.grpc.pb.h"
+#include "head/step_aggregator.h"
 
 namespace geotrain::head {
 
@@ -72,18 +91,20 @@ struct JobRunnerOptions {
   int64_t ended_job_series_ms = 60000;
 };
 
-class JobRunner {
+class JobRunner final : private RunControl {
  public:
+  // `jobs`, `registry` and `clock` outlive the runner; `metrics` may be null (no /metrics).
   JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, JobRunnerOptions options,
             const Clock* clock = RealClock::Get());
-  ~JobRunner();  // Shutdown()
+  ~JobRunner() override;  // Shutdown()
   JobRunner(const JobRunner&) = delete;
   JobRunner& operator=(const JobRunner&) = delete;
 
-  // Rebuilds the runs of the jobs that were RUNNING or RESTARTING when an earlier head stopped.
+  // Rebuilds the runs of the jobs that were RUNNING or RESTARTING when an earlier head stopped (before Start).
   void Restore();
   // Starts the job-control thread; `on_tick` (may be null) runs on it after every look at the jobs.
   void Start(std::function<void()> on_tick);
+  // Ends the control thread, then finishes the RPCs queued. Once; later calls do nothing.
   void Shutdown();
   // Wakes the control thread now (a job was submitted, a worker joined).
   void Kick();
@@ -98,110 +119,49 @@ class JobRunner {
   std::vector<ActorRecord> Actors(const std::string& job_id) const;
 
  private:
-  struct StepAggregate {
-    int reports = 0;
-    double step_seconds = 0, compute = 0, wait = 0, bubble = 0, loss = 0, checkpoint = 0;
-    bool have_loss = false;
-    bool timed_compute = false;  // some actor ran on timed compute: times emulated, no real loss
-    // The mean over the loss carriers' reports (one per replica when each reports its own: DiLoCo), and
-    // over the replicas' validation losses (steps that evaluated).
-    double loss_sum = 0, val_sum = 0;
-    int loss_reports = 0, val_reports = 0;
-    int64_t tokens = 0;
-    std::map<std::string, int64_t> wan_bytes;
-    double compression_ratio = 0;
-    double loss_scale = 0;  // fp16's, the largest reported (all equal); 0: none reported
-    bool skipped = false;   // fp16: the step's gradients overflowed and it was skipped
-  };
-  enum class Phase {
-    kRunning,     // actors created (or being created) and training
-    kFault,       // a fault was seen; the control thread stops the actors and decides
-    kRecovering,  // actors stopped; waiting to be placed and launched again
-    kEnded,
-  };
-  struct Run {
-    JobSpec spec;  // with the current run's plan
-    int64_t attempt = 0;
-    int restarts = 0;
-    Phase phase = Phase::kRunning;
-    std::vector<ActorPlacement> actors;
-    std::set<std::string> done;
-    bool restored = false;  // taken over from the previous head (Restore), until its next launch
-    std::map<std::string, std::string> actor_errors;  // actor -> the error it reported (this run)
-    std::map<int64_t, StepAggregate> steps;
-    std::map<int64_t, std::map<std::string, CheckpointShard>> shards;  // step -> actor -> shard
-    int64_t last_step = 0;     // the newest step every actor of this run reported
-    int64_t resumed_step = 0;  // the step this run started after
-    int64_t last_checkpoint_step = 0;
-    std::string resumed_from;
-    // The fault being recovered from.
-    std::string fault_cause;
-    bool fault_permanent = false;   // the job itself is at fault: it fails without a restart
-    int64_t fault_detected_ms = 0;  // clock's monotonic milliseconds
-    int64_t fault_unix_ms = 0;
-    int64_t fault_step = 0;
-    bool recovery_measured = true;  // false until the first step after a restart completes
-    std::string waiting_message;    // last "waiting for workers" line logged
-    int64_t launched_ms = 0;
-    std::map<std::string, int64_t> actor_seen_ms;     // actor -> when a heartbeat last listed it
-    std::map<std::string, int64_t> finished_seen_ms;  // actor -> when a heartbeat first said it finished
-  };
-
   void ControlLoop(std::function<void()> on_tick);
-  // The control thread's steps.
-  void HandleFaults();
+  // The control thread's steps (with JobRecovery's HandleFaults and RecoverJobs).
   // Writes the ends of jobs whose final state could not be written before (the store was failing).
   void RetryPendingEnds();
-  void RecoverJobs();
   void StartPendingJobs();
+  // Compares the runs with the workers' heartbeats: an actor that died is a fault, one that finished counts as
+  // done once its last report is overdue, one an alive worker stopped listing is lost.
   void Reconcile();
+
+  // RunControl (JobRecovery calls these too).
   // Chooses the plan and the placement for the job's next run, and launches it. UNAVAILABLE when the
   // workers alive now cannot hold it (the caller decides whether to wait).
-  absl::Status PlaceAndLaunch(const JobInfo& job, int64_t attempt, const std::string& resume_from);
+  absl::Status PlaceAndLaunch(const JobInfo& job, int64_t attempt, const std::string& resume_from) override;
+  void EndJob(const std::string& job_id, JobState state, const std::string& message) override;
+
   // The devices the actors of every other running job hold.
   HeldDevices HeldByOthers(const std::string& job_id) const;
-  // Where the job's next run starts: its newest complete checkpoint, else what the spec resumes from, else
-  // nothing. Logs the checkpoints skipped.
-  absl::StatusOr<std::string> ResumePoint(const std::string& job_id, const JobSpec& spec);
+  // Starts run `attempt` of the job on `placement`: records it, creates its actors, and moves the job to RUNNING.
   absl::Status Launch(const JobInfo& job, std::vector<ActorPlacement> placement, int64_t attempt,
                       const std::string& resume_from);
-  // Records a fault of the job's current run (any thread); ignored when the run already has one or ended.
-  // `permanent`: a restart would fail the same way (an actor's set-up error in the job's spec, data or checkpoint),
-  // so the job fails at once.
-  void Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent = false);
-  void EndJob(const std::string& job_id, JobState state, const std::string& message);
-  // Sends StopActor to every actor at once; waits for the answers when `wait`.
-  void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait);
-  void CommitCheckpoint(const std::string& job_id, const JobSpec& spec, int64_t step,
-                        const std::map<std::string, CheckpointShard>& shards);
-  void RecordStep(const std::string& job_id, int64_t step, const StepAggregate& agg);
+  // Launch's first phase: the run's record here and in the job table (the first run moves the job to RUNNING).
+  absl::Status BeginRun(const JobInfo& job, const std::vector<ActorPlacement>& placement, int64_t attempt,
+                        const std::string& resume_from, int64_t resumed_step);
   // The job's actors as they ended, in its record (`job status` shows them once the workers forget them):
   // their workers' last reports where those say they are dead, else what ended the job.
   void RecordFinalActorStates(const std::string& job_id, JobState state, const std::string& message);
-  void RecordRecovery(const std::string& job_id, double seconds, int64_t steps_lost);
-  // Removes the per-job series of the jobs that ended options_.ended_job_series_ms ago or more (control thread).
-  void ForgetEndedJobSeries();
-  // Logs a failed bookkeeping call (the job table's persistence); such a failure never stops a job.
-  void Check(const absl::Status& status, const std::string& job_id, const char* what);
 
   JobManager* jobs_;
   WorkerRegistry* registry_;
-  MetricsServer* metrics_;  // may be null
   const JobRunnerOptions options_;
   const Clock* clock_;
-  std::unique_ptr<Executor> executor_;
 
-  mutable absl::Mutex mu_;
-  std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);
-  bool kicked_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<std::string, std::pair<JobState, std::string>> pending_ends_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Per-job series are added (RecordStep, on a report's thread) and removed under series_mu_ (taken before mu_), so
-  // that a late report cannot bring back a removed job's series.
-  absl::Mutex series_mu_;
-  std::map<std::string, int64_t> ended_at_ms_ ABSL_GUARDED_BY(series_mu_);  // clock_->NowMillis() at the end
-  std::set<std::string> series_removed_ ABSL_GUARDED_BY(series_mu_);
-  std::thread control_;
+  // The parts (each thread-safe as its header says); recovery_ calls back into this runner (RunControl).
+  JobRuns runs_;
+  ActorLauncher launcher_;
+  StepAggregator aggregator_;
+  CheckpointCommitter committer_;
+  JobRecovery recovery_;
+
+  bool stopping_ ABSL_GUARDED_BY(runs_.mu) = false;
+  // Ends the store refused (UNAVAILABLE), retried by the control thread: job id -> (state, message).
+  std::map<std::string, std::pair<JobState, std::string>> pending_ends_ ABSL_GUARDED_BY(runs_.mu);
+  std::thread control_;  // the job-control thread (Start, Shutdown)
 };
 
 }  // namespace geotrain::head

@@ -243,10 +243,20 @@ std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, cons
   return out;
 }
 
-absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers,
-                                                        const HeldDevices& held) {
-  const JobSpec& spec = job.spec();
-  const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
+namespace {
+
+// A free device of an alive worker, and whether an actor took it.
+struct Slot {
+  const WorkerInfo* worker;
+  int device;
+  bool used = false;
+};
+using ActorKey = std::tuple<int, int, int>;  // (replica, stage, tp rank)
+using ChosenSlots = std::map<ActorKey, Slot*>;
+
+// Placement's first phase: the plan against the model (stages and tensor-parallel ranks it can be cut into).
+absl::Status CheckPlanFitsModel(const JobSpec& spec) {
+  const int pp = spec.parallel().pp(), tp = spec.parallel().tp();
   ASSIGN_OR_RETURN(const GPT2Config config, GPT2Config::FromSpec(spec.model()));
   if (pp > config.n_layer) {
     return absl::InvalidArgumentError(
@@ -256,18 +266,23 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
     return absl::InvalidArgumentError(
         absl::StrCat("parallel.tp (", tp, ") must divide the model's n_head (", config.n_head, ")"));
   }
-  // What each stage needs and what a device may give, as the planner counts them.
-  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
-  std::vector<uint64_t> stage_bytes(pp);
-  for (int s = 0; s < pp; ++s) {
+  return absl::OkStatus();
+}
+
+// The bytes each stage needs, as the planner counts them.
+absl::StatusOr<std::vector<uint64_t>> StageMemory(const JobSpec& spec) {
+  std::vector<uint64_t> stage_bytes(spec.parallel().pp());
+  for (int s = 0; s < spec.parallel().pp(); ++s) {
     ASSIGN_OR_RETURN(const double bytes, scheduler::SpecStageMemoryBytes(spec, s));
     stage_bytes[s] = static_cast<uint64_t>(std::ceil(bytes));
   }
-  struct Slot {
-    const WorkerInfo* worker;
-    int device;
-    bool used = false;
-  };
+  return stage_bytes;
+}
+
+// The second: the free devices of the alive workers in site order, or UNAVAILABLE when there are fewer than the
+// plan needs, naming the jobs that hold the others.
+absl::StatusOr<std::vector<Slot>> FreeSlots(const ParallelSpec& parallel, const std::vector<WorkerInfo>& workers,
+                                            const HeldDevices& held) {
   std::vector<const WorkerInfo*> alive;
   for (const WorkerInfo& w : workers) {
     if (w.state() == WORKER_ALIVE) alive.push_back(&w);
@@ -289,6 +304,7 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
       }
     }
   }
+  const int dp = parallel.dp(), pp = parallel.pp(), tp = parallel.tp();
   const int needed = dp * pp * tp;
   if (static_cast<int>(slots.size()) < needed) {
     std::string by;
@@ -298,8 +314,15 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
         holders.empty() ? ""
                         : absl::StrCat(", ", alive_devices - static_cast<int>(slots.size()), " of them held by ", by)));
   }
-  std::map<std::tuple<int, int, int>, const PlacementSpec*> pinned;
-  for (const PlacementSpec& p : spec.parallel().placement()) {
+  return slots;
+}
+
+// The third: a slot for every actor, the pinned ones first (pins to a worker before pins to a site, so that a site
+// pin never takes the device a worker pin needs), then the rest in order, replica by replica, stage by stage.
+absl::StatusOr<ChosenSlots> AssignSlots(const ParallelSpec& parallel, std::vector<Slot>& slots) {
+  const int dp = parallel.dp(), pp = parallel.pp(), tp = parallel.tp();
+  std::map<ActorKey, const PlacementSpec*> pinned;
+  for (const PlacementSpec& p : parallel.placement()) {
     if (p.replica() < 0 || p.replica() >= dp || p.stage() < 0 || p.stage() >= pp || p.tp_rank() < 0 ||
         p.tp_rank() >= tp) {
       return absl::InvalidArgumentError(absl::StrCat("parallel.placement names replica ", p.replica(), ", stage ",
@@ -307,7 +330,6 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
     }
     pinned[{p.replica(), p.stage(), p.tp_rank()}] = &p;
   }
-  std::vector<ActorPlacement> out;
   auto take = [&](const PlacementSpec* pin) -> Slot* {
     for (Slot& slot : slots) {
       if (slot.used) continue;
@@ -318,11 +340,8 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
     }
     return nullptr;
   };
-  // Pinned actors first, then the rest in order.
-  std::map<std::tuple<int, int, int>, Slot*> chosen;
-  // Pins to a worker first, then pins to a site, so that a site pin never takes the device a worker
-  // pin needs.
-  std::vector<std::pair<std::tuple<int, int, int>, const PlacementSpec*>> ordered(pinned.begin(), pinned.end());
+  ChosenSlots chosen;
+  std::vector<std::pair<ActorKey, const PlacementSpec*>> ordered(pinned.begin(), pinned.end());
   std::stable_sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) {
     return !a.second->worker().empty() && b.second->worker().empty();
   });
@@ -343,38 +362,63 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, cons
       }
     }
   }
+  return chosen;
+}
+
+// The last: one actor on its slot, refused when its stage does not fit the device's usable memory.
+absl::StatusOr<ActorPlacement> PlaceOn(const std::string& job_id, const ActorKey& key, const Slot& slot,
+                                       uint64_t stage_bytes, const scheduler::SpecPlanning& planning) {
+  const auto [r, s, t] = key;
+  ActorPlacement p;
+  p.actor.set_actor_id(ActorId(job_id, r, s, t));
+  p.actor.set_job_id(job_id);
+  p.actor.set_worker_id(slot.worker->worker_id());
+  p.actor.set_replica(r);
+  p.actor.set_stage(s);
+  p.actor.set_tp_rank(t);
+  p.actor.set_device_index(slot.device);
+  p.actor.set_state(ACTOR_PENDING_CREATION);
+  p.site = slot.worker->site();
+  p.memory_bytes = stage_bytes;
+  p.device_memory_bytes = slot.worker->devices(slot.device).memory_bytes();
+  const double usable = scheduler::UsableMemoryBytes(planning.job, static_cast<double>(p.device_memory_bytes));
+  if (p.device_memory_bytes > 0 && static_cast<double>(p.memory_bytes) > usable) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the plan does not fit: stage %d needs about %.2f GB (parameters, gradients and AdamW at 16 bytes per "
+        "parameter, 20 with data parallelism, the activations its schedule holds, boundary buffers and "
+        "%.2f GB fixed, as the planner counts them) but device %d of worker %s has %.2f GB usable (%.2f GB "
+        "less %.0f%% headroom); use more pipeline stages, more tensor parallelism, or smaller microbatches",
+        s, p.memory_bytes / 1e9, planning.job.fixed_memory_bytes / 1e9, slot.device, slot.worker->worker_id(),
+        usable / 1e9, p.device_memory_bytes / 1e9, 100 * planning.job.memory_headroom));
+  }
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers,
+                                                        const HeldDevices& held) {
+  const JobSpec& spec = job.spec();
+  const int dp = spec.parallel().dp(), pp = spec.parallel().pp(), tp = spec.parallel().tp();
+  RETURN_IF_ERROR(CheckPlanFitsModel(spec));
+  // What each stage needs and what a device may give, as the planner counts them.
+  ASSIGN_OR_RETURN(const scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> stage_bytes, StageMemory(spec));
+  ASSIGN_OR_RETURN(std::vector<Slot> slots, FreeSlots(spec.parallel(), workers, held));
+  ASSIGN_OR_RETURN(ChosenSlots chosen, AssignSlots(spec.parallel(), slots));
+  std::vector<ActorPlacement> out;
   for (int r = 0; r < dp; ++r) {
     for (int s = 0; s < pp; ++s) {
       for (int t = 0; t < tp; ++t) {
-        Slot* slot = chosen[{r, s, t}];
-        if (t > 0 && slot->worker->site() != chosen[{r, s, 0}]->worker->site()) {
+        const Slot* slot = chosen[{r, s, t}];
+        const Slot* leader = chosen[{r, s, 0}];
+        if (t > 0 && slot->worker->site() != leader->worker->site()) {
           return absl::FailedPreconditionError(
               absl::StrCat("the tensor-parallel group of replica ", r, ", stage ", s, " would span sites ",
-                           chosen[{r, s, 0}]->worker->site(), " and ", slot->worker->site(),
+                           leader->worker->site(), " and ", slot->worker->site(),
                            "; tensor parallelism stays inside a site: pin the group with parallel.placement"));
         }
-        ActorPlacement p;
-        p.actor.set_actor_id(ActorId(job.job_id(), r, s, t));
-        p.actor.set_job_id(job.job_id());
-        p.actor.set_worker_id(slot->worker->worker_id());
-        p.actor.set_replica(r);
-        p.actor.set_stage(s);
-        p.actor.set_tp_rank(t);
-        p.actor.set_device_index(slot->device);
-        p.actor.set_state(ACTOR_PENDING_CREATION);
-        p.site = slot->worker->site();
-        p.memory_bytes = stage_bytes[s];
-        p.device_memory_bytes = slot->worker->devices(slot->device).memory_bytes();
-        const double usable = scheduler::UsableMemoryBytes(planning.job, static_cast<double>(p.device_memory_bytes));
-        if (p.device_memory_bytes > 0 && static_cast<double>(p.memory_bytes) > usable) {
-          return absl::FailedPreconditionError(absl::StrFormat(
-              "the plan does not fit: stage %d needs about %.2f GB (parameters, gradients and AdamW at 16 bytes per "
-              "parameter, 20 with data parallelism, the activations its schedule holds, boundary buffers and "
-              "%.2f GB fixed, as the planner counts them) but device %d of worker %s has %.2f GB usable (%.2f GB "
-              "less %.0f%% headroom); use more pipeline stages, more tensor parallelism, or smaller microbatches",
-              s, p.memory_bytes / 1e9, planning.job.fixed_memory_bytes / 1e9, slot->device, slot->worker->worker_id(),
-              usable / 1e9, p.device_memory_bytes / 1e9, 100 * planning.job.memory_headroom));
-        }
+        ASSIGN_OR_RETURN(ActorPlacement p, PlaceOn(job.job_id(), {r, s, t}, *slot, stage_bytes[s], planning));
         out.push_back(std::move(p));
       }
     }

@@ -8,13 +8,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/names.h"
+#include "common/rpc_call.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "geotrain/v1/cluster.grpc.pb.h"
 #include "geotrain/v1/jobs.grpc.pb.h"
 #include "geotrain/v1/planner.grpc.pb.h"
+#include "head/dashboard_figures.h"
 #include "head/placement.h"
-#include "head/rpc_call.h"
 
 namespace geotrain::head {
 namespace {
@@ -82,6 +83,113 @@ v1::RankedPlan PublicPlan(const RankedAutoPlan& plan, const scheduler::Cluster& 
   return out;
 }
 
+// The calls' logic, shared by the gRPC services and PublicApi's in-process methods.
+using Components = PublicApi::Components;
+
+absl::StatusOr<v1::Job> SubmitJobOf(const Components& head, const v1::SubmitJobRequest& request) {
+  ASSIGN_OR_RETURN(JobSpec spec, RequestSpec(request));
+  ASSIGN_OR_RETURN(JobInfo job, head.jobs->Submit(std::move(spec), request.spec_source()));
+  head.runner->Kick();
+  head.changed();
+  return ToPublic<v1::Job>(job);
+}
+
+absl::StatusOr<v1::Job> GetJobOf(const Components& head, const std::string& job_id) {
+  ASSIGN_OR_RETURN(JobInfo job, head.jobs->Get(job_id));
+  return ToPublic<v1::Job>(WithReportedActors(std::move(job), *head.registry));
+}
+
+v1::ListJobsReply ListJobsOf(const Components& head) {
+  v1::ListJobsReply reply;
+  for (const JobInfo& job : head.jobs->List()) *reply.add_jobs() = ToPublic<v1::Job>(job);
+  return reply;
+}
+
+absl::StatusOr<v1::Job> CancelJobOf(const Components& head, const std::string& job_id) {
+  ASSIGN_OR_RETURN(JobInfo job, head.jobs->Cancel(job_id));
+  head.runner->StopJob(job_id, "job cancelled by the user");
+  head.changed();
+  return ToPublic<v1::Job>(job);
+}
+
+absl::StatusOr<v1::JobEfficiency> JobEfficiencyOfJob(const Components& head, const std::string& job_id) {
+  ASSIGN_OR_RETURN(JobInfo job, head.jobs->Get(job_id));
+  return JobEfficiencyOf(job, head.registry->Workers());
+}
+
+v1::ClusterStatus ClusterStatusOf(const Components& head) {
+  v1::ClusterStatus reply;
+  reply.set_head_id(head.head_id);
+  reply.set_head_started_unix_ms(head.started_unix_ms);
+  std::map<std::string, v1::Site> sites;
+  for (const WorkerInfo& w : head.registry->Workers()) {
+    v1::Site& site = sites[w.site()];
+    site.set_name(w.site());
+    if (w.state() == WORKER_ALIVE) {
+      site.set_alive_workers(site.alive_workers() + 1);
+      site.set_devices(site.devices() + w.devices_size());
+      for (const Device& d : w.devices()) site.set_tflops(site.tflops() + d.tflops());
+    } else {
+      site.set_dead_workers(site.dead_workers() + 1);
+    }
+    *reply.add_workers() = ToPublic<v1::Worker>(w);
+  }
+  for (auto& [name, site] : sites) *reply.add_sites() = std::move(site);
+  for (const ActorRecord& a : head.registry->Actors()) *reply.add_actors() = ToPublic<v1::Actor>(a);
+  for (const SiteLink& link : head.registry->SiteLinks()) *reply.add_site_links() = ToPublic<v1::SiteLink>(link);
+  for (const auto& [state, count] : head.jobs->CountByState()) {
+    (*reply.mutable_jobs_by_state())[JobStateName(state)] = count;
+  }
+  return reply;
+}
+
+v1::ClusterInfo ClusterInfoOf(const Components& head) {
+  v1::ClusterInfo info;
+  info.set_dashboard_url(head.dashboard_url);
+  info.set_metrics_url(head.metrics_url);
+  info.set_topology_file(head.topology_file);
+  for (const v1::ConfiguredLink& link : head.configured_links) *info.add_configured_links() = link;
+  return info;
+}
+
+absl::StatusOr<v1::PlanJobReply> PlanJobOf(const Components& head, const v1::PlanJobRequest& request) {
+  if (request.max_plans() < 0 || request.max_plans() > kMaxPlans) {
+    return absl::InvalidArgumentError(absl::StrCat("max_plans must be 0..", kMaxPlans));
+  }
+  ASSIGN_OR_RETURN(JobSpec spec, RequestSpec(request));
+  ApplyJobDefaults(&spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    return WithContext(s, request.spec_source().empty() ? "spec" : request.spec_source());
+  }
+  absl::StatusOr<RankedAutoPlans> ranked =
+      RankAutoPlans(spec, head.registry->Workers(), head.registry->SiteLinks(),
+                    request.max_plans() == 0 ? kDefaultPlans : request.max_plans());
+  if (!ranked.ok() && absl::IsUnavailable(ranked.status())) {
+    // UNAVAILABLE means the head cannot be reached, to clients: nothing to plan on is the cluster's state.
+    return absl::FailedPreconditionError(
+        absl::StrCat(ranked.status().message(), "; start workers with `geotrain worker start`"));
+  }
+  if (!ranked.ok()) return ranked.status();
+  v1::PlanJobReply reply;
+  for (size_t i = 0; i < ranked->plans.size(); ++i) {
+    *reply.add_plans() = PublicPlan(ranked->plans[i], ranked->cluster, static_cast<int>(i) + 1);
+  }
+  for (const std::string& line : ranked->explanation) reply.add_explanation(line);
+  reply.set_plans_simulated(ranked->plans_simulated);
+  reply.set_planning_seconds(ranked->planning_seconds);
+  reply.set_alive_workers(ranked->alive_workers);
+  reply.set_devices(static_cast<int>(ranked->cluster.devices.size()));
+  return reply;
+}
+
+// Answers a call with `result`: its value into `reply`, or its error through `call`.
+template <typename Reply>
+grpc::Status Answer(RpcCall& call, absl::StatusOr<Reply> result, Reply* reply) {
+  if (!result.ok()) return call.Fail(result.status());
+  *reply = *std::move(result);
+  return grpc::Status::OK;
+}
+
 }  // namespace
 
 class PublicApi::JobsService final : public v1::Jobs::Service {
@@ -91,41 +199,33 @@ class PublicApi::JobsService final : public v1::Jobs::Service {
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::Job* reply) override {
     RpcCall call(head_.metrics, auth_, context, "SubmitJob");
     if (!call.authorized()) return call.status();
-    absl::StatusOr<JobSpec> spec = RequestSpec(*request);
-    if (!spec.ok()) return call.Fail(spec.status());
-    absl::StatusOr<JobInfo> job = head_.jobs->Submit(*std::move(spec), request->spec_source());
-    if (!job.ok()) return call.Fail(job.status());
-    head_.runner->Kick();
-    head_.changed();
-    *reply = ToPublic<v1::Job>(*job);
-    return grpc::Status::OK;
+    return Answer(call, SubmitJobOf(head_, *request), reply);
   }
 
   grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::Job* reply) override {
     RpcCall call(head_.metrics, auth_, context, "GetJob");
     if (!call.authorized()) return call.status();
-    absl::StatusOr<JobInfo> job = head_.jobs->Get(request->job_id());
-    if (!job.ok()) return call.Fail(job.status());
-    *reply = ToPublic<v1::Job>(WithReportedActors(*std::move(job), *head_.registry));
-    return grpc::Status::OK;
+    return Answer(call, GetJobOf(head_, request->job_id()), reply);
   }
 
   grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*, v1::ListJobsReply* reply) override {
     RpcCall call(head_.metrics, auth_, context, "ListJobs");
     if (!call.authorized()) return call.status();
-    for (const JobInfo& job : head_.jobs->List()) *reply->add_jobs() = ToPublic<v1::Job>(job);
+    *reply = ListJobsOf(head_);
     return grpc::Status::OK;
   }
 
   grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request, v1::Job* reply) override {
     RpcCall call(head_.metrics, auth_, context, "CancelJob");
     if (!call.authorized()) return call.status();
-    absl::StatusOr<JobInfo> job = head_.jobs->Cancel(request->job_id());
-    if (!job.ok()) return call.Fail(job.status());
-    head_.runner->StopJob(request->job_id(), "job cancelled by the user");
-    head_.changed();
-    *reply = ToPublic<v1::Job>(*job);
-    return grpc::Status::OK;
+    return Answer(call, CancelJobOf(head_, request->job_id()), reply);
+  }
+
+  grpc::Status GetJobEfficiency(grpc::ServerContext* context, const v1::GetJobRequest* request,
+                                v1::JobEfficiency* reply) override {
+    RpcCall call(head_.metrics, auth_, context, "GetJobEfficiency");
+    if (!call.authorized()) return call.status();
+    return Answer(call, JobEfficiencyOfJob(head_, request->job_id()), reply);
   }
 
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
@@ -163,27 +263,15 @@ class PublicApi::ClusterService final : public v1::Cluster::Service {
                                 v1::ClusterStatus* reply) override {
     RpcCall call(head_.metrics, auth_, context, "GetClusterStatus");
     if (!call.authorized()) return call.status();
-    reply->set_head_id(head_.head_id);
-    reply->set_head_started_unix_ms(head_.started_unix_ms);
-    std::map<std::string, v1::Site> sites;
-    for (const WorkerInfo& w : head_.registry->Workers()) {
-      v1::Site& site = sites[w.site()];
-      site.set_name(w.site());
-      if (w.state() == WORKER_ALIVE) {
-        site.set_alive_workers(site.alive_workers() + 1);
-        site.set_devices(site.devices() + w.devices_size());
-        for (const Device& d : w.devices()) site.set_tflops(site.tflops() + d.tflops());
-      } else {
-        site.set_dead_workers(site.dead_workers() + 1);
-      }
-      *reply->add_workers() = ToPublic<v1::Worker>(w);
-    }
-    for (auto& [name, site] : sites) *reply->add_sites() = std::move(site);
-    for (const ActorRecord& a : head_.registry->Actors()) *reply->add_actors() = ToPublic<v1::Actor>(a);
-    for (const SiteLink& link : head_.registry->SiteLinks()) *reply->add_site_links() = ToPublic<v1::SiteLink>(link);
-    for (const auto& [state, count] : head_.jobs->CountByState()) {
-      (*reply->mutable_jobs_by_state())[JobStateName(state)] = count;
-    }
+    *reply = ClusterStatusOf(head_);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetClusterInfo(grpc::ServerContext* context, const v1::GetClusterInfoRequest*,
+                              v1::ClusterInfo* reply) override {
+    RpcCall call(head_.metrics, auth_, context, "GetClusterInfo");
+    if (!call.authorized()) return call.status();
+    *reply = ClusterInfoOf(head_);
     return grpc::Status::OK;
   }
 
@@ -200,33 +288,7 @@ class PublicApi::PlannerService final : public v1::Planner::Service {
                        v1::PlanJobReply* reply) override {
     RpcCall call(head_.metrics, auth_, context, "PlanJob");
     if (!call.authorized()) return call.status();
-    if (request->max_plans() < 0 || request->max_plans() > kMaxPlans) {
-      return call.Fail(absl::InvalidArgumentError(absl::StrCat("max_plans must be 0..", kMaxPlans)));
-    }
-    absl::StatusOr<JobSpec> spec = RequestSpec(*request);
-    if (!spec.ok()) return call.Fail(spec.status());
-    ApplyJobDefaults(&*spec);
-    if (absl::Status s = ValidateJobSpec(*spec); !s.ok()) {
-      return call.Fail(WithContext(s, request->spec_source().empty() ? "spec" : request->spec_source()));
-    }
-    absl::StatusOr<RankedAutoPlans> ranked =
-        RankAutoPlans(*spec, head_.registry->Workers(), head_.registry->SiteLinks(),
-                      request->max_plans() == 0 ? kDefaultPlans : request->max_plans());
-    if (!ranked.ok() && absl::IsUnavailable(ranked.status())) {
-      // UNAVAILABLE means the head cannot be reached, to clients: nothing to plan on is the cluster's state.
-      return call.Fail(absl::FailedPreconditionError(
-          absl::StrCat(ranked.status().message(), "; start workers with `geotrain worker start`")));
-    }
-    if (!ranked.ok()) return call.Fail(ranked.status());
-    for (size_t i = 0; i < ranked->plans.size(); ++i) {
-      *reply->add_plans() = PublicPlan(ranked->plans[i], ranked->cluster, static_cast<int>(i) + 1);
-    }
-    for (const std::string& line : ranked->explanation) reply->add_explanation(line);
-    reply->set_plans_simulated(ranked->plans_simulated);
-    reply->set_planning_seconds(ranked->planning_seconds);
-    reply->set_alive_workers(ranked->alive_workers);
-    reply->set_devices(static_cast<int>(ranked->cluster.devices.size()));
-    return grpc::Status::OK;
+    return Answer(call, PlanJobOf(head_, *request), reply);
   }
 
  private:
@@ -247,6 +309,31 @@ void PublicApi::RegisterWith(grpc::ServerBuilder* builder) {
   builder->RegisterService(jobs_.get());
   builder->RegisterService(cluster_.get());
   builder->RegisterService(planner_.get());
+}
+
+absl::StatusOr<v1::Job> PublicApi::SubmitJob(const v1::SubmitJobRequest& request) const {
+  return SubmitJobOf(components_, request);
+}
+absl::StatusOr<v1::Job> PublicApi::GetJob(const std::string& job_id) const { return GetJobOf(components_, job_id); }
+v1::ListJobsReply PublicApi::ListJobs() const { return ListJobsOf(components_); }
+absl::StatusOr<v1::Job> PublicApi::CancelJob(const std::string& job_id) const {
+  return CancelJobOf(components_, job_id);
+}
+absl::StatusOr<std::vector<v1::JobEvent>> PublicApi::JobEvents(const std::string& job_id, int64_t after_seq) const {
+  bool ended = false;
+  ASSIGN_OR_RETURN(std::vector<JobEvent> events, components_.jobs->WaitEvents(job_id, after_seq, 0, &ended));
+  std::vector<v1::JobEvent> out;
+  out.reserve(events.size());
+  for (const JobEvent& event : events) out.push_back(ToPublic<v1::JobEvent>(event));
+  return out;
+}
+absl::StatusOr<v1::JobEfficiency> PublicApi::GetJobEfficiency(const std::string& job_id) const {
+  return JobEfficiencyOfJob(components_, job_id);
+}
+v1::ClusterStatus PublicApi::GetClusterStatus() const { return ClusterStatusOf(components_); }
+v1::ClusterInfo PublicApi::GetClusterInfo() const { return ClusterInfoOf(components_); }
+absl::StatusOr<v1::PlanJobReply> PublicApi::PlanJob(const v1::PlanJobRequest& request) const {
+  return PlanJobOf(components_, request);
 }
 
 }  // namespace geotrain::head

@@ -11,8 +11,12 @@
 // dropped). public_api_test.cc checks the mirrors, so a change to a record that would change the public API
 // fails there: give the public message an explicit conversion then, never a new meaning for an old field.
 //
+// The same calls are methods of PublicApi without gRPC types (SubmitJob, GetJob, ...), for in-process callers that
+// checked the token themselves: the head's dashboard (head/dashboard.h) answers with exactly what the RPCs answer.
+//
 // Threads: gRPC's sync server pool runs the handlers; the components lock their own state. WatchJob holds its
-// handler thread while it follows a job (waking every 0.5 s to notice a cancelled call or a stopping head).
+// handler thread while it follows a job (waking every 0.5 s to notice a cancelled call or a stopping head). The
+// in-process methods are thread-safe.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -21,9 +25,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/metrics.h"
 #include "common/rpc.h"
+#include "geotrain/v1/cluster.pb.h"
+#include "geotrain/v1/jobs.pb.h"
+#include "geotrain/v1/planner.pb.h"
 #include "google/protobuf/message.h"
 #include "head/job_manager.h"
 #include "head/job_runner.h"
@@ -43,6 +51,12 @@ class PublicApi {
     int64_t started_unix_ms = 0;
     std::function<bool()> stopping;  // the head is shutting down (ends WatchJob streams with UNAVAILABLE)
     std::function<void()> changed;   // after a submit or a cancel (refreshes the head's metrics)
+    // GetClusterInfo's answer: where the head serves its dashboard and /metrics ("": not served), and the
+    // topology it was started with.
+    std::string dashboard_url;
+    std::string metrics_url;
+    std::string topology_file;
+    std::vector<v1::ConfiguredLink> configured_links;
   };
 
   PublicApi(Components components, std::string token);
@@ -51,6 +65,18 @@ class PublicApi {
   PublicApi& operator=(const PublicApi&) = delete;
 
   void RegisterWith(grpc::ServerBuilder* builder);
+
+  // The calls without gRPC (the caller checked the token): the answers and errors of the RPCs of the same names.
+  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request) const;
+  absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;
+  v1::ListJobsReply ListJobs() const;
+  absl::StatusOr<v1::Job> CancelJob(const std::string& job_id) const;
+  // WatchJob without follow: the job's events with seq > after_seq recorded so far, in seq order.
+  absl::StatusOr<std::vector<v1::JobEvent>> JobEvents(const std::string& job_id, int64_t after_seq) const;
+  absl::StatusOr<v1::JobEfficiency> GetJobEfficiency(const std::string& job_id) const;
+  v1::ClusterStatus GetClusterStatus() const;
+  v1::ClusterInfo GetClusterInfo() const;
+  absl::StatusOr<v1::PlanJobReply> PlanJob(const v1::PlanJobRequest& request) const;
 
  private:
   class JobsService;

@@ -12,11 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "comm/file_transfer.h"
-#include "comm/staging_files.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/rpc_call.h"
 #include "common/status.h"
 #include "model/checkpoint_files.h"
+#include "model/checkpoint_receive.h"
 #include "nlohmann/json.hpp"
 
 namespace geotrain::head {
@@ -141,12 +142,13 @@ absl::StatusOr<ShardInfo> HeadStagingService::Describe(const std::string& path, 
 
 grpc::Status HeadStagingService::ListShards(grpc::ServerContext* context, const ListShardsRequest* request,
                                             ListShardsReply* reply) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "ListShards");
+  RpcCall call(metrics_, auth_, context, "ListShards");
+  if (!call.authorized()) return call.status();
   absl::StatusOr<JobInfo> job = LiveJob(request->job_id(), "ListShards");
-  if (!job.ok()) return fail(job.status());
+  if (!job.ok()) return call.Fail(job.status());
   const DataSpec& data = job->spec().data();
   if (request->pattern().empty() || (request->pattern() != data.train() && request->pattern() != data.val())) {
-    return fail(absl::PermissionDeniedError(
+    return call.Fail(absl::PermissionDeniedError(
         absl::StrCat("ListShards: '", request->pattern(), "' is not a data pattern of job ", request->job_id())));
   }
   glob_t g;
@@ -166,24 +168,25 @@ grpc::Status HeadStagingService::ListShards(grpc::ServerContext* context, const 
 
 grpc::Status HeadStagingService::FetchShard(grpc::ServerContext* context, const FetchShardRequest* request,
                                             grpc::ServerWriter<ShardChunk>* writer) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "FetchShard");
+  RpcCall call(metrics_, auth_, context, "FetchShard");
+  if (!call.authorized()) return call.status();
   const std::string what = absl::StrCat("shard ", request->path(), " for worker ", request->requester());
   absl::StatusOr<JobInfo> job = LiveJob(request->job_id(), what);
-  if (!job.ok()) return fail(job.status());
+  if (!job.ok()) return call.Fail(job.status());
   if (!Matches(job->spec().data().train(), request->path()) && !Matches(job->spec().data().val(), request->path())) {
-    return fail(absl::PermissionDeniedError(
+    return call.Fail(absl::PermissionDeniedError(
         absl::StrCat(what, ": not a shard of job ", request->job_id(), "'s data patterns")));
   }
   absl::StatusOr<ShardInfo> info = Describe(request->path(), /*with_checksum=*/true);
-  if (!info.ok()) return fail(info.status());
+  if (!info.ok()) return call.Fail(info.status());
   if ((request->bytes() != 0 && request->bytes() != info->bytes()) ||
       (request->mtime_ns() != 0 && request->mtime_ns() != info->mtime_ns())) {
-    return fail(absl::FailedPreconditionError(
+    return call.Fail(absl::FailedPreconditionError(
         absl::StrCat(what, ": the shard changed on the head since it was listed (", info->bytes(), " bytes now, ",
                      request->bytes(), " then); restart the job to stage the new data")));
   }
   if (request->offset() > info->bytes()) {
-    return fail(absl::OutOfRangeError(absl::StrCat(what, ": offset ", request->offset(), " is past its end")));
+    return call.Fail(absl::OutOfRangeError(absl::StrCat(what, ": offset ", request->offset(), " is past its end")));
   }
   ShardChunk header;
   *header.mutable_shard() = *info;
@@ -204,15 +207,16 @@ grpc::Status HeadStagingService::FetchShard(grpc::ServerContext* context, const 
         .Add({{"site", request->requester_site()}})
         .Increment(static_cast<double>(sent));
   }
-  if (!s.ok() && s.code() != absl::StatusCode::kCancelled) return fail(WithContext(s, what));
+  if (!s.ok() && s.code() != absl::StatusCode::kCancelled) return call.Fail(WithContext(s, what));
   return grpc::Status::OK;
 }
 
 grpc::Status HeadStagingService::ReportStaging(grpc::ServerContext* context, const StagingProgress* request,
                                                StagingProgressReply*) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "ReportStaging");
+  RpcCall call(metrics_, auth_, context, "ReportStaging");
+  if (!call.authorized()) return call.status();
   absl::StatusOr<JobInfo> job = hooks_.get_job(request->job_id());
-  if (!job.ok()) return fail(job.status());
+  if (!job.ok()) return call.Fail(job.status());
   if (IsTerminal(job->state())) return grpc::Status::OK;
   const std::string where = absl::StrCat("worker ", request->worker_id(), " (", request->site(), ", from ",
                                          request->source() == "head" ? "the head" : request->source(), ")");
@@ -236,18 +240,20 @@ grpc::Status HeadStagingService::ReportStaging(grpc::ServerContext* context, con
 grpc::Status HeadStagingService::PutCheckpointFile(grpc::ServerContext* context,
                                                    grpc::ServerReader<CheckpointFileChunk>* reader,
                                                    PutCheckpointFileReply* reply) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "PutCheckpointFile");
+  RpcCall call(metrics_, auth_, context, "PutCheckpointFile");
+  if (!call.authorized()) return call.status();
+  auto step_dir_for = [this](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
+    ASSIGN_OR_RETURN(JobInfo job, LiveJob(first.job_id(), "PutCheckpointFile"));
+    if (job.spec().checkpoint().dir().empty() || first.step() <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat("PutCheckpointFile: job ", first.job_id(),
+                                                        " has no checkpoint.dir (or step ", first.step(),
+                                                        " is not a step)"));
+    }
+    return model::StepDirectory(job.spec().checkpoint().dir(), first.step());
+  };
   absl::StatusOr<std::string> path =
-      comm::ReceiveCheckpointFile(reader, [this](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
-        ASSIGN_OR_RETURN(JobInfo job, LiveJob(first.job_id(), "PutCheckpointFile"));
-        if (job.spec().checkpoint().dir().empty() || first.step() <= 0) {
-          return absl::FailedPreconditionError(absl::StrCat("PutCheckpointFile: job ", first.job_id(),
-                                                            " has no checkpoint.dir (or step ", first.step(),
-                                                            " is not a step)"));
-        }
-        return model::StepDirectory(job.spec().checkpoint().dir(), first.step());
-      });
-  if (!path.ok()) return fail(WithContext(path.status(), "the head refused a checkpoint file"));
+      model::ReceiveCheckpointFile([reader](CheckpointFileChunk* chunk) { return reader->Read(chunk); }, step_dir_for);
+  if (!path.ok()) return call.Fail(WithContext(path.status(), "the head refused a checkpoint file"));
   reply->set_path(*path);
   return grpc::Status::OK;
 }
@@ -255,9 +261,10 @@ grpc::Status HeadStagingService::PutCheckpointFile(grpc::ServerContext* context,
 grpc::Status HeadStagingService::FetchCheckpointFile(grpc::ServerContext* context,
                                                      const FetchCheckpointFileRequest* request,
                                                      grpc::ServerWriter<FileChunk>* writer) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "FetchCheckpointFile");
+  RpcCall call(metrics_, auth_, context, "FetchCheckpointFile");
+  if (!call.authorized()) return call.status();
   absl::StatusOr<JobInfo> job = LiveJob(request->job_id(), "FetchCheckpointFile");
-  if (!job.ok()) return fail(job.status());
+  if (!job.ok()) return call.Fail(job.status());
   const std::string step_dir = Normal(request->step_dir());
   const std::string parent = fs::path(step_dir).parent_path().string();
   const CheckpointSpec& c = job->spec().checkpoint();
@@ -266,12 +273,12 @@ grpc::Status HeadStagingService::FetchCheckpointFile(grpc::ServerContext* contex
       (!c.dir().empty() && parent == Normal(c.dir())) ||
       (!c.resume_from().empty() && (step_dir == Normal(c.resume_from()) || parent == Normal(c.resume_from())));
   if (!allowed || !model::IsCheckpointFileName(request->name())) {
-    return fail(
+    return call.Fail(
         absl::PermissionDeniedError(absl::StrCat("FetchCheckpointFile: ", request->step_dir(), "/", request->name(),
                                                  " is not a checkpoint job ", request->job_id(), " may resume from")));
   }
   absl::Status s = comm::ServeFile(absl::StrCat(step_dir, "/", request->name()), request->offset(), writer);
-  if (!s.ok()) return fail(WithContext(s, "the head serving a checkpoint file"));
+  if (!s.ok()) return call.Fail(WithContext(s, "the head serving a checkpoint file"));
   return grpc::Status::OK;
 }
 

@@ -849,48 +849,4 @@ absl::Status Emulator::SetLinkParams(std::string_view src, std::string_view dst,
 }
 absl::StatusOr<std::string> Emulator::ExecuteCommand(std::string_view line) { return impl_->ExecuteCommand(line); }
 
-std::string FormatStatsText(const std::vector<LinkDirectionStats>& stats) {
-  std::string out;
-  for (const LinkDirectionStats& s : stats) {
-    absl::StrAppendFormat(&out,
-                          "link %s>%s %s latency_ms=%g bandwidth_mbps=%g jitter_ms=%g bytes_in=%d bytes_out=%d "
-                          "queued_bytes=%d connections=%d active=%d reset=%d stalled_ms=%.0f measured_mbps=%.3f "
-                          "measured_delay_ms=%.3f\n",
-                          s.src, s.dst, s.up ? "up" : "down", s.params.latency_ms, s.params.bandwidth_mbps,
-                          s.params.jitter_ms, s.bytes_in, s.bytes_out, s.queued_bytes, s.connections_total,
-                          s.connections_active, s.connections_reset, s.stalled_ms_left, s.measured_mbps,
-                          s.measured_delay_ms);
-  }
-  return out;
-}
-
-std::string FormatStatsJson(const std::vector<LinkDirectionStats>& stats) {
-  std::vector<std::string> items;
-  for (const LinkDirectionStats& s : stats) {
-    // Site names come from a topology file: escape them as JSON strings.
-    auto quote = [](const std::string& v) {
-      std::string q = "\"";
-      for (char c : v) {
-        if (c == '"' || c == '\\') {
-          q += '\\';
-          q += c;
-        } else if (static_cast<unsigned char>(c) < 0x20) {
-          q += absl::StrFormat("\\u%04x", static_cast<int>(c));
-        } else {
-          q += c;
-        }
-      }
-      return q + "\"";
-    };
-    items.push_back(absl::StrFormat(
-        "{\"src\":%s,\"dst\":%s,\"up\":%s,\"latency_ms\":%g,\"bandwidth_mbps\":%g,\"jitter_ms\":%g,"
-        "\"bytes_in\":%d,\"bytes_out\":%d,\"queued_bytes\":%d,\"connections\":%d,\"active\":%d,"
-        "\"reset\":%d,\"stalled_ms\":%.0f,\"measured_mbps\":%.3f,\"measured_delay_ms\":%.3f}",
-        quote(s.src), quote(s.dst), s.up ? "true" : "false", s.params.latency_ms, s.params.bandwidth_mbps,
-        s.params.jitter_ms, s.bytes_in, s.bytes_out, s.queued_bytes, s.connections_total, s.connections_active,
-        s.connections_reset, s.stalled_ms_left, s.measured_mbps, s.measured_delay_ms));
-  }
-  return absl::StrCat("{\"links\":[", absl::StrJoin(items, ","), "]}");
-}
-
 }  // namespace geotrain::netem

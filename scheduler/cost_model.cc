@@ -1,84 +1,48 @@
-// The step-time simulator behind the planner (see cost_model.h and docs/planner.md for the
-// formulas).
+// The planner's cost model (see cost_model.h and docs/planner.md for the formulas): the model's layer costs,
+// codecs, the pipeline's event-by-event simulation, the data-parallel all-reduce, memory and calibration. The
+// step simulation that puts them together (Simulate) is in cost_model_simulate.cc.
 #include "scheduler/cost_model.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "common/pipeline_schedule.h"
 #include "common/status.h"
 #include "model/op_costs.h"
+#include "scheduler/cost_model_internal.h"
 
 namespace geotrain::scheduler {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-double GB(double bytes) { return bytes / 1e9; }
-
 // What `+zstd` does to a codec in the model: wire bytes x kZstdRatio, at most kZstdThroughput.
 constexpr double kZstdRatio = 0.9;
 constexpr double kZstdThroughput = 1e9;
 
-// The ranks that communicate at once in the calibration a one-host cluster's bandwidth inside a site comes from
-// (bench/geo/timed_lib.py: DP2 and TP2 inside a site).
-constexpr int kOneHostCalibrationRanks = 2;
+}  // namespace
 
-// The link inside site `site` as a collective sees it: collective_scale of its bandwidth.
+namespace internal {
+
 LinkSpec CollectiveLink(const Cluster& cluster, int site, double collective_scale) {
   LinkSpec link = cluster.Link(site, site);
   link.bandwidth_bytes_per_s *= collective_scale;
   return link;
 }
 
-// Seconds one message of `wire` bytes from one site to another takes beyond its serialisation, because of its
-// stream's flow-control window (JobOptions::wan_window_bytes): the first window goes at the link's rate, the rest
-// at window / round trip when that is the slower.
 double WindowSeconds(const JobOptions& job, const LinkSpec& link, double wire) {
   if (job.wan_window_bytes <= 0 || wire <= job.wan_window_bytes) return 0;
   const double per_byte = 2 * link.latency_s / job.wan_window_bytes - 1 / link.bandwidth_bytes_per_s;
   return per_byte > 0 ? (wire - job.wan_window_bytes) * per_byte : 0;
 }
 
-// The link from site a to site b as messages of activations see it (JobOptions::activation_bandwidth_scale).
-LinkSpec ActivationLink(const Cluster& cluster, const JobOptions& job, int a, int b) {
-  LinkSpec link = cluster.Link(a, b);
-  if (a == b) link.bandwidth_bytes_per_s *= job.activation_bandwidth_scale;
-  return link;
-}
-
-// Whether the stage [begin, end) holds a wte copy that the tied all-reduce sums apart from its data-parallel
-// all-reduce (tied_apart: gRPC collectives with several replicas): the first and the last stage when pp > 1.
 bool TiedCopyApart(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
   return tied_apart && pp > 1 && (begin == 0 || end == model.num_layers());
 }
 
-// A count of parameters, and of them those whole on every tp rank (LayerCost::replicated_parameters).
-struct ParameterCount {
-  double all = 0, replicated = 0;
-  ParameterCount& operator+=(const ParameterCount& o) {
-    all += o.all;
-    replicated += o.replicated;
-    return *this;
-  }
-  ParameterCount& operator-=(const ParameterCount& o) {
-    all -= o.all;
-    replicated -= o.replicated;
-    return *this;
-  }
-  // What one of tp ranks all-reduces: its 1/tp of the sharded parameters, and the replicated ones whole, or 1/tp of
-  // them with split_replicated (worker/stage_collectives.h).
-  double PerRank(int tp, bool split_replicated) const {
-    return (all - replicated) / tp + replicated / (split_replicated ? tp : 1);
-  }
-};
-
-// The parameters of the stage [begin, end), with the last stage's tied wte copy when pp > 1.
 ParameterCount StageParameterCount(const ModelCosts& model, int begin, int end, int pp) {
   ParameterCount p;
   for (int l = begin; l < end; ++l) p += {model.layers[l].parameters, model.layers[l].replicated_parameters};
@@ -86,13 +50,22 @@ ParameterCount StageParameterCount(const ModelCosts& model, int begin, int end, 
   return p;
 }
 
-// Parameters, gradients and optimizer state of one tp rank of the stage: its shard of the sharded parameters, and
-// the replicated ones whole.
 double StageStateBytes(const ModelCosts& model, const JobOptions& job, int begin, int end, int pp, int tp, int dp) {
   return StageParameterCount(model, begin, end, pp).PerRank(tp, false) * StateBytesPerParameter(model, job, dp);
 }
 
-}  // namespace
+double StageFlops(const ModelCosts& model, int begin, int end) {
+  double f = 0;
+  for (int l = begin; l < end; ++l) f += model.layers[l].forward_flops;
+  return f;
+}
+
+}  // namespace internal
+
+using internal::ParameterCount;
+using internal::StageFlops;
+using internal::StageStateBytes;
+using internal::TiedCopyApart;
 
 ModelCosts ModelCosts::FromConfig(const GPT2Config& config, int seq_len) {
   ModelCosts m;
@@ -371,40 +344,8 @@ double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begi
   return state + activations * microbatch_size / tp * held + buffers + job.fixed_memory_bytes;
 }
 
-namespace {
+namespace internal {
 
-double StageFlops(const ModelCosts& model, int begin, int end) {
-  double f = 0;
-  for (int l = begin; l < end; ++l) f += model.layers[l].forward_flops;
-  return f;
-}
-
-int StageBlocks(const ModelCosts& model, int begin, int end) {
-  int n = 0;
-  for (int l = begin; l < end; ++l) n += model.layers[l].tensor_parallel_comm ? 1 : 0;
-  return n;
-}
-
-// The parameters a stage's data-parallel all-reduce sums: its own, less its wte copy when the tied all-reduce sums
-// every replica's copies apart (tied_apart, as GradientBucketBytes).
-ParameterCount DataParallelParameters(const ModelCosts& model, int begin, int end, int pp, bool tied_apart) {
-  ParameterCount p = StageParameterCount(model, begin, end, pp);
-  if (TiedCopyApart(model, begin, end, pp, tied_apart)) p -= {model.tied_parameters, model.tied_parameters};
-  return p;
-}
-
-// The ring a stage's DP all-reduce runs its rounds on, as DataParallelAllReduce chose it: what each gradient
-// bucket pays again with sequential_sync.
-struct DpRing {
-  int members = 1;             // the flat ring's ranks, or the hierarchical all-reduce's site leaders
-  double round_latency = 0;    // latency of one of its rounds
-  double counted_latency = 0;  // latency seconds the returned time already holds for those rounds
-  LinkSpec wan;                // its slowest hop across sites (a message's window); bandwidth 0 when none
-};
-
-// Gradient all-reduce of one stage's DP group (one per tp rank; the tp rings share the WAN).
-// Returns the seconds, describes its ring in *ring and adds the wire bytes of every cross-site hop to
-// traffic[a][b] (ordered by direction).
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
                              const std::vector<int>& member_sites, double bytes_per_rank, double collective_scale,
                              std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec,
@@ -489,489 +430,7 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   return use_flat ? flat : hierarchical;
 }
 
-std::string CodecName(const JobOptions& job, int c) { return c < 0 ? "none" : job.codecs[c].name; }
-
-// A shared host's arithmetic (JobOptions::sites_share_one_host): collectives inside a site get collective_scale of
-// the bandwidth inside the site, and each send between stages at most p2p_bytes_per_s.
-struct HostShare {
-  double collective_scale = 1;
-  double p2p_bytes_per_s = kInf;
-};
-
-// Simulate after its checks, on the links as the plan sees them.
-absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                                           const Plan& plan, const HostShare& host, const std::vector<char>& used);
-
-}  // namespace
-
-absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                                    const Plan& plan) {
-  const int L = model.num_layers();
-  if (plan.dp < 1 || plan.pp < 1 || plan.tp < 1 || plan.microbatch_size < 1) {
-    return absl::InvalidArgumentError("plan: dp, pp, tp and microbatch_size must be at least 1");
-  }
-  if (static_cast<int>(plan.stage_begin.size()) != plan.pp + 1 || plan.stage_begin.front() != 0 ||
-      plan.stage_begin.back() != L) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("plan: stage_begin needs pp + 1 = ", plan.pp + 1, " boundaries from 0 to ", L));
-  }
-  for (int s = 0; s < plan.pp; ++s) {
-    if (plan.stage_begin[s] >= plan.stage_begin[s + 1]) {
-      return absl::InvalidArgumentError(absl::StrCat("plan: stage ", s, " holds no layer"));
-    }
-  }
-  if (static_cast<int>(plan.devices.size()) != plan.dp || static_cast<int>(plan.microbatches.size()) != plan.dp) {
-    return absl::InvalidArgumentError("plan: devices and microbatches need one entry per replica");
-  }
-  std::vector<char> used(cluster.devices.size(), 0);
-  for (const auto& replica : plan.devices) {
-    if (static_cast<int>(replica.size()) != plan.pp) {
-      return absl::InvalidArgumentError("plan: every replica needs pp stages");
-    }
-    for (const auto& stage : replica) {
-      if (static_cast<int>(stage.size()) != plan.tp) {
-        return absl::InvalidArgumentError("plan: every stage needs tp devices");
-      }
-      for (int d : stage) {
-        if (d < 0 || d >= static_cast<int>(cluster.devices.size())) {
-          return absl::InvalidArgumentError(absl::StrCat("plan: device index ", d, " outside the cluster"));
-        }
-        if (used[d]++) {
-          return absl::InvalidArgumentError(absl::StrCat("plan: device ", d, " holds two actors"));
-        }
-      }
-    }
-  }
-  // The links as this plan sees them (see JobOptions): a shared host's arithmetic.
-  std::optional<Cluster> adjusted;
-  std::optional<JobOptions> shared_job;
-  HostShare host;
-  if (job.sites_share_one_host) {
-    std::set<int> sites_used;
-    for (const auto& replica : plan.devices)
-      for (const auto& stage : replica)
-        for (int d : stage) sites_used.insert(cluster.devices[d].site);
-    const int k = static_cast<int>(sites_used.size());
-    // The sends between stages run on the host at the same time: one at a time per boundary of each replica (and
-    // per tp rank's copy). GPipe's forward and backward phases go one way at a time; in 1F1B a stage's next
-    // forward waits for its backward, and a send (4 MB for GPT-2 medium) outlasts a stage's compute of a
-    // microbatch on an emulated GPU, so the two directions take turns.
-    if (plan.pp > 1) {
-      double inside = 0;
-      for (int a : sites_used) inside = std::max(inside, ActivationLink(cluster, job, a, a).bandwidth_bytes_per_s);
-      const int streams = plan.dp * plan.tp * (plan.pp - 1);
-      host.p2p_bytes_per_s = kOneHostCalibrationRanks * inside / streams;
-    }
-    if (k > 1) {
-      adjusted = cluster;
-      for (int a = 0; a < adjusted->num_sites(); ++a) adjusted->links[a][a].bandwidth_bytes_per_s /= k;
-    }
-    const int ranks = plan.dp * plan.pp * plan.tp;
-    host.collective_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) * k / ranks);
-    // The codecs' encoding and decoding run on the same cores: when more ranks than the host runs at full speed
-    // code at once (a collective's members all do), each gets its share of their throughput.
-    const double codec_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) / ranks);
-    if (codec_scale < 1) {
-      shared_job = job;
-      for (Codec& codec : shared_job->codecs) codec.throughput_bytes_per_s *= codec_scale;
-    }
-  }
-  return SimulateChecked(adjusted ? *adjusted : cluster, model, shared_job ? *shared_job : job, plan, host, used);
-}
-
-namespace {
-
-absl::StatusOr<Prediction> SimulateChecked(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
-                                           const Plan& plan, const HostShare& host, const std::vector<char>& used) {
-  const double collective_scale = host.collective_scale;
-  int total_sequences = 0;
-  for (int m : plan.microbatches) {
-    if (m < 1) return absl::InvalidArgumentError("plan: every replica needs at least one microbatch");
-    total_sequences += m * plan.microbatch_size;
-  }
-
-  const int pp = plan.pp, tp = plan.tp, b = plan.microbatch_size;
-  // Round trips of one message of `wire` bytes with sequential sync (the runtime's messages).
-  auto round_trips = [&](double wire) {
-    return job.message_round_trips + (job.message_window_bytes > 0 ? wire / job.message_window_bytes : 0);
-  };
-  const auto scale = job.shared_host_scale.find(plan.dp * plan.pp * plan.tp);
-  const double host_scale = scale == job.shared_host_scale.end() ? 1.0 : scale->second;
-  const int n_sites = cluster.num_sites();
-  Prediction out;
-  out.device_memory_bytes.assign(cluster.devices.size(), 0);
-  std::vector<std::vector<double>> traffic_gradient(n_sites, std::vector<double>(n_sites, 0));
-  std::vector<std::vector<double>> traffic_activation = traffic_gradient;
-  std::vector<std::vector<int>> gradient_codec_used(n_sites, std::vector<int>(n_sites, -2));
-  std::vector<std::vector<int>> activation_codec_used = gradient_codec_used;
-  auto activation_codec_of = [&](int a, int c) {
-    if (!plan.activation_codec.empty()) return plan.activation_codec[a][c];
-    return ChooseCodec(job, cluster.Link(a, c), /*activations=*/true);
-  };
-
-  // Memory, and the per-stage compute of each replica.
-  double worst_memory_fraction = 0;
-  std::string reject;
-  const double tokens_per_microbatch = static_cast<double>(b) * model.seq_len;
-  double tied_sync = 0;
-  std::vector<const PipelineTimeline*> timelines(plan.dp);
-  std::map<std::vector<double>, PipelineTimeline> simulated;
-  double slowest_makespan = -1;
-  int slowest = 0;
-  std::vector<std::vector<double>> forward_of(plan.dp), backward_of(plan.dp), transfer_of(plan.dp), latency_of(plan.dp),
-      round_trips_of(plan.dp), stall_of(plan.dp);
-  std::vector<std::vector<int>> sites_of(plan.dp, std::vector<int>(pp));
-  // The tied wte gradient. With gRPC collectives and several replicas, one all-reduce over every copy (the first
-  // and the last stage of each replica: tied_sites), routed as a data-parallel group, and the stages' buckets leave
-  // wte out (worker/stage_collectives.cc); once every copy is complete (tied_group_ready). Otherwise each replica's
-  // first and last stage exchange theirs: (first, last) stage site pairs -> replicas, and when their wte gradients
-  // are complete.
-  const bool tied_apart = job.grpc_collectives && pp > 1 && plan.dp > 1;
-  // Tensor parallelism with gRPC data parallelism across sites (a data-parallel group of some stage and tp rank in
-  // more than one site): each tp rank sums 1/tp of the replicated tensors and gathers the rest inside its site
-  // (worker/stage_collectives.h, split_replicated).
-  bool split_replicated = false;
-  if (job.grpc_collectives && tp > 1 && plan.dp > 1) {
-    for (int s = 0; s < pp; ++s) {
-      for (int k = 0; k < tp; ++k) {
-        for (int r = 1; r < plan.dp; ++r) {
-          split_replicated = split_replicated ||
-                             cluster.devices[plan.devices[r][s][k]].site != cluster.devices[plan.devices[0][s][k]].site;
-        }
-      }
-    }
-  }
-  std::vector<int> tied_sites;
-  double tied_group_ready = 0;
-  std::map<std::pair<int, int>, int> tied_pairs;
-  std::map<std::pair<int, int>, double> tied_ready;
-  for (int r = 0; r < plan.dp; ++r) {
-    std::vector<double> forward(pp), backward(pp), transfer(std::max(pp - 1, 0)), latency(transfer), stall(transfer),
-        message_round_trips;
-    for (int s = 0; s < pp; ++s) {
-      const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
-      double slowest_flops = kInf;
-      for (int k = 0; k < tp; ++k) {
-        const Device& d = cluster.devices[plan.devices[r][s][k]];
-        slowest_flops = std::min(slowest_flops, d.tflops * 1e12 * job.EfficiencyOf(d.name) * host_scale);
-        const double mem =
-            StageMemoryBytes(model, job, begin, end, s, pp, tp, plan.dp, b, plan.microbatches[r], plan.schedule);
-        out.device_memory_bytes[plan.devices[r][s][k]] = mem;
-        const double usable = UsableMemoryBytes(job, d.mem_bytes);
-        const double fraction = mem / usable;
-        if (fraction > worst_memory_fraction) {
-          worst_memory_fraction = fraction;
-          if (fraction > 1) {
-            const double state = StageStateBytes(model, job, begin, end, pp, tp, plan.dp);
-            reject = absl::StrFormat(
-                "stage %d (layers %s..%s) on %s at site %s needs %.2f GB of %.2f GB usable "
-                "(parameters+gradients+optimizer %.2f GB, activations and buffers %.2f GB, fixed "
-                "%.2f GB)",
-                s, model.layers[begin].name, model.layers[end - 1].name, d.name, cluster.site_names[d.site], GB(mem),
-                GB(usable), GB(state), GB(mem - state - job.fixed_memory_bytes), GB(job.fixed_memory_bytes));
-          }
-        }
-      }
-      const double flops = StageFlops(model, begin, end) * b;
-      const int site = cluster.devices[plan.devices[r][s][0]].site;
-      sites_of[r][s] = site;
-      LinkSpec tp_link = ActivationLink(cluster, job, site, site);
-      tp_link.bandwidth_bytes_per_s *= collective_scale;
-      const double tp_comm =
-          tp > 1 ? StageBlocks(model, begin, end) * 2 *
-                       RingAllReduceSeconds(tokens_per_microbatch * model.n_embd * model.bytes_per_element, tp, tp_link)
-                 : 0;
-      const double overhead = (end - begin) * job.layer_overhead_s;
-      forward[s] = flops / (tp * slowest_flops) + tp_comm + overhead;
-      backward[s] = 2 * flops / (tp * slowest_flops) + tp_comm + 2 * overhead;
-      if (s + 1 < pp) {
-        const int next_site = cluster.devices[plan.devices[r][s + 1][0]].site;
-        LinkSpec link = ActivationLink(cluster, job, site, next_site);
-        link.bandwidth_bytes_per_s = std::min(link.bandwidth_bytes_per_s, host.p2p_bytes_per_s);
-        const double bytes = model.layers[end - 1].output_bytes * b;
-        int c = -1;
-        if (site != next_site) c = activation_codec_of(site, next_site);
-        transfer[s] = bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link));
-        if (site != next_site) stall[s] = WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
-        latency[s] = link.latency_s;
-        if (job.sequential_sync) {
-          message_round_trips.push_back(round_trips(bytes * (c < 0 ? 1.0 : job.codecs[c].ratio)));
-        }
-        if (site != next_site) {
-          const double wire = bytes * (c < 0 ? 1.0 : job.codecs[c].ratio) * plan.microbatches[r];
-          traffic_activation[site][next_site] += wire;  // activations forward
-          traffic_activation[next_site][site] += wire;  // their gradients backward
-          activation_codec_used[std::min(site, next_site)][std::max(site, next_site)] = c;
-        }
-      }
-    }
-    forward_of[r] = std::move(forward);
-    backward_of[r] = std::move(backward);
-    transfer_of[r] = std::move(transfer);
-    latency_of[r] = std::move(latency);
-    stall_of[r] = std::move(stall);
-    round_trips_of[r] = std::move(message_round_trips);
-  }
-  // The 1F1B depth: the plan's, or the one that covers the slowest replica boundary's round trip.
-  int depth = plan.schedule == Schedule::kGPipe ? pp : std::max(pp, plan.pipeline_depth);
-  if (plan.schedule == Schedule::k1F1B && plan.pipeline_depth <= 0) {
-    for (int r = 0; r < plan.dp; ++r) {
-      double one_way = 0, microbatch = 0;
-      for (int s = 0; s < pp; ++s) {
-        microbatch = std::max(microbatch, forward_of[r][s] + backward_of[r][s]);
-        if (s + 1 >= pp) continue;
-        // Arrival, as SimulatePipeline counts it: serialisation plus one latency, or 2 r - 1 with round trips.
-        const double latencies = round_trips_of[r].empty() ? 1.0 : 2 * round_trips_of[r][s] - 1;
-        one_way = std::max(one_way, transfer_of[r][s] + stall_of[r][s] + latencies * latency_of[r][s]);
-      }
-      depth = std::max(depth, PipelineDepthFor(pp, plan.microbatches[r], one_way, microbatch));
-    }
-  }
-  out.pipeline_depth = depth;
-  for (int r = 0; r < plan.dp; ++r) {
-    // Replicas on identical devices and links behave identically: simulate each kind once.
-    std::vector<double> signature;
-    signature.reserve(6 * pp + 1);
-    for (const auto* part :
-         {&forward_of[r], &backward_of[r], &transfer_of[r], &latency_of[r], &round_trips_of[r], &stall_of[r]}) {
-      signature.insert(signature.end(), part->begin(), part->end());
-    }
-    signature.push_back(plan.microbatches[r]);
-    signature.insert(signature.end(), sites_of[r].begin(), sites_of[r].end());
-    auto known = simulated.find(signature);
-    if (known == simulated.end()) {
-      known = simulated
-                  .emplace(std::move(signature), SimulatePipeline(forward_of[r], backward_of[r], transfer_of[r],
-                                                                  latency_of[r], plan.microbatches[r], plan.schedule,
-                                                                  round_trips_of[r], depth, sites_of[r], stall_of[r]))
-                  .first;
-    }
-    timelines[r] = &known->second;
-    if (timelines[r]->makespan > slowest_makespan) {
-      slowest_makespan = timelines[r]->makespan;
-      slowest = r;
-    }
-    if (pp > 1) {
-      const int first = cluster.devices[plan.devices[r][0][0]].site;
-      const int last = cluster.devices[plan.devices[r][pp - 1][0]].site;
-      const double ready_r = std::max(timelines[r]->last_backward_end[0], timelines[r]->last_backward_end[pp - 1]);
-      if (tied_apart) {
-        tied_sites.push_back(first);
-        tied_sites.push_back(last);
-        tied_group_ready = std::max(tied_group_ready, ready_r);
-      } else {
-        ++tied_pairs[{first, last}];
-        double& ready = tied_ready[{first, last}];
-        ready = std::max(ready, ready_r);
-      }
-    }
-  }
-  out.pipeline_time_s = slowest_makespan;
-  out.stage_forward_s = forward_of[slowest];
-  out.stage_backward_s = backward_of[slowest];
-  {
-    const PipelineTimeline& t = *timelines[slowest];
-    double busy = 0;
-    for (double x : t.busy) busy += x;
-    out.bubble_fraction = t.makespan > 0 ? 1 - busy / pp / t.makespan : 0;
-  }
-
-  // The seconds an all-reduce of each of `buckets` (fp32 bytes per tp rank) on `ring` (among `member_sites`) waits
-  // beyond what DataParallelAllReduce counted: each round's message pays the window across sites and, with
-  // sequential_sync, 2 r latencies (a message and its ack) where it counted one.
-  auto rounds_extra = [&](const std::vector<int>& member_sites, const DpRing& ring,
-                          const std::vector<double>& buckets) {
-    double ratio = 1;  // the codec of the group's first cross-site pair
-    for (int m : member_sites) {
-      if (m == member_sites[0]) continue;
-      const int c = plan.gradient_codec.empty() ? ChooseCodec(job, cluster.Link(member_sites[0], m), false)
-                                                : plan.gradient_codec[member_sites[0]][m];
-      ratio = c < 0 ? 1.0 : job.codecs[c].ratio;
-      break;
-    }
-    double waited = 0;
-    for (double bucket : buckets) {
-      const int rounds = AllReduceRounds(ring.members, bucket);
-      const double chunk = bucket / (rounds == 1 ? 1 : ring.members) * ratio;
-      const double window = ring.wan.bandwidth_bytes_per_s > 0 ? WindowSeconds(job, ring.wan, chunk) : 0;
-      waited += rounds * ((job.sequential_sync ? 2 * round_trips(chunk) : 1) * ring.round_latency + window);
-    }
-    return waited - ring.counted_latency;
-  };
-  // The tied all-reduce of every copy (tied_apart): it ends at tied_group_end. Every tp rank holds all of wte
-  // (it is replicated, not sharded), so each rank's group all-reduces the whole of it, or 1/tp of it with
-  // split_replicated. Its bytes join the gradients' after the stages' bound on the WAN below, as each replica's
-  // pair does.
-  double tied_group_end = 0;
-  std::vector<std::vector<double>> traffic_tied(n_sites, std::vector<double>(n_sites, 0));
-  if (tied_apart) {
-    const double bytes = model.tied_parameters * model.bytes_per_element / (split_replicated ? tp : 1);
-    DpRing ring;
-    const double seconds = DataParallelAllReduce(cluster, job, plan, tied_sites, bytes, collective_scale, &traffic_tied,
-                                                 &gradient_codec_used, &ring);
-    tied_group_end = tied_group_ready + seconds + (seconds > 0 ? rounds_extra(tied_sites, ring, {bytes}) : 0);
-  }
-
-  // Sequential sync (the runtime's step epilogue): the tied wte all-reduce first (each replica's pair: a ring of
-  // two, both directions at once: its bytes once plus two latencies, when both stages are done), then the buckets.
-  double epilogue_start = std::max(out.pipeline_time_s, job.sequential_sync ? tied_group_end : 0.0);
-  if (job.sequential_sync) {
-    for (const auto& [pair, replicas] : tied_pairs) {
-      const auto [first, last] = pair;
-      const LinkSpec& link = cluster.Link(first, last);
-      const int c = first == last                 ? -1
-                    : plan.gradient_codec.empty() ? ChooseCodec(job, link, false)
-                                                  : plan.gradient_codec[first][last];
-      const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
-      // Each replica's tp ranks: every rank holds all of wte.
-      const double bytes = model.tied_parameters * model.bytes_per_element * replicas * tp;
-      // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
-      const int rounds = AllReduceRounds(2, model.tied_parameters * model.bytes_per_element);
-      const double wire = model.tied_parameters * model.bytes_per_element * (c < 0 ? 1.0 : job.codecs[c].ratio) /
-                          rounds;  // a round's message
-      const double window = first == last ? 0 : rounds * WindowSeconds(job, link, wire);
-      epilogue_start = std::max(
-          epilogue_start, tied_ready[pair] + bytes * spb + window + rounds * 2 * round_trips(wire) * link.latency_s);
-    }
-  }
-  // Gradient all-reduce per stage, overlapped with the last microbatch's backward (one bucket per
-  // layer), or after the tied all-reduce with sequential sync.
-  out.stage_allreduce_s.assign(pp, 0);
-  double finish = epilogue_start, earliest_start = kInf;
-  for (int s = 0; s < pp; ++s) {
-    const int begin = plan.stage_begin[s], end = plan.stage_begin[s + 1];
-    double start_last = 0, end_last = 0;
-    for (int r = 0; r < plan.dp; ++r) {
-      start_last = std::max(start_last, timelines[r]->last_backward_start[s]);
-      end_last = std::max(end_last, timelines[r]->last_backward_end[s]);
-    }
-    std::vector<int> member_sites;
-    for (int r = 0; r < plan.dp; ++r) member_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
-    const double bytes = DataParallelParameters(model, begin, end, pp, tied_apart).PerRank(tp, split_replicated) *
-                         model.bytes_per_element;
-    DpRing ring;
-    const double seconds = DataParallelAllReduce(cluster, job, plan, member_sites, bytes, collective_scale,
-                                                 &traffic_gradient, &gradient_codec_used, &ring);
-    // With split_replicated each replica's tp ranks then gather the others' slices of the replicated tensors (a ring
-    // inside the replica's site), after the all-reduce's last bucket.
-    double gather = 0;
-    if (split_replicated && seconds > 0) {
-      const double gathered = DataParallelParameters(model, begin, end, pp, false).replicated * model.bytes_per_element;
-      for (int r = 0; r < plan.dp; ++r) {
-        const LinkSpec link = CollectiveLink(cluster, cluster.devices[plan.devices[r][s][0]].site, collective_scale);
-        gather = std::max(gather, (tp - 1.0) / tp * gathered / link.bandwidth_bytes_per_s + (tp - 1) * link.latency_s);
-      }
-    }
-    out.stage_allreduce_s[s] = seconds + gather;
-    if (seconds <= 0) continue;
-    if (job.sequential_sync) {
-      // Each bucket is an all-reduce of its own, after the last. A round's message is one stream's (one tp
-      // rank's). `seconds` counted the stage's rounds once, at one latency each.
-      const double extra = rounds_extra(
-          member_sites, ring,
-          GradientBucketBytes(model, begin, end, pp, tp, job.grad_bucket_bytes, tied_apart, split_replicated));
-      out.stage_allreduce_s[s] = seconds + extra + gather;
-      finish = std::max(finish, epilogue_start + seconds + extra + gather);
-      earliest_start = std::min(earliest_start, epilogue_start);
-      continue;
-    }
-    const int buckets = std::max(1, end - begin);
-    finish = std::max(finish, std::max(end_last + seconds / buckets, start_last + seconds) + gather);
-    earliest_start = std::min(earliest_start, start_last);
-  }
-  // Stages' all-reduces share the WAN: no link can carry its gradient bytes faster than its
-  // bandwidth.
-  if (earliest_start < kInf) {
-    for (int a = 0; a < n_sites; ++a) {
-      for (int c = 0; c < n_sites; ++c) {
-        if (a == c || traffic_gradient[a][c] <= 0) continue;
-        finish = std::max(finish, earliest_start + cluster.Link(a, c).latency_s +
-                                      traffic_gradient[a][c] / cluster.Link(a, c).bandwidth_bytes_per_s);
-      }
-    }
-  }
-  out.dp_exposed_s = finish - epilogue_start;
-  if (job.sequential_sync) {
-    // Then two scalar rings, latency only: the gradient norm among each replica's stages, the loss
-    // among the replicas' last stages.
-    auto ring_latency = [&](const std::vector<int>& sites) {
-      double worst = 0;
-      for (size_t i = 0; i < sites.size(); ++i) {
-        worst = std::max(worst, cluster.Link(sites[i], sites[(i + 1) % sites.size()]).latency_s);
-      }
-      return AllReduceRounds(static_cast<int>(sites.size()), sizeof(float)) * 2 * job.message_round_trips * worst;
-    };
-    double norm = 0;
-    std::vector<int> last_sites;
-    for (int r = 0; r < plan.dp; ++r) {
-      std::vector<int> stage_sites;
-      for (int s = 0; s < pp; ++s) stage_sites.push_back(cluster.devices[plan.devices[r][s][0]].site);
-      norm = std::max(norm, ring_latency(stage_sites));
-      last_sites.push_back(stage_sites.back());
-    }
-    out.scalar_sync_s = norm + ring_latency(last_sites);
-    out.tied_sync_s = epilogue_start - out.pipeline_time_s;
-    out.step_time_s = finish + out.scalar_sync_s + job.step_overhead_s;
-  }
-
-  for (int a = 0; a < n_sites; ++a) {
-    for (int c = 0; c < n_sites; ++c) traffic_gradient[a][c] += traffic_tied[a][c];
-  }
-  // Tied wte gradients: the first and the last stage of each replica (each tp rank's pair: every rank holds all of
-  // wte) send each other their partial gradient once both are complete (full duplex: both directions at once), then
-  // both apply the sum.
-  for (const auto& [pair, replicas] : tied_pairs) {
-    const auto [first, last] = pair;
-    const LinkSpec& link = cluster.Link(first, last);
-    const double bytes = model.tied_parameters * model.bytes_per_element;  // one pair's
-    const double copies = static_cast<double>(replicas) * tp;
-    int c = -1;
-    if (first != last) {
-      c = plan.gradient_codec.empty() ? ChooseCodec(job, link, false) : plan.gradient_codec[first][last];
-      traffic_gradient[first][last] += bytes * copies * (c < 0 ? 1.0 : job.codecs[c].ratio);
-      traffic_gradient[last][first] += bytes * copies * (c < 0 ? 1.0 : job.codecs[c].ratio);
-      gradient_codec_used[std::min(first, last)][std::max(first, last)] = c;
-    }
-    const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
-    const double window = first == last ? 0 : WindowSeconds(job, link, bytes * (c < 0 ? 1.0 : job.codecs[c].ratio));
-    tied_sync = std::max(tied_sync, tied_ready[pair] + bytes * copies * spb + window + link.latency_s);
-  }
-  if (!job.sequential_sync) {
-    tied_sync = std::max(tied_sync, tied_group_end);
-    out.tied_sync_s = std::max(0.0, tied_sync - finish);
-    out.step_time_s = std::max(finish, tied_sync) + job.step_overhead_s;
-  }
-  out.tokens_per_s = out.step_time_s > 0 ? total_sequences * static_cast<double>(model.seq_len) / out.step_time_s : 0;
-
-  double used_flops = 0;
-  for (int d = 0; d < static_cast<int>(used.size()); ++d) {
-    if (!used[d]) continue;
-    used_flops += cluster.devices[d].tflops * 1e12 * job.EfficiencyOf(cluster.devices[d].name);
-  }
-  out.compute_bound_s = 3 * model.TotalForwardFlops() * total_sequences / used_flops;
-  out.max_memory_fraction = worst_memory_fraction;
-  out.fits = reject.empty();
-  out.reject_reason = reject;
-  for (int a = 0; a < n_sites; ++a) {
-    for (int c = a + 1; c < n_sites; ++c) {
-      const double g = traffic_gradient[a][c] + traffic_gradient[c][a];
-      const double x = traffic_activation[a][c] + traffic_activation[c][a];
-      if (g + x <= 0) continue;
-      LinkTraffic t;
-      t.site_a = a;
-      t.site_b = c;
-      t.gradient_bytes = g;
-      t.activation_bytes = x;
-      t.bytes = g + x;
-      t.gradient_codec = gradient_codec_used[a][c] == -2 ? "" : CodecName(job, gradient_codec_used[a][c]);
-      t.activation_codec = activation_codec_used[a][c] == -2 ? "" : CodecName(job, activation_codec_used[a][c]);
-      out.cross_site.push_back(t);
-    }
-  }
-  return out;
-}
-
-}  // namespace
+}  // namespace internal
 
 absl::StatusOr<double> CalibrateEfficiency(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                            const Plan& plan, const std::vector<double>& measured_stage_compute_s) {

@@ -85,8 +85,27 @@ class Search {
   const std::set<Key>& sliced_keys() const { return sliced_keys_; }
 
  private:
+  struct Shape;  // one shape (dp, pp, tp, layout) of a Run, defined in planner_search.cc
+
   std::vector<int> SiteChain(const std::vector<int>& devices) const;
   std::vector<Unit> MakeUnits(const std::vector<int>& devices, const std::vector<int>& chain, int tp) const;
+  // The `kept` fastest of all_units (pointers into it), with a unit of every required site where it has one.
+  std::vector<const Unit*> KeepUnits(const std::vector<Unit>& all_units, int kept) const;
+  // Lays out dp x pp of `units` (layout: "pipeline-major" or "stage-major") and works out what every candidate of
+  // that shape shares.
+  Shape MakeShape(const std::vector<const Unit*>& units, const std::string& subset_name, int dp, int pp, int tp,
+                  const char* layout, bool reference_shape) const;
+  // Searches the shape's microbatch sizes and schedules; lowers *subset_best to every fitting step time found.
+  void SearchMicrobatchSizes(Shape& shape, double* subset_best);
+  // One candidate of the shape: slices it, shares its microbatches, and simulates it unless a lower bound prunes
+  // it. Sets *fitted when it fits.
+  void TrySchedule(Shape& shape, int b, int held_estimate, Schedule schedule, bool* fitted, double* subset_best);
+  // A lower bound on the pipeline time of `plan` (the shape's, sliced and shared) from its stage times with and
+  // without their boundary transfers.
+  double PipelineLowerBound(const Shape& shape, const Plan& plan, const std::vector<std::vector<double>>& stage_time,
+                            const std::vector<std::vector<double>>& compute_time) const;
+  // Simulates, for their reason, the shapes of the run that never had a memory-feasible slicing.
+  void SimulateUnsliced();
   // Alpa-style inter-operator pass: slices layers into pp stages minimising the largest
   // per-microbatch stage time (compute + boundary transfer), memory-feasible for every stage. Empty
   // if none fits.

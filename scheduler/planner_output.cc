@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "nlohmann/json.hpp"
+#include "common/json.h"
 #include "scheduler/planner.h"
 #include "scheduler/planner_internal.h"
 #include "spec.pb.h"
@@ -87,18 +87,8 @@ void FillParallelSpec(const ManualPlan& manual, ParallelSpec* spec) {
 
 namespace {
 
-using Json = nlohmann::ordered_json;  // keys in the order written
-
 // A figure with 6 significant digits (integral ones as integers), null when not finite.
-Json JsonNumber(double x) {
-  if (!std::isfinite(x)) return nullptr;
-  const double rounded = std::strtod(absl::StrFormat("%.6g", x).c_str(), nullptr);
-  if (rounded == std::trunc(rounded) && std::fabs(rounded) < 9.0e15) return static_cast<int64_t>(rounded);
-  return rounded;
-}
-
-// Compact JSON; bytes that are not UTF-8 (in a site or device name) become U+FFFD instead of an exception.
-std::string Dump(const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); }
+Json JsonNumber(double x) { return JsonFigure(x, 6); }
 
 Json CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
   const Plan& p = c.plan;
@@ -174,7 +164,7 @@ Json CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCa
 }  // namespace
 
 std::string PlanCandidateToJson(const Cluster& cluster, const ModelCosts& model, const PlanCandidate& c) {
-  return Dump(CandidateJson(cluster, model, c));
+  return DumpJson(CandidateJson(cluster, model, c));
 }
 
 std::string PlanResultToJson(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
@@ -193,7 +183,7 @@ std::string PlanResultToJson(const Cluster& cluster, const ModelCosts& model, co
                   {"ranked", std::move(ranked)},
                   {"rejected", std::move(rejected)},
                   {"explanation", result.explanation}};
-  return Dump(json) + "\n";
+  return DumpJson(json) + "\n";
 }
 
 std::string FormatPlanResult(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,

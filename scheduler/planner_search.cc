@@ -225,6 +225,260 @@ void Search::Consider(PlanCandidate candidate, const Key& key) {
   }
 }
 
+// One shape (dp, pp, tp, layout) on the units Run kept for it, and what every microbatch size and schedule of it
+// shares: the units of each (replica, stage), the plan's fixed part, and each stage's worst unit and boundary over
+// the replicas (all replicas share the slicing).
+struct Search::Shape {
+  std::string subset_name;
+  int dp = 1, pp = 1, tp = 1;
+  const char* layout = "";
+  bool reference_shape = false;  // pure DP or pure pipeline without TP: simulated even when a bound prunes it
+  Key key;
+  std::vector<std::vector<const Unit*>> unit_of;  // unit_of[r][s]
+  Plan base_plan;                                 // dp, pp, tp and devices; each candidate fills in the rest
+  std::vector<double> stage_flops, stage_mem, stage_tp_comm, boundary_spb;
+  std::vector<std::vector<double>> hop_spb;  // [r][s]: seconds per byte from stage s to s + 1 of replica r
+};
+
+std::vector<const Unit*> Search::KeepUnits(const std::vector<Unit>& all_units, int kept) const {
+  const int U = static_cast<int>(all_units.size());
+  // Leave out the U - kept slowest units (the last of equals in chain order).
+  std::vector<int> order(U);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return all_units[a].flops > all_units[b].flops; });
+  std::vector<bool> keep(U, false);
+  for (int i = 0; i < kept; ++i) keep[order[i]] = true;
+  // A required site keeps its fastest unit, in place of the slowest kept unit of a site that keeps another (or
+  // is not required): otherwise a site of slower devices would never be in a shape that leaves units out.
+  for (int site : options_.required_sites) {
+    auto kept_in = [&](int s) {
+      int n = 0;
+      for (int i = 0; i < U; ++i) n += keep[i] && all_units[i].site == s;
+      return n;
+    };
+    if (kept_in(site) > 0) continue;
+    int in = -1, out = -1;
+    for (int i : order) {
+      if (!keep[i] && all_units[i].site == site) {
+        in = i;
+        break;
+      }
+    }
+    for (auto it = order.rbegin(); it != order.rend() && in >= 0; ++it) {
+      const int s = all_units[*it].site;
+      const bool required = std::count(options_.required_sites.begin(), options_.required_sites.end(), s) > 0;
+      if (keep[*it] && (!required || kept_in(s) > 1)) {
+        out = *it;
+        break;
+      }
+    }
+    if (in >= 0 && out >= 0) {
+      keep[out] = false;
+      keep[in] = true;
+    }
+  }
+  std::vector<const Unit*> units;
+  for (int i = 0; i < U; ++i) {
+    if (keep[i]) units.push_back(&all_units[i]);
+  }
+  return units;
+}
+
+Search::Shape Search::MakeShape(const std::vector<const Unit*>& units, const std::string& subset_name, int dp, int pp,
+                                int tp, const char* layout, bool reference_shape) const {
+  const bool stage_major = std::string(layout) == "stage-major";
+  Shape shape;
+  shape.subset_name = subset_name;
+  shape.dp = dp;
+  shape.pp = pp;
+  shape.tp = tp;
+  shape.layout = layout;
+  shape.reference_shape = reference_shape;
+  shape.key = Key{subset_name, dp, pp, tp, layout};
+  shape.unit_of.assign(dp, std::vector<const Unit*>(pp));
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) shape.unit_of[r][s] = units[stage_major ? s * dp + r : r * pp + s];
+  }
+  Plan& base_plan = shape.base_plan;
+  base_plan.dp = dp;
+  base_plan.pp = pp;
+  base_plan.tp = tp;
+  base_plan.devices.assign(dp, std::vector<std::vector<int>>(pp));
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) base_plan.devices[r][s] = shape.unit_of[r][s]->devices;
+  }
+  // Worst unit per stage and worst boundary per stage, over replicas (all replicas share the
+  // slicing).
+  shape.stage_flops.assign(pp, kInf);
+  shape.stage_mem.assign(pp, kInf);
+  shape.stage_tp_comm.assign(pp, 0);
+  shape.boundary_spb.assign(pp, 0);
+  for (int s = 0; s < pp; ++s) {
+    for (int r = 0; r < dp; ++r) {
+      const Unit& u = *shape.unit_of[r][s];
+      shape.stage_flops[s] = std::min(shape.stage_flops[s], u.flops);
+      shape.stage_mem[s] = std::min(shape.stage_mem[s], u.mem);
+      if (s + 1 < pp) {
+        const int a = u.site, c = shape.unit_of[r][s + 1]->site;
+        const LinkSpec& link = cluster_.Link(a, c);
+        double spb = 1.0 / link.bandwidth_bytes_per_s;
+        if (a != c) {
+          const int codec = ChooseCodec(job_, link, true);
+          if (codec >= 0) spb = job_.codecs[codec].SecondsPerByte(link);
+        }
+        shape.boundary_spb[s] = std::max(shape.boundary_spb[s], spb);
+      }
+    }
+  }
+  shape.hop_spb.assign(dp, std::vector<double>(pp, 0));
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s + 1 < pp; ++s)
+      shape.hop_spb[r][s] = SecondsPerByte(shape.unit_of[r][s]->site, shape.unit_of[r][s + 1]->site, true);
+  }
+  return shape;
+}
+
+void Search::SearchMicrobatchSizes(Shape& shape, double* subset_best) {
+  const int G = job_.global_batch;
+  const int dp = shape.dp, pp = shape.pp, tp = shape.tp;
+  // Microbatch sizes from the largest down: more microbatches shrink the bubble and balance
+  // unequal replicas more finely until the per-layer fixed costs win; stop past max(8 pp, 64)
+  // microbatches per replica once something fits.
+  bool fitted = false;
+  for (int b = G; b >= 1; --b) {
+    if (G % b != 0) continue;
+    const int M = G / b;
+    if (M < dp) continue;
+    if (fitted && M / dp > std::max(8 * pp, 64)) break;
+    if (options_.runtime_plans && M % dp != 0) continue;  // the runtime splits evenly
+    for (int s = 0; s < pp; ++s) {
+      shape.stage_tp_comm[s] = 0;
+      if (tp > 1) {
+        const int site = shape.unit_of[0][s]->site;
+        shape.stage_tp_comm[s] =
+            RingAllReduceSeconds(static_cast<double>(b) * model_.seq_len * model_.n_embd * model_.bytes_per_element, tp,
+                                 cluster_.Link(site, site));
+      }
+    }
+    const int held_estimate = (M + dp - 1) / dp;
+    for (Schedule schedule : options_.schedules) {
+      if (pp == 1 && schedule != options_.schedules.front()) continue;  // one stage: schedules agree
+      TrySchedule(shape, b, held_estimate, schedule, &fitted, subset_best);
+    }
+  }
+}
+
+double Search::PipelineLowerBound(const Shape& shape, const Plan& plan,
+                                  const std::vector<std::vector<double>>& stage_time,
+                                  const std::vector<std::vector<double>>& compute_time) const {
+  const int pp = shape.pp;
+  const int b = plan.microbatch_size;
+  const std::vector<int>& begin = plan.stage_begin;
+  // Lower bound: stage j cannot start before microbatch 0 went forward through stages <
+  // j, runs all its microbatches, and the last backward still has to go back through
+  // stages < j.
+  double lower_bound = 0;
+  for (int r = 0; r < shape.dp; ++r) {
+    double before = 0;
+    for (int s = 0; s < pp; ++s) {
+      lower_bound = std::max(lower_bound, plan.microbatches[r] * stage_time[r][s] + before);
+      before += stage_time[r][s];
+    }
+    // 1F1B keeps at most min(depth - j, m) microbatches in flight at stage j, and each occupies
+    // its slot from j's forward to j's backward: at least the round trip through the later
+    // stages and links. Simulate chooses one depth for the job, at most max(pp, largest share).
+    if (plan.schedule == Schedule::k1F1B) {
+      const int deepest = std::max(pp, *std::max_element(plan.microbatches.begin(), plan.microbatches.end()));
+      double round_trip = 0;
+      for (int j = pp - 2; j >= 0; --j) {
+        const int a = shape.unit_of[r][j]->site, c = shape.unit_of[r][j + 1]->site;
+        const double hop =
+            cluster_.Link(a, c).latency_s + b * model_.layers[begin[j + 1] - 1].output_bytes * shape.hop_spb[r][j];
+        round_trip += 2 * hop + compute_time[r][j + 1];
+        lower_bound = std::max(lower_bound, plan.microbatches[r] * (compute_time[r][j] + round_trip) /
+                                                std::max(1, std::min(deepest - j, plan.microbatches[r])));
+      }
+    }
+  }
+  return lower_bound;
+}
+
+void Search::TrySchedule(Shape& shape, int b, int held_estimate, Schedule schedule, bool* fitted, double* subset_best) {
+  const int G = job_.global_batch;
+  const int L = model_.num_layers();
+  const int dp = shape.dp, pp = shape.pp, tp = shape.tp;
+  const int M = G / b;
+  const Key& key = shape.key;
+  std::vector<int> begin = options_.runtime_plans ? RuntimeStageBegin(model_, pp)
+                                                  : SliceStages(shape.stage_flops, shape.stage_mem, shape.stage_tp_comm,
+                                                                shape.boundary_spb, tp, dp, b, held_estimate, schedule);
+  Plan& plan = shape.base_plan;
+  plan.microbatch_size = b;
+  plan.schedule = schedule;
+  if (begin.empty()) {
+    // No memory-feasible slicing: remember the smallest microbatch tried, with an even
+    // slicing; shapes that never fit are simulated once at the end of the run for their
+    // reason.
+    if (best_by_key_.count(key) || sliced_keys_.count(key)) return;
+    plan.stage_begin.resize(pp + 1);
+    for (int s = 0; s <= pp; ++s) plan.stage_begin[s] = static_cast<int>(static_cast<int64_t>(s) * L / pp);
+    plan.microbatches.assign(dp, 0);
+    for (int r = 0; r < dp; ++r) plan.microbatches[r] = M / dp + (r < M % dp ? 1 : 0);
+    unsliced_[key] = PlanCandidate{plan, {}, shape.layout, shape.subset_name, {}};
+    return;
+  }
+  plan.stage_begin = begin;
+  sliced_keys_.insert(key);
+  // Per-microbatch bottleneck of each replica; microbatches shared in proportion to
+  // speed.
+  std::vector<double> bottleneck(dp, 0);
+  std::vector<std::vector<double>> stage_time(dp, std::vector<double>(pp));
+  std::vector<std::vector<double>> compute_time(dp, std::vector<double>(pp));
+  double speed_sum = 0;
+  for (int r = 0; r < dp; ++r) {
+    for (int s = 0; s < pp; ++s) {
+      stage_time[r][s] = 3.0 * b * (flops_[begin[s + 1]] - flops_[begin[s]]) / (tp * shape.unit_of[r][s]->flops) +
+                         3.0 * (begin[s + 1] - begin[s]) * job_.layer_overhead_s;
+      bottleneck[r] = std::max(bottleneck[r], stage_time[r][s]);
+      compute_time[r][s] = stage_time[r][s];
+      // The boundary link is a serial resource too (for the bound, not for the shares).
+      if (s + 1 < pp) {
+        stage_time[r][s] =
+            std::max(stage_time[r][s], b * model_.layers[begin[s + 1] - 1].output_bytes * shape.hop_spb[r][s]);
+      }
+    }
+    speed_sum += 1 / bottleneck[r];
+  }
+  plan.microbatches =
+      options_.runtime_plans ? std::vector<int>(dp, M / dp) : ShareMicrobatches(M, bottleneck, speed_sum);
+  const double lower_bound = PipelineLowerBound(shape, plan, stage_time, compute_time);
+  if ((!shape.reference_shape || best_by_key_.count(key)) &&
+      std::max(lower_bound, CommunicationFloor(shape.unit_of, tp, begin)) > kPruneFactor * best_time_) {
+    return;
+  }
+  absl::StatusOr<Prediction> p = Simulate(cluster_, model_, job_, plan);
+  ++simulated_;
+  if (!p.ok()) return;
+  if (p->fits && CoversRequiredSites(plan)) {
+    *subset_best = std::min(*subset_best, p->step_time_s);
+    *fitted = true;
+  }
+  if (Worth(key, plan, *p)) Consider(PlanCandidate{plan, *std::move(p), shape.layout, shape.subset_name, {}}, key);
+}
+
+void Search::SimulateUnsliced() {
+  for (auto& [key, candidate] : unsliced_) {
+    if (best_by_key_.count(key) || sliced_keys_.count(key)) continue;
+    absl::StatusOr<Prediction> p = Simulate(cluster_, model_, job_, candidate.plan);
+    ++simulated_;
+    if (p.ok() && !p->fits) {
+      candidate.prediction = *std::move(p);
+      Consider(std::move(candidate), key);
+    }
+  }
+  unsliced_.clear();
+}
+
 double Search::Run(const std::vector<int>& devices, const std::string& subset_name) {
   double subset_best = kInf;
   const std::vector<int> chain = SiteChain(devices);
@@ -237,46 +491,7 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
     for (int pp = 1; pp <= std::min(U, L); ++pp) {
       const int dp = U / pp;
       if (dp < 1 || dp > G) continue;
-      // Leave out the U - dp*pp slowest units (the last of equals in chain order).
-      std::vector<int> order(U);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int a, int b) { return all_units[a].flops > all_units[b].flops; });
-      std::vector<bool> keep(U, false);
-      for (int i = 0; i < dp * pp; ++i) keep[order[i]] = true;
-      // A required site keeps its fastest unit, in place of the slowest kept unit of a site that keeps another (or
-      // is not required): otherwise a site of slower devices would never be in a shape that leaves units out.
-      for (int site : options_.required_sites) {
-        auto kept_in = [&](int s) {
-          int n = 0;
-          for (int i = 0; i < U; ++i) n += keep[i] && all_units[i].site == s;
-          return n;
-        };
-        if (kept_in(site) > 0) continue;
-        int in = -1, out = -1;
-        for (int i : order) {
-          if (!keep[i] && all_units[i].site == site) {
-            in = i;
-            break;
-          }
-        }
-        for (auto it = order.rbegin(); it != order.rend() && in >= 0; ++it) {
-          const int s = all_units[*it].site;
-          const bool required = std::count(options_.required_sites.begin(), options_.required_sites.end(), s) > 0;
-          if (keep[*it] && (!required || kept_in(s) > 1)) {
-            out = *it;
-            break;
-          }
-        }
-        if (in >= 0 && out >= 0) {
-          keep[out] = false;
-          keep[in] = true;
-        }
-      }
-      std::vector<const Unit*> units;
-      for (int i = 0; i < U; ++i) {
-        if (keep[i]) units.push_back(&all_units[i]);
-      }
+      const std::vector<const Unit*> units = KeepUnits(all_units, dp * pp);
       // Compute alone on these units bounds every plan of this shape from below.
       double shape_flops = 0;
       for (const Unit* u : units) shape_flops += u->flops * tp;
@@ -285,163 +500,12 @@ double Search::Run(const std::vector<int>& devices, const std::string& subset_na
       for (const char* layout : {"pipeline-major", "stage-major"}) {
         const bool stage_major = std::string(layout) == "stage-major";
         if (stage_major && (dp == 1 || pp == 1)) continue;
-        // unit_of[r][s]
-        std::vector<std::vector<const Unit*>> unit_of(dp, std::vector<const Unit*>(pp));
-        for (int r = 0; r < dp; ++r) {
-          for (int s = 0; s < pp; ++s) unit_of[r][s] = units[stage_major ? s * dp + r : r * pp + s];
-        }
-        Plan base_plan;
-        base_plan.dp = dp;
-        base_plan.pp = pp;
-        base_plan.tp = tp;
-        base_plan.devices.assign(dp, std::vector<std::vector<int>>(pp));
-        for (int r = 0; r < dp; ++r) {
-          for (int s = 0; s < pp; ++s) base_plan.devices[r][s] = unit_of[r][s]->devices;
-        }
-        // Worst unit per stage and worst boundary per stage, over replicas (all replicas share the
-        // slicing).
-        std::vector<double> stage_flops(pp, kInf), stage_mem(pp, kInf), stage_tp_comm(pp, 0), boundary_spb(pp, 0);
-        for (int s = 0; s < pp; ++s) {
-          for (int r = 0; r < dp; ++r) {
-            const Unit& u = *unit_of[r][s];
-            stage_flops[s] = std::min(stage_flops[s], u.flops);
-            stage_mem[s] = std::min(stage_mem[s], u.mem);
-            if (s + 1 < pp) {
-              const int a = u.site, c = unit_of[r][s + 1]->site;
-              const LinkSpec& link = cluster_.Link(a, c);
-              double spb = 1.0 / link.bandwidth_bytes_per_s;
-              if (a != c) {
-                const int codec = ChooseCodec(job_, link, true);
-                if (codec >= 0) spb = job_.codecs[codec].SecondsPerByte(link);
-              }
-              boundary_spb[s] = std::max(boundary_spb[s], spb);
-            }
-          }
-        }
-        std::vector<std::vector<double>> hop_spb(dp, std::vector<double>(pp, 0));
-        for (int r = 0; r < dp; ++r) {
-          for (int s = 0; s + 1 < pp; ++s)
-            hop_spb[r][s] = SecondsPerByte(unit_of[r][s]->site, unit_of[r][s + 1]->site, true);
-        }
-        const Key key{subset_name, dp, pp, tp, layout};
-        // Microbatch sizes from the largest down: more microbatches shrink the bubble and balance
-        // unequal replicas more finely until the per-layer fixed costs win; stop past max(8 pp, 64)
-        // microbatches per replica once something fits.
-        bool fitted = false;
-        for (int b = G; b >= 1; --b) {
-          if (G % b != 0) continue;
-          const int M = G / b;
-          if (M < dp) continue;
-          if (fitted && M / dp > std::max(8 * pp, 64)) break;
-          if (options_.runtime_plans && M % dp != 0) continue;  // the runtime splits evenly
-          for (int s = 0; s < pp; ++s) {
-            stage_tp_comm[s] = 0;
-            if (tp > 1) {
-              const int site = unit_of[0][s]->site;
-              stage_tp_comm[s] = RingAllReduceSeconds(
-                  static_cast<double>(b) * model_.seq_len * model_.n_embd * model_.bytes_per_element, tp,
-                  cluster_.Link(site, site));
-            }
-          }
-          const int held_estimate = (M + dp - 1) / dp;
-          for (Schedule schedule : options_.schedules) {
-            if (pp == 1 && schedule != options_.schedules.front()) continue;  // one stage: schedules agree
-            std::vector<int> begin = options_.runtime_plans
-                                         ? RuntimeStageBegin(model_, pp)
-                                         : SliceStages(stage_flops, stage_mem, stage_tp_comm, boundary_spb, tp, dp, b,
-                                                       held_estimate, schedule);
-            Plan& plan = base_plan;
-            plan.microbatch_size = b;
-            plan.schedule = schedule;
-            if (begin.empty()) {
-              // No memory-feasible slicing: remember the smallest microbatch tried, with an even
-              // slicing; shapes that never fit are simulated once at the end of the run for their
-              // reason.
-              if (best_by_key_.count(key) || sliced_keys_.count(key)) continue;
-              plan.stage_begin.resize(pp + 1);
-              for (int s = 0; s <= pp; ++s) plan.stage_begin[s] = static_cast<int>(static_cast<int64_t>(s) * L / pp);
-              plan.microbatches.assign(dp, 0);
-              for (int r = 0; r < dp; ++r) plan.microbatches[r] = M / dp + (r < M % dp ? 1 : 0);
-              unsliced_[key] = PlanCandidate{plan, {}, layout, subset_name, {}};
-              continue;
-            }
-            plan.stage_begin = begin;
-            sliced_keys_.insert(key);
-            // Per-microbatch bottleneck of each replica; microbatches shared in proportion to
-            // speed.
-            std::vector<double> bottleneck(dp, 0);
-            std::vector<std::vector<double>> stage_time(dp, std::vector<double>(pp));
-            std::vector<std::vector<double>> compute_time(dp, std::vector<double>(pp));
-            double speed_sum = 0;
-            for (int r = 0; r < dp; ++r) {
-              for (int s = 0; s < pp; ++s) {
-                stage_time[r][s] = 3.0 * b * (flops_[begin[s + 1]] - flops_[begin[s]]) / (tp * unit_of[r][s]->flops) +
-                                   3.0 * (begin[s + 1] - begin[s]) * job_.layer_overhead_s;
-                bottleneck[r] = std::max(bottleneck[r], stage_time[r][s]);
-                compute_time[r][s] = stage_time[r][s];
-                // The boundary link is a serial resource too (for the bound, not for the shares).
-                if (s + 1 < pp) {
-                  stage_time[r][s] =
-                      std::max(stage_time[r][s], b * model_.layers[begin[s + 1] - 1].output_bytes * hop_spb[r][s]);
-                }
-              }
-              speed_sum += 1 / bottleneck[r];
-            }
-            plan.microbatches =
-                options_.runtime_plans ? std::vector<int>(dp, M / dp) : ShareMicrobatches(M, bottleneck, speed_sum);
-            // Lower bound: stage j cannot start before microbatch 0 went forward through stages <
-            // j, runs all its microbatches, and the last backward still has to go back through
-            // stages < j.
-            double lower_bound = 0;
-            for (int r = 0; r < dp; ++r) {
-              double before = 0;
-              for (int s = 0; s < pp; ++s) {
-                lower_bound = std::max(lower_bound, plan.microbatches[r] * stage_time[r][s] + before);
-                before += stage_time[r][s];
-              }
-              // 1F1B keeps at most min(depth - j, m) microbatches in flight at stage j, and each occupies
-              // its slot from j's forward to j's backward: at least the round trip through the later
-              // stages and links. Simulate chooses one depth for the job, at most max(pp, largest share).
-              if (schedule == Schedule::k1F1B) {
-                const int deepest = std::max(pp, *std::max_element(plan.microbatches.begin(), plan.microbatches.end()));
-                double round_trip = 0;
-                for (int j = pp - 2; j >= 0; --j) {
-                  const int a = unit_of[r][j]->site, c = unit_of[r][j + 1]->site;
-                  const double hop =
-                      cluster_.Link(a, c).latency_s + b * model_.layers[begin[j + 1] - 1].output_bytes * hop_spb[r][j];
-                  round_trip += 2 * hop + compute_time[r][j + 1];
-                  lower_bound = std::max(lower_bound, plan.microbatches[r] * (compute_time[r][j] + round_trip) /
-                                                          std::max(1, std::min(deepest - j, plan.microbatches[r])));
-                }
-              }
-            }
-            if ((!reference_shape || best_by_key_.count(key)) &&
-                std::max(lower_bound, CommunicationFloor(unit_of, tp, begin)) > kPruneFactor * best_time_) {
-              continue;
-            }
-            absl::StatusOr<Prediction> p = Simulate(cluster_, model_, job_, plan);
-            ++simulated_;
-            if (!p.ok()) continue;
-            if (p->fits && CoversRequiredSites(plan)) {
-              subset_best = std::min(subset_best, p->step_time_s);
-              fitted = true;
-            }
-            if (Worth(key, plan, *p)) Consider(PlanCandidate{plan, *std::move(p), layout, subset_name, {}}, key);
-          }
-        }
+        Shape shape = MakeShape(units, subset_name, dp, pp, tp, layout, reference_shape);
+        SearchMicrobatchSizes(shape, &subset_best);
       }
     }
   }
-  for (auto& [key, candidate] : unsliced_) {
-    if (best_by_key_.count(key) || sliced_keys_.count(key)) continue;
-    absl::StatusOr<Prediction> p = Simulate(cluster_, model_, job_, candidate.plan);
-    ++simulated_;
-    if (p.ok() && !p->fits) {
-      candidate.prediction = *std::move(p);
-      Consider(std::move(candidate), key);
-    }
-  }
-  unsliced_.clear();
+  SimulateUnsliced();
   return subset_best;
 }
 

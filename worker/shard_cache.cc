@@ -88,6 +88,41 @@ bool Permanent(grpc::StatusCode code) {
   }
 }
 
+// Refuses a fetch of `needed` more bytes that the cache's disk has no room for.
+absl::Status CheckCacheSpace(const std::string& dir, const std::string& what, uint64_t needed) {
+  struct statvfs fs;
+  if (::statvfs(dir.c_str(), &fs) == 0) {
+    const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+    if (free_bytes < needed) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s: the cache disk is full: %d more bytes needed, %d free in %s; free space or start the worker with "
+          "--cache-dir on a larger disk",
+          what, needed, free_bytes, dir));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Writes a chunk's `data` at `offset` of the open file `fd` (the cache file `bin`, in `dir`); `what` is the fetch,
+// for errors. A full disk is RESOURCE_EXHAUSTED.
+absl::Status WriteAt(int fd, const std::string& data, uint64_t offset, const std::string& what, const std::string& bin,
+                     const std::string& dir) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return errno == ENOSPC || errno == EDQUOT
+                 ? absl::ResourceExhaustedError(
+                       absl::StrCat(what, ": the cache disk is full (", dir,
+                                    "); free space or start the worker with --cache-dir on a larger disk"))
+                 : absl::InternalError(absl::StrCat(what, ": writing ", bin, ": ", std::strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* ShardOriginName(ShardOrigin origin) {
@@ -276,6 +311,7 @@ absl::Status ShardCache::FetchFrom(const std::string& job_id, const ShardInfo& s
     int fd;
     ~CloseFd() { ::close(fd); }
   } close_fd{fd};
+  const FetchTarget target{.fd = fd, .bin = bin, .what = what};
   auto last_progress = SteadyClock::now();
   int64_t backoff_ms = 200;
   absl::Status last_error = absl::UnavailableError("not tried");
@@ -292,103 +328,17 @@ absl::Status ShardCache::FetchFrom(const std::string& job_id, const ShardInfo& s
       if (::fdatasync(fd) != 0) return absl::InternalError(absl::StrCat(what, ": fdatasync: ", std::strerror(errno)));
       return absl::OkStatus();
     }
-    struct statvfs fs;
-    if (::statvfs(options_.dir.c_str(), &fs) == 0) {
-      const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-      if (free_bytes < shard.bytes() - have) {
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "%s: the cache disk is full: %d more bytes needed, %d free in %s; free space or start the worker with "
-            "--cache-dir on a larger disk",
-            what, shard.bytes() - have, free_bytes, options_.dir));
-      }
-    }
-    grpc::ClientContext ctx;
-    AttachToken(&ctx, options_.token);
-    FetchShardRequest request;
-    request.set_job_id(job_id);
-    request.set_path(shard.path());
-    request.set_offset(have);
-    request.set_bytes(shard.bytes());
-    request.set_mtime_ns(shard.mtime_ns());
-    request.set_requester(options_.worker_id ? options_.worker_id() : std::string());
-    request.set_requester_site(options_.site);
-    std::unique_ptr<grpc::ClientReader<ShardChunk>> reader = stub->FetchShard(&ctx, request);
-    ShardChunk chunk;
-    bool progressed = false, restart = false;
-    absl::Status local_error;
-    while (reader->Read(&chunk)) {
-      if (stop != nullptr && *stop) {
-        ctx.TryCancel();
-        break;
-      }
-      if (chunk.has_shard()) {
-        const ShardInfo& sent = chunk.shard();
-        if (sent.bytes() != shard.bytes() || sent.mtime_ns() != shard.mtime_ns()) {
-          local_error = absl::FailedPreconditionError(
-              absl::StrCat(what, ": the shard changed on the head (", sent.bytes(), " bytes now, ", shard.bytes(),
-                           " when listed); restart the job to stage the new data"));
-          ctx.TryCancel();
-          break;
-        }
-        absl::MutexLock l(&mu_);
-        Entry& entry = entries_[shard.path()];
-        if (!entry.info.crc32c().empty() && entry.info.crc32c() != sent.crc32c() && have > 0) {
-          // The bytes kept from an earlier fetch belong to another version of the file: start over.
-          entry.bytes_done = 0;
-          restart = true;
-        }
-        entry.info.set_crc32c(sent.crc32c());
-        if (restart) {
-          ctx.TryCancel();
-          break;
-        }
-      }
-      if (chunk.data().empty()) continue;
-      if (chunk.offset() != have || have + chunk.data().size() > shard.bytes()) {
-        local_error = absl::DataLossError(absl::StrCat(what, ": bytes at offset ", chunk.offset(), " where ", have,
-                                                       " was expected; the server is broken"));
-        ctx.TryCancel();
-        break;
-      }
-      size_t done = 0;
-      while (done < chunk.data().size()) {
-        const ssize_t n =
-            ::pwrite(fd, chunk.data().data() + done, chunk.data().size() - done, static_cast<off_t>(have + done));
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-          local_error = errno == ENOSPC || errno == EDQUOT
-                            ? absl::ResourceExhaustedError(
-                                  absl::StrCat(what, ": the cache disk is full (", options_.dir,
-                                               "); free space or start the worker with --cache-dir on a larger disk"))
-                            : absl::InternalError(absl::StrCat(what, ": writing ", bin, ": ", std::strerror(errno)));
-          break;
-        }
-        done += static_cast<size_t>(n);
-      }
-      if (!local_error.ok()) {
-        ctx.TryCancel();
-        break;
-      }
-      have += chunk.data().size();
-      progressed = true;
-      last_progress = SteadyClock::now();
-      {
-        absl::MutexLock l(&mu_);
-        entries_[shard.path()].bytes_done = have;
-        changed_.SignalAll();
-      }
-      Count(chunk.data().size(), server.origin);
-      if (on_bytes) on_bytes(chunk.data().size(), server.origin);
-    }
-    const grpc::Status finished = reader->Finish();
-    RETURN_IF_ERROR(local_error);
-    if (restart) {
+    RETURN_IF_ERROR(CheckCacheSpace(options_.dir, what, shard.bytes() - have));
+    const FetchAttempt attempt = FetchOnce(job_id, shard, server, *stub, target, have, stop, on_bytes, &last_progress);
+    RETURN_IF_ERROR(attempt.local_error);
+    if (attempt.restart) {
       if (::ftruncate(fd, 0) != 0) return absl::InternalError(absl::StrCat(what, ": truncating ", bin));
       continue;
     }
+    const grpc::Status& finished = attempt.finished;
     if (!finished.ok() && Permanent(finished.error_code())) return FromGrpc(finished, what);
     if (!finished.ok()) last_error = FromGrpc(finished, what);
-    if (progressed) {
+    if (attempt.progressed) {
       backoff_ms = 200;
       continue;  // a break after progress: resume at once
     }
@@ -402,6 +352,79 @@ absl::Status ShardCache::FetchFrom(const std::string& job_id, const ShardInfo& s
     }
     backoff_ms = std::min<int64_t>(backoff_ms * 2, 2000);
   }
+}
+
+ShardCache::FetchAttempt ShardCache::FetchOnce(const std::string& job_id, const ShardInfo& shard,
+                                               const ShardServer& server, DataStaging::Stub& stub,
+                                               const FetchTarget& target, uint64_t have, const std::atomic<bool>* stop,
+                                               const OnBytes& on_bytes,
+                                               std::chrono::steady_clock::time_point* last_progress) {
+  const std::string& what = target.what;
+  grpc::ClientContext ctx;
+  AttachToken(&ctx, options_.token);
+  FetchShardRequest request;
+  request.set_job_id(job_id);
+  request.set_path(shard.path());
+  request.set_offset(have);
+  request.set_bytes(shard.bytes());
+  request.set_mtime_ns(shard.mtime_ns());
+  request.set_requester(options_.worker_id ? options_.worker_id() : std::string());
+  request.set_requester_site(options_.site);
+  std::unique_ptr<grpc::ClientReader<ShardChunk>> reader = stub.FetchShard(&ctx, request);
+  ShardChunk chunk;
+  FetchAttempt attempt;
+  while (reader->Read(&chunk)) {
+    if (stop != nullptr && *stop) {
+      ctx.TryCancel();
+      break;
+    }
+    if (chunk.has_shard()) {
+      const ShardInfo& sent = chunk.shard();
+      if (sent.bytes() != shard.bytes() || sent.mtime_ns() != shard.mtime_ns()) {
+        attempt.local_error = absl::FailedPreconditionError(
+            absl::StrCat(what, ": the shard changed on the head (", sent.bytes(), " bytes now, ", shard.bytes(),
+                         " when listed); restart the job to stage the new data"));
+        ctx.TryCancel();
+        break;
+      }
+      absl::MutexLock l(&mu_);
+      Entry& entry = entries_[shard.path()];
+      if (!entry.info.crc32c().empty() && entry.info.crc32c() != sent.crc32c() && have > 0) {
+        // The bytes kept from an earlier fetch belong to another version of the file: start over.
+        entry.bytes_done = 0;
+        attempt.restart = true;
+      }
+      entry.info.set_crc32c(sent.crc32c());
+      if (attempt.restart) {
+        ctx.TryCancel();
+        break;
+      }
+    }
+    if (chunk.data().empty()) continue;
+    if (chunk.offset() != have || have + chunk.data().size() > shard.bytes()) {
+      attempt.local_error = absl::DataLossError(absl::StrCat(what, ": bytes at offset ", chunk.offset(), " where ",
+                                                             have, " was expected; the server is broken"));
+      ctx.TryCancel();
+      break;
+    }
+    attempt.local_error = WriteAt(target.fd, chunk.data(), have, what, target.bin, options_.dir);
+    if (!attempt.local_error.ok()) {
+      ctx.TryCancel();
+      break;
+    }
+    have += chunk.data().size();
+    attempt.progressed = true;
+    *last_progress = SteadyClock::now();
+    {
+      absl::MutexLock l(&mu_);
+      entries_[shard.path()].bytes_done = have;
+      changed_.SignalAll();
+    }
+    Count(chunk.data().size(), server.origin);
+    if (on_bytes) on_bytes(chunk.data().size(), server.origin);
+  }
+  attempt.finished = reader->Finish();
+  return attempt;
 }
 
 absl::Status ShardCache::Serve(const FetchShardRequest& request, const ShardServer& head,

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -105,6 +106,25 @@ class ShardCache {
   // One source until done, a permanent error, or no progress for retry_for_ms.
   absl::Status FetchFrom(const std::string& job_id, const ShardInfo& shard, const ShardServer& server,
                          const std::atomic<bool>* stop, const OnBytes& on_bytes);
+  // Where FetchFrom writes a shard: the open cache file, its path, and the fetch's name for errors.
+  struct FetchTarget {
+    int fd = -1;
+    std::string bin;
+    std::string what;
+  };
+  // What one FetchShard call did.
+  struct FetchAttempt {
+    bool progressed = false;   // bytes were written
+    bool restart = false;      // the bytes kept belong to another version of the file: truncate, start over
+    absl::Status local_error;  // this side's: the shard changed on the head, a broken server, a full disk
+    grpc::Status finished;     // the call's own status
+  };
+  // One FetchShard call to `stub` from byte `have` of `shard` into `target`, until the stream ends, an error, or
+  // `stop`; the entry's bytes_done and CRC follow it. *last_progress: when bytes last arrived.
+  FetchAttempt FetchOnce(const std::string& job_id, const ShardInfo& shard, const ShardServer& server,
+                         DataStaging::Stub& stub, const FetchTarget& target, uint64_t have,
+                         const std::atomic<bool>* stop, const OnBytes& on_bytes,
+                         std::chrono::steady_clock::time_point* last_progress);
   // Ends a fill: the entry is complete, or idle again with the error.
   void Release(const std::string& path_on_head, const absl::Status& status);
   std::string KeyFor(const std::string& path_on_head) const;

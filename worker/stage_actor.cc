@@ -177,30 +177,19 @@ absl::Status StageActor::Run() {
   const int64_t steps = spec.train().steps();
   for (int64_t step = first_step; step <= steps; ++step) {
     const auto step_start = Clock::now();
-    ASSIGN_OR_RETURN(StepStats stats, trainer->Step(step, stop_));
+    ASSIGN_OR_RETURN(StepFigures figures, trainer->Step(step, stop_));
+    if (timed) {  // an emulated step: no real loss to report
+      figures.set_timed_compute(true);
+      figures.set_loss(0);
+      figures.set_val_loss(-1);
+    }
     StepReport report;
     report.set_job_id(me.job_id());
     report.set_actor_id(me.actor_id());
     report.set_attempt(config_.attempt);
     report.set_step(step);
-    report.set_loss(stats.loss);
-    report.set_carries_loss(stats.carries_loss && (ranks.replica == 0 || stats.replica_loss));
-    report.set_compute_seconds(stats.compute_seconds);
-    report.set_comm_wait_seconds(stats.wait_seconds);
-    report.set_bubble_seconds(stats.bubble_seconds);
-    report.set_tokens(static_cast<int64_t>(spec.train().global_batch()) * ranks.seq_len);
-    report.set_val_loss(stats.val_loss);
-    report.set_loss_scale(stats.loss_scale);
-    report.set_skipped(stats.skipped);
-    if (timed) {  // an emulated step: no real loss to report
-      report.set_timed_compute(true);
-      report.set_loss(0);
-      report.set_val_loss(-1);
-    }
-    for (const auto& [pair, bytes] : stats.traffic.wan_bytes) (*report.mutable_wan_bytes())[pair] = bytes;
-    if (stats.traffic.encoded_wan_bytes > 0) {
-      report.set_compression_ratio(stats.traffic.raw_wan_bytes / stats.traffic.encoded_wan_bytes);
-    }
+    report.set_carries_loss(trainer->carries_loss());
+    *report.mutable_figures() = std::move(figures);
     report.set_done(step == steps);
     // Checkpoints: replica 0's actors snapshot their stage (weights, AdamW moments: full tensors, gathered
     // across the tensor-parallel group) into host memory; tensor rank 0 writes it in the background. The
@@ -235,11 +224,11 @@ absl::Status StageActor::Run() {
         seconds +=
             absl::ToDoubleSeconds(checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
       }
-      report.set_checkpoint_seconds(seconds);
+      report.mutable_figures()->set_checkpoint_seconds(seconds);
     }
     if (report.done()) checkpoint_writer_->WaitIdle();  // the last checkpoint goes with the last report
     for (CheckpointShard& shard : checkpoint_writer_->TakeFinished()) *report.add_checkpoints() = std::move(shard);
-    report.set_step_seconds(SecondsSince(step_start));
+    report.mutable_figures()->set_step_seconds(SecondsSince(step_start));
     reporter_->Enqueue(report);
     if (stop_) return absl::CancelledError("stop requested");
   }

@@ -298,8 +298,8 @@ class StageActorTest : public ::testing::Test {
     for (const StepReport& r : head_.reports()) {
       if (!r.error().empty() || r.step() == 0) continue;
       auto& [sum, n] = by_step[r.step()];
-      if (!validation && r.carries_loss()) sum += r.loss(), ++n;
-      if (validation && r.val_loss() >= 0) sum += r.val_loss(), ++n;
+      if (!validation && r.carries_loss()) sum += r.figures().loss(), ++n;
+      if (validation && r.figures().val_loss() >= 0) sum += r.figures().val_loss(), ++n;
     }
     std::vector<float> out;
     for (const auto& [step, agg] : by_step) out.push_back(agg.second > 0 ? agg.first / agg.second : -1.0f);
@@ -340,7 +340,8 @@ class StageActorTest : public ::testing::Test {
     const double model_bytes = 4.0 * static_cast<double>(config->NumParameters());
     std::map<int64_t, double> wan_per_step;
     for (const StepReport& r : head_.reports()) {
-      for (const auto& [pair, bytes] : r.wan_bytes()) wan_per_step[r.step()] += static_cast<double>(bytes);
+      for (const auto& [pair, bytes] : r.figures().wan_bytes_by_pair())
+        wan_per_step[r.step()] += static_cast<double>(bytes);
     }
     ASSERT_EQ(wan_per_step.size(), static_cast<size_t>(spec.train().steps()));
     for (const auto& [step, bytes] : wan_per_step) {
@@ -460,7 +461,7 @@ TEST_F(StageActorTest, DilocoWithTensorParallelismSendsTheReplicatedTensorsOnce)
   double outer_bytes = 0;
   for (const StepReport& r : head_.reports()) {
     EXPECT_TRUE(r.error().empty()) << r.error();
-    for (const auto& [pair, bytes] : r.wan_bytes()) outer_bytes += static_cast<double>(bytes);
+    for (const auto& [pair, bytes] : r.figures().wan_bytes_by_pair()) outer_bytes += static_cast<double>(bytes);
   }
   absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset("gpt2-tiny-test");
   ASSERT_TRUE(config.ok());
@@ -490,7 +491,7 @@ TEST_F(StageActorTest, DilocoWithInt8PseudoGradientsEqualsTheRoundingSimulation)
   EXPECT_NE(rounded.back(), exact.back());
   uint64_t outer_bytes = 0;
   for (const StepReport& r : head_.reports()) {
-    for (const auto& [pair, bytes] : r.wan_bytes()) outer_bytes += bytes;
+    for (const auto& [pair, bytes] : r.figures().wan_bytes_by_pair()) outer_bytes += bytes;
   }
   EXPECT_GT(outer_bytes, 0u);  // the outer exchanges cross the sites, and are counted
 }
@@ -511,8 +512,8 @@ TEST_F(StageActorTest, Fp16OverflowSkipsTheSameStepsOnEveryActorAndEqualsLocal) 
   for (const StepReport& r : head_.reports()) {
     if (r.step() == 0 || !r.error().empty()) continue;
     const model::StepRecord& want = local[r.step() - 1];
-    EXPECT_EQ(r.skipped(), want.skipped) << r.actor_id() << " step " << r.step();
-    EXPECT_EQ(r.loss_scale(), want.loss_scale) << r.actor_id() << " step " << r.step();
+    EXPECT_EQ(r.figures().skipped(), want.skipped) << r.actor_id() << " step " << r.step();
+    EXPECT_EQ(r.figures().loss_scale(), want.loss_scale) << r.actor_id() << " step " << r.step();
     ++reports_of[r.actor_id()];
   }
   EXPECT_EQ(reports_of.size(), 4u);

@@ -191,144 +191,175 @@ class GrpcStageCollectives : public StageCollectives {
 #endif
 };
 
-}  // namespace
+// The communicator options of a stage's groups, all with the collective deadline and keyed by ranks.comm_job_id.
+struct GroupOptions {
+  comm::CommunicatorOptions coded;     // the spec's WAN and LAN codecs
+  comm::CommunicatorOptions pipeline;  // activations: the codecs' dense part
+  comm::CommunicatorOptions exact;     // scalars, never lossy
+};
 
-GrpcCollectivesFactory::GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
-                                               internal::HeadControl::StubInterface* head, absl::Duration timeout,
-                                               std::shared_ptr<grpc::ChannelCredentials> credentials,
-                                               LinkMetrics* links)
-    : mailbox_(mailbox),
-      token_(std::move(token)),
-      head_(head),
-      timeout_(timeout),
-      credentials_(std::move(credentials)),
-      links_(links) {}
-
-absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create(const ActorRanks& ranks,
-                                                                                 const JobSpec& spec,
-                                                                                 const std::vector<ActorPeer>& actors,
-                                                                                 model::Backend* backend,
-                                                                                 int device_index) {
+absl::StatusOr<GroupOptions> MakeGroupOptions(const JobSpec& spec, const ActorRanks& ranks, absl::Duration timeout) {
   ASSIGN_OR_RETURN(comm::Codec wan, comm::ParseCodec(spec.comm().wan_codec()));
   ASSIGN_OR_RETURN(comm::Codec lan, comm::ParseCodec(spec.comm().lan_codec()));
-  comm::CommunicatorOptions options;
+  GroupOptions out;
+  comm::CommunicatorOptions& options = out.coded;
   options.job_id = ranks.comm_job_id;
   options.lan_codec = lan;
   options.wan_codec = wan;
-  options.timeout = timeout_;
+  options.timeout = timeout;
   // Activations never go through top-k (it is for gradients): they use the codec's dense part.
-  comm::CommunicatorOptions pipeline_options = options;
-  if (pipeline_options.wan_codec.kind == comm::CodecKind::kTopK) pipeline_options.wan_codec = comm::Codec{};
-  if (pipeline_options.lan_codec.kind == comm::CodecKind::kTopK) pipeline_options.lan_codec = comm::Codec{};
+  out.pipeline = options;
+  if (out.pipeline.wan_codec.kind == comm::CodecKind::kTopK) out.pipeline.wan_codec = comm::Codec{};
+  if (out.pipeline.lan_codec.kind == comm::CodecKind::kTopK) out.pipeline.lan_codec = comm::Codec{};
   // Scalars (gradient norm, loss) always travel exactly.
-  comm::CommunicatorOptions exact_options = options;
-  exact_options.lan_codec = comm::Codec{};
-  exact_options.wan_codec = comm::Codec{};
+  out.exact = options;
+  out.exact.lan_codec = comm::Codec{};
+  out.exact.wan_codec = comm::Codec{};
+  return out;
+}
 
+// The tensor streams' options: `credentials`, and with `links` each acknowledged send recorded against its peer
+// worker and site, found from the address this actor dials it at.
+comm::TensorStreamOptions LinkStreamOptions(const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                                            LinkMetrics* links, const ActorRanks& ranks,
+                                            const std::vector<ActorPeer>& actors) {
   comm::TensorStreamOptions stream_options;
-  stream_options.channel_credentials = credentials_;
-  if (links_ != nullptr) {
-    // Each send's peer worker and site, from the address this actor dials it at.
+  stream_options.channel_credentials = credentials;
+  if (links != nullptr) {
     std::map<std::string, std::string> worker_of_actor;
     for (const ActorPeer& a : actors) worker_of_actor[a.actor_id()] = a.worker_id();
     std::map<std::string, std::pair<std::string, std::string>> peer_at;  // address -> (worker id, site)
     for (const comm::PeerInfo& p : ranks.peers) peer_at[p.address] = {worker_of_actor[p.name], p.site};
-    stream_options.on_acknowledged = [links = links_, peer_at = std::move(peer_at)](
-                                         const std::string& address, uint64_t bytes, absl::Duration took) {
+    stream_options.on_acknowledged = [links, peer_at = std::move(peer_at)](const std::string& address, uint64_t bytes,
+                                                                           absl::Duration took) {
       if (auto it = peer_at.find(address); it != peer_at.end()) {
         links->RecordSent(it->second.first, it->second.second, bytes, absl::ToDoubleSeconds(took));
       }
     };
   }
-  auto out = std::make_unique<GrpcStageCollectives>(token_, stream_options, ranks, mailbox_, ranks.comm_job_id);
-  GrpcStageCollectives& c = *out;
-  auto group = [&](const std::vector<int>& members, comm::TensorStreamClient* client,
-                   const comm::CommunicatorOptions& group_options) {
+  return stream_options;
+}
+
+// Makes the gRPC communicators of a stage's groups over the worker's mailbox. Not owned: `ranks` and `mailbox`
+// must outlive it.
+class GroupMaker {
+ public:
+  GroupMaker(const ActorRanks& ranks, comm::TensorStreamServer* mailbox, const comm::CommunicatorOptions& coded)
+      : ranks_(ranks), mailbox_(mailbox), coded_(coded) {}
+
+  // The group of `members` (world ranks, one of them this actor), sending through `client`.
+  std::unique_ptr<comm::GrpcCommunicator> Group(const std::vector<int>& members, comm::TensorStreamClient* client,
+                                                const comm::CommunicatorOptions& options) const {
     std::vector<comm::PeerInfo> peers;
     int index = 0;
     for (size_t i = 0; i < members.size(); ++i) {
-      peers.push_back(ranks.peers[members[i]]);
-      if (members[i] == ranks.my_rank) index = static_cast<int>(i);
+      peers.push_back(ranks_.peers[members[i]]);
+      if (members[i] == ranks_.my_rank) index = static_cast<int>(i);
     }
-    return std::make_unique<comm::GrpcCommunicator>(index, peers, mailbox_, client, group_options);
-  };
-  // A group of `members` that all-reduces as RouteOf says; *route is where its bytes cross sites.
-  auto routed_group = [&](const std::vector<int>& members, comm::TensorStreamClient* client, AllReduceRoute* route) {
-    const GroupRoute r = RouteOf(members, ranks);
-    comm::CommunicatorOptions routed_options = options;
+    return std::make_unique<comm::GrpcCommunicator>(index, peers, mailbox_, client, options);
+  }
+
+  // A group of `members` with the spec's codecs that all-reduces as RouteOf says; *route is where its bytes cross
+  // sites.
+  std::unique_ptr<comm::GrpcCommunicator> Routed(const std::vector<int>& members, comm::TensorStreamClient* client,
+                                                 AllReduceRoute* route) const {
+    const GroupRoute r = RouteOf(members, ranks_);
+    comm::CommunicatorOptions routed_options = coded_;
     routed_options.all_reduce = r.algorithm;
     *route = r.traffic;
-    return group(members, client, routed_options);
-  };
-  c.pipeline_comm_ = std::make_unique<comm::GrpcCommunicator>(ranks.my_rank, ranks.peers, mailbox_, &c.pipeline_client_,
-                                                              pipeline_options);
-  const std::vector<int> dp_group = ranks.DataParallelGroup();
-  c.dp_scalars_comm_ = group(dp_group, &c.other_client_, exact_options);
-  c.replica_comm_ = group(ranks.ReplicaGroup(), &c.other_client_, exact_options);
-  c.tp_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, options);
+    return Group(members, client, routed_options);
+  }
+
+ private:
+  const ActorRanks& ranks_;
+  comm::TensorStreamServer* const mailbox_;
+  const comm::CommunicatorOptions coded_;
+};
+
+// The groups every actor has: the pipeline, the loss scalars across replicas, the replica's norm, and the
+// tensor-parallel group on gRPC (StageCollectives::tp when tp > 1, until NCCL takes it).
+void SetUpBaseGroups(const ActorRanks& ranks, comm::TensorStreamServer* mailbox, const GroupMaker& make,
+                     const GroupOptions& options, GrpcStageCollectives& c) {
+  c.pipeline_comm_ = std::make_unique<comm::GrpcCommunicator>(ranks.my_rank, ranks.peers, mailbox, &c.pipeline_client_,
+                                                              options.pipeline);
+  c.dp_scalars_comm_ = make.Group(ranks.DataParallelGroup(), &c.other_client_, options.exact);
+  c.replica_comm_ = make.Group(ranks.ReplicaGroup(), &c.other_client_, options.exact);
+  c.tp_comm_ = make.Group(ranks.TensorParallelGroup(), &c.other_client_, options.coded);
   c.tp_adapter_ = std::make_unique<CommunicatorTensorParallel>(c.tp_comm_.get());
   c.pipeline = c.pipeline_comm_.get();
   c.dp_scalars = c.dp_scalars_comm_.get();
   c.replica = c.replica_comm_.get();
   c.tp = ranks.tp > 1 ? c.tp_adapter_.get() : nullptr;
+}
+
+// The data-parallel group whose gradients this actor sums: this stage and tensor rank in every replica, or with
+// DiLoCo in the replicas of its group.
+struct InnerGroup {
+  std::vector<int> members;   // world ranks
+  std::vector<int> replicas;  // the replicas `members` holds this stage of
+};
+
+// DiLoCo (`diloco`: on, with dp > 1): the groups of replicas whose first stage shares a site (model/diloco.h
+// DilocoGroups), the communicators inside this actor's group and between the groups' leaders, and c's DiLoCo fields.
+// Then the data-parallel all-reduce on gRPC over the inner group. Errors: diloco.codec is unknown.
+absl::StatusOr<InnerGroup> SetUpInnerGroup(const JobSpec& spec, const ActorRanks& ranks, bool diloco,
+                                           const GroupMaker& make, const GroupOptions& options,
+                                           GrpcStageCollectives& c) {
+  const std::vector<int> dp_group = ranks.DataParallelGroup();
   c.inner_replicas = ranks.dp;
-  std::vector<int> inner_group = dp_group;
-  std::vector<int> inner_replicas(ranks.dp);  // the replicas inner_group holds this stage of
-  std::iota(inner_replicas.begin(), inner_replicas.end(), 0);
-  const bool diloco = DilocoOn(spec) && ranks.dp > 1;
+  InnerGroup inner{.members = dp_group, .replicas = std::vector<int>(ranks.dp)};
+  std::iota(inner.replicas.begin(), inner.replicas.end(), 0);
   if (diloco) {
-    // DiLoCo groups: the replicas whose first stage shares a site (model/diloco.h DilocoGroups).
     std::vector<std::string> replica_sites;
     for (int r = 0; r < ranks.dp; ++r) replica_sites.push_back(ranks.peers[ranks.WorldRank(r, 0, 0)].site);
     const std::vector<int> group_of = model::DilocoGroups(replica_sites);
     std::vector<int> leaders;  // world ranks of each group's lowest replica at this stage and tensor rank
-    inner_group.clear();
-    inner_replicas.clear();
+    inner.members.clear();
+    inner.replicas.clear();
     for (int r = 0; r < ranks.dp; ++r) {
       if (group_of[r] == group_of[ranks.replica]) {
-        inner_group.push_back(dp_group[r]);
-        inner_replicas.push_back(r);
+        inner.members.push_back(dp_group[r]);
+        inner.replicas.push_back(r);
       }
       if (group_of[r] == static_cast<int>(leaders.size())) leaders.push_back(dp_group[r]);
     }
     ASSIGN_OR_RETURN(comm::Codec outer_codec, comm::ParseCodec(EffectiveDiloco(spec).codec()));
-    comm::CommunicatorOptions outer_options = exact_options;
+    comm::CommunicatorOptions outer_options = options.exact;
     outer_options.wan_codec = outer_codec;
-    c.inner_replicas = static_cast<int>(inner_group.size());
+    c.inner_replicas = static_cast<int>(inner.members.size());
     c.diloco_group = group_of[ranks.replica];
     c.diloco_groups = static_cast<int>(leaders.size());
-    c.diloco_leader = inner_group.front() == ranks.my_rank;
+    c.diloco_leader = inner.members.front() == ranks.my_rank;
     c.outer_weight = static_cast<float>(c.inner_replicas) / static_cast<float>(ranks.dp);
-    if (inner_group.size() > 1) {
-      c.group_comm_ = group(inner_group, &c.other_client_, exact_options);
+    if (inner.members.size() > 1) {
+      c.group_comm_ = make.Group(inner.members, &c.other_client_, options.exact);
       c.group = c.group_comm_.get();
     }
     const auto me = std::find(leaders.begin(), leaders.end(), ranks.my_rank);
     if (leaders.size() > 1 && me != leaders.end()) {
-      c.outer_comm_ = group(leaders, &c.outer_client_, outer_options);
+      c.outer_comm_ = make.Group(leaders, &c.outer_client_, outer_options);
       c.outer = c.outer_comm_.get();
       c.outer_route = {leaders[(me - leaders.begin() + 1) % leaders.size()], static_cast<int>(leaders.size())};
     }
   }
-  if (inner_group.size() > 1) {
-    c.dp_comm_ = routed_group(inner_group, &c.dp_client_, &c.dp_route);
+  if (inner.members.size() > 1) {
+    c.dp_comm_ = make.Routed(inner.members, &c.dp_client_, &c.dp_route);
     c.dp_all_reduce = [comm = c.dp_comm_.get()](absl::Span<float> data, std::string_view tag) {
       return comm->AllReduceSum(data, tag);
     };
   }
+  return inner;
+}
 
-  // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
-  ASSIGN_OR_RETURN(CollectivePlan plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica,
-                                                        ranks.stage, ranks.tp_rank, kNcclBuilt));
-  if (diloco) plan.dp.use = false;  // DiLoCo's groups run on the gRPC rings above
-  c.notes = plan.notes;
-
-  // The tied embedding: with data parallelism on gRPC, one all-reduce over every copy of wte in the group's
-  // replicas (the first and last stage of each), routed as the data-parallel groups are, so that across sites
-  // each site's sum of them crosses once; the data-parallel buckets leave wte out. Summing each replica's pair
-  // and then each stage's replicas apart sent it across once per copy that crossed. With NCCL's data
-  // parallelism (at the first or the last stage: every copy's holder must build the same group) the pair of each
-  // replica's first and last stage, and wte goes with the buckets.
+// The tied embedding: with data parallelism on gRPC, one all-reduce over every copy of wte in the group's
+// replicas (the first and last stage of each), routed as the data-parallel groups are, so that across sites
+// each site's sum of them crosses once; the data-parallel buckets leave wte out. Summing each replica's pair
+// and then each stage's replicas apart sent it across once per copy that crossed. With NCCL's data
+// parallelism (at the first or the last stage: every copy's holder must build the same group) the pair of each
+// replica's first and last stage, and wte goes with the buckets.
+absl::Status SetUpTiedEmbedding(const std::vector<ActorPeer>& actors, const ActorRanks& ranks, bool diloco,
+                                const std::vector<int>& inner_replicas, const GroupMaker& make,
+                                GrpcStageCollectives& c) {
   bool tied_stages_on_nccl = false;
   if (!diloco && ranks.pp > 1 && (ranks.first_stage || ranks.last_stage)) {
     for (int stage : {0, ranks.pp - 1}) {
@@ -341,22 +372,23 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
   if (const std::vector<int> tied =
           ranks.TiedEmbeddingGroup(c.tied_over_replicas ? inner_replicas : std::vector<int>{ranks.replica});
       !tied.empty()) {
-    c.tied_comm_ = routed_group(tied, &c.tied_client_, &c.tied_route);
+    c.tied_comm_ = make.Routed(tied, &c.tied_client_, &c.tied_route);
     c.tied = c.tied_comm_.get();
   } else {
     c.tied_over_replicas = false;
   }
-  ASSIGN_OR_RETURN(c.split_replicated, SplitReplicatedTensors(actors, ranks, diloco));
-  if (ranks.tp > 1) {
-    c.tp_exact_comm_ = group(ranks.TensorParallelGroup(), &c.other_client_, exact_options);
-    c.tp_exact = c.tp_exact_comm_.get();
-  }
-  if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
-    return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),
-                                            " but the head lists it on a CUDA device"));
-  }
+  return absl::OkStatus();
+}
+
 #ifdef GEOTRAIN_HAVE_CUDA
-  if ((plan.tp_nccl || plan.dp.use) && head_ == nullptr) {
+// The groups `plan` puts on NCCL, formed through the head's rendezvous (`head`, `token`; each collective with
+// `timeout`): the data-parallel sum inside the site (hierarchical, with a gRPC ring among the site leaders, when the
+// group spans sites) with its buckets on the device, and the tensor-parallel all-reduces.
+absl::Status SetUpNcclGroups(const CollectivePlan& plan, const ActorRanks& ranks, model::Backend* backend,
+                             int device_index, internal::HeadControl::StubInterface* head, const std::string& token,
+                             absl::Duration timeout, const GroupMaker& make, const GroupOptions& options,
+                             GrpcStageCollectives& c) {
+  if ((plan.tp_nccl || plan.dp.use) && head == nullptr) {
     return absl::UnavailableError("a CUDA actor's NCCL groups need the head for their rendezvous");
   }
   const int r = ranks.replica, s = ranks.stage, t = ranks.tp_rank;
@@ -364,10 +396,10 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     const DataParallelNccl& d = plan.dp;
     // With several sites, a non-leader's NCCL broadcast waits while its leader all-reduces over the WAN
     // (each with the collective deadline) and while remote sites finish their backward: twice the deadline.
-    const absl::Duration site_timeout = d.leader_replicas.size() > 1 ? 2 * timeout_ + absl::Seconds(30) : timeout_;
+    const absl::Duration site_timeout = d.leader_replicas.size() > 1 ? 2 * timeout + absl::Seconds(30) : timeout;
     ASSIGN_OR_RETURN(c.nccl_dp_,
                      comm::CreateNcclCommunicatorWithRendezvous(
-                         head_, token_, ranks.job_id,
+                         head, token, ranks.job_id,
                          absl::StrCat("attempt", ranks.attempt, "/nccl/dp/stage", s, "/tp", t, "/site-", d.site),
                          d.site_rank, static_cast<int>(d.site_replicas.size()), device_index, site_timeout));
     if (d.leader_replicas.size() == 1) {  // one site: NCCL all-reduces the whole group
@@ -378,7 +410,7 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
       if (d.leader_index >= 0) {
         std::vector<int> leader_ranks;
         for (int x : d.leader_replicas) leader_ranks.push_back(ranks.WorldRank(x, s, t));
-        c.dp_leaders_ = group(leader_ranks, &c.dp_client_, options);
+        c.dp_leaders_ = make.Group(leader_ranks, &c.dp_client_, options.coded);
       }
       ASSIGN_OR_RETURN(c.nccl_dp_hierarchical_,
                        comm::NcclHierarchicalAllReduce::Create(c.nccl_dp_.get(), c.dp_leaders_.get()));
@@ -399,12 +431,61 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
     ASSIGN_OR_RETURN(
         std::unique_ptr<comm::NcclCommunicator> nccl,
         comm::CreateNcclCommunicatorWithRendezvous(
-            head_, token_, ranks.job_id, absl::StrCat("attempt", ranks.attempt, "/nccl/tp/replica", r, "/stage", s), t,
-            ranks.tp, device_index, timeout_));
+            head, token, ranks.job_id, absl::StrCat("attempt", ranks.attempt, "/nccl/tp/replica", r, "/stage", s), t,
+            ranks.tp, device_index, timeout));
     c.nccl_tp_ = std::make_unique<NcclTensorParallel>(std::move(nccl), backend);
     c.tp = c.nccl_tp_.get();
     c.tp_nccl = true;
   }
+  return absl::OkStatus();
+}
+#endif
+
+}  // namespace
+
+GrpcCollectivesFactory::GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
+                                               internal::HeadControl::StubInterface* head, absl::Duration timeout,
+                                               std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                               LinkMetrics* links)
+    : mailbox_(mailbox),
+      token_(std::move(token)),
+      head_(head),
+      timeout_(timeout),
+      credentials_(std::move(credentials)),
+      links_(links) {}
+
+absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create(const ActorRanks& ranks,
+                                                                                 const JobSpec& spec,
+                                                                                 const std::vector<ActorPeer>& actors,
+                                                                                 model::Backend* backend,
+                                                                                 int device_index) {
+  ASSIGN_OR_RETURN(const GroupOptions options, MakeGroupOptions(spec, ranks, timeout_));
+  auto out = std::make_unique<GrpcStageCollectives>(token_, LinkStreamOptions(credentials_, links_, ranks, actors),
+                                                    ranks, mailbox_, ranks.comm_job_id);
+  GrpcStageCollectives& c = *out;
+  const GroupMaker make(ranks, mailbox_, options.coded);
+  SetUpBaseGroups(ranks, mailbox_, make, options, c);
+  const bool diloco = DilocoOn(spec) && ranks.dp > 1;
+  ASSIGN_OR_RETURN(const InnerGroup inner, SetUpInnerGroup(spec, ranks, diloco, make, options, c));
+
+  // Which groups run on NCCL: decided alike by every member from the actor list (worker/collectives.h).
+  ASSIGN_OR_RETURN(CollectivePlan plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica,
+                                                        ranks.stage, ranks.tp_rank, kNcclBuilt));
+  if (diloco) plan.dp.use = false;  // DiLoCo's groups run on the gRPC rings above
+  c.notes = plan.notes;
+
+  RETURN_IF_ERROR(SetUpTiedEmbedding(actors, ranks, diloco, inner.replicas, make, c));
+  ASSIGN_OR_RETURN(c.split_replicated, SplitReplicatedTensors(actors, ranks, diloco));
+  if (ranks.tp > 1) {
+    c.tp_exact_comm_ = make.Group(ranks.TensorParallelGroup(), &c.other_client_, options.exact);
+    c.tp_exact = c.tp_exact_comm_.get();
+  }
+  if (!backend->is_cuda() && (plan.tp_nccl || plan.dp.use)) {
+    return absl::InternalError(absl::StrCat("actor ", ranks.peers[ranks.my_rank].name, " runs on ", backend->name(),
+                                            " but the head lists it on a CUDA device"));
+  }
+#ifdef GEOTRAIN_HAVE_CUDA
+  RETURN_IF_ERROR(SetUpNcclGroups(plan, ranks, backend, device_index, head_, token_, timeout_, make, options, c));
 #else
   (void)device_index;
 #endif

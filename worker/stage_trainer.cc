@@ -94,9 +94,20 @@ absl::StatusOr<std::unique_ptr<StageTrainer>> StageTrainer::Create(const JobSpec
 absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, CollectivesFactory* factory,
                                       const std::string& device, int device_index, const DataSourceFn& data) {
   ASSIGN_OR_RETURN(config_, GPT2Config::FromSpec(spec_.model()));
-  const int M = ranks_.microbatches, T = ranks_.seq_len, Bm = ranks_.microbatch_size;
-  const bool first = ranks_.first_stage, last = ranks_.last_stage;
+  ASSIGN_OR_RETURN(const model::Precision precision, OpenDevice(device));
+  ASSIGN_OR_RETURN(collectives_, factory->Create(ranks_, spec_, actors, backend_, device_index));
+  RETURN_IF_ERROR(CreateStage(precision));
+  RETURN_IF_ERROR(OpenData(data));
+  RETURN_IF_ERROR(AllocateStepBuffers());
+  const double bucket_bytes = (spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0) * (1 << 20);
+  RETURN_IF_ERROR(CreateGradientBuckets(bucket_bytes));
+  if (collectives_->split_replicated) PrepareReplicatedGather(bucket_bytes);
+  if (DilocoOn(spec_)) RETURN_IF_ERROR(CreateOuterOptimizer());
+  StartSender();
+  return absl::OkStatus();
+}
 
+absl::StatusOr<model::Precision> StageTrainer::OpenDevice(const std::string& device) {
   // The device: on a CUDA worker the stage's parameters, gradients, optimizer state and activations live
   // on its GPU (GEMMs in the job's precision, fp32 master weights). On the CPU, bf16 and fp16 round the GEMMs'
   // inputs as a GPU would (an emulated Turing worker trains in fp16 for real).
@@ -115,13 +126,15 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
         "timed compute does not run DiLoCo (its outer step needs real weights); run the job without --timed-compute "
         "or without the diloco block");
   }
-  ASSIGN_OR_RETURN(collectives_, factory->Create(ranks_, spec_, actors, backend_, device_index));
+  return precision;
+}
 
+absl::Status StageTrainer::CreateStage(model::Precision precision) {
   model::StageOptions stage_options = model::StageOptions::Split(config_, ranks_.stage, ranks_.pp);
   stage_options.tp_comm = collectives_->tp;
   stage_options.backend = backend_;
-  stage_options.max_batch = Bm;
-  stage_options.max_seq_len = T;
+  stage_options.max_batch = ranks_.microbatch_size;
+  stage_options.max_seq_len = ranks_.seq_len;
   ASSIGN_OR_RETURN(stage_, model::GPT2Stage::Create(config_, stage_options));
   if (!timed_) stage_->InitializeWeights(spec_.train().seed());
   // Timed compute has no real gradients to scale: its loss scaling stays off.
@@ -129,7 +142,12 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   if (timed_) adam_options.loss_scale.enabled = false;
   ASSIGN_OR_RETURN(adam_, model::AdamW::Create(stage_->num_params(), stage_->segments(), adam_options, *backend_));
   schedule_ = model::TrainSchedule(spec_);
+  return absl::OkStatus();
+}
 
+absl::Status StageTrainer::OpenData(const DataSourceFn& data) {
+  const int T = ranks_.seq_len;
+  const bool first = ranks_.first_stage, last = ranks_.last_stage;
   if ((first || last) && (data == nullptr || spec_.data().local())) {
     ASSIGN_OR_RETURN(loader_, model::DataLoader::Create(spec_.data().train(), ranks_.replica_batch, T, ranks_.replica,
                                                         ranks_.dp, config_.vocab_size));
@@ -157,6 +175,12 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
     val_inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
     val_targets_.resize(val_inputs_.size());
   }
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::AllocateStepBuffers() {
+  const int M = ranks_.microbatches, T = ranks_.seq_len, Bm = ranks_.microbatch_size;
+  const bool first = ranks_.first_stage, last = ranks_.last_stage;
   inputs_.resize(static_cast<size_t>(ranks_.replica_batch) * T);
   targets_.resize(inputs_.size());
   activation_floats_ = static_cast<size_t>(Bm) * T * config_.n_embd;
@@ -165,105 +189,110 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   loss_scale_ = 1.0f / static_cast<float>(M * collectives_->inner_replicas);
   pipeline_ = MakePipelineSchedule(ranks_.one_f_one_b ? PipelineKind::k1F1B : PipelineKind::kGPipe, ranks_.pp,
                                    ranks_.stage, M, spec_.parallel().pipeline_depth());
-
-  const bool dp_on_device = collectives_->dp_on_device;
-  if (on_device_) {
-    const size_t act_bytes = activation_floats_ * sizeof(float);
-    if (!first) {
-      ASSIGN_OR_RETURN(device_input_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
-      host_dinput_.resize(activation_floats_);
-    }
-    if (!last) {
-      ASSIGN_OR_RETURN(device_doutput_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
-      host_output_.resize(activation_floats_);
-    }
-    if ((collectives_->dp_all_reduce && !dp_on_device) || collectives_->tied != nullptr || DilocoOn(spec_)) {
-      host_grads_.resize(static_cast<size_t>(stage_->num_params()));
-    }
+  if (!on_device_) return absl::OkStatus();
+  const size_t act_bytes = activation_floats_ * sizeof(float);
+  if (!first) {
+    ASSIGN_OR_RETURN(device_input_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
+    host_dinput_.resize(activation_floats_);
   }
+  if (!last) {
+    ASSIGN_OR_RETURN(device_doutput_, model::DeviceBuffer::Allocate(*backend_, act_bytes));
+    host_output_.resize(activation_floats_);
+  }
+  if ((collectives_->dp_all_reduce && !collectives_->dp_on_device) || collectives_->tied != nullptr ||
+      DilocoOn(spec_)) {
+    host_grads_.resize(static_cast<size_t>(stage_->num_params()));
+  }
+  return absl::OkStatus();
+}
 
+absl::Status StageTrainer::CreateGradientBuckets(double bucket_bytes) {
   // Data parallelism: the replicas' gradients are summed in buckets, each all-reduced as soon as the last
   // microbatch's backward has finished its layers, overlapped with the backward of earlier layers (each
   // replica scaled its loss by 1 / (M dp)). With NCCL the buckets live on the device and take the gradients
   // where backward leaves them; otherwise they take them from the host mirror, which the device copies
   // them to as each layer finishes.
+  const bool dp_on_device = collectives_->dp_on_device;
   num_layers_ = stage_->last_layer() - stage_->first_layer();
   overlap_dp_ = !(dp_on_device && collectives_->tp_nccl);
-  const double bucket_bytes = (spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0) * (1 << 20);
-  if (collectives_->dp_all_reduce) {
-    auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : HostView(g); };
-    // With split_replicated (host memory: never with NCCL) a replicated tensor's span is this rank's slice of it;
-    // the whole goes on the list that GatherReplicated completes.
-    auto bucket_span = [&](absl::Span<float> g) {
-      const int64_t offset = g.data() - stage_->grads();
-      const bool replicated = std::any_of(stage_->segments().begin(), stage_->segments().end(), [&](const auto& seg) {
-        return seg.replicated && offset >= seg.offset && offset < seg.offset + seg.count;
-      });
-      if (!collectives_->split_replicated || !replicated) return dp_view(g);
-      tp_gathered_.push_back(HostView(g));
-      return TensorRankSlice(HostView(g), ranks_.tp_rank, ranks_.tp);
-    };
-    std::vector<std::vector<absl::Span<float>>> groups;
-    for (int l = num_layers_ - 1; l >= 0; --l) {
-      groups.emplace_back();
-      for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(bucket_span(g));
-    }
+  if (!collectives_->dp_all_reduce) return absl::OkStatus();
+  auto dp_view = [&](absl::Span<float> g) { return dp_on_device ? g : HostView(g); };
+  // With split_replicated (host memory: never with NCCL) a replicated tensor's span is this rank's slice of it;
+  // the whole goes on the list that GatherReplicated completes.
+  auto bucket_span = [&](absl::Span<float> g) {
+    const int64_t offset = g.data() - stage_->grads();
+    const bool replicated = std::any_of(stage_->segments().begin(), stage_->segments().end(), [&](const auto& seg) {
+      return seg.replicated && offset >= seg.offset && offset < seg.offset + seg.count;
+    });
+    if (!collectives_->split_replicated || !replicated) return dp_view(g);
+    tp_gathered_.push_back(HostView(g));
+    return TensorRankSlice(HostView(g), ranks_.tp_rank, ranks_.tp);
+  };
+  std::vector<std::vector<absl::Span<float>>> groups;
+  for (int l = num_layers_ - 1; l >= 0; --l) {
     groups.emplace_back();
-    // The embeddings and final LayerNorm, less wte when the tied all-reduce sums every replica's copy.
-    dp_non_layer_spans_ = stage_->NonLayerGradientSpans();
-    if (collectives_->tied_over_replicas) {
-      const float* wte = stage_->grad_tensors().wte;
-      std::erase_if(dp_non_layer_spans_, [&](absl::Span<float> g) { return g.data() == wte; });
-    }
-    for (absl::Span<float> g : dp_non_layer_spans_) groups.back().push_back(bucket_span(g));
-    comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
-    if (timed_) {
-      timed_bucket_memory_ = std::make_unique<TimedBucketMemory>(backend_);
-      bucket_memory = timed_bucket_memory_.get();
-    }
-    grad_buckets_ = std::make_unique<comm::GradientBuckets>(collectives_->dp_all_reduce, bucket_memory,
-                                                            std::move(groups), static_cast<int64_t>(bucket_bytes));
-    RETURN_IF_ERROR(grad_buckets_->status());
+    for (absl::Span<float> g : stage_->LayerGradientSpans(l)) groups.back().push_back(bucket_span(g));
   }
-  if (collectives_->split_replicated) {
-    if (collectives_->tied != nullptr) {  // the tied all-reduce sums this rank's slice of wte
-      tp_gathered_.push_back(HostView(WteGradient()));
-    }
-    // Each rank's slices packed in order; the gather moves them a gradient bucket's size at a time (comm.grad_bucket_mb),
-    // so that its buffers stay small (the replicated tensors are mostly the embeddings: hundreds of MB on large models).
-    const size_t chunk_elements = std::max<size_t>(1, static_cast<size_t>(bucket_bytes / sizeof(float)));
-    tp_gather_packed_ = 0;
-    for (int r = 0; r < ranks_.tp; ++r) {
-      size_t n = 0;
-      for (absl::Span<float> s : tp_gathered_) n += TensorRankSlice(s, r, ranks_.tp).size();
-      tp_gather_packed_ = std::max(tp_gather_packed_, n);
-    }
-    const size_t chunk = std::min(tp_gather_packed_, chunk_elements);
-    tp_gather_send_.assign(chunk, 0.0f);
-    tp_gather_recv_.assign(chunk * ranks_.tp, 0.0f);
+  groups.emplace_back();
+  // The embeddings and final LayerNorm, less wte when the tied all-reduce sums every replica's copy.
+  dp_non_layer_spans_ = stage_->NonLayerGradientSpans();
+  if (collectives_->tied_over_replicas) {
+    const float* wte = stage_->grad_tensors().wte;
+    std::erase_if(dp_non_layer_spans_, [&](absl::Span<float> g) { return g.data() == wte; });
   }
-  if (DilocoOn(spec_)) {
-    const DilocoSpec d = EffectiveDiloco(spec_);
-    if (d.fragments() > config_.n_layer) {
-      return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",
-                                                     config_.n_layer, " blocks; use at most one fragment per block"));
-    }
-    outer_schedule_ = {
-        .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec_.train().steps()};
-    std::vector<std::vector<model::ParamRange>> fragments = model::FragmentRanges(*stage_, d.fragments());
-    if (ranks_.tp > 1) {
-      // Each fragment's packed pseudo-gradient in two: the replicated tensors' elements (the same on every tp rank),
-      // which tp rank 0 alone exchanges across sites, and the rest.
-      for (const std::vector<model::ParamRange>& ranges : fragments) {
-        outer_split_.push_back(model::SplitReplicated(*stage_, ranges));
-      }
-    }
-    outer_ = std::make_unique<model::OuterOptimizer>(
-        std::move(fragments), stage_->num_params(),
-        model::OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
-    ASSIGN_OR_RETURN(float* params, HostParams());
-    outer_->Initialize(params);
+  for (absl::Span<float> g : dp_non_layer_spans_) groups.back().push_back(bucket_span(g));
+  comm::BucketMemory* bucket_memory = collectives_->dp_bucket_memory;
+  if (timed_) {
+    timed_bucket_memory_ = std::make_unique<TimedBucketMemory>(backend_);
+    bucket_memory = timed_bucket_memory_.get();
   }
+  grad_buckets_ = std::make_unique<comm::GradientBuckets>(collectives_->dp_all_reduce, bucket_memory, std::move(groups),
+                                                          static_cast<int64_t>(bucket_bytes));
+  return grad_buckets_->status();
+}
+
+void StageTrainer::PrepareReplicatedGather(double bucket_bytes) {
+  if (collectives_->tied != nullptr) {  // the tied all-reduce sums this rank's slice of wte
+    tp_gathered_.push_back(HostView(WteGradient()));
+  }
+  // Each rank's slices packed in order; the gather moves them a gradient bucket's size at a time (comm.grad_bucket_mb),
+  // so that its buffers stay small (the replicated tensors are mostly the embeddings: hundreds of MB on large models).
+  const size_t chunk_elements = std::max<size_t>(1, static_cast<size_t>(bucket_bytes / sizeof(float)));
+  tp_gather_packed_ = 0;
+  for (int r = 0; r < ranks_.tp; ++r) {
+    size_t n = 0;
+    for (absl::Span<float> s : tp_gathered_) n += TensorRankSlice(s, r, ranks_.tp).size();
+    tp_gather_packed_ = std::max(tp_gather_packed_, n);
+  }
+  const size_t chunk = std::min(tp_gather_packed_, chunk_elements);
+  tp_gather_send_.assign(chunk, 0.0f);
+  tp_gather_recv_.assign(chunk * ranks_.tp, 0.0f);
+}
+
+absl::Status StageTrainer::CreateOuterOptimizer() {
+  const DilocoSpec d = EffectiveDiloco(spec_);
+  if (d.fragments() > config_.n_layer) {
+    return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",
+                                                   config_.n_layer, " blocks; use at most one fragment per block"));
+  }
+  outer_schedule_ = {.inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec_.train().steps()};
+  std::vector<std::vector<model::ParamRange>> fragments = model::FragmentRanges(*stage_, d.fragments());
+  if (ranks_.tp > 1) {
+    // Each fragment's packed pseudo-gradient in two: the replicated tensors' elements (the same on every tp rank),
+    // which tp rank 0 alone exchanges across sites, and the rest.
+    for (const std::vector<model::ParamRange>& ranges : fragments) {
+      outer_split_.push_back(model::SplitReplicated(*stage_, ranges));
+    }
+  }
+  outer_ = std::make_unique<model::OuterOptimizer>(
+      std::move(fragments), stage_->num_params(),
+      model::OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
+  ASSIGN_OR_RETURN(float* params, HostParams());
+  outer_->Initialize(params);
+  return absl::OkStatus();
+}
+
+void StageTrainer::StartSender() {
   // A failed send ends the receives this actor waits in, so that it reports the failure at once. A pipeline
   // deeper than pp keeps its extra microbatches' sends in flight together, so that none waits for another's
   // acknowledgement across a slow link.
@@ -276,7 +305,6 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
       collectives_->pipeline, [c = collectives_.get()] { return c->BytesSent(TrafficClass::kPipeline); }, ranks_.site,
       [c = collectives_.get()](const absl::Status& s) { c->CancelReceives(comm::IsJobStoppedOnReceiver(s)); },
       in_flight);
-  return absl::OkStatus();
 }
 
 std::string StageTrainer::Describe() const {
@@ -478,7 +506,7 @@ absl::Status StageTrainer::GatherReplicated() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<bool>& stop) {
+absl::StatusOr<StepFigures> StageTrainer::Step(int64_t step, const std::atomic<bool>& stop) {
   stats_ = StepStats{};
   loss_sum_ = 0;
   latest_forward_ = -1;
@@ -527,19 +555,44 @@ absl::StatusOr<StepStats> StageTrainer::Step(int64_t step, const std::atomic<boo
   // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages). With DiLoCo
   // the head averages the replicas' losses: no collective across sites every step.
   double loss = norm_share[1];
-  stats_.replica_loss = outer_ != nullptr;
   if (carrier && ranks_.dp > 1 && outer_ == nullptr) {
     float l = static_cast<float>(loss);
     RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"));
     loss = l / ranks_.dp;
   }
   stats_.loss = loss;
-  stats_.carries_loss = carrier;
   const int every = spec_.train().eval_every();
   if (!spec_.data().val().empty() && every > 0 && (step % every == 0 || step == spec_.train().steps())) {
     RETURN_IF_ERROR(Evaluate(stop));
   }
-  return stats_;
+  return Figures(step);
+}
+
+bool StageTrainer::carries_loss() const {
+  return ranks_.last_stage && ranks_.tp_rank == 0 && (ranks_.replica == 0 || outer_ != nullptr);
+}
+
+StepFigures StageTrainer::Figures(int64_t step) const {
+  StepFigures figures;
+  figures.set_step(step);
+  figures.set_tokens(static_cast<int64_t>(spec_.train().global_batch()) * ranks_.seq_len);
+  figures.set_loss(stats_.loss);
+  figures.set_val_loss(stats_.val_loss);
+  figures.set_compute_seconds(stats_.compute_seconds);
+  figures.set_comm_wait_seconds(stats_.wait_seconds);
+  figures.set_bubble_seconds(stats_.bubble_seconds);
+  figures.set_loss_scale(stats_.loss_scale);
+  figures.set_skipped(stats_.skipped);
+  int64_t wan_total = 0;
+  for (const auto& [pair, bytes] : stats_.traffic.wan_bytes) {
+    (*figures.mutable_wan_bytes_by_pair())[pair] = bytes;
+    wan_total += bytes;
+  }
+  figures.set_wan_bytes(wan_total);
+  if (stats_.traffic.encoded_wan_bytes > 0) {
+    figures.set_compression_ratio(stats_.traffic.raw_wan_bytes / stats_.traffic.encoded_wan_bytes);
+  }
+  return figures;
 }
 
 absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {

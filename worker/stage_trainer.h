@@ -4,7 +4,7 @@
 //   ASSIGN_OR_RETURN(std::unique_ptr<StageTrainer> trainer,
 //                    StageTrainer::Create(spec, ranks, actors, &factory, "cpu", /*device_index=*/0));
 //   for (int64_t step = 1; step <= steps; ++step) {
-//     ASSIGN_OR_RETURN(StepStats stats, trainer->Step(step, stop_flag));
+//     ASSIGN_OR_RETURN(StepFigures figures, trainer->Step(step, stop_flag));
 //   }
 //
 // A step:
@@ -67,22 +67,6 @@ namespace geotrain::worker {
 // stages them from the head (worker/job_staging.h). Null, or `data: {local: true}`, reads the paths as they are.
 using DataSourceFn = std::function<absl::StatusOr<model::ShardSource>(const std::string& pattern)>;
 
-// What one step measured.
-struct StepStats {
-  double loss = 0;  // the job's loss, on the loss carrier (last stage, tp rank 0)
-  bool carries_loss = false;
-  bool replica_loss = false;   // DiLoCo: `loss` is this replica's own; the head averages the replicas'
-  double val_loss = -1;        // validation loss of this replica's slice (carrier, evaluated steps); else < 0
-  double compute_seconds = 0;  // forward, backward, optimizer
-  double wait_seconds = 0;     // blocked on peers: activations, gradients, all-reduces
-  double bubble_seconds = 0;   // waiting for the pipeline to fill
-  SiteTraffic traffic;         // bytes this actor sent across sites in the step
-  // fp16: the loss scale this step's gradients carried, and whether it was skipped (they overflowed somewhere in the
-  // job, or in its DiLoCo group: every actor decides the same from the all-reduced gradient norm).
-  double loss_scale = 1;
-  bool skipped = false;
-};
-
 // The precision a stage trains in: the spec's (the head resolves auto by the job's devices); auto or unset, as an
 // actor started without a head may get it, is bf16 on a CUDA device (or timed compute's emulated GPU) and fp32 on
 // the CPU.
@@ -108,8 +92,15 @@ class StageTrainer {
   StageTrainer(const StageTrainer&) = delete;
   StageTrainer& operator=(const StageTrainer&) = delete;
 
-  // One optimizer step; `step` is 1-based (it sets the learning rate). CANCELLED when `stop` was set.
-  absl::StatusOr<StepStats> Step(int64_t step, const std::atomic<bool>& stop);
+  // One optimizer step; `step` is 1-based (it sets the learning rate). CANCELLED when `stop` was set. Returns this
+  // actor's figures of the step (control.proto's StepFigures, as the actor reports them): step, tokens, loss on the
+  // loss carrier, validation loss of its slice on evaluated steps (else < 0), compute, communication-wait and bubble
+  // times, WAN bytes by site pair and their compression ratio, fp16's loss scale and skip. The step, checkpoint and
+  // timed-compute fields are the actor's to set.
+  absl::StatusOr<StepFigures> Step(int64_t step, const std::atomic<bool>& stop);
+  // Whether this actor's loss is one the head averages into the job's: the last stage's tensor rank 0 of replica 0
+  // (the replicas' mean, all-reduced), or of every replica with DiLoCo (each replica's own).
+  bool carries_loss() const;
 
   model::GPT2Stage& stage() { return *stage_; }
   model::AdamW& optimizer() { return *adam_; }
@@ -127,11 +118,29 @@ class StageTrainer {
   StageTrainer(const JobSpec& spec, ActorRanks ranks);
   absl::Status Initialize(const std::vector<ActorPeer>& actors, CollectivesFactory* factory, const std::string& device,
                           int device_index, const DataSourceFn& data);
+  // Initialize's phases, in order. The backend for `device` (timed_, on_device_); returns the stage's precision.
+  absl::StatusOr<model::Precision> OpenDevice(const std::string& device);
+  // The stage (fresh weights from train.seed, not on timed compute), AdamW and the learning rate schedule.
+  absl::Status CreateStage(model::Precision precision);
+  // The loaders of data.train and data.val (first and last stage), through `data` unless the data is local.
+  absl::Status OpenData(const DataSourceFn& data);
+  // The step's batch, activation and gradient buffers (on a device, their host mirrors) and the pipeline schedule.
+  absl::Status AllocateStepBuffers();
+  // The data-parallel gradient buckets of `bucket_bytes` each (when there is a data-parallel all-reduce).
+  absl::Status CreateGradientBuckets(double bucket_bytes);
+  // split_replicated: the gathered spans' packed length and the gather's buffers, a bucket's size at a time.
+  void PrepareReplicatedGather(double bucket_bytes);
+  // DiLoCo: the outer optimizer over the stage's fragments, from the initial weights.
+  absl::Status CreateOuterOptimizer();
+  // The pipeline's background sender.
+  void StartSender();
   absl::Status Forward(int m, bool recompute);
   absl::Status Backward(int m);
   absl::Status SynchronizeGradients(SiteTraffic* traffic, uint64_t dp_bytes_before);
   // Validation of this replica's slice of data.val: stats_.val_loss on the carrier.
   absl::Status Evaluate(const std::atomic<bool>& stop);
+  // The step's figures from stats_.
+  StepFigures Figures(int64_t step) const;
   // DiLoCo: the outer exchanges the schedule starts at the beginning of `step` (on a background thread),
   // and at its end those finished and applied, then the blocking ones.
   absl::Status StartOuterExchanges(int64_t step);
@@ -214,6 +223,19 @@ class StageTrainer {
   std::vector<std::unique_ptr<OuterExchange>> outer_in_flight_;
   uint64_t outer_bytes_counted_ = 0;  // the outer client's bytes already in a step's traffic
   // Per step.
+  // What the step measures as it runs (Step turns it into the step's StepFigures).
+  struct StepStats {
+    double loss = 0;             // the job's loss, on the loss carrier (last stage, tp rank 0)
+    double val_loss = -1;        // validation loss of this replica's slice (carrier, evaluated steps); else < 0
+    double compute_seconds = 0;  // forward, backward, optimizer
+    double wait_seconds = 0;     // blocked on peers: activations, gradients, all-reduces
+    double bubble_seconds = 0;   // waiting for the pipeline to fill
+    SiteTraffic traffic;         // bytes this actor sent across sites in the step
+    // fp16: the loss scale this step's gradients carried, and whether it was skipped (they overflowed somewhere in
+    // the job, or in its DiLoCo group: every actor decides the same from the all-reduced gradient norm).
+    double loss_scale = 1;
+    bool skipped = false;
+  };
   StepStats stats_;
   double loss_sum_ = 0;
   int latest_forward_ = -1;

@@ -4,9 +4,11 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
-#include "comm/staging_files.h"
+#include "comm/file_transfer.h"
+#include "common/rpc_call.h"
 #include "common/status.h"
 #include "model/checkpoint_files.h"
+#include "model/checkpoint_receive.h"
 #include "worker/checkpoint_store.h"
 
 namespace geotrain::worker {
@@ -17,28 +19,31 @@ WorkerStagingService::WorkerStagingService(ShardCache* cache, const std::string&
 
 grpc::Status WorkerStagingService::FetchShard(grpc::ServerContext* context, const FetchShardRequest* request,
                                               grpc::ServerWriter<ShardChunk>* writer) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "FetchShard");
+  RpcCall call(metrics_, auth_, context, "FetchShard");
+  if (!call.authorized()) return call.status();
   absl::Status s = cache_->Serve(
       *request, head_, [writer](const ShardChunk& chunk) { return writer->Write(chunk); },
       [context] { return context->IsCancelled(); });
-  if (!s.ok()) return fail(s);
+  if (!s.ok()) return call.Fail(s);
   return grpc::Status::OK;
 }
 
 grpc::Status WorkerStagingService::PutCheckpointFile(grpc::ServerContext* context,
                                                      grpc::ServerReader<CheckpointFileChunk>* reader,
                                                      PutCheckpointFileReply* reply) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "PutCheckpointFile");
+  RpcCall call(metrics_, auth_, context, "PutCheckpointFile");
+  if (!call.authorized()) return call.status();
   std::string job_id;
-  absl::StatusOr<std::string> path =
-      comm::ReceiveCheckpointFile(reader, [&](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
+  absl::StatusOr<std::string> path = model::ReceiveCheckpointFile(
+      [reader](CheckpointFileChunk* chunk) { return reader->Read(chunk); },
+      [&](const CheckpointFileChunk& first) -> absl::StatusOr<std::string> {
         if (first.job_id().empty() || !model::IsCheckpointFileName(first.job_id()) || first.step() <= 0) {
           return absl::InvalidArgumentError("PutCheckpointFile: a job id and a step are required");
         }
         job_id = first.job_id();
         return ReplicaStepDir(state_dir_, first.job_id(), first.step());
       });
-  if (!path.ok()) return fail(WithContext(path.status(), "keeping a checkpoint replica"));
+  if (!path.ok()) return call.Fail(WithContext(path.status(), "keeping a checkpoint replica"));
   reply->set_path(*path);
   // Only the newest replicas of a job are kept.
   std::error_code ec;
@@ -53,15 +58,16 @@ grpc::Status WorkerStagingService::PutCheckpointFile(grpc::ServerContext* contex
 grpc::Status WorkerStagingService::FetchCheckpointFile(grpc::ServerContext* context,
                                                        const FetchCheckpointFileRequest* request,
                                                        grpc::ServerWriter<FileChunk>* writer) {
-  GT_CHECKED_RPC(metrics_, auth_, context, "FetchCheckpointFile");
+  RpcCall call(metrics_, auth_, context, "FetchCheckpointFile");
+  if (!call.authorized()) return call.status();
   if (!model::IsCheckpointFileName(request->job_id()) || !model::IsCheckpointFileName(request->name()) ||
       request->step() <= 0) {
-    return fail(absl::InvalidArgumentError("FetchCheckpointFile: a job id, a step and a file name are required"));
+    return call.Fail(absl::InvalidArgumentError("FetchCheckpointFile: a job id, a step and a file name are required"));
   }
   const std::string path =
       absl::StrCat(ReplicaStepDir(state_dir_, request->job_id(), request->step()), "/", request->name());
   absl::Status s = comm::ServeFile(path, request->offset(), writer);
-  if (!s.ok()) return fail(WithContext(s, "serving a checkpoint replica"));
+  if (!s.ok()) return call.Fail(WithContext(s, "serving a checkpoint replica"));
   return grpc::Status::OK;
 }
 

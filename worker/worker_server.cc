@@ -11,6 +11,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/names.h"
+#include "common/rpc_call.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "worker/checkpoint_store.h"
@@ -25,23 +26,20 @@ class WorkerServer::Service final : public internal::Worker::Service {
 
   grpc::Status CreateActor(grpc::ServerContext* context, const CreateActorRequest* request,
                            CreateActorReply* reply) override {
-    GT_CHECKED_RPC(metrics_, auth_, context, "CreateActor");
+    RpcCall call(metrics_, auth_, context, "CreateActor");
+    if (!call.authorized()) return call.status();
     const ActorRecord& a = request->actor();
     if (a.actor_id().empty() || a.job_id().empty()) {
-      timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "CreateActor: actor_id and job_id are required");
+      return call.Fail(absl::InvalidArgumentError("CreateActor: actor_id and job_id are required"));
     }
     if (a.device_index() < 0 || a.device_index() >= static_cast<int>(worker_->devices_.size())) {
-      timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("CreateActor: device_index ", a.device_index(), " out of range [0, ",
-                                       worker_->devices_.size(), ")"));
+      return call.Fail(absl::InvalidArgumentError(absl::StrCat("CreateActor: device_index ", a.device_index(),
+                                                               " out of range [0, ", worker_->devices_.size(), ")")));
     }
     // Everything the actor will index with comes from the network: check it all first.
     const ParallelSpec& plan = request->spec().parallel();
-    auto invalid = [&timer](const std::string& why) {
-      timer.set_code(grpc::StatusCode::INVALID_ARGUMENT);
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("CreateActor: ", why));
+    auto invalid = [&call](const std::string& why) {
+      return call.Fail(absl::InvalidArgumentError(absl::StrCat("CreateActor: ", why)));
     };
     if (absl::Status s = ValidateJobSpec(request->spec()); !s.ok()) return invalid(std::string(s.message()));
     if (plan.dp() > 4096 || plan.pp() > 4096 || plan.tp() > 4096 ||
@@ -57,15 +55,11 @@ class WorkerServer::Service final : public internal::Worker::Service {
     for (const ActorPeer& p : request->peers()) listed |= p.actor_id() == a.actor_id();
     if (!listed) return invalid("the actor is missing from its own peer list");
     absl::MutexLock lock(&worker_->mu_);
-    if (worker_->stopping_) {
-      timer.set_code(grpc::StatusCode::UNAVAILABLE);
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down");
-    }
+    if (worker_->stopping_) return call.Fail(absl::UnavailableError("the worker is shutting down"));
     auto it = worker_->actors_.find(a.actor_id());
     if (it != worker_->actors_.end() && !it->second->finished()) {
-      timer.set_code(grpc::StatusCode::ALREADY_EXISTS);
-      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
-                          absl::StrCat("actor ", a.actor_id(), " already exists on this worker"));
+      return call.Fail(
+          absl::AlreadyExistsError(absl::StrCat("actor ", a.actor_id(), " already exists on this worker")));
     }
     StageActorConfig config;
     config.actor = a;
@@ -119,13 +113,12 @@ class WorkerServer::Service final : public internal::Worker::Service {
 
   grpc::Status StopActor(grpc::ServerContext* context, const StopActorRequest* request,
                          StopActorReply* reply) override {
-    GT_CHECKED_RPC(metrics_, auth_, context, "StopActor");
+    RpcCall call(metrics_, auth_, context, "StopActor");
+    if (!call.authorized()) return call.status();
     absl::MutexLock lock(&worker_->mu_);
     auto it = worker_->actors_.find(request->actor_id());
     if (it == worker_->actors_.end()) {
-      timer.set_code(grpc::StatusCode::NOT_FOUND);
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          absl::StrCat("no actor ", request->actor_id(), " on this worker"));
+      return call.Fail(absl::NotFoundError(absl::StrCat("no actor ", request->actor_id(), " on this worker")));
     }
     it->second->Stop(request->reason().empty() ? "stopped" : request->reason());
     *reply->mutable_actor() = it->second->Record();
@@ -133,20 +126,23 @@ class WorkerServer::Service final : public internal::Worker::Service {
   }
 
   grpc::Status ListActors(grpc::ServerContext* context, const ListActorsRequest*, ListActorsReply* reply) override {
-    GT_CHECKED_RPC(metrics_, auth_, context, "ListActors");
+    RpcCall call(metrics_, auth_, context, "ListActors");
+    if (!call.authorized()) return call.status();
     for (const ActorRecord& a : worker_->Actors()) *reply->add_actors() = a;
     return grpc::Status::OK;
   }
 
   grpc::Status Ping(grpc::ServerContext* context, const PingRequest* request, PingReply* reply) override {
-    GT_CHECKED_RPC(metrics_, auth_, context, "Ping");
+    RpcCall call(metrics_, auth_, context, "Ping");
+    if (!call.authorized()) return call.status();
     EchoPing(*request, reply);
     return grpc::Status::OK;
   }
 
   grpc::Status PingStream(grpc::ServerContext* context,
                           grpc::ServerReaderWriter<PingReply, PingRequest>* stream) override {
-    GT_CHECKED_RPC(metrics_, auth_, context, "PingStream");
+    RpcCall call(metrics_, auth_, context, "PingStream");
+    if (!call.authorized()) return call.status();
     EchoPingStream(stream);
     return grpc::Status::OK;
   }
@@ -240,6 +236,7 @@ absl::Status WorkerServer::Start() {
     metrics_->Gauges("geotrain_timed_compute", "1 when the worker's compute is emulated (timed compute), else 0")
         .Add({{"site", options_.site}})
         .Set(options_.timed_compute ? 1 : 0);
+    StartGpuTelemetry();
   }
   links_ = std::make_unique<LinkMetrics>(metrics_.get(), options_.site);
 
@@ -286,6 +283,14 @@ absl::Status WorkerServer::Start() {
                << "), site " << options_.site << ", " << devices_.size() << " device(s): " << devices_[0].name() << " "
                << devices_[0].tflops() << " TFLOP/s";
   return absl::OkStatus();
+}
+
+void WorkerServer::StartGpuTelemetry() {
+  const bool real_gpu = std::any_of(devices_.begin(), devices_.end(),
+                                    [](const Device& d) { return d.kind() == DEVICE_KIND_CUDA && !d.timed_compute(); });
+  if (!real_gpu || options_.timed_compute) return;  // emulated or CPU devices: no GPU to read, no series
+  gpu_telemetry_ = std::make_unique<GpuTelemetry>(metrics_.get(), options_.site, CudaDevicesToWatch());
+  if (absl::Status s = gpu_telemetry_->Start(absl::Seconds(2)); !s.ok()) GT_LOG(INFO) << s.message();
 }
 
 absl::Status WorkerServer::RegisterOnce() {

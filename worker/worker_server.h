@@ -34,6 +34,7 @@
 #include "common/rpc.h"
 #include "internal.grpc.pb.h"
 #include "worker/devices.h"
+#include "worker/gpu_telemetry.h"
 #include "worker/job_staging.h"
 #include "worker/link_metrics.h"
 #include "worker/shard_cache.h"
@@ -97,6 +98,9 @@ class WorkerServer {
  private:
   class Service;
   void JoinLoop();
+  // Exports the CUDA devices' utilisation and memory through NVML when this worker computes on real GPUs and the
+  // driver has NVML; otherwise logs once why there are no GPU gauges.
+  void StartGpuTelemetry();
   void ProbeLoop();
   absl::Status RegisterOnce();
   // The shards of `pattern` for an actor of `job_id`: staged once per job on this worker, from the site's relay.
@@ -114,7 +118,8 @@ class WorkerServer {
   std::string advertise_address_;
   std::string metrics_host_;  // where /metrics listens
   std::unique_ptr<MetricsServer> metrics_;
-  std::unique_ptr<LinkMetrics> links_;  // per-link RTT and goodput on metrics_; outlives the actors
+  std::unique_ptr<LinkMetrics> links_;           // per-link RTT and goodput on metrics_; outlives the actors
+  std::unique_ptr<GpuTelemetry> gpu_telemetry_;  // NVML gauges on metrics_ (CUDA workers with a driver)
   std::unique_ptr<Service> service_;
   std::unique_ptr<comm::TensorStreamServer> tensor_streams_;  // the actors' mailbox, served with service_
   std::unique_ptr<ShardCache> shard_cache_;

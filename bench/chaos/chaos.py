@@ -13,6 +13,7 @@ The faults, one every --fault-every seconds (the first half an interval in), cyc
 The job checkpoints every 5 steps (in the background); a restart loses the steps since the last one.
 Not part of `make test` (it runs for --minutes). Usage:
   /usr/bin/python3 bench/chaos/chaos.py [--minutes 30] [--fault-every 300] [--out build/chaos]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 Writes OUT/chaos.json (every sample and fault) and OUT/chaos.md (the tables for docs/reliability.md).
 """
 import argparse
@@ -25,9 +26,9 @@ import sys
 import threading
 import time
 
+from geotrain_testing.clusters import ClusterUp
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
-from cluster_lib import ClusterUp  # noqa: E402
 
 KINDS = ["worker", "outage", "worker", "head", "outage", "corrupt"]
 OUTAGES = [2, 20]

@@ -9,21 +9,20 @@ and prints the median step time (steps after the first) and the communication wa
 
 Usage: /usr/bin/python3 bench/comm/grad_overlap.py [--geotrain build/bin/geotrain] [--latency-ms 30]
                                                    [--bandwidth-mbps 300] [--steps 6] [--repeats 2]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
 import os
-import re
 import shutil
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "geo"))
-from run_study import private_cluster_env, run, write_tokens  # noqa: E402  (one copy of each)
+from geotrain_testing.clusters import private_cluster_env, run
+from geotrain_testing.logs import cluster_steps
+from geotrain_testing.shards import write_pattern_shard
 
 # 8 blocks of 256 channels: 3.1 MB of gradients per block, 25 MB per step, so that the all-reduce is
 # comparable with the backward pass on a CPU worker.
 MODEL = "{n_layer: 8, n_head: 4, n_embd: 256, block_size: 64, vocab_size: 512}"
-STEP_RE = re.compile(r"step (\d+) loss [0-9.]+ ([0-9.]+) tokens/s step ([0-9.]+) s \(compute [0-9.]+, comm wait ([0-9.]+)")
 
 
 def main():
@@ -38,7 +37,7 @@ def main():
     geotrain = os.path.abspath(args.geotrain)
     work, env = private_cluster_env("geotrain_overlap_")
     data = os.path.join(work, "train_000000.bin")
-    write_tokens(data, 200000, 512)
+    write_pattern_shard(data, 200000, 512)
     topo = os.path.join(work, "topo.yaml")
     with open(topo, "w") as f:
         f.write("sites:\n  - {name: a, workers: [{device: RTX6000}]}\n  - {name: b, workers: [{device: RTX6000}]}\n"
@@ -58,7 +57,7 @@ def main():
                             "placement: [{replica: 0, site: a}, {replica: 1, site: b}]}\n"
                             f"comm: {{wan_codec: none, grad_bucket_mb: {bucket_mb}}}\n")
                 out = run([geotrain, "job", "submit", spec, "--follow"], env)
-                steps = [(float(m.group(3)), float(m.group(4))) for m in STEP_RE.finditer(out)]
+                steps = [(s["step_s"], s["comm_wait_s"]) for s in cluster_steps(out)]
                 if len(steps) != args.steps:
                     raise RuntimeError(f"{name}: expected {args.steps} steps:\n{out}")
                 for step_s, wait_s in steps[1:]:

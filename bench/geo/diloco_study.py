@@ -39,6 +39,7 @@ Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain
            [--model YAML] [--parts quality,cluster]
            [--repeats 3] [--cluster-steps 34] [--cluster-fragments 4] [--hybrids PLAN,...]
            [--baselines sync-dp,diloco] [--cluster-csv diloco_cluster.csv]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
 import csv
@@ -47,10 +48,11 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_study import PLANS, private_cluster_env, run, step_lines, write_tokens  # noqa: E402
+from geotrain_testing.clusters import private_cluster_env, run
+from geotrain_testing.logs import cluster_steps, local_steps
+from geotrain_testing.shards import write_pattern_shard
+from run_study import PLANS  # bench/geo/, beside this script
 
 SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
         "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
@@ -119,14 +121,14 @@ def quality(args, geotrain, data, work):
             if args.warm_start and sync != "sync" and f"at step {args.warm_start}\n" not in out:
                 raise RuntimeError(f"quality {name} seed {seed}: did not resume from the synchronous run's step "
                                    f"{args.warm_start}:\n{out[-2000:]}")
-            for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", out):
-                if m.group(3):
+            for s in local_steps(out):
+                if s["val_loss"] is not None:
                     rows.append({"run": name, "seed": seed, "inner_steps": h,
                                  "lr": run_lr(args, sync), "inner_lr_scale": args.inner_lr_scale if h else "",
                                  "warm_start": args.warm_start if h else 0,
                                  "outer_lr": outer[0] if outer else "",
-                                 "outer_momentum": outer[1] if outer else "", "step": int(m.group(1)),
-                                 "train_loss": float(m.group(2)), "val_loss": float(m.group(3))})
+                                 "outer_momentum": outer[1] if outer else "", "step": s["step"],
+                                 "train_loss": s["loss"], "val_loss": s["val_loss"]})
             if not rows or (rows[-1]["run"], rows[-1]["seed"]) != (name, seed):
                 raise RuntimeError(f"quality {name} seed {seed}: no validation loss in the output of {path}:\n"
                                    f"{out[-2000:]}")
@@ -178,7 +180,7 @@ def cluster(args, geotrain, data, work, env):
                                           outer=args.outer[0], fragments=args.cluster_fragments,
                                           lr=run_lr(args, sync), parallel=parallel))
                     out = run([geotrain, "job", "submit", path, "--follow"], env, timeout=3600)
-                    steps = step_lines(out)
+                    steps = cluster_steps(out)
                     if len(steps) != args.cluster_steps or steps[-1]["val_loss"] is None:
                         raise RuntimeError(f"{name} at {lat} ms: expected {args.cluster_steps} steps, the last with a "
                                            f"validation loss:\n{out[-3000:]}")
@@ -361,8 +363,8 @@ def main():
                 env)
         elif args.data == "synthetic":
             os.makedirs(data)
-            write_tokens(os.path.join(data, "train_000000.bin"), 400000, 512, seed=3)
-            write_tokens(os.path.join(data, "val_000000.bin"), 20000, 512, seed=3)
+            write_pattern_shard(os.path.join(data, "train_000000.bin"), 400000, 512, seed=3)
+            write_pattern_shard(os.path.join(data, "val_000000.bin"), 20000, 512, seed=3)
             if args.model == STUDY_MODEL:
                 args.model = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
         parts = args.parts.split(",")

@@ -13,7 +13,7 @@ one WAN link of --bandwidth-mbps at each round trip of --rtt-ms (0, 10, 30, 103)
   auto      the planner's choice (plan: auto) on the cluster as it is
 
 All plans send bf16 across the WAN. For each run: the median step time of the steps after the warm-up
-(timed_lib.steady_steps), the emulated compute, and WAN bytes per step; and the planner's prediction of that very plan (`geotrain plan
+(timed.steady_steps), the emulated compute, and WAN bytes per step; and the planner's prediction of that very plan (`geotrain plan
 --predict`), so that the table shows how far the planner is from what ran. Writes CSV, a markdown table and a PNG
 to --out (default docs/results/data/geo/fabric). Every figure is EMULATED: the GPUs' compute is waited, not run; the
 communication (gRPC, codecs, the WAN emulator) really runs, on this machine's cores.
@@ -21,7 +21,8 @@ communication (gRPC, codecs, the WAN emulator) really runs, on this machine's co
 Usage: /usr/bin/python3 bench/geo/fabric_study.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo/fabric]
            [--models gpt2-medium,gpt2-large] [--rtt-ms 0,10,30,103] [--plans dp,pp,dpxpp,tpxpp,auto] [--steps 3]
            [--calibration docs/results/data/geo/fabric-calibration.json]
-Calibration (bench/geo/timed_lib.py): the A40's efficiency from the timed backend; the bandwidths inside a site
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
+Calibration (geotrain_testing.timed): the A40's efficiency from the timed backend; the bandwidths inside a site
 from the profiling jobs inside a site (DP2 and TP2 on utah's two devices), one round of them on each round trip's
 own cluster before its plans. The plans of a round trip are ranked (auto) and first predicted with the fit to the
 median of the rounds so far; once every round trip has run, every plan is predicted again with the fit to the
@@ -38,15 +39,14 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+from geotrain_testing import timed
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
-import timed_lib  # noqa: E402
 
 SITES = ("utah", "amsterdam")
 
@@ -78,17 +78,17 @@ def run_one(c, work, topo, model, plan, args, data, flags):
     calibrated planner's choice (`geotrain plan --job`, as the head plans `plan: auto`), run as a manual plan."""
     spec = os.path.join(work, f"{model}-{plan}-{os.path.basename(topo)}")
     if plan == "auto":
-        timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, "{plan: auto}", args.steps, args.batch)
-        chosen = timed_lib.plan_json(args.geotrain, topo, spec, flags, top=1)["ranked"][0]
-        parallel = timed_lib.parallel_of(chosen)
+        timed.write_job(spec, f"fabric-{model}-{plan}", model, data, "{plan: auto}", args.steps, args.batch)
+        chosen = timed.plan_json(args.geotrain, topo, spec, flags, top=1)["ranked"][0]
+        parallel = timed.parallel_of(chosen)
         summary = f"dp {chosen['dp']} x pp {chosen['pp']} x tp {chosen['tp']} on {chosen['subset']}"
     else:
         parallel = parallel_section(plan, args.devices, args.batch)
         summary = ""
     row = {"model": model, "plan": plan, "summary": summary, "spec": spec, "topology": topo}
-    row.update(timed_lib.measure_plan(
+    row.update(timed.measure_plan(
         c, args.geotrain, topo, flags, spec,
-        lambda steps: timed_lib.write_job(spec, f"fabric-{model}-{plan}", model, data, parallel, steps, args.batch),
+        lambda steps: timed.write_job(spec, f"fabric-{model}-{plan}", model, data, parallel, steps, args.batch),
         args.job_timeout))
     return row
 
@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--calibration", help="a calibration JSON this script wrote (skips profiling)")
     args = ap.parse_args()
 
-    loaded = timed_lib.load_calibration(args.calibration) if args.calibration else None
+    loaded = timed.load_calibration(args.calibration) if args.calibration else None
     work = tempfile.mkdtemp(prefix="geotrain_fabric_")
     try:
         study(args, work, loaded)
@@ -205,20 +205,20 @@ def study(args, work, calibration):
         print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
     base, rounds = calibration, []
     if base is None:  # the efficiency only: the bandwidths inside a site are fitted on the round trips' clusters
-        base = timed_lib.calibrate(args.geotrain, None, work, data, args.models.split(",")[0], [args.device],
-                                   args.device, args.steps, args.job_timeout, inside_site=False)
+        base = timed.calibrate(args.geotrain, None, work, data, args.models.split(",")[0], [args.device],
+                               args.device, args.steps, args.job_timeout, inside_site=False)
     say(f"calibration: {json.dumps(base)}")
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",")]:
         topo = os.path.join(work, f"topology-{rtt:g}.yaml")
-        timed_lib.write_topology(topo, [(s, [(args.device, args.devices)]) for s in SITES],
-                                 [(SITES[0], SITES[1], rtt / 2, args.bandwidth_mbps)])
+        timed.write_topology(topo, [(s, [(args.device, args.devices)]) for s in SITES],
+                             [(SITES[0], SITES[1], rtt / 2, args.bandwidth_mbps)])
         c = cluster_up(args.geotrain, topo)
         try:
             cal = base
             if calibration is None:
                 cal = refit(args, c, topo, work, data, base, rounds, say)
-            flags = timed_lib.planner_flags(cal)
+            flags = timed.planner_flags(cal)
             for model in args.models.split(","):
                 for plan in args.plans.split(","):
                     row = run_one(c, work, topo, model, plan, args, data, flags)
@@ -232,7 +232,7 @@ def study(args, work, calibration):
         final = cal  # the last round trip's fit is to the median of every round
         say(f"fitted on all {len(rounds)} rounds: {final['intra_site_gbps']:.2f} Gbit/s for gradients, "
             f"{final['intra_site_activation_gbps']:.2f} for activations (predicts every plan)")
-        repredict(args, rows, timed_lib.planner_flags(final))
+        repredict(args, rows, timed.planner_flags(final))
         with open(args.out + "-calibration.json", "w") as f:
             json.dump(final, f, indent=1)
     else:
@@ -242,10 +242,10 @@ def study(args, work, calibration):
 
 def refit(args, c, topo, work, data, base, rounds, say):
     """One round of the profiling jobs inside utah on this round trip's cluster, added to `rounds`
-    (timed_lib.add_profiling_round); returns the calibration fitted to the median of the rounds so far."""
-    timed_lib.add_profiling_round(rounds, c, topo, SITES[0], work, data, args.models.split(",")[0], args.steps,
-                                  args.job_timeout, say)
-    cal = timed_lib.refit_inside_site(args.geotrain, topo, base, rounds)
+    (timed.add_profiling_round); returns the calibration fitted to the median of the rounds so far."""
+    timed.add_profiling_round(rounds, c, topo, SITES[0], work, data, args.models.split(",")[0], args.steps,
+                              args.job_timeout, say)
+    cal = timed.refit_inside_site(args.geotrain, topo, base, rounds)
     say(f"fitted on {len(rounds)} round(s): {cal['intra_site_gbps']:.2f} Gbit/s for gradients, "
         f"{cal['intra_site_activation_gbps']:.2f} for activations")
     return cal
@@ -258,7 +258,7 @@ def repredict(args, rows, flags):
         if row["predicted_s"] == "":
             continue
         try:
-            row["predicted_s"] = round(timed_lib.predict(args.geotrain, row["topology"], row["spec"], flags), 4)
+            row["predicted_s"] = round(timed.predict(args.geotrain, row["topology"], row["spec"], flags), 4)
         except RuntimeError as e:  # kept with the first prediction, and said
             row["message"] = (row["message"] + f" final fit cannot predict it: {e}")[:300]
 

@@ -11,6 +11,7 @@ same mode, in a CSV and a Markdown table.
 
 Usage: /usr/bin/python3 bench/geo/pipeline_depth.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo]
                                                      [--steps 5] [--latencies 0,50] [--microbatches 192]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
 import csv
@@ -19,10 +20,10 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_study import private_cluster_env, run, write_tokens  # noqa: E402
+from geotrain_testing.clusters import private_cluster_env, run
+from geotrain_testing.logs import cluster_steps
+from geotrain_testing.shards import write_pattern_shard
 
 MODEL = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 512}"
 # A CPU worker described by its speed (about one core of this machine's, so that the head's predicted
@@ -54,7 +55,7 @@ def main():
     # would speed each other up whenever one waits on the link, hiding the very stall this measures.
     work, env = private_cluster_env("geotrain_depth_", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     data = os.path.join(work, "train_000000.bin")
-    write_tokens(data, 400000, 512)
+    write_pattern_shard(data, 400000, 512)
     rows = []
     try:
         for lat in [float(x) for x in args.latencies.split(",")]:
@@ -68,7 +69,7 @@ def main():
                     spec = os.path.join(work, f"pp2-{lat}-{depth}.yaml")
                     job_spec(spec, f"pp2-depth{depth}", data, args.steps, args.microbatches, depth)
                     out = run([geotrain, "job", "submit", spec, "--follow"], env)
-                    steps = [float(m.group(1)) for m in re.finditer(r"step \d+ loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s", out)]
+                    steps = [s["step_s"] for s in cluster_steps(out)]
                     if len(steps) != args.steps:
                         raise RuntimeError(f"{mode} at {lat} ms: expected {args.steps} steps:\n{out}")
                     chosen = re.search(r"1F1B pipeline depth (\d+)", out)

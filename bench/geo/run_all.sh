@@ -4,6 +4,7 @@
 # docs/results/data/geo/. Every figure is EMULATED (docs/timed-compute.md). Usage: bench/geo/run_all.sh [BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD/tests/lib${PYTHONPATH:+:$PYTHONPATH}"  # the scripts' shared code (tests/lib/geotrain_testing)
 build=${1:-build}
 geotrain="$build/bin/geotrain"
 [[ -x $geotrain ]] || { echo "run_all.sh: no $geotrain; build first (make build)" >&2; exit 1; }

@@ -11,16 +11,18 @@ draws PNG figures.
 
 Usage: /usr/bin/python3 bench/geo/run_study.py [--geotrain build/bin/geotrain] [--out docs/results/data/geo]
                                                [--steps 6] [--latencies 0,10,30,100] [--bandwidths 1000,100]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
 import csv
 import os
-import re
 import shutil
 import statistics
-import struct
 import subprocess
-import tempfile
+
+from geotrain_testing.clusters import private_cluster_env, run
+from geotrain_testing.logs import cluster_steps
+from geotrain_testing.shards import write_pattern_shard
 
 PLANS = [
     # name, parallel section, description
@@ -34,48 +36,6 @@ PLANS = [
      "{replica: 1, stage: 1, site: b}]}", "DP2 x PP2: pipelines inside sites, DP across sites"),
 ]
 CODECS = ["none", "bf16"]
-
-
-def write_tokens(path, n, vocab, seed=3):
-    # A structured stream (a noisy repeating pattern), so that the model learns something.
-    import random
-    rnd = random.Random(seed)
-    base = [rnd.randrange(vocab) for _ in range(97)]
-    tokens = [(base[i % 97] if rnd.random() > 0.1 else rnd.randrange(vocab)) for i in range(n)]
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, n, *([0] * 253)))
-        f.write(struct.pack(f"<{n}H", *tokens))
-
-
-def private_cluster_env(prefix, **extra):
-    """A fresh work directory and an environment whose GEOTRAIN_HOME lives in it, with no inherited head
-    or token, so that `cluster up` and the CLI talk only to the cluster this run starts."""
-    work = tempfile.mkdtemp(prefix=prefix)
-    env = dict(os.environ, GEOTRAIN_HOME=os.path.join(work, "home"), **extra)
-    env.pop("GEOTRAIN_HEAD", None)
-    env.pop("GEOTRAIN_TOKEN", None)
-    return work, env
-
-
-# One step of `geotrain job submit --follow` (head/job_runner.cc's step log line); the validation loss only on
-# evaluated steps.
-STEP_LINE = re.compile(r"step (\d+) loss [0-9.]+ ([0-9.]+) tokens/s step ([0-9.]+) s .* wan bytes (\d+)"
-                       r"[^\n]*?(?:val_loss ([0-9.]+))?$", re.MULTILINE)
-
-
-def step_lines(out):
-    """The step lines of a followed job's output: dicts of step, tokens_per_s, step_s, wan_bytes and val_loss
-    (None where the step was not evaluated)."""
-    return [{"step": int(m.group(1)), "tokens_per_s": float(m.group(2)), "step_s": float(m.group(3)),
-             "wan_bytes": int(m.group(4)), "val_loss": float(m.group(5)) if m.group(5) else None}
-            for m in STEP_LINE.finditer(out)]
-
-
-def run(cmd, env, timeout=900):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r.stdout
 
 
 def main():
@@ -99,7 +59,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     work, env = private_cluster_env("geotrain_geo_")
     data = os.path.join(work, "train_000000.bin")
-    write_tokens(data, 200000, 512)
+    write_pattern_shard(data, 200000, 512)
     rows = []
     csv_path = os.path.join(args.out, "geo_study.csv")
     try:
@@ -122,7 +82,7 @@ def main():
                                         f"train: {{global_batch: 16, seq_len: 64, steps: {args.steps}, lr: 1.0e-3, seed: 1}}\n"
                                         f"parallel: {parallel}\ncomm: {{wan_codec: {codec}}}\n")
                             out = run([geotrain, "job", "submit", spec, "--follow"], env)
-                            steps = [(s["tokens_per_s"], s["step_s"], s["wan_bytes"]) for s in step_lines(out)]
+                            steps = [(s["tokens_per_s"], s["step_s"], s["wan_bytes"]) for s in cluster_steps(out)]
                             if len(steps) != args.steps:
                                 raise RuntimeError(f"{name}/{codec}: expected {args.steps} steps:\n{out}")
                             later = steps[1:] if len(steps) > 1 else steps

@@ -10,6 +10,7 @@ compute is waited, not run; the communication (gRPC, codecs, the WAN emulator) r
 
 Usage: /usr/bin/python3 bench/geo/timed_compute_bench.py [--geotrain build/bin/geotrain] [--device H100]
            [--latency-ms 0.5,30] [--bandwidth-mbps 10000] [--steps 4] [--batch 16]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
 import json
@@ -17,11 +18,11 @@ import os
 import sys
 import tempfile
 
+from geotrain_testing import timed
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
-import timed_lib  # noqa: E402
 
 
 def main():
@@ -39,14 +40,14 @@ def main():
     rows = []
     for latency in [float(x) for x in args.latency_ms.split(",")]:
         topology = os.path.join(work, f"topology-{latency}.yaml")
-        timed_lib.write_topology(topology, [("a", [(args.device, 1)]), ("b", [(args.device, 1)])],
-                                 [("a", "b", latency, args.bandwidth_mbps)])
+        timed.write_topology(topology, [("a", [(args.device, 1)]), ("b", [(args.device, 1)])],
+                             [("a", "b", latency, args.bandwidth_mbps)])
         spec = os.path.join(work, "dp2.yaml")
-        timed_lib.write_job(spec, "timed-medium-dp2", "gpt2-medium", data, "{plan: manual, dp: 2, microbatches: 1}",
-                            args.steps, args.batch)
+        timed.write_job(spec, "timed-medium-dp2", "gpt2-medium", data, "{plan: manual, dp: 2, microbatches: 1}",
+                        args.steps, args.batch)
         c = ClusterUp(args.geotrain, topology, prefix="geotrain_timed_bench_", up_args=["--timed-compute"])
         try:
-            r = timed_lib.run_job(c, spec, 900)
+            r = timed.run_job(c, spec, 900)
             if r["state"] != "SUCCEEDED":
                 print(r["message"] + "\n" + c.process_logs())
                 sys.exit(f"the job ended {r['state']}")

@@ -25,10 +25,12 @@ that is what mixed devices mean here.
 
 Usage: /usr/bin/python3 bench/geo/validate_planner.py [--geotrain build/bin/geotrain]
            [--out docs/results/data/planner-validation] [--steps 7] [--quick] [--report-only]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 Hold the build lock while it runs: flock /tmp/geotrain-build.lock /usr/bin/python3 bench/geo/...
 """
 import argparse
 import csv
+import functools
 import json
 import os
 import re
@@ -38,8 +40,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_study import private_cluster_env, write_tokens  # noqa: E402  (shared with the geo study)
+from geotrain_testing import clusters
+from geotrain_testing.clusters import private_cluster_env
+from geotrain_testing.logs import cluster_steps
+from geotrain_testing.shards import write_pattern_shard
 
 MODEL = "{n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 512}"
 SEQ_LEN = 64
@@ -67,14 +71,8 @@ TOPOLOGIES = [
     ("mixed-10ms-1000M", "slow", 10, 1000),
     ("mixed-100ms-100M", "slow", 100, 100),
 ]
-STEP_RE = re.compile(r"step (\d+) loss [0-9.]+ [0-9.]+ tokens/s step ([0-9.]+) s \(compute ([0-9.]+)")
-
-
-def run(cmd, env, timeout=600):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r.stdout
+# Every command here (a plan, a `cluster up`, a job of a few steps) ends well within 10 minutes.
+run = functools.partial(clusters.run, timeout=600)
 
 
 def topology_yaml(b_device, latency_ms, bandwidth_mbps):
@@ -127,7 +125,7 @@ class Cluster:
 
 
 def step_times(out, steps, warmup):
-    found = [(int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in STEP_RE.finditer(out)]
+    found = [(s["step"], s["step_s"], s["compute_s"]) for s in cluster_steps(out)]
     if len(found) != steps:
         raise RuntimeError(f"expected {steps} steps:\n{out[-3000:]}")
     later = [f for f in found if f[0] > warmup]
@@ -320,7 +318,7 @@ def main():
     geotrain = os.path.abspath(args.geotrain)
     work, env = private_cluster_env("geotrain_planval_", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     data = os.path.join(work, "train_000000.bin")
-    write_tokens(data, 200000, 512)
+    write_pattern_shard(data, 200000, 512)
     started = time.time()
     load_before = os.getloadavg()
     rows = []

@@ -3,9 +3,9 @@
 
 Topologies of three sites with mixed emulated GPUs (FABRIC's RTX 6000, A30 and T4), different links, and 8 to 16
 devices, brought up with `geotrain cluster up --timed-compute`. The planner is calibrated to this machine
-(bench/geo/timed_lib.py; nothing is fitted across sites): the device efficiencies from the timed backend, and per
+(geotrain_testing.timed; nothing is fitted across sites): the device efficiencies from the timed backend, and per
 topology the bandwidth inside a site for gradients and for activations from two profiling jobs (DP2 and TP2) on the
-topology's own cluster (timed_lib.refit_inside_site), since this host's loopback drifts between spells of minutes: a
+topology's own cluster (timed.refit_inside_site), since this host's loopback drifts between spells of minutes: a
 round of them before the plans, whose fit ranks them, and one between each later round of the plans; the
 predictions reported use the median of all those rounds (the first round's are in the CSV too). --no-refit fits
 those bandwidths once instead, on a separate profiling cluster, for every topology.
@@ -13,8 +13,8 @@ The topologies' links are their configured ones. Per topology, the calibrated pl
 head plans `plan: auto`) ranks plans; its top --top plans run, and so do DP over every device
 and TP inside each site x PP across the sites. For each run: the measured step (median of the steps after the
 warm-up: 12 steps skipping 3 when the step is short, 3 skipping 1 when it is long, 2 skipping 1 from 20 s,
-timed_lib.steady_steps; a plan with a short step runs --rounds jobs, interleaved with the topology's other short
-plans and its profiling rounds, and reports their median: timed_lib.measure_plans) and the planner's prediction of
+timed.steady_steps; a plan with a short step runs --rounds jobs, interleaved with the topology's other short
+plans and its profiling rounds, and reports their median: timed.measure_plans) and the planner's prediction of
 that very plan (`geotrain plan --predict`). Criteria (issue 17): median relative error
 <= 10%, Spearman >= 0.9 over all runs, and the chosen plan within 5% of the best measured on every topology. Writes
 CSV, a markdown table, a PNG and the calibrations (-calibration.json) to --out (default
@@ -25,6 +25,7 @@ Usage: /usr/bin/python3 bench/geo/validate_timed.py [--geotrain build/bin/geotra
            [--out docs/results/data/geo/validation-timed]
            [--model gpt2-medium] [--steps 3 (calibration)] [--top 3] [--topologies t8,t12,t16]
            [--rounds 3] [--no-refit]
+From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
 import csv
@@ -32,16 +33,15 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+from geotrain_testing import timed
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
+from validate_planner import spearman  # bench/geo/, beside this script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
-from validate_planner import spearman  # noqa: E402
-import timed_lib  # noqa: E402
 
 # name -> (sites [(site, [(device, devices per worker), ...])], links [(a, b, one-way ms, Mbit/s)], WAN codec,
 # global batch: a multiple of the device count, so that DP over every device runs)
@@ -96,61 +96,61 @@ def validate(args, work, up):
     """Calibrates, then runs each topology's plans on its own cluster (after the refit) and writes the report."""
     data = write_tiny_corpus(os.path.join(work, "data"), vocab=50000, length=4096, repeats=20)
     started = time.monotonic()
-    calibration = timed_lib.calibrate(args.geotrain, up, work, data, args.model, ["RTX6000", "A30", "T4"],
-                                      "RTX6000", args.steps, args.job_timeout, inside_site=args.no_refit)
+    calibration = timed.calibrate(args.geotrain, up, work, data, args.model, ["RTX6000", "A30", "T4"],
+                                  "RTX6000", args.steps, args.job_timeout, inside_site=args.no_refit)
     print(f"[{time.monotonic() - started:6.0f} s] calibration: {json.dumps(calibration)}", flush=True)
     rows, refits = [], {}
     for name in args.topologies.split(","):
         sites, links, codec, batch = TOPOLOGIES[name]
         topo = os.path.join(work, f"{name}.yaml")
-        timed_lib.write_topology(topo, sites, links)
+        timed.write_topology(topo, sites, links)
         c = up(topo)
         try:
             cal, profile, refit_rounds = calibration, None, []
             if not args.no_refit:
                 def profile(c=c, topo=topo, site=sites[0][0], name=name):
-                    timed_lib.add_profiling_round(
+                    timed.add_profiling_round(
                         refit_rounds, c, topo, site, work, data, args.model, args.steps, args.job_timeout,
                         lambda text: print(f"[{time.monotonic() - started:6.0f} s] {name}: {text}", flush=True))
                 profile()
-                cal = timed_lib.refit_inside_site(args.geotrain, topo, calibration, refit_rounds)
+                cal = timed.refit_inside_site(args.geotrain, topo, calibration, refit_rounds)
                 print(f"[{time.monotonic() - started:6.0f} s] {name}: refitted inside {sites[0][0]}: "
                       f"{cal['intra_site_gbps']:.2f} Gbit/s for gradients, "
                       f"{cal['intra_site_activation_gbps']:.2f} for activations (ranks the plans)", flush=True)
-            flags = timed_lib.planner_flags(cal)
+            flags = timed.planner_flags(cal)
             auto = os.path.join(work, f"{name}-auto.yaml")
-            timed_lib.write_job(auto, "auto", args.model, data, "{plan: auto}", args.steps, batch, codec)
-            ranked = timed_lib.plan_json(args.geotrain, topo, auto, flags, top=args.top)["ranked"][:args.top]
-            plans = ([(f"planner-{i + 1}", timed_lib.parallel_of(p)) for i, p in enumerate(ranked)] +
+            timed.write_job(auto, "auto", args.model, data, "{plan: auto}", args.steps, batch, codec)
+            ranked = timed.plan_json(args.geotrain, topo, auto, flags, top=args.top)["ranked"][:args.top]
+            plans = ([(f"planner-{i + 1}", timed.parallel_of(p)) for i, p in enumerate(ranked)] +
                      fixed_plans(sites, batch))
             jobs = []
             for label, parallel in plans:
                 spec = os.path.join(work, f"{name}-{label}.yaml")
 
                 def write_spec(steps, label=label, parallel=parallel, spec=spec):
-                    timed_lib.write_job(spec, f"{name}-{label}", args.model, data, parallel, steps, batch, codec)
+                    timed.write_job(spec, f"{name}-{label}", args.model, data, parallel, steps, batch, codec)
                 jobs.append((spec, write_spec))
 
             def progress(i, measured, name=name, plans=plans):
                 print(f"EMULATED [{time.monotonic() - started:6.0f} s] {name} {plans[i][0]}: {measured['state']} "
                       f"{measured['step_s']} s per step", flush=True)
-            measured = timed_lib.measure_plans(c, args.geotrain, topo, flags, jobs, args.job_timeout, args.rounds,
-                                               progress, between_rounds=profile)
+            measured = timed.measure_plans(c, args.geotrain, topo, flags, jobs, args.job_timeout, args.rounds,
+                                           progress, between_rounds=profile)
             if len(refit_rounds) > 1:
                 # The prediction of every plan from the median of all the profiling rounds: the jobs that sampled
                 # the host while the plans ran, none of them a plan.
                 first = cal
-                cal = timed_lib.refit_inside_site(args.geotrain, topo, calibration, refit_rounds)
+                cal = timed.refit_inside_site(args.geotrain, topo, calibration, refit_rounds)
                 cal["first_round"] = {k: first[k] for k in ("intra_site_gbps", "intra_site_activation_gbps")}
                 print(f"[{time.monotonic() - started:6.0f} s] {name}: refitted on {len(refit_rounds)} rounds: "
                       f"{cal['intra_site_gbps']:.2f} Gbit/s for gradients, "
                       f"{cal['intra_site_activation_gbps']:.2f} for activations (predicts them)", flush=True)
-                final = timed_lib.planner_flags(cal)
+                final = timed.planner_flags(cal)
                 for (spec, _), m in zip(jobs, measured):
                     m["predicted_first_round_s"] = m["predicted_s"]
                     if m["predicted_s"] != "":
                         try:
-                            m["predicted_s"] = round(timed_lib.predict(args.geotrain, topo, spec, final), 4)
+                            m["predicted_s"] = round(timed.predict(args.geotrain, topo, spec, final), 4)
                         except RuntimeError as e:  # kept with the first round's prediction, and said
                             m["message"] = (m["message"] + f" final fit cannot predict it: {e}")[:300]
             for m in measured:

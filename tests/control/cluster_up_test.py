@@ -15,8 +15,7 @@ import tempfile
 import time
 import unittest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cluster_lib import wait_for  # noqa: E402
+from geotrain_testing.clusters import wait_for
 
 GEOTRAIN = sys.argv.pop(1)
 ROOT = sys.argv.pop(1)

@@ -12,8 +12,7 @@ import time
 import unittest
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cluster_lib import LocalCluster, wait_for  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, wait_for
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 

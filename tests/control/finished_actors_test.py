@@ -14,9 +14,8 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from checkpoint_lib import write_shard  # noqa: E402
-from cluster_lib import LocalCluster, wait_for  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, wait_for
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 
@@ -35,7 +34,7 @@ class FinishedActorsTest(unittest.TestCase):
         self.worker = self.c.start_worker("w-1", "utah", ["T4", "T4"], self.worker_args)
         wait_for(lambda: list(self.c.worker_states().values()) == ["WORKER_ALIVE"], 20, "an alive worker")
         self.data = os.path.join(self.c.dir, "train_000000.bin")
-        write_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
+        write_token_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
 
     def run_job(self, i, data=None, state="JOB_SUCCEEDED"):
         path = os.path.join(self.c.dir, f"j{i}.yaml")

@@ -15,9 +15,8 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from checkpoint_lib import write_shard  # noqa: E402
-from cluster_lib import LocalCluster, wait_for  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, wait_for
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 
@@ -31,7 +30,7 @@ class MultiJobTest(unittest.TestCase):
         wait_for(lambda: list(self.c.worker_states().values()) == ["WORKER_ALIVE"] * 2, 20, "two alive workers")
         # One token shard (the format `geotrain data prepare` writes) of a tiny vocabulary.
         self.data = os.path.join(self.c.dir, "train_000000.bin")
-        write_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
+        write_token_shard(self.data, np.random.default_rng(3).integers(0, 512, 20000))
 
     def tearDown(self):
         if hasattr(self, "_outcome") and not self._outcome.success:

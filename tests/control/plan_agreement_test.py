@@ -19,8 +19,7 @@ import sys
 import tempfile
 import unittest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cluster_lib import ClusterUp, wait_for  # noqa: E402
+from geotrain_testing.clusters import ClusterUp, wait_for
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 

@@ -15,7 +15,6 @@ Usage: precision_test.py PATH/TO/geotrain
 """
 import json
 import os
-import re
 import subprocess
 import sys
 import unittest
@@ -23,9 +22,9 @@ import urllib.request
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from checkpoint_lib import write_shard  # noqa: E402
-from cluster_lib import LocalCluster, wait_for  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, wait_for
+from geotrain_testing.logs import cluster_steps, local_steps
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 STEPS = 12
@@ -41,7 +40,7 @@ class PrecisionTest(unittest.TestCase):
         cls.c.start_worker("tacc-0", "tacc", ["A30"])
         wait_for(lambda: list(cls.c.worker_states().values()) == ["WORKER_ALIVE"] * 3, 30, "three alive workers")
         cls.data = os.path.join(cls.c.dir, "train_000000.bin")
-        write_shard(cls.data, np.random.default_rng(5).integers(0, 512, 20000))
+        write_token_shard(cls.data, np.random.default_rng(5).integers(0, 512, 20000))
 
     @classmethod
     def tearDownClass(cls):
@@ -68,9 +67,9 @@ class PrecisionTest(unittest.TestCase):
         out = subprocess.run([GEOTRAIN, "train", "--local", path], capture_output=True, text=True, timeout=300,
                              env=self.c.env)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        steps = re.findall(r"step \d+/\d+ \| loss ([0-9.]+).*?(\(overflow: skipped\))?$", out.stdout, re.M)
+        steps = local_steps(out.stdout)
         self.assertEqual(len(steps), STEPS, out.stdout)
-        return [float(loss) for loss, _ in steps], [bool(skip) for _, skip in steps]
+        return [s["loss"] for s in steps], [s["skipped"] for s in steps]
 
     def test_bf16_on_turing_is_refused_before_any_actor_starts(self):
         path = self.spec("bf16-on-turing", "{plan: manual, dp: 1, microbatches: 1, placement: [{replica: 0, "
@@ -107,7 +106,7 @@ class PrecisionTest(unittest.TestCase):
         job_id, out, status = self.run_job(path)
         self.assertEqual(status["state"], "JOB_SUCCEEDED", out.stdout + out.stderr + self.c.logs())
         self.assertEqual(int(status.get("skipped_steps", 0)), sum(skipped))
-        cluster = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out.stdout)]
+        cluster = [s["loss"] for s in cluster_steps(out.stdout)]
         self.assertEqual(len(cluster), STEPS, out.stdout)
         for step, (a, b) in enumerate(zip(cluster, losses), 1):
             self.assertAlmostEqual(a, b, delta=1e-4 * b, msg=f"step {step}")
@@ -127,7 +126,7 @@ class PrecisionTest(unittest.TestCase):
         skips = int(status.get("skipped_steps", 0))
         self.assertGreater(skips, 1)
         self.assertLess(skips, STEPS - 3, "steps after the skips train")
-        full = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out.stdout)]
+        full = [s["loss"] for s in cluster_steps(out.stdout)]
         resumed_path = self.spec("scale-resumed", placement, extra)
         middle = os.path.join(ckpt, f"step_{skips:08d}")
         out = self.c.cli(["job", "submit", resumed_path, "--follow", "--resume-from", middle], check=False,
@@ -137,7 +136,7 @@ class PrecisionTest(unittest.TestCase):
         self.assertEqual(resumed["state"], "JOB_SUCCEEDED", out.stdout + out.stderr + self.c.logs())
         self.assertEqual(int(resumed.get("skipped_steps", 0)), 0, "the restored scale does not overflow again")
         self.assertEqual(float(resumed["loss_scale"]), float(status["loss_scale"]))
-        again = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", out.stdout)]
+        again = [s["loss"] for s in cluster_steps(out.stdout)]
         self.assertEqual(len(again), STEPS - skips, out.stdout)
         for step, (a, b) in enumerate(zip(again, full[skips:]), skips + 1):
             self.assertAlmostEqual(a, b, delta=1e-5 * b, msg=f"step {step}")

@@ -11,8 +11,7 @@ import unittest
 import urllib.parse
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cluster_lib import LocalCluster, free_port, wait_for  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, free_port, wait_for
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

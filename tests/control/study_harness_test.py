@@ -1,4 +1,4 @@
-"""The timed studies' harness (bench/geo/timed_lib.py) against the real planner (`geotrain plan --predict`).
+"""The timed studies' harness (geotrain_testing.timed, tests/lib) against the real planner (`geotrain plan --predict`).
 
 1. steady_steps: how many steps a plan runs and how many it skips, by its expected step.
 2. refit_inside_site fits the bandwidths inside a site to the median of its profiling rounds: given rounds whose
@@ -18,23 +18,21 @@ import sys
 import tempfile
 import unittest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench", "geo"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timed_lib  # noqa: E402
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
+from geotrain_testing import timed
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 
 
 class SteadyStepsTest(unittest.TestCase):
     def test_by_expected_step(self):
-        self.assertEqual(timed_lib.steady_steps(0), (12, 3))
-        self.assertEqual(timed_lib.steady_steps(0.7), (12, 3))
-        self.assertEqual(timed_lib.steady_steps(10), (3, 1))
-        self.assertEqual(timed_lib.steady_steps(19.9), (3, 1))
-        self.assertEqual(timed_lib.steady_steps(20), (2, 1))
-        self.assertEqual(timed_lib.steady_steps(82), (2, 1))
+        self.assertEqual(timed.steady_steps(0), (12, 3))
+        self.assertEqual(timed.steady_steps(0.7), (12, 3))
+        self.assertEqual(timed.steady_steps(10), (3, 1))
+        self.assertEqual(timed.steady_steps(19.9), (3, 1))
+        self.assertEqual(timed.steady_steps(20), (2, 1))
+        self.assertEqual(timed.steady_steps(82), (2, 1))
 
 
 class RefitTest(unittest.TestCase):
@@ -45,21 +43,21 @@ class RefitTest(unittest.TestCase):
     def test_median_of_rounds(self):
         data = write_tiny_corpus(os.path.join(self.work, "data"), vocab=50000, length=4096, repeats=2)
         topo = os.path.join(self.work, "t.yaml")
-        timed_lib.write_topology(topo, [("utah", [("RTX6000", 2), ("RTX6000", 2)])], [])
+        timed.write_topology(topo, [("utah", [("RTX6000", 2), ("RTX6000", 2)])], [])
         specs = {}
-        for name, parallel, _ in timed_lib._inside_site_jobs("utah"):
+        for name, parallel, _ in timed._inside_site_jobs("utah"):
             specs[name] = os.path.join(self.work, f"{name}.yaml")
-            timed_lib.write_job(specs[name], name, "gpt2-medium", data, parallel, 3, 16)
+            timed.write_job(specs[name], name, "gpt2-medium", data, parallel, 3, 16)
         base = {"efficiency": {"RTX6000": 0.43}, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
                 "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
         truth = dict(base, intra_site_gbps=6.0, intra_site_activation_gbps=7.0)
-        steps = {name: timed_lib.predict(GEOTRAIN, topo, spec, timed_lib.planner_flags(truth))
+        steps = {name: timed.predict(GEOTRAIN, topo, spec, timed.planner_flags(truth))
                  for name, spec in specs.items()}
 
         def round_of(factor):
             return {name: (specs[name], steps[name] * factor) for name in specs}
         rounds = [round_of(1.3), round_of(0.8), round_of(1.0)]  # the median is the last, the mean none
-        cal = timed_lib.refit_inside_site(GEOTRAIN, topo, base, rounds)
+        cal = timed.refit_inside_site(GEOTRAIN, topo, base, rounds)
         self.assertAlmostEqual(cal["intra_site_gbps"], 6.0, delta=0.06)
         self.assertAlmostEqual(cal["intra_site_activation_gbps"], 7.0, delta=0.07)
         self.assertEqual(cal["measured_rounds"]["dp2"], [steps["dp2"] * f for f in (1.3, 0.8, 1.0)])
@@ -67,7 +65,7 @@ class RefitTest(unittest.TestCase):
             self.assertAlmostEqual(cal["predicted_after_fit"][name], steps[name], delta=0.01 * steps[name])
         self.assertEqual(base["intra_site_gbps"], 100.0)  # the base calibration is left as it was
 
-        fast = timed_lib.refit_inside_site(GEOTRAIN, topo, base, rounds[1:2])
+        fast = timed.refit_inside_site(GEOTRAIN, topo, base, rounds[1:2])
         self.assertGreater(fast["intra_site_gbps"], 6.0 * 1.1)
         self.assertGreater(fast["intra_site_activation_gbps"], 7.0 * 1.1)
 
@@ -80,7 +78,7 @@ class TimedClusterTest(unittest.TestCase):
         cls.work = tempfile.mkdtemp(prefix="geotrain_study_harness_")
         cls.data = write_tiny_corpus(os.path.join(cls.work, "data"), vocab=50000, length=4096, repeats=20)
         cls.topo = os.path.join(cls.work, "t.yaml")
-        timed_lib.write_topology(cls.topo, [("utah", [("A30", 2)])], [])
+        timed.write_topology(cls.topo, [("utah", [("A30", 2)])], [])
         try:
             cls.c = ClusterUp(GEOTRAIN, cls.topo, prefix="geotrain_study_harness_", up_args=["--timed-compute"])
         except BaseException:
@@ -98,22 +96,22 @@ class TimedClusterTest(unittest.TestCase):
     def test_a_job_that_times_out_is_cancelled(self):
         before = len(self.states())
         spec = os.path.join(self.work, "long.yaml")  # GPT-2 medium DP2 on timed A30s: about 2 s a step, 1000 steps
-        timed_lib.write_job(spec, "long", "gpt2-medium", self.data, "{plan: manual, dp: 2, microbatches: 4}", 1000,
-                            16)
+        timed.write_job(spec, "long", "gpt2-medium", self.data, "{plan: manual, dp: 2, microbatches: 4}", 1000,
+                        16)
         with self.assertRaises(AssertionError):
-            timed_lib.run_job(self.c, spec, timeout=3)
+            timed.run_job(self.c, spec, timeout=3)
         self.assertEqual(self.states()[before:], ["JOB_CANCELLED"])
 
     def test_a_failed_later_profiling_round_is_said_and_left_out(self):
         missing = os.path.join(self.work, "missing_*.bin")  # every profiling job fails at set-up: no data
         said = []
         with self.assertRaises(RuntimeError):
-            timed_lib.add_profiling_round([], self.c, self.topo, "utah", self.work, missing, "gpt2-medium", 3, 120,
-                                          said.append)
+            timed.add_profiling_round([], self.c, self.topo, "utah", self.work, missing, "gpt2-medium", 3, 120,
+                                      said.append)
         earlier = [{"dp2": ("dp2.yaml", 2.0), "tp2": ("tp2.yaml", 9.0)}]
         rounds = list(earlier)
-        timed_lib.add_profiling_round(rounds, self.c, self.topo, "utah", self.work, missing, "gpt2-medium", 3, 120,
-                                      said.append)
+        timed.add_profiling_round(rounds, self.c, self.topo, "utah", self.work, missing, "gpt2-medium", 3, 120,
+                                  said.append)
         self.assertEqual(rounds, earlier)
         self.assertEqual(len(said), 1)
         self.assertIn("a profiling round failed, left out", said[0])

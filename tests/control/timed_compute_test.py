@@ -22,8 +22,8 @@ import time
 import unittest
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(__file__))
-from cluster_lib import ClusterUp, LocalCluster, pss_bytes, wait_for, write_tiny_corpus  # noqa: E402
+from geotrain_testing.clusters import ClusterUp, LocalCluster, pss_bytes, wait_for
+from geotrain_testing.shards import write_tiny_corpus
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 
@@ -48,7 +48,7 @@ def dp2_spec(directory, data):
     return path
 
 
-def step_lines(log):
+def cluster_steps(log):
     return {int(m.group(1)): m for m in STEP_LINE.finditer(log)}
 
 
@@ -77,7 +77,7 @@ class TimedComputeTest(unittest.TestCase):
             self.assertTrue(job.get("timed_compute"), job)
             self.assertEqual(job.get("loss", 0), 0)
             self.assertIn("EMULATED", c.cli(["job", "status", job_id]).stdout)
-            steps = step_lines(log)
+            steps = cluster_steps(log)
             self.assertEqual(sorted(steps), [1, 2, 3], log)
             for m in steps.values():
                 self.assertEqual(m.group(2), "EMULATED (timed compute) loss n/a", m.group(0))
@@ -126,7 +126,7 @@ class TimedComputeTest(unittest.TestCase):
             log = c.cli(["job", "logs", job_id]).stdout
             self.assertEqual(job["state"], "JOB_SUCCEEDED", log + c.logs())
             self.assertFalse(job.get("timed_compute", False))
-            steps = step_lines(log)
+            steps = cluster_steps(log)
             self.assertTrue(all(m.group(2).startswith("loss ") for m in steps.values()), log)
             real = {s: int(m.group(7)) for s, m in steps.items()}
             print(f"WAN bytes per step: timed {TimedComputeTest.timed_steps}, real {real}")
@@ -165,7 +165,7 @@ class TimedComputeTest(unittest.TestCase):
                 time.sleep(0.2)
             log = c.cli(["job", "logs", job_id]).stdout
             self.assertEqual(state, "JOB_SUCCEEDED", log + c.logs())
-            self.assertEqual(sorted(step_lines(log)), [1, 2, 3, 4], log)
+            self.assertEqual(sorted(cluster_steps(log)), [1, 2, 3, 4], log)
             print(f"peak worker PSS {peak / 1e6:.0f} MB (a real stage would hold about 6 GB)")
             self.assertGreater(peak, 0)
             # A real stage: about 6 GB of state. The timed one: the runtime's buffers (the tied embedding's 257 MB
@@ -184,7 +184,7 @@ class TimedComputeTest(unittest.TestCase):
             tp_log = c.cli(["job", "logs", tp_job]).stdout
             self.assertEqual(json.loads(c.cli(["job", "status", tp_job, "--json"]).stdout)["state"], "JOB_SUCCEEDED",
                              tp_log + c.logs())
-            self.assertEqual([m.group(2) for m in step_lines(tp_log).values()],
+            self.assertEqual([m.group(2) for m in cluster_steps(tp_log).values()],
                              ["EMULATED (timed compute) loss n/a"] * 3, tp_log)
         except Exception:
             print(c.logs())

@@ -5,7 +5,8 @@ as papermill would inject them. Checks the first job, followed in the background
 starts it returns while the job runs; the plot drew every step), and what the study leaves: one run per ranked
 plan, each SUCCEEDED with every step's loss and step time, the planner's ranks in order, and the plot.
 
-Usage: fabric_notebook_test.py GEOTRAIN_BIN NOTEBOOK PYTHON_PACKAGE_DIR (ctest passes them; tests/deploy/).
+Usage: fabric_notebook_test.py GEOTRAIN_BIN NOTEBOOK PYTHON_PACKAGE_DIR (ctest passes them; tests/deploy/), with
+PYTHONPATH=tests/lib:PYTHON_PACKAGE_DIR (ctest sets it): this process imports geotrain from PYTHON_PACKAGE_DIR too.
 """
 import datetime
 import json
@@ -16,16 +17,16 @@ import sys
 import tempfile
 import unittest
 
+import geotrain
 import nbclient
 import nbformat
+
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
 
 GEOTRAIN, NOTEBOOK, PACKAGE_DIR = (os.path.abspath(a) for a in sys.argv[1:4])  # the kernel runs elsewhere
 del sys.argv[1:4]
 SOURCE_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "control"))
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
-sys.path.insert(0, PACKAGE_DIR)
-import geotrain  # noqa: E402
 
 PLANS = 2
 STEPS = 3

@@ -19,8 +19,7 @@ import sys
 import tempfile
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "control"))
-from cluster_lib import free_port, wait_for  # noqa: E402
+from geotrain_testing.clusters import free_port, wait_for
 
 PREFIX = os.path.abspath(sys.argv.pop(1)) if len(sys.argv) > 1 else "/usr"
 UNITS = os.path.join(PREFIX, "share", "geotrain", "systemd")

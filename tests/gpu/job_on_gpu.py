@@ -6,7 +6,7 @@ runs TP=2 (the tensor-parallel all-reduces over NCCL, the unique id handed out b
 and DP=2 (the gradient buckets on the GPU, all-reduced over NCCL inside the site); the worker's log must
 say that each group used NCCL.
 
-Usage (tests/gpu/run.sh calls it): python3 tests/gpu/job_on_gpu.py BUILD_DIR/bin/geotrain
+Usage (tests/gpu/run.sh calls it): PYTHONPATH=tests/lib python3 tests/gpu/job_on_gpu.py BUILD_DIR/bin/geotrain
 Exits 0 when every job succeeded on the GPU and its losses follow the CPU's; prints one line per job.
 """
 import os
@@ -14,11 +14,8 @@ import re
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "control"))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "bench", "geo"))
-from cluster_lib import LocalCluster, wait_for  # noqa: E402
-from run_study import write_tokens  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, wait_for
+from geotrain_testing.shards import write_pattern_shard
 
 STEPS = 30
 # The GPU's GEMMs against the CPU's train --local in the same precision: the final loss within 3% (the model tests
@@ -58,7 +55,7 @@ def main():
     failed = 0
     try:
         data = os.path.join(c.dir, "train_000000.bin")
-        write_tokens(data, 100000, 512)
+        write_pattern_shard(data, 100000, 512)
         # The CPU's train --local of the same job, in the same precision (the CPU emulates bf16 and fp16 by rounding
         # the GEMMs' inputs as the tensor cores take them): the reference each GPU job must follow.
         references = {}

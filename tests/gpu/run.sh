@@ -224,7 +224,7 @@ if step configure 180 bash -c configure_or_install; then
   # A real job end to end: head, a worker on this machine's GPUs, stage actors training on them (and
   # TP=2 over NCCL, DP=2, with two GPUs or more), losses against the CPU's train --local.
   if step build-geotrain 150 cmake --build "$BUILD" -j "$JOBS" --target geotrain; then
-    step job_on_gpu 300 python3 tests/gpu/job_on_gpu.py "$(find_executable geotrain)"
+    step job_on_gpu 300 env PYTHONPATH="$ROOT/tests/lib" python3 tests/gpu/job_on_gpu.py "$(find_executable geotrain)"
   fi
 
   bench=$(find_executable bench_nccl_allreduce)

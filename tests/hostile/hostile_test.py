@@ -9,7 +9,6 @@ workers, so the attacked worker's tensor streams carry its gradients) ends SUCCE
 
 Usage: hostile_test.py PATH/TO/geotrain PATH/TO/hostile_client
 """
-import array
 import collections
 import os
 import subprocess
@@ -18,21 +17,12 @@ import time
 import unittest
 import urllib.request
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
-from cluster_lib import LocalCluster, free_port, wait_for  # noqa: E402
+from geotrain_testing.clusters import LocalCluster, free_port, wait_for
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1)
 HOSTILE = sys.argv.pop(1)
 SEED = 15
-
-
-def write_shard(path, count):
-    header = array.array("i", [0] * 256)
-    header[0], header[1], header[2] = 20240520, 1, count
-    tokens = array.array("H", [(i * 7 + i // 97) % 512 for i in range(count)])
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
 
 
 def scrape(port):
@@ -115,7 +105,7 @@ class HostileClientsTest(unittest.TestCase):
         self.assertIn("process_open_fds", scrape(c.metrics_port))
         self.assertIn("process_open_fds", scrape(self.worker_metrics))
         data = os.path.join(c.dir, "train_000000.bin")
-        write_shard(data, 20000)
+        write_token_shard(data, [(i * 7 + i // 97) % 512 for i in range(20000)])
         spec = os.path.join(c.dir, "after.yaml")
         with open(spec, "w") as f:
             f.write(f"name: after-hostile\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"

@@ -32,10 +32,11 @@ import urllib.request
 import zlib
 
 import numpy as np
+import yaml
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
-from checkpoint_lib import newest, read_step_dir, write_shard  # noqa: E402
-from cluster_lib import free_port, wait_for  # noqa: E402
+from geotrain_testing.checkpoints import newest, read_step_dir
+from geotrain_testing.clusters import free_port, process_logs, wait_for
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1)
 TOPOLOGY = sys.argv.pop(1)
@@ -43,7 +44,13 @@ VOCAB = 512
 STEPS = 12
 DP2_PP2 = "{plan: manual, dp: 2, pp: 2, microbatches: 2, schedule: 1f1b}"
 DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "grafana", "geotrain-dashboard.json")
+ALERTS = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "prometheus", "geotrain-alerts.yml")
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+def dashboard_all(expr):
+    """A panel's query with the dashboard's variables ($job_id, $site) as its "All" choice sets them."""
+    return expr.replace("$job_id", ".*").replace("$site", ".*")
 
 
 def spec_text(name, data, ckpt, parallel, extra="", steps=STEPS):
@@ -78,7 +85,7 @@ class IsolatedNodesTest(unittest.TestCase):
         for i in range(3):
             tokens = np.concatenate([np.where(rng.random(97) < 0.1, rng.integers(0, VOCAB, 97), base)
                                      for _ in range(150)])
-            write_shard(os.path.join(cls.work, f"train_{i:06d}.bin"), tokens)
+            write_token_shard(os.path.join(cls.work, f"train_{i:06d}.bin"), tokens)
         cls.data = os.path.join(cls.work, "train_*.bin")
         cls.data_bytes = sum(os.path.getsize(p) for p in glob.glob(cls.data))
         # The reference: one process, 4 microbatches of 2 sequences (as DP2 x 2 microbatches).
@@ -145,12 +152,7 @@ class IsolatedNodesTest(unittest.TestCase):
                               capture_output=True, text=True, timeout=30)
 
     def process_logs(self):
-        out = []
-        logs = os.path.join(self.state, "logs")
-        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
-            with open(os.path.join(logs, name), errors="replace") as f:
-                out.append(f"==== {name}\n{f.read()[-3000:]}")
-        return "\n".join(out)
+        return process_logs(self.state)
 
     def submit(self, name, parallel=DP2_PP2, extra="", args=(), steps=STEPS):
         ckpt = os.path.join(self.work, f"ckpt-{name}")
@@ -206,7 +208,7 @@ class IsolatedNodesTest(unittest.TestCase):
     def expect_link_panels(self, panels, query):
         """The link panels show every worker's links: RTT to each peer, the emulated WAN's delay visible in it, and
         the goodput of the tensor streams across the sites."""
-        exprs = {t["refId"] + " " + p["title"]: t["expr"] for p in panels for t in p.get("targets", [])
+        exprs = {t["refId"] + " " + p["title"]: dashboard_all(t["expr"]) for p in panels for t in p.get("targets", [])
                  if "geotrain_link_" in t["expr"]}
         rtt_expr = next(e for e in exprs.values() if "geotrain_link_rtt_seconds" in e)
         goodput_expr = next(e for e in exprs.values() if "geotrain_link_sent_bytes_total" in e)
@@ -342,6 +344,27 @@ class IsolatedNodesTest(unittest.TestCase):
                       "--tls-key", os.path.join(certs, "client.key")], check=False, env=env)
         self.assertEqual(r.returncode, 0, r.stderr)
 
+    def expect_alert_rules_evaluate(self, port):
+        """Prometheus loaded deploy/prometheus/geotrain-alerts.yml: every rule evaluates on the live series without
+        an error (promtool's unit test checks when each one fires: deploy.alert_rules), and the job and head alerts
+        do not fire on these healthy jobs."""
+        with open(ALERTS) as f:
+            names = {r["alert"] for g in yaml.safe_load(f)["groups"] for r in g["rules"]}
+        self.assertGreaterEqual(len(names), 6)
+
+        def evaluated():
+            url = f"http://127.0.0.1:{port}/api/v1/rules?type=alert"
+            groups = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["groups"]
+            rules = {r["name"]: r for g in groups for r in g["rules"]}
+            done = set(rules) == names and all(r.get("lastEvaluation", "").startswith("20") for r in rules.values())
+            return rules if done else None
+        rules = wait_for(evaluated, 30, "Prometheus to evaluate every alert rule", 0.5)
+        for name, rule in rules.items():
+            self.assertEqual(rule["health"], "ok", (name, rule.get("lastError")))
+            if name in ("GeotrainJobStalled", "GeotrainLossNotFinite", "GeotrainHeadStateNotWritable"):
+                firing = [a for a in rule["alerts"] if a["state"] == "firing"]
+                self.assertEqual(firing, [], f"{name} fires on healthy jobs")
+
     def test_5_prometheus_scrapes_every_node_and_every_panel_has_data(self):
         self.assertTrue(os.path.exists(PROMETHEUS), "prometheus is not installed; run deploy/install-deps.sh")
         port = free_port()
@@ -350,7 +373,8 @@ class IsolatedNodesTest(unittest.TestCase):
         targets = os.path.join(self.state, "head", "prometheus_targets.json")
         with open(os.path.join(prom_dir, "prometheus.yml"), "w") as f:
             f.write("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
-                    f"  - {{job_name: geotrain, file_sd_configs: [{{files: ['{targets}'], refresh_interval: 1s}}]}}\n")
+                    f"  - {{job_name: geotrain, file_sd_configs: [{{files: ['{targets}'], refresh_interval: 1s}}]}}\n"
+                    f"rule_files: ['{os.path.abspath(ALERTS)}']\n")
         with open(os.path.join(prom_dir, "prometheus.log"), "wb") as log:
             prom = subprocess.Popen([PROMETHEUS, f"--config.file={prom_dir}/prometheus.yml",
                                      f"--storage.tsdb.path={prom_dir}/tsdb", f"--web.listen-address=127.0.0.1:{port}"],
@@ -391,9 +415,12 @@ class IsolatedNodesTest(unittest.TestCase):
             # Series these fault-free jobs without a validation set cannot have: geotrain_val_loss needs data.val
             # (the runtime equivalence test checks it), the recovery histogram a restart (the recovery test).
             # Every other panel must show data.
-            needs_more = ("geotrain_val_loss", "geotrain_job_recovery_seconds")
-            exprs = [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])
-                     if not any(m in t["expr"] for m in needs_more)]
+            # GPU gauges exist only where NVML reads a real GPU (never faked): none here.
+            # The predicted step time is the planner's, for `plan: auto` jobs (these are manual).
+            needs_more = ("geotrain_val_loss", "geotrain_job_recovery_seconds", "geotrain_gpu_",
+                          "geotrain_predicted_step_seconds")
+            exprs = [(p["title"], dashboard_all(t["expr"]))
+                     for p in panels for t in p.get("targets", []) if not any(m in t["expr"] for m in needs_more)]
             self.assertGreater(len(exprs), 5, "the dashboard's queries")
             deadline = time.monotonic() + 30  # rates need two scrapes
             empty = exprs
@@ -404,6 +431,7 @@ class IsolatedNodesTest(unittest.TestCase):
             by_job = query(f"sum by (job_id) (geotrain_tokens_per_second{{{these}}})")
             self.assertEqual(sorted(r["metric"]["job_id"] for r in by_job), sorted(jobs), "one line per job")
             print(f"prometheus: all {len(exprs)} panel queries return data; one series per job: {sorted(jobs)}")
+            self.expect_alert_rules_evaluate(port)
             self.expect_link_panels(panels, query)
             self.expect_ended_job_series_removed(query, jobs)
             for job_id in jobs:

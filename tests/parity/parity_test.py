@@ -10,10 +10,8 @@ tensor must agree: max |ours - ref| <= 1e-4 * max(1, max |ref|).
 Usage: parity_test.py --geotrain build/bin/geotrain
 """
 import argparse
-import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,9 @@ import tempfile
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from geotrain_testing.checkpoints import read_safetensors
+from geotrain_testing.shards import write_token_shard
 
 TOLERANCE = 1e-4
 
@@ -31,30 +32,6 @@ CONFIGS = [
     ("wider", 3, 4, 128, 512, 64, 2, 64),
 ]
 STEPS = 10
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    base = 8 + n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        assert info["dtype"] == "F32", (name, info["dtype"])
-        begin, end = info["data_offsets"]
-        out[name] = np.frombuffer(data[base + begin:base + end], dtype=np.float32).reshape(info["shape"])
-    return out
-
-
-def write_shard(path, tokens):
-    header = np.zeros(256, dtype=np.int32)
-    header[0], header[1], header[2] = 20240520, 1, len(tokens)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
 
 
 def forward(p, idx, targets, L, NH):
@@ -122,7 +99,7 @@ def run_config(geotrain, workdir, cfg, checker):
     tokens_path = os.path.join(workdir, f"{name}.bin")
     rng = np.random.default_rng(1234)
     tokens = rng.integers(0, V, size=STEPS * B * T + 1)
-    write_shard(tokens_path, tokens)
+    write_token_shard(tokens_path, tokens)
     run = lambda *args: subprocess.run([geotrain, *args], check=True, capture_output=True, text=True)
     run("model", "init", "--config", spec, "--out", weights)
     grads_path = os.path.join(workdir, f"{name}.grads.safetensors")

@@ -21,9 +21,9 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
-from checkpoint_lib import newest, read_step_dir, write_shard  # noqa: E402
-from cluster_lib import ClusterUp, wait_for  # noqa: E402
+from geotrain_testing.checkpoints import newest, read_step_dir
+from geotrain_testing.clusters import ClusterUp, wait_for
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1)
 TOPOLOGY = sys.argv.pop(1)
@@ -57,7 +57,7 @@ class RecoveryTest(unittest.TestCase):
         rng = np.random.default_rng(5)
         base = rng.integers(0, VOCAB, size=97)
         tokens = np.concatenate([np.where(rng.random(97) < 0.1, rng.integers(0, VOCAB, 97), base) for _ in range(400)])
-        write_shard(os.path.join(cls.dir, "train_000000.bin"), tokens)
+        write_token_shard(os.path.join(cls.dir, "train_000000.bin"), tokens)
         cls.data = os.path.join(cls.dir, "train_*.bin")
         # The reference: one uninterrupted process, 4 microbatches of 2 sequences (as DP2 x 2 microbatches).
         cls.local_ckpt = os.path.join(cls.dir, "local")

@@ -19,9 +19,10 @@ import unittest
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "control"))
-from checkpoint_lib import read_safetensors, write_shard  # noqa: E402
-from cluster_lib import LocalCluster, wait_for  # noqa: E402
+from geotrain_testing.checkpoints import newest, read_safetensors
+from geotrain_testing.clusters import LocalCluster, wait_for
+from geotrain_testing.logs import cluster_steps, local_steps
+from geotrain_testing.shards import write_token_shard
 
 GEOTRAIN = sys.argv.pop(1) if len(sys.argv) > 1 else "geotrain"
 VOCAB = 512
@@ -29,8 +30,7 @@ VOCAB = 512
 
 def read_checkpoint(ckpt, steps):
     """The weights of the newest checkpoint under ckpt (which must be of `steps`), from every model file."""
-    with open(os.path.join(ckpt, "latest")) as f:
-        step_dir = os.path.join(ckpt, f.read().strip())
+    step_dir = newest(ckpt)
     with open(os.path.join(step_dir, "manifest.json")) as f:
         manifest = json.load(f)
     assert int(manifest["step"]) == steps, manifest["step"]
@@ -59,9 +59,9 @@ class EquivalenceTest(unittest.TestCase):
         # Token streams with structure (a noisy repeating pattern) so that the loss moves.
         base = rng.integers(0, VOCAB, size=97)
         tokens = np.concatenate([np.where(rng.random(97) < 0.1, rng.integers(0, VOCAB, 97), base) for _ in range(400)])
-        write_shard(os.path.join(data_dir, "train_000000.bin"), tokens)
+        write_token_shard(os.path.join(data_dir, "train_000000.bin"), tokens)
         cls.data = os.path.join(data_dir, "train_*.bin")
-        write_shard(os.path.join(data_dir, "val_000000.bin"), tokens[:3000])
+        write_token_shard(os.path.join(data_dir, "val_000000.bin"), tokens[:3000])
         cls.val = os.path.join(data_dir, "val_*.bin")
         c.start_head()
         for name, site in (("a0", "site-a"), ("a1", "site-a"), ("b0", "site-b"), ("b1", "site-b")):
@@ -84,7 +84,7 @@ class EquivalenceTest(unittest.TestCase):
             out = subprocess.run([GEOTRAIN, "train", "--local", path], capture_output=True, text=True,
                                  timeout=300)
             self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
-            losses = [float(m.group(1)) for m in re.finditer(r"step \d+/\d+ \| loss ([0-9.]+)", out.stdout)]
+            losses = [s["loss"] for s in local_steps(out.stdout)]
             self.assertEqual(len(losses), steps, out.stdout)
             final = os.path.join(ckpt, f"step_{steps:08d}", "model.safetensors")
             self.local[key] = (losses, read_safetensors(final))
@@ -100,9 +100,9 @@ class EquivalenceTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr + c.logs())
         self.assertIn("SUCCEEDED", out.stdout)
         losses, wan = [], 0
-        for m in re.finditer(r"step (\d+) loss ([0-9.]+) .* wan bytes (\d+)", out.stdout):
-            losses.append(float(m.group(2)))
-            wan += int(m.group(3))
+        for s in cluster_steps(out.stdout):
+            losses.append(s["loss"])
+            wan += s["wan_bytes"]
         self.assertEqual(len(losses), steps, out.stdout)
         return losses, read_checkpoint(ckpt, steps), wan, out.stdout
 
@@ -165,13 +165,10 @@ class EquivalenceTest(unittest.TestCase):
         self.assertEqual(local.returncode, 0, local.stderr + local.stdout)
         self.assertIn("DiLoCo simulated: 2 replicas in 2 groups", local.stdout)
         self.assertIn("inner lr x 1.5 (at most train.lr)", local.stdout)
-        ref = {int(m.group(1)): (float(m.group(2)), m.group(3) and float(m.group(3)))
-               for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)(?: \| val ([0-9.]+))?", local.stdout)}
+        ref = {s["step"]: (s["loss"], s["val_loss"]) for s in local_steps(local.stdout)}
         out = self.c.cli(["job", "submit", path, "--follow"], check=False)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr + self.c.logs())
-        got = {int(m.group(1)): (float(m.group(2)), m.group(4) and float(m.group(4)))
-               for m in re.finditer(r"step (\d+) loss ([0-9.]+) .* wan bytes (\d+)[^\n]*?(?:val_loss ([0-9.]+))?$",
-                                    out.stdout, re.M)}
+        got = {s["step"]: (s["loss"], s["val_loss"]) for s in cluster_steps(out.stdout)}
         self.assertEqual(sorted(got), list(range(1, steps + 1)), out.stdout)
         for step, (loss, val) in got.items():
             want_loss, want_val = ref[step]
@@ -189,7 +186,7 @@ class EquivalenceTest(unittest.TestCase):
             f.write(spec)
         out = self.c.cli(["job", "submit", path, "--follow"], check=False)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr + self.c.logs())
-        losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+) loss ([0-9.]+)", out.stdout)}
+        losses = {s["step"]: s["loss"] for s in cluster_steps(out.stdout)}
         self.assertEqual(sorted(losses), list(steps), out.stdout)
         return losses
 
@@ -265,8 +262,7 @@ class EquivalenceTest(unittest.TestCase):
         local = subprocess.run([GEOTRAIN, "train", "--local", local_path], capture_output=True, text=True, timeout=300)
         self.assertEqual(local.returncode, 0, local.stderr + local.stdout)
         self.assertIn("resumed from", local.stdout)
-        ref = {int(m.group(1)): float(m.group(2))
-               for m in re.finditer(r"step (\d+)/\d+ \| loss ([0-9.]+)", local.stdout)}
+        ref = {s["step"]: s["loss"] for s in local_steps(local.stdout)}
         self.assertEqual(sorted(ref), list(range(4, steps + 1)), local.stdout)
         for step, loss in warm.items():
             # train --local prints 4 decimals: the bound is 1e-5 relative or that precision.

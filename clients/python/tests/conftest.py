@@ -1,16 +1,17 @@
 """The Python client's tests drive a real `geotrain cluster up` cluster (tests/control/two-sites-5ms.yaml: two
 sites 5 ms apart, two emulated T4 workers each), started once for the session in a temporary GEOTRAIN_HOME, so
 that geotrain.Client() finds its head as the CLI does. ctest runs them (clients/python/CMakeLists.txt) with
-GEOTRAIN_BIN (the geotrain binary), GEOTRAIN_SOURCE_DIR and PYTHONPATH (the package in the build tree)."""
+GEOTRAIN_BIN (the geotrain binary), GEOTRAIN_SOURCE_DIR and PYTHONPATH (the test package tests/lib, for the cluster
+harness, and the package in the build tree)."""
 import os
-import sys
 
 import pytest
 
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
+
 SOURCE_DIR = os.environ.get("GEOTRAIN_SOURCE_DIR",
                             os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
-sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "control"))
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
 
 TOPOLOGY = os.path.join(SOURCE_DIR, "tests", "control", "two-sites-5ms.yaml")
 

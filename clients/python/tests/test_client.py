@@ -399,7 +399,7 @@ def test_tls_head_with_the_ca(tmp_path):
     import subprocess
     import sys
     from conftest import SOURCE_DIR
-    from cluster_lib import LocalCluster
+    from geotrain_testing.clusters import LocalCluster
 
     c = LocalCluster(os.environ["GEOTRAIN_BIN"])
     try:

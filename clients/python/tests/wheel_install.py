@@ -6,7 +6,8 @@ imports geotrain from a directory outside the source and build trees, and runs a
 installed client on a real `geotrain cluster up` cluster (tests/control/two-sites-5ms.yaml), following it in the
 background and reading its step series.
 
-Usage: wheel_install.py WHEEL GEOTRAIN_BIN [PYTHON]   (PYTHON: the interpreter of the venv, default /usr/bin/python3)
+Usage: wheel_install.py WHEEL GEOTRAIN_BIN [PYTHON]   (PYTHON: the interpreter of the venv, default /usr/bin/python3),
+with PYTHONPATH=tests/lib (the cluster harness; ctest sets it). The venv's client runs without it.
 Exits 77 (skipped) only when the interpreter cannot make a virtual environment with pip (Debian: python3-venv).
 Not collected by pytest (its name): clients/python/tests/test_*.py test the package in the build tree.
 """
@@ -23,11 +24,12 @@ import sys
 import tempfile
 import zipfile
 
+from geotrain_testing.clusters import ClusterUp
+from geotrain_testing.shards import write_tiny_corpus
+
 SKIPPED = 77
 SOURCE_DIR = os.environ.get("GEOTRAIN_SOURCE_DIR",
                             os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
-sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "control"))
-from cluster_lib import ClusterUp, write_tiny_corpus  # noqa: E402
 
 # Run by the installed client, in the venv, from a directory outside the trees: a tiny job followed in the
 # background to its end. Prints one JSON line with what the checks below need.

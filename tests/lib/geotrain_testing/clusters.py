@@ -1,9 +1,12 @@
-"""Helpers for integration tests (and bench/chaos) that run real geotrain processes on loopback.
+"""Real geotrain processes on loopback, for integration tests and benchmarks: the one cluster harness.
 
 A ClusterUp runs `geotrain cluster up TOPOLOGY` in its own GEOTRAIN_HOME and can kill -9 and restart any of
 its processes. A LocalCluster owns a temporary GEOTRAIN_HOME and state dir, starts `geotrain head start` and
 `geotrain worker start` as child processes, and kills everything it started when closed. Both also close at
 interpreter exit, so that a test whose set-up fails (where unittest calls no tearDown) leaves nothing behind.
+Benchmarks that bring several clusters up and down in turn in one home (bench/geo/) take private_cluster_env
+and run: the same private environment as ClusterUp's (private_env), their commands' failures raised as
+RuntimeError with the output's tail.
 """
 import atexit
 import json
@@ -46,15 +49,48 @@ def wait_for(predicate, timeout, what, interval=0.1):
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+def private_env(home, **extra):
+    """This process's environment with GEOTRAIN_HOME=home and `extra`, and no inherited head or token
+    (GEOTRAIN_HEAD, GEOTRAIN_TOKEN, GEOTRAIN_TOKEN_FILE), so that the CLI talks only to the cluster whose record
+    is in `home`."""
+    env = dict(os.environ, GEOTRAIN_HOME=home, **extra)
+    for name in ("GEOTRAIN_HEAD", "GEOTRAIN_TOKEN", "GEOTRAIN_TOKEN_FILE"):
+        env.pop(name, None)
+    return env
+
+
+def private_cluster_env(prefix, **extra):
+    """A fresh work directory (mkdtemp with `prefix`; the caller removes it) and a private_env whose
+    GEOTRAIN_HOME is work/home, for a benchmark that runs `cluster up` and `cluster down` itself."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    return work, private_env(os.path.join(work, "home"), **extra)
+
+
+def run(cmd, env, timeout=900):
+    """Runs cmd in env; returns its stdout. Raises RuntimeError with the tails of its output when it exits non-zero
+    (subprocess.TimeoutExpired when it outlasts `timeout` seconds)."""
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+
+def process_logs(state_dir):
+    """The last 3,000 characters of each process log of a `cluster up` state dir (<state_dir>/logs/*)."""
+    out = []
+    logs = os.path.join(state_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        with open(os.path.join(logs, name), errors="replace") as f:
+            out.append(f"==== {name}\n{f.read()[-3000:]}")
+    return "\n".join(out)
+
 class LocalCluster:
     def __init__(self, geotrain, heartbeat_args=()):
         self.geotrain = geotrain
         self.dir = tempfile.mkdtemp(prefix="geotrain_it_")
         self.state_dir = os.path.join(self.dir, "state")
-        self.env = dict(os.environ)
-        self.env["GEOTRAIN_HOME"] = os.path.join(self.dir, "home")
-        self.env.pop("GEOTRAIN_HEAD", None)
-        self.env.pop("GEOTRAIN_TOKEN", None)
+        self.env = private_env(os.path.join(self.dir, "home"))
         self.port = free_port()
         self.metrics_port = free_port()
         self.heartbeat_args = list(heartbeat_args)
@@ -124,25 +160,6 @@ class LocalCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def write_token_shard(path, tokens):
-    """A token shard in llm.c's .bin layout (256 int32 header: magic 20240520, version 1, count; then uint16)."""
-    import struct
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253)))
-        f.write(struct.pack(f"<{len(tokens)}H", *tokens))
-
-
-def write_tiny_corpus(directory, vocab=512, length=97, repeats=200, seed=5):
-    """A small learnable corpus (a sequence repeated with 10% noise) as one train shard; returns its glob."""
-    import random
-    rng = random.Random(seed)
-    base = [rng.randrange(vocab) for _ in range(length)]
-    tokens = [rng.randrange(vocab) if rng.random() < 0.1 else t for _ in range(repeats) for t in base]
-    os.makedirs(directory, exist_ok=True)
-    write_token_shard(os.path.join(directory, "train_000000.bin"), tokens)
-    return os.path.join(directory, "train_*.bin")
-
-
 class ClusterUp:
     """A `geotrain cluster up TOPOLOGY` cluster in its own GEOTRAIN_HOME, whose processes (named as in
     cluster.json: "head", "worker NAME", ...) can be killed with -9 and started again with the same command."""
@@ -150,10 +167,7 @@ class ClusterUp:
     def __init__(self, geotrain, topology, prefix="geotrain_cluster_", up_args=()):
         self.geotrain = geotrain
         self.home = tempfile.mkdtemp(prefix=prefix)
-        self.env = dict(os.environ, GEOTRAIN_HOME=self.home)
-        self.env.pop("GEOTRAIN_HEAD", None)
-        self.env.pop("GEOTRAIN_TOKEN", None)
-        self.env.pop("GEOTRAIN_TOKEN_FILE", None)
+        self.env = private_env(self.home)
         self.state = os.path.join(self.home, "cluster")
         self.restarted = {}  # name -> Popen of a process the test started again
         self.killed = {}     # name -> (argv, env) to start it again
@@ -245,12 +259,7 @@ class ClusterUp:
         return wait_for(lambda: re.search(pattern, self.logs(job_id)), timeout, f"'{pattern}' in {job_id}'s log", 0.2)
 
     def process_logs(self):
-        out = []
-        logs = os.path.join(self.state, "logs")
-        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
-            with open(os.path.join(logs, name), errors="replace") as f:
-                out.append(f"==== {name}\n{f.read()[-3000:]}")
-        return "\n".join(out)
+        return process_logs(self.state)
 
     def close(self):
         if self.closed:

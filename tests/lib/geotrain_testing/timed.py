@@ -1,6 +1,7 @@
-"""What the timed-compute studies share (bench/geo/fabric_study.py, bench/geo/validate_timed.py): topologies and job
-specs, running one plan on a `cluster up --timed-compute` cluster, the planner's prediction of a plan, and the
-calibration of the planner's model to this machine.
+"""What the timed-compute studies share (bench/geo/fabric_study.py, bench/geo/validate_timed.py,
+bench/geo/timed_compute_bench.py; tested by tests/control/study_harness_test.py): topologies and job specs, running
+one plan on a `cluster up --timed-compute` cluster, the planner's prediction of a plan, and the calibration of the
+planner's model to this machine.
 
 Calibration. A timed cluster computes in the emulated GPUs' time but communicates through this machine: inside a
 site, a collective goes over gRPC on loopback, all actors sharing two cores, not over NVLink or a 100 Gbit/s NIC.
@@ -39,14 +40,11 @@ sites x PP (GPT-2 medium: 7.5 s vs 15.0 s) and a tenth of DP over 16 devices.
 """
 import json
 import os
-import re
 import statistics
 import subprocess
 import time
 
-STEP_LINE = re.compile(r"step (\d+) EMULATED \(timed compute\) loss n/a \d+ tokens/s step ([\d.]+) s "
-                       r"\(compute ([\d.]+), comm wait ([\d.]+), bubble ([\d.]+)[^)]*\) wan bytes (\d+)")
-
+from geotrain_testing.logs import cluster_steps
 
 def write_topology(path, sites, links):
     """sites: [(name, [(device, count per worker), ...])]; links: [(a, b, one-way ms, Mbit/s)]."""
@@ -96,12 +94,12 @@ def run_job(cluster, spec, timeout, warmup=1):
     if job["state"] != "JOB_SUCCEEDED":
         out["message"] = (job.get("message") or "")[:300]
         return out
-    log = cluster.logs(job_id)
-    steps = [m for m in STEP_LINE.finditer(log) if int(m.group(1)) > warmup] or list(STEP_LINE.finditer(log))
-    out.update(step_s=round(statistics.median(float(m.group(2)) for m in steps), 4),
-               compute_s=round(statistics.median(float(m.group(3)) for m in steps), 4),
-               comm_wait_s=round(statistics.median(float(m.group(4)) for m in steps), 4),
-               wan_bytes=int(statistics.median(int(m.group(6)) for m in steps)))
+    timed = [s for s in cluster_steps(cluster.logs(job_id)) if s["emulated"]]
+    steps = [s for s in timed if s["step"] > warmup] or timed
+    out.update(step_s=round(statistics.median(s["step_s"] for s in steps), 4),
+               compute_s=round(statistics.median(s["compute_s"] for s in steps), 4),
+               comm_wait_s=round(statistics.median(s["comm_wait_s"] for s in steps), 4),
+               wan_bytes=int(statistics.median(s["wan_bytes"] for s in steps)))
     out["wan_mb"] = round(out["wan_bytes"] / 1e6, 1)
     return out
 

@@ -1,0 +1,334 @@
+// The job runner's fault and recovery policy (see job_recovery.h).
+#include "head/job_recovery.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/log.h"
+#include "common/names.h"
+#include "common/status.h"
+#include "model/checkpoint_files.h"
+
+namespace geotrain::head {
+namespace {
+
+// The restart's figures in the job's last fault (where it resumed, the steps lost), and the steps lost counted.
+void RecordRestart(JobManager* jobs, StepAggregator* metrics, const std::string& job_id, const std::string& resume_from,
+                   int64_t fault_step) {
+  int64_t resumed_step = 0;
+  if (!resume_from.empty()) {
+    if (auto manifest = model::VerifyCheckpoint(resume_from); manifest.ok()) resumed_step = manifest->step();
+  }
+  const int64_t lost = std::max<int64_t>(0, fault_step - resumed_step);
+  LogIfFailed(jobs->Update(job_id,
+                           [&](JobInfo& j) {
+                             if (j.faults_size() == 0) return;
+                             FaultRecord* f = j.mutable_faults(j.faults_size() - 1);
+                             f->set_resumed_from(resume_from);
+                             f->set_resumed_step(resumed_step);
+                             f->set_steps_lost(lost);
+                           })
+                  .status(),
+              job_id, "recording the restart");
+  if (lost > 0) metrics->CountStepsLost(job_id, lost);
+}
+
+}  // namespace
+
+// A fault as the control thread takes it from the run (HandleFaults).
+struct JobRecovery::PendingFault {
+  std::string job_id, cause;
+  std::vector<ActorPlacement> actors;
+  int restarts = 0;
+  int64_t step = 0, detected_unix_ms = 0, attempt = 0;
+  bool permanent = false;
+};
+
+JobRecovery::JobRecovery(JobManager* jobs, WorkerRegistry* registry, JobRuns* runs, ActorLauncher* launcher,
+                         StepAggregator* metrics, RunControl* control, const Clock* clock)
+    : jobs_(jobs),
+      registry_(registry),
+      runs_(runs),
+      launcher_(launcher),
+      metrics_(metrics),
+      control_(control),
+      clock_(clock) {}
+
+void JobRecovery::Restore() {
+  const WorkersById workers = ById(registry_->Workers());
+  const int64_t now = clock_->NowMillis();
+  std::vector<std::pair<std::string, std::string>> lines;
+  const std::vector<JobInfo> jobs = jobs_->List();
+  {
+    absl::MutexLock lock(&runs_->mu);
+    for (const JobInfo& job : jobs) {
+      if (job.state() != JOB_RUNNING && job.state() != JOB_RESTARTING) continue;
+      lines.push_back({job.job_id(), absl::StrCat("the head restarted: it takes the job over (run ", job.attempt(),
+                                                  ", step ", job.step(), ")")});
+      JobRun& run = runs_->by_job[job.job_id()];
+      run.spec = job.spec();
+      run.attempt = job.attempt();
+      run.restarts = job.restarts();
+      run.last_step = job.step();
+      run.last_checkpoint_step = job.last_checkpoint_step();
+      run.resumed_from = job.resumed_from();
+      run.launched_ms = now;  // the workers get a grace period to list their actors again
+      for (const ActorRecord& a : job.actors()) {
+        ActorPlacement p;
+        p.actor = a;
+        auto w = workers.find(a.worker_id());
+        if (w != workers.end()) p.site = w->second.site();
+        run.actors.push_back(p);
+      }
+      for (const CheckpointShard& shard : job.pending_shards()) run.shards[shard.step()][shard.actor_id()] = shard;
+      run.done.insert(job.done_actors().begin(), job.done_actors().end());
+      run.restored = true;
+      if (job.state() == JOB_RESTARTING) {
+        run.phase = RunPhase::kRecovering;
+        run.fault_cause = job.message();
+        run.fault_detected_ms = now;
+        run.fault_unix_ms = clock_->UnixMillis();
+        run.fault_step = job.step();
+      }
+      GT_LOG(INFO) << "job " << job.job_id() << " (" << JobStateName(job.state()) << ", run " << run.attempt
+                   << ", step " << run.last_step << ") taken over from the previous head";
+    }
+  }
+  for (const auto& [job_id, line] : lines) LogIfFailed(jobs_->Log(job_id, line), job_id, "logging");
+}
+
+void JobRecovery::OnWorkerDead(const WorkerInfo& worker) {
+  std::vector<std::pair<std::string, int64_t>> hit;
+  {
+    absl::MutexLock lock(&runs_->mu);
+    for (auto& [job_id, run] : runs_->by_job) {
+      if (run.phase != RunPhase::kRunning) continue;
+      for (const ActorPlacement& p : run.actors) {
+        if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
+          hit.push_back({job_id, run.attempt});
+          break;
+        }
+      }
+    }
+  }
+  for (const auto& [job_id, attempt] : hit) {
+    Fault(
+        job_id, attempt,
+        absl::StrCat("worker ", worker.worker_id(), " at site ", worker.site(), " died (", worker.dead_reason(), ")"));
+  }
+}
+
+void JobRecovery::Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent) {
+  {
+    absl::MutexLock lock(&runs_->mu);
+    auto it = runs_->by_job.find(job_id);
+    if (it == runs_->by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
+    JobRun& run = it->second;
+    run.phase = RunPhase::kFault;
+    run.fault_cause = cause;
+    run.fault_permanent = permanent;
+    run.fault_detected_ms = clock_->NowMillis();
+    run.fault_unix_ms = clock_->UnixMillis();
+    run.fault_step = run.last_step;
+    runs_->kicked = true;
+  }
+  GT_LOG(WARNING) << "job " << job_id << " (run " << attempt << "): fault: " << cause;
+}
+
+void JobRecovery::HandleFaults() {
+  std::vector<PendingFault> pending;
+  {
+    absl::MutexLock lock(&runs_->mu);
+    for (auto& [job_id, run] : runs_->by_job) {
+      if (run.phase != RunPhase::kFault) continue;
+      pending.push_back({job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms,
+                         run.attempt, run.fault_permanent});
+    }
+  }
+  for (const PendingFault& p : pending) HandleFault(p);
+}
+
+void JobRecovery::HandleFault(const PendingFault& p) {
+  absl::StatusOr<JobInfo> job = jobs_->Get(p.job_id);
+  if (!job.ok()) return;
+  const FaultToleranceSpec& ft = job->spec().fault_tolerance();
+  const int max_restarts = ft.has_max_restarts() ? ft.max_restarts() : 3;
+  if (p.permanent) {
+    control_->EndJob(p.job_id, JOB_FAILED,
+                     absl::StrCat(p.cause, "; not restarted: the error is in the job (its spec, data or checkpoint) ",
+                                  "and a restart would fail the same way; fix it and submit the job again"));
+    return;
+  }
+  if (max_restarts >= 0 && p.restarts >= max_restarts) {
+    control_->EndJob(p.job_id, JOB_FAILED,
+                     max_restarts == 0 ? p.cause
+                                       : absl::StrCat(p.cause, "; no restart left (fault_tolerance.max_restarts ",
+                                                      max_restarts, ")"));
+    return;
+  }
+  FaultRecord fault;
+  fault.set_cause(p.cause);
+  fault.set_detected_unix_ms(p.detected_unix_ms);
+  fault.set_step(p.step);
+  fault.set_attempt(p.attempt + 1);
+  LogIfFailed(jobs_
+                  ->Update(p.job_id,
+                           [&](JobInfo& j) {
+                             *j.add_faults() = fault;
+                             j.set_restarts(p.restarts + 1);
+                           })
+                  .status(),
+              p.job_id, "recording the fault");
+  auto moved =
+      jobs_->Transition(p.job_id, JOB_RESTARTING,
+                        absl::StrCat(p.cause, "; restarting (", p.restarts + 1, " of ",
+                                     max_restarts < 0 ? std::string("unlimited") : absl::StrCat(max_restarts), ")"));
+  if (!moved.ok() && moved.status().code() == absl::StatusCode::kUnavailable) {
+    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING (will retry)");  // the fault stays to be handled
+    return;
+  }
+  if (!moved.ok()) {  // cancelled meanwhile
+    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING");
+    absl::MutexLock lock(&runs_->mu);
+    if (auto it = runs_->by_job.find(p.job_id); it != runs_->by_job.end()) it->second.phase = RunPhase::kEnded;
+    return;
+  }
+  metrics_->CountRestart(p.job_id);
+  // The surviving actors stop now (their receives end at once), before the next run is placed.
+  launcher_->StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
+  absl::MutexLock lock(&runs_->mu);
+  auto it = runs_->by_job.find(p.job_id);
+  if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault) return;
+  it->second.phase = RunPhase::kRecovering;
+  it->second.restarts = p.restarts + 1;
+  it->second.waiting_message.clear();
+  runs_->kicked = true;
+}
+
+absl::StatusOr<std::string> JobRecovery::ResumePoint(const std::string& job_id, const JobSpec& spec) {
+  const CheckpointSpec& c = spec.checkpoint();
+  std::vector<std::string> skipped;
+  absl::StatusOr<std::string> newest = absl::NotFoundError("no checkpoint dir");
+  if (!c.dir().empty()) newest = model::FindNewestCheckpoint(c.dir(), &skipped);
+  for (const std::string& why : skipped) {
+    LogIfFailed(jobs_->Log(job_id, absl::StrCat("skipped a checkpoint that does not verify: ", why)), job_id,
+                "logging");
+  }
+  // The job's own newest checkpoint is the furthest point; one it was told to resume from comes next.
+  if (newest.ok()) {
+    absl::StatusOr<JobInfo> job = jobs_->Get(job_id);
+    const bool own = job.ok() && (job->last_checkpoint_step() > 0 || c.resume() == "auto");
+    if (own || c.resume_from().empty()) return *newest;
+  }
+  if (!c.resume_from().empty()) {
+    std::vector<std::string> skipped_there;
+    std::string from = c.resume_from();
+    std::error_code ec;
+    if (!std::filesystem::exists(from + "/manifest.json", ec)) {
+      ASSIGN_OR_RETURN(from, model::FindNewestCheckpoint(c.resume_from(), &skipped_there));
+    } else {
+      RETURN_IF_ERROR(model::VerifyCheckpoint(from).status());
+    }
+    for (const std::string& why : skipped_there) {
+      LogIfFailed(jobs_->Log(job_id, absl::StrCat("skipped a checkpoint that does not verify: ", why)), job_id,
+                  "logging");
+    }
+    return from;
+  }
+  return std::string();
+}
+
+void JobRecovery::RecoverJobs() {
+  std::vector<std::string> recovering;
+  {
+    absl::MutexLock lock(&runs_->mu);
+    for (auto& [job_id, run] : runs_->by_job) {
+      if (run.phase == RunPhase::kRecovering) recovering.push_back(job_id);
+    }
+  }
+  for (const std::string& job_id : recovering) RecoverJob(job_id);
+}
+
+void JobRecovery::RecoverJob(const std::string& job_id) {
+  absl::StatusOr<JobInfo> job = jobs_->Get(job_id);
+  if (!job.ok() || job->state() != JOB_RESTARTING) {
+    absl::MutexLock lock(&runs_->mu);
+    if (auto it = runs_->by_job.find(job_id); it != runs_->by_job.end() && job.ok() && IsTerminal(job->state())) {
+      it->second.phase = RunPhase::kEnded;
+    }
+    return;
+  }
+  int64_t attempt, detected_ms, fault_step;
+  std::string waiting;
+  {
+    absl::MutexLock lock(&runs_->mu);
+    const JobRun& run = runs_->by_job[job_id];
+    attempt = run.attempt + 1;
+    detected_ms = run.fault_detected_ms;
+    fault_step = run.fault_step;
+    waiting = run.waiting_message;
+  }
+  absl::StatusOr<std::string> resume_from = ResumePoint(job_id, job->spec());
+  if (!resume_from.ok()) {
+    control_->EndJob(job_id, JOB_FAILED, absl::StrCat("cannot restart: ", resume_from.status().message()));
+    return;
+  }
+  absl::Status launched = control_->PlaceAndLaunch(*job, attempt, *resume_from);
+  if (launched.ok()) {
+    RecordRestart(jobs_, metrics_, job_id, *resume_from, fault_step);
+    return;
+  }
+  const double waited_s = (clock_->NowMillis() - detected_ms) / 1000.0;
+  const double limit_s = job->spec().fault_tolerance().wait_for_workers_s() > 0
+                             ? job->spec().fault_tolerance().wait_for_workers_s()
+                             : 300.0;
+  if (launched.code() == absl::StatusCode::kAborted && waited_s <= limit_s) {
+    // An actor could not be created (a worker went away meanwhile): try again on the next look.
+    LogIfFailed(jobs_->Log(job_id, absl::StrCat("restart attempt failed: ", launched.message(), "; trying again")),
+                job_id, "logging");
+  } else if (launched.code() != absl::StatusCode::kUnavailable && launched.code() != absl::StatusCode::kAborted) {
+    control_->EndJob(job_id, JOB_FAILED, absl::StrCat("cannot restart: ", launched.message()));
+  } else if (waited_s > limit_s) {
+    control_->EndJob(job_id, JOB_FAILED,
+                     absl::StrFormat("cannot restart: %s after waiting %.0f s (fault_tolerance.wait_for_workers_s); "
+                                     "start or rejoin workers, or resubmit with a plan that fits the workers alive",
+                                     launched.message(), waited_s));
+  } else {
+    const std::string why = absl::StrCat("waiting for workers to restart: ", launched.message());
+    if (why != waiting) {
+      LogIfFailed(jobs_->Log(job_id, why), job_id, "logging");
+      absl::MutexLock lock(&runs_->mu);
+      runs_->by_job[job_id].waiting_message = why;
+    }
+  }
+}
+
+std::optional<JobRecovery::Recovery> JobRecovery::MeasureRecovery(JobRun& run, int64_t step) const {
+  if (run.recovery_measured || step <= run.resumed_step) return std::nullopt;
+  run.recovery_measured = true;
+  return Recovery{(clock_->NowMillis() - run.fault_detected_ms) / 1000.0,
+                  std::max<int64_t>(0, run.fault_step - run.resumed_step)};
+}
+
+void JobRecovery::RecordRecovery(const std::string& job_id, const Recovery& recovery) {
+  LogIfFailed(jobs_
+                  ->Update(job_id,
+                           [&](JobInfo& j) {
+                             if (j.faults_size() > 0) {
+                               j.mutable_faults(j.faults_size() - 1)->set_recovery_seconds(recovery.seconds);
+                             }
+                           })
+                  .status(),
+              job_id, "recording the recovery");
+  LogIfFailed(jobs_->Log(job_id, absl::StrFormat("recovered: training again %.1f s after the fault was detected; %d "
+                                                 "step(s) lost",
+                                                 recovery.seconds, recovery.steps_lost)),
+              job_id, "logging");
+  metrics_->ObserveRecovery(recovery.seconds);
+}
+
+}  // namespace geotrain::head

@@ -1,0 +1,108 @@
+// The runs of the head's jobs: one record per job that the runner has started (its current run: attempt, plan,
+// actors, the steps in flight, the checkpoint shards not yet committed, the fault being recovered from), and the
+// one table of them that every part of the job runner shares (JobRunner, job_runner.h, owns it).
+//
+//   absl::MutexLock lock(&runs->mu);
+//   auto it = runs->by_job.find(job_id);
+//   if (it != runs->by_job.end() && it->second.phase == RunPhase::kRunning) ...
+//
+// Ownership of a JobRun's fields: each section below names the part that writes it (the others may read it). A
+// JobRun lives in JobRuns::by_job and is only touched under JobRuns::mu; functions that take a `JobRun&` are called
+// with that lock held. No RPC is made and no other component (job table, registry, metrics) is called while
+// holding it; only logging.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/log.h"
+#include "control.pb.h"
+#include "head/placement.h"
+
+namespace geotrain::head {
+
+// Where a run is in the job's state machine (JobRunner).
+enum class RunPhase {
+  kRunning,     // actors created (or being created) and training
+  kFault,       // a fault was seen; the control thread stops the actors and decides (JobRecovery)
+  kRecovering,  // actors stopped; waiting to be placed and launched again
+  kEnded,
+};
+
+// One step of a run as its actors' reports add up (StepAggregator): the step's figures (the slowest actor's times,
+// every actor's WAN bytes, the loss carriers' mean loss and the replicas' mean validation loss) and what the means
+// are made of.
+struct StepAggregate {
+  StepFigures figures;  // loss_scale: fp16's, the largest reported (all equal); 0 until one is reported
+  int reports = 0;
+  bool have_loss = false;
+  double loss_sum = 0, val_sum = 0;
+  int loss_reports = 0, val_reports = 0;
+  // The step's tokens by the site that trained them: each replica's share of the global batch, split evenly over
+  // its actors (stages and tensor ranks), counted at each actor's site. Sums to figures.tokens.
+  std::map<std::string, double> site_tokens;
+};
+
+// A job's current run.
+struct JobRun {
+  // The state machine's (JobRunner: Launch, EndJob, StopJob, Reconcile; JobRecovery moves the phase on faults).
+  JobSpec spec;  // with the current run's plan
+  int64_t attempt = 0;
+  RunPhase phase = RunPhase::kRunning;
+  std::vector<ActorPlacement> actors;
+  std::set<std::string> done;
+  bool restored = false;  // taken over from the previous head (Restore), until its next launch
+  std::map<std::string, std::string> actor_errors;  // actor -> the error it reported (this run)
+  int64_t launched_ms = 0;
+  std::map<std::string, int64_t> actor_seen_ms;     // actor -> when a heartbeat last listed it
+  std::map<std::string, int64_t> finished_seen_ms;  // actor -> when a heartbeat first said it finished
+
+  // The step aggregator's (StepAggregator::Add).
+  std::map<int64_t, StepAggregate> steps;
+  int64_t last_step = 0;     // the newest step every actor of this run reported
+  int64_t resumed_step = 0;  // the step this run started after
+  std::string resumed_from;
+
+  // The checkpoint committer's (CheckpointCommitter::Collect).
+  std::map<int64_t, std::map<std::string, CheckpointShard>> shards;  // step -> actor -> shard
+  int64_t last_checkpoint_step = 0;
+
+  // The fault and recovery policy's (JobRecovery): the fault being recovered from.
+  int restarts = 0;
+  std::string fault_cause;
+  bool fault_permanent = false;   // the job itself is at fault: it fails without a restart
+  int64_t fault_detected_ms = 0;  // clock's monotonic milliseconds
+  int64_t fault_unix_ms = 0;
+  int64_t fault_step = 0;
+  bool recovery_measured = true;  // false until the first step after a restart completes
+  std::string waiting_message;    // last "waiting for workers" line logged
+};
+
+// The runs, shared by the runner's parts. Any thread; every field under `mu`.
+struct JobRuns {
+  mutable absl::Mutex mu;
+  std::map<std::string, JobRun> by_job ABSL_GUARDED_BY(mu);  // job id -> its current run
+  // The control thread should look at the jobs now rather than at its next period (a fault, a kick).
+  bool kicked ABSL_GUARDED_BY(mu) = false;
+};
+
+// The registry's workers by id.
+using WorkersById = std::map<std::string, WorkerInfo>;
+inline WorkersById ById(const std::vector<WorkerInfo>& workers) {
+  WorkersById out;
+  for (const WorkerInfo& w : workers) out[w.worker_id()] = w;
+  return out;
+}
+
+// Logs a failed bookkeeping call (the job table's persistence); such a failure never stops a job.
+inline void LogIfFailed(const absl::Status& status, const std::string& job_id, const char* what) {
+  if (!status.ok()) GT_LOG(ERROR) << "job " << job_id << ": " << what << ": " << status;
+}
+
+}  // namespace geotrain::head

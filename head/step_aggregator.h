@@ -1,0 +1,85 @@
+// The job runner's step aggregator and the job's metrics: adds up the actors' step reports of a run (the slowest
+// actor's times, the loss carriers' mean loss, the WAN bytes of every actor), and when every actor has reported a
+// step, records it: the job's `step` event and progress (JobManager::UpdateProgress, what `job logs --follow`
+// shows) and the job's series on /metrics. It owns the families whose series belong to one job (label job_id: loss,
+// tokens/s, step times, bubble, restarts, steps lost...) and removes a job's series a while after it ended, time
+// enough for Prometheus to scrape their last values.
+//
+//   {  // under JobRuns::mu, the run of the report
+//     StepAggregator::ForgetStale(run, report.step());
+//     if (report.step() > 0) complete = StepAggregator::Add(run, report);
+//   }
+//   if (complete) aggregator.RecordStep(job_id, *complete, spec.comm().wan_codec());
+//
+// Threads: Add and ForgetStale run on the reporting gRPC handler's thread under JobRuns::mu and touch only the run
+// they are given (JobRun's aggregator section). The others run without JobRuns::mu: RecordStep and JobEnded on
+// handler threads or the control thread, ForgetEndedJobSeries on the control thread, the counters on the control
+// thread. Series are added (RecordStep) and removed (ForgetEndedJobSeries) under the aggregator's own mutex, so
+// that a late report cannot bring back an ended job's series; the job table is called under it (lock order: this
+// mutex, then JobManager's), never JobRuns::mu.
+// Errors: none; a failed progress write is logged (the job goes on). With no metrics server, only the job table
+// is written.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "head/job_manager.h"
+#include "head/job_run.h"
+#include "head/registry.h"
+
+namespace geotrain::head {
+
+class StepAggregator {
+ public:
+  // `jobs` and `registry` outlive the aggregator (`registry`, whose devices give the MFU's peak, may be null: no MFU
+  // series); `metrics` may be null (no /metrics); `clock` times the ended jobs' series, which leave /metrics
+  // `ended_job_series_ms` after their job ended.
+  StepAggregator(JobManager* jobs, const WorkerRegistry* registry, MetricsServer* metrics, const Clock* clock,
+                 int64_t ended_job_series_ms);
+  StepAggregator(const StepAggregator&) = delete;
+  StepAggregator& operator=(const StepAggregator&) = delete;
+
+  // Adds one actor's report of step report.step() (> 0, no error) to the run's aggregate. When it is the last of
+  // the run's actors to report that step, returns the step's aggregate, forgets it and moves run.last_step on.
+  static std::optional<StepAggregate> Add(JobRun& run, const StepReport& report);
+  // Forgets the steps more than 100 behind `step`: some report of theirs was lost (e.g. sent to a head that
+  // restarted), so they never complete.
+  static void ForgetStale(JobRun& run, int64_t step);
+
+  // Records a complete step (agg.figures.step()): the job's step event and progress, and its series. `wan_codec`
+  // (the job's comm.wan_codec) labels the compression ratio.
+  void RecordStep(const std::string& job_id, const StepAggregate& agg, const std::string& wan_codec);
+
+  // The job's counters and the recovery histogram (no-ops without metrics).
+  void CountRestart(const std::string& job_id);
+  void CountStepsLost(const std::string& job_id, int64_t steps);
+  void ObserveRecovery(double seconds);
+
+  // The job ended now: its series are removed ended_job_series_ms from now.
+  void JobEnded(const std::string& job_id);
+  // Removes the series of the jobs that ended ended_job_series_ms ago or more (control thread).
+  void ForgetEndedJobSeries();
+
+ private:
+  JobManager* jobs_;
+  const WorkerRegistry* registry_;  // may be null
+  MetricsServer* metrics_;          // may be null
+  const Clock* clock_;
+  const int64_t ended_job_series_ms_;
+
+  absl::Mutex series_mu_;
+  std::map<std::string, int64_t> ended_at_ms_ ABSL_GUARDED_BY(series_mu_);  // clock_->NowMillis() at the end
+  std::set<std::string> series_removed_ ABSL_GUARDED_BY(series_mu_);
+  std::map<std::string, std::deque<double>> recent_step_seconds_ ABSL_GUARDED_BY(series_mu_);  // the last steps' times
+};
+
+}  // namespace geotrain::head
