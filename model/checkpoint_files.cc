@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/json.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -115,15 +116,12 @@ absl::Status CommitCheckpoint(const std::string& dir, const CheckpointManifest& 
   for (const auto& [name, file] : manifest.tensors()) model_files.insert(file);
   if (model_files.size() > 1) {
     // HF transformers' sharded-checkpoint index: from_pretrained(step_dir) then finds every tensor.
-    std::string index = "{\n  \"metadata\": {},\n  \"weight_map\": {";
-    bool first = true;
+    Json weight_map = Json::object();
     std::map<std::string, std::string> sorted(manifest.tensors().begin(), manifest.tensors().end());
-    for (const auto& [name, file] : sorted) {
-      absl::StrAppend(&index, first ? "\n" : ",\n", "    \"", name, "\": \"", file, "\"");
-      first = false;
-    }
-    index += "\n  }\n}\n";
-    RETURN_IF_ERROR(WriteFileAtomically(step_dir + "/model.safetensors.index.json", index));
+    for (const auto& [name, file] : sorted) weight_map[name] = file;
+    const Json index = {{"metadata", Json::object()}, {"weight_map", std::move(weight_map)}};
+    RETURN_IF_ERROR(WriteFileAtomically(step_dir + "/model.safetensors.index.json",
+                                        index.dump(2, ' ', false, Json::error_handler_t::replace) + "\n"));
   }
   RETURN_IF_ERROR(WriteFileAtomically(step_dir + "/manifest.json", ManifestToJson(manifest)));
   return WriteFileAtomically(dir + "/latest", fs::path(step_dir).filename().string() + "\n");

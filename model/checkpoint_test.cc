@@ -3,7 +3,10 @@
 
 #include <filesystem>
 
+#include "common/files.h"
+#include "common/json.h"
 #include "gtest/gtest.h"
+#include "model/checkpoint_files.h"
 
 namespace geotrain::model {
 namespace {
@@ -102,6 +105,31 @@ TEST_F(CheckpointTest, RoundTripAndCorruption) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("corrupt"), std::string::npos) << bad.status();
   EXPECT_EQ(LoadCheckpoint(dir_ + "/nothing", *restored, adam2).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace geotrain::model
+
+namespace geotrain::model {
+namespace {
+
+// A checkpoint whose weights span several files gets HF's sharded index, so that from_pretrained(step_dir) finds
+// every tensor: {"metadata": {}, "weight_map": {tensor: file}}, names escaped as JSON requires.
+TEST_F(CheckpointTest, SeveralModelFilesGetTheHfIndex) {
+  CheckpointManifest manifest;
+  manifest.set_step(3);
+  (*manifest.mutable_tensors())["h.0.attn.c_attn.weight"] = "model-s0.safetensors";
+  (*manifest.mutable_tensors())["h.1.mlp.c_fc.weight"] = "model-s1.safetensors";
+  (*manifest.mutable_tensors())["odd \"name\""] = "model-s1.safetensors";
+  std::filesystem::create_directories(StepDirectory(dir_, 3));
+  ASSERT_TRUE(CommitCheckpoint(dir_, manifest).ok());
+  absl::StatusOr<std::string> text = ReadFileToString(StepDirectory(dir_, 3) + "/model.safetensors.index.json");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const Json index = Json::parse(*text);
+  EXPECT_TRUE(index["metadata"].is_object());
+  EXPECT_EQ(index["weight_map"].size(), 3u);
+  EXPECT_EQ(index["weight_map"]["h.0.attn.c_attn.weight"], "model-s0.safetensors");
+  EXPECT_EQ(index["weight_map"]["odd \"name\""], "model-s1.safetensors");
 }
 
 }  // namespace
