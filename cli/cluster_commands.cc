@@ -31,8 +31,10 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "cli/cluster_isolation.h"
 #include "cli/flags.h"
 #include "cli/registry.h"
@@ -251,23 +253,37 @@ absl::StatusOr<v1::ClusterStatus> HeadStatus(const std::string& address, const s
   return status;
 }
 
-// The head's dashboard as a link that logs in at once (`<url>?token=TOKEN`), or "" when it serves none.
-std::string DashboardLink(const std::string& address, const std::string& tls_ca, const std::string& token_file) {
+// `text` with every byte but unreserved ones (RFC 3986: letters, digits, -._~) percent-encoded, for a query value.
+std::string UrlEncode(const std::string& text) {
+  std::string out;
+  for (const unsigned char c : text) {
+    if (absl::ascii_isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppendFormat(&out, "%%%02X", c);
+    }
+  }
+  return out;
+}
+
+// The head's dashboard as a link that logs in at once (`<url>?token=TOKEN`), or the reason there is none.
+absl::StatusOr<std::string> DashboardLink(const std::string& address, const std::string& tls_ca,
+                                          const std::string& token_file) {
   TlsFiles tls;
   if (!tls_ca.empty()) {
     const std::string dir = std::filesystem::path(tls_ca).parent_path().string();
     tls = TlsFiles{.cert = dir + "/server.pem", .key = dir + "/server.key", .ca = tls_ca};
   }
-  absl::StatusOr<HeadClient> client = ConnectToHead(address, "", tls);
-  absl::StatusOr<std::string> token = ReadTokenFile(token_file);
-  if (!client.ok() || !token.ok()) return "";
+  ASSIGN_OR_RETURN(const std::string token, ReadTokenFile(token_file));
+  ASSIGN_OR_RETURN(HeadClient client, ConnectToHead(address, token, tls));
   grpc::ClientContext ctx;
   v1::ClusterInfo info;
-  if (!client->cluster->GetClusterInfo(client->Prepare(&ctx, 3000), v1::GetClusterInfoRequest(), &info).ok() ||
-      info.dashboard_url().empty()) {
-    return "";
+  if (grpc::Status s = client.cluster->GetClusterInfo(client.Prepare(&ctx, 3000), v1::GetClusterInfoRequest(), &info);
+      !s.ok()) {
+    return FromGrpc(s);
   }
-  return absl::StrCat(info.dashboard_url(), "?token=", *token);
+  if (info.dashboard_url().empty()) return absl::NotFoundError("the head serves no dashboard (--dashboard-port -1)");
+  return absl::StrCat(info.dashboard_url(), "?token=", UrlEncode(token));
 }
 
 // deploy/make-certs.sh: installed beside the binary's prefix, or in the source tree of a build.
@@ -632,8 +648,19 @@ class ClusterLaunch {
         "state and logs in %s; `geotrain status` and `geotrain job submit` find it; stop it with "
         "`geotrain cluster down`\n",
         state_dir_.c_str());
-    const std::string link = DashboardLink(file_.head_address, file_.tls_ca, state_dir_ + "/head/token");
-    if (!link.empty()) std::printf("dashboard (logs in with the cluster token): %s\n", link.c_str());
+    absl::StatusOr<std::string> link = DashboardLink(file_.head_address, file_.tls_ca, state_dir_ + "/head/token");
+    if (!link.ok()) {
+      std::printf("dashboard: no link (%s); `geotrain status` gives its address\n",
+                  std::string(link.status().message()).c_str());
+    } else {
+      std::printf("dashboard (logs in with the cluster token): %s\n", link->c_str());
+      if (up_.tls) {
+        std::printf(
+            "  mutual TLS: the browser must present a client certificate the cluster's CA signed (import %s"
+            "/certs/client.pem and client.key into it)\n",
+            state_dir_.c_str());
+      }
+    }
   }
 
   // After a failure: stops what started, removes the isolated network and cluster.json.

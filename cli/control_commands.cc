@@ -1,4 +1,4 @@
-// CLI verbs of the control plane: `head start`, `worker start`, `status`, and `job submit|list|status|
+// CLI verbs of the control plane: `head start`, `worker start|drain`, `status`, and `job submit|list|status|
 // cancel|logs|plan`. Every verb that talks to a head uses the public API (proto/geotrain/v1) and resolves it from --head/--token/--token-file, GEOTRAIN_HEAD/
 // GEOTRAIN_TOKEN/GEOTRAIN_TOKEN_FILE, or the record a head on this machine leaves (see common/rpc.h).
 #include <fcntl.h>
@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
@@ -57,6 +58,39 @@ void InstallStopSignals() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+}
+
+// Reads the next signal from the pipe; 0 when WakeSignalThread() asked the reading thread to end.
+int NextSignal() {
+  char sig = 0;
+  while (::read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+  }
+  return sig;
+}
+void WakeSignalThread() {
+  const char zero = 0;
+  ssize_t ignored = ::write(g_signal_pipe[1], &zero, 1);
+  (void)ignored;
+}
+
+// `worker start`'s signals: the first SIGTERM drains the worker (its actors leave at a step boundary, the jobs go on
+// elsewhere; WaitForExit returns once they are gone, or after `drain_timeout`); a second SIGTERM, or SIGINT, stops
+// it at once. The thread ends after a stop, or when woken (the worker drained by itself).
+std::thread DrainOrStopOnSignal(WorkerServer* server, absl::Duration drain_timeout) {
+  return std::thread([server, drain_timeout] {
+    bool draining = false;
+    while (int sig = NextSignal()) {
+      if (sig == SIGTERM && !draining) {
+        GT_LOG(INFO) << "received SIGTERM; draining (another SIGTERM or SIGINT stops the worker at once)";
+        draining = true;
+        server->Drain(drain_timeout);
+        continue;
+      }
+      GT_LOG(INFO) << "received signal " << sig << "; shutting down";
+      server->Shutdown();
+      return;
+    }
+  });
 }
 
 std::thread StopOnSignal(std::function<void()> on_signal) {
@@ -153,6 +187,62 @@ void AddHeadCommands(CLI::App& app, Context& context) {
   });
 }
 
+// ---- worker drain ID [--wait] ----
+// True when the worker has no actor left that trains (or it is gone: dead, or forgotten).
+bool WorkerDrained(const v1::ClusterStatus& status, const std::string& worker_id) {
+  bool known = false;
+  for (const v1::Worker& w : status.workers()) {
+    if (w.worker_id() == worker_id) known = w.state() == v1::WORKER_ALIVE;
+  }
+  if (!known) return true;
+  for (const v1::Actor& a : status.actors()) {
+    if (a.worker_id() == worker_id && a.state() != v1::ACTOR_DEAD) return false;
+  }
+  return true;
+}
+
+void AddWorkerDrainCommand(CLI::App* worker, Context& context) {
+  CLI::App* drain = worker->add_subcommand(
+      "drain",
+      "the worker leaves on notice: its jobs restart without it from a checkpoint at a step boundary, "
+      "nothing lost; the worker exits once its actors are gone");
+  auto flags = std::make_shared<HeadFlags>();
+  auto worker_id = std::make_shared<std::string>();
+  drain->add_option("id", *worker_id, "worker id (`geotrain status` lists them)")->required();
+  auto wait = std::make_shared<bool>(false);
+  drain->add_flag("--wait", *wait, "wait until the worker has no actor left (at most 15 minutes)");
+  flags->Add(drain);
+  drain->callback([flags, worker_id, wait, &context] {
+    std::optional<HeadClient> client = ConnectOrFail(*flags, context);
+    if (!client) return;
+    grpc::ClientContext ctx;
+    v1::DrainWorkerRequest request;
+    request.set_worker_id(*worker_id);
+    v1::Worker reply;
+    if (!RpcSucceeded(client->cluster->DrainWorker(client->Prepare(&ctx), request, &reply), *client, context)) return;
+    std::printf("worker %s drains: its actors leave at their next step boundary, its jobs restart without it\n",
+                reply.worker_id().c_str());
+    std::fflush(stdout);
+    if (!*wait) return;
+    for (const auto deadline = absl::Now() + absl::Minutes(15); absl::Now() < deadline;) {
+      grpc::ClientContext status_ctx;
+      v1::ClusterStatus status;
+      if (!RpcSucceeded(
+              client->cluster->GetClusterStatus(client->Prepare(&status_ctx), v1::GetClusterStatusRequest(), &status),
+              *client, context)) {
+        return;
+      }
+      if (WorkerDrained(status, *worker_id)) {
+        std::printf("worker %s drained: no actor left\n", worker_id->c_str());
+        return;
+      }
+      absl::SleepFor(absl::Milliseconds(500));
+    }
+    context.exit_code = Fail(absl::DeadlineExceededError(
+        absl::StrCat("worker ", *worker_id, " still has actors after 15 minutes; see `geotrain status`")));
+  });
+}
+
 // ---- worker start ----
 void AddWorkerCommands(CLI::App& app, Context& context) {
   CLI::App* worker = app.add_subcommand("worker", "run a worker node");
@@ -197,7 +287,14 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   start->add_option("--cache-dir", options->cache_dir,
                     "staged data shards, shared by this worker's jobs (default: STATE_DIR/cache)");
   AddNodeTlsOptions(start, &options->tls, "worker");
-  start->callback([options, emulate, profiles_file, head_flag, token_file, advertise_for, &context] {
+  auto drain_timeout_ms = std::make_shared<int64_t>(120000);
+  start
+      ->add_option("--drain-timeout-ms", *drain_timeout_ms,
+                   "on SIGTERM the worker drains (its actors leave at a step boundary, their jobs go on elsewhere) "
+                   "and exits once its actors are gone, or after this long; a second SIGTERM exits at once")
+      ->check(CLI::Range(int64_t{0}, int64_t{24} * 3600 * 1000))
+      ->capture_default_str();
+  start->callback([options, emulate, profiles_file, head_flag, token_file, advertise_for, drain_timeout_ms, &context] {
     SetLogProcessName(absl::StrCat("worker ", options->site));
     for (const std::string& pair : *advertise_for) {
       const size_t eq = pair.find('=');
@@ -247,10 +344,13 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
     std::printf("geotrain worker (site %s) listening on port %d, joining %s\n", options->site.c_str(), server.port(),
                 options->head_address.c_str());
     std::fflush(stdout);
-    std::thread waiter = StopOnSignal([&server] { server.Shutdown(); });
-    server.Wait();
-    waiter.join();  // Wait() returns only after the signal thread has called Shutdown()
+    std::thread signals = DrainOrStopOnSignal(&server, absl::Milliseconds(*drain_timeout_ms));
+    server.WaitForExit();  // drained, stopped by a signal, or the drain timed out
+    server.Shutdown();
+    WakeSignalThread();
+    signals.join();  // after its Shutdown() returned, if it made one
   });
+  AddWorkerDrainCommand(worker, context);
 }
 
 // ---- status ----
@@ -262,16 +362,18 @@ void PrintStatus(const v1::ClusterStatus& status, const std::string& address) {
     std::printf("%-14s %6d %6d %8d %10.1f\n", s.name().c_str(), s.alive_workers(), s.dead_workers(), s.devices(),
                 s.tflops());
   }
-  std::printf("\n%-12s %-10s %-6s %-22s %-34s %s\n", "WORKER", "SITE", "STATE", "ADDRESS", "DEVICES", "LAST HEARTBEAT");
+  std::printf("\n%-12s %-10s %-8s %-22s %-34s %s\n", "WORKER", "SITE", "STATE", "ADDRESS", "DEVICES", "LAST HEARTBEAT");
   for (const v1::Worker& w : status.workers()) {
     std::string devices;
     for (const v1::Device& d : w.devices()) {
       if (!devices.empty()) devices += ", ";
       devices += absl::StrFormat("%s %.1fTF %.0fGB", d.name(), d.tflops(), d.memory_bytes() / 1e9);
     }
-    std::printf("%-12s %-10s %-6s %-22s %-34s %s%s\n", w.worker_id().c_str(), w.site().c_str(),
-                w.state() == v1::WORKER_ALIVE ? "ALIVE" : "DEAD", w.address().c_str(), devices.c_str(),
-                FormatTime(w.last_heartbeat_unix_ms()).c_str(),
+    std::printf("%-12s %-10s %-8s %-22s %-34s %s%s\n", w.worker_id().c_str(), w.site().c_str(),
+                w.state() != v1::WORKER_ALIVE ? "DEAD"
+                : w.draining()                ? "DRAINING"
+                                              : "ALIVE",
+                w.address().c_str(), devices.c_str(), FormatTime(w.last_heartbeat_unix_ms()).c_str(),
                 w.dead_reason().empty() ? "" : absl::StrCat("  (", w.dead_reason(), ")").c_str());
   }
   if (status.site_links_size() > 0) {

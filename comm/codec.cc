@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "comm/codec_kernels.h"
+#include "comm/codec_lowbit.h"
 #include "common/status.h"
 
 static_assert(std::endian::native == std::endian::little, "geotrain's wire formats assume little endian");
@@ -63,20 +64,11 @@ void WriteHeader(const Header& h, uint8_t* p) {
   Put<uint32_t>(p + 36, Crc32c(p, 36));
 }
 
-// Raw payload bytes of `count` elements for the fixed-size kinds; top-k depends on k.
+// Raw payload bytes of `count` elements for the kinds whose size the kind and count fix (not top-k and sparse,
+// whose sizes depend on how much they keep).
 uint64_t FixedRawBytes(CodecKind kind, uint64_t count) {
-  switch (kind) {
-    case CodecKind::kNone:
-      return count * 4;
-    case CodecKind::kFp16:
-    case CodecKind::kBf16:
-      return count * 2;
-    case CodecKind::kInt8:
-      return (count + kInt8BlockSize - 1) / kInt8BlockSize * 4 + count;
-    case CodecKind::kTopK:
-      return 0;
-  }
-  return 0;
+  if (kind == CodecKind::kTopK || kind == CodecKind::kSparse) return 0;
+  return CodecRawPayloadBytes(CodecSpec{.kind = kind}, count);
 }
 
 absl::StatusOr<Header> ReadHeader(absl::Span<const uint8_t> in) {
@@ -102,7 +94,7 @@ absl::StatusOr<Header> ReadHeader(absl::Span<const uint8_t> in) {
   h.payload_bytes = Get<uint64_t>(p + 16);
   h.raw_bytes = Get<uint64_t>(p + 24);
   h.payload_crc = Get<uint32_t>(p + 32);
-  if (h.kind > static_cast<uint8_t>(CodecKind::kTopK)) {
+  if (h.kind > static_cast<uint8_t>(CodecKind::kSparse)) {
     return absl::InvalidArgumentError(absl::StrCat("encoded tensor has unknown codec kind ", h.kind));
   }
   if ((h.flags & ~kFlagZstd) != 0 || p[7] != 0) {
@@ -124,6 +116,13 @@ absl::StatusOr<Header> ReadHeader(absl::Span<const uint8_t> in) {
     if (h.raw_bytes < 8 || (h.raw_bytes - 8) % 8 != 0 || (h.raw_bytes - 8) / 8 > h.count) {
       return absl::DataLossError(
           absl::StrCat("top-k payload of ", h.raw_bytes, " bytes does not fit ", h.count, " elements"));
+    }
+  } else if (kind == CodecKind::kSparse) {
+    // The exact size follows from the kept counts in the payload (CheckSparse); here its bounds.
+    const uint64_t blocks = (h.count + kSparseBlockSize - 1) / kSparseBlockSize;
+    if (h.raw_bytes < kSparsePreambleBytes + 4 * blocks || h.raw_bytes > SparsePayloadBytes(blocks, h.count, 8)) {
+      return absl::DataLossError(
+          absl::StrCat("sparse payload of ", h.raw_bytes, " bytes does not fit ", h.count, " elements"));
     }
   } else if (h.raw_bytes != FixedRawBytes(kind, h.count)) {
     return absl::DataLossError(absl::StrCat("payload of ", h.raw_bytes, " bytes does not match ", h.count,
@@ -219,7 +218,11 @@ void DecodeRange(CodecKind kind, const uint8_t* raw, uint64_t count, size_t begi
       k->int8_decode(reinterpret_cast<const int8_t*>(raw + 4 * blocks), scales, out, begin, n);
       break;
     }
+    case CodecKind::kInt4:
+      internal::DecodeInt4Range(raw, count, begin, n, out);
+      break;
     case CodecKind::kTopK:
+    case CodecKind::kSparse:
       break;
   }
 }
@@ -249,14 +252,22 @@ absl::Status DecodeImpl(absl::Span<const uint8_t> encoded, absl::Span<float> out
     }
     return absl::OkStatus();
   }
+  if (kind == CodecKind::kSparse) {
+    RETURN_IF_ERROR(internal::CheckSparse(raw, h.raw_bytes, h.count));
+    internal::DecodeSparse(raw, h.count, output.data(), accumulate);
+    return absl::OkStatus();
+  }
   if (kind == CodecKind::kInt8) {
     RETURN_IF_ERROR(CheckInt8Scales(raw, h.count));
+  }
+  if (kind == CodecKind::kInt4) {
+    RETURN_IF_ERROR(internal::CheckInt4(raw, h.count));
   }
   if (!accumulate) {
     DecodeRange(kind, raw, h.count, 0, output.size(), output.data());
     return absl::OkStatus();
   }
-  // Decode a cache-sized block at a time into scratch, then add (a multiple of the int8 block size).
+  // Decode a cache-sized block at a time into scratch, then add (a multiple of the int8 and int4 block sizes).
   constexpr size_t kBlock = 16 * 1024;
   float* tmp = reinterpret_cast<float*>(ScratchBytes(1, kBlock * sizeof(float)));
   for (size_t begin = 0; begin < output.size(); begin += kBlock) {
@@ -353,7 +364,7 @@ absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Byt
       raw = topk_raw.data();
     }
   } else {
-    raw_bytes = FixedRawBytes(codec.kind, count);
+    raw_bytes = CodecRawPayloadBytes(codec, count);
     if (!codec.zstd) {
       result = Bytes(kCodecHeaderBytes + raw_bytes);
       raw = result.data() + kCodecHeaderBytes;
@@ -378,6 +389,12 @@ absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Byt
         }
         break;
       }
+      case CodecKind::kInt4:
+        RETURN_IF_ERROR(internal::EncodeInt4(input, residual, raw));
+        break;
+      case CodecKind::kSparse:
+        RETURN_IF_ERROR(internal::EncodeSparse(codec, input, residual, raw));
+        break;
       case CodecKind::kTopK:
         break;
     }
@@ -418,6 +435,8 @@ size_t EncodedElementBytes(const Codec& codec) {
       return 2;
     case CodecKind::kInt8:
     case CodecKind::kTopK:
+    case CodecKind::kInt4:
+    case CodecKind::kSparse:
       return 0;
   }
   return 0;
@@ -437,6 +456,8 @@ void EncodeElements(const Codec& codec, absl::Span<const float> input, uint8_t* 
       break;
     case CodecKind::kInt8:
     case CodecKind::kTopK:
+    case CodecKind::kInt4:
+    case CodecKind::kSparse:
       break;  // not element-wise: EncodedElementBytes is 0
   }
 }
@@ -455,7 +476,8 @@ absl::Status CheckEncodedSize(const Codec& codec, uint64_t element_count, uint64
   if (element_count > kMaxCodecElements) {
     return absl::InvalidArgumentError(absl::StrCat(element_count, " elements is above the codec limit"));
   }
-  uint64_t raw_max = codec.kind == CodecKind::kTopK ? 8 + 8 * element_count : FixedRawBytes(codec.kind, element_count);
+  // Exact for every kind but top-k, whose bound keeps every element (common/codec_spec.h).
+  const uint64_t raw_max = CodecRawPayloadBytes(codec, element_count);
   if (!codec.zstd && codec.kind != CodecKind::kTopK) {
     if (encoded_bytes != kCodecHeaderBytes + raw_max) {
       return absl::InvalidArgumentError(absl::StrCat("a ", codec.ToString(), " tensor of ", element_count,
@@ -499,7 +521,7 @@ absl::Status DecodeTensorAdd(absl::Span<const uint8_t> encoded, absl::Span<float
 
 absl::Status CodecRoundTrip::Apply(const std::string& stream, absl::Span<float> data) {
   if (codec_.lossless()) return absl::OkStatus();
-  std::vector<float>* residual = codec_.kind == CodecKind::kTopK ? &residuals_[stream] : nullptr;
+  std::vector<float>* residual = codec_.error_feedback() ? &residuals_[stream] : nullptr;
   RETURN_IF_ERROR(EncodeTensor(codec_, data, &encoded_, residual));
   return DecodeTensor(encoded_.span(), data);
 }

@@ -135,7 +135,7 @@ absl::Status GrpcCommunicator::SendWithRetries(const Call& call, const std::func
 absl::Status GrpcCommunicator::SendTo(const Call& call, const std::string& part, int peer, absl::Span<const float> data,
                                       const Codec& codec, const std::string& residual_key) {
   // Prepared once, however many attempts it takes (top-k's error feedback must see the tensor once).
-  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(residual_key) : nullptr;
+  std::vector<float>* residual = codec.error_feedback() ? Residual(residual_key) : nullptr;
   ASSIGN_OR_RETURN(OutgoingTensor tensor, OutgoingTensor::Prepare(codec, data, residual));
   return SendOutgoing(call, part, peer, tensor);
 }
@@ -206,7 +206,7 @@ absl::Status GrpcCommunicator::RingAllGather(const Call& call, const std::vector
   const auto [own_begin, own_end] = ChunkBounds(data.size(), n, p);
   absl::Span<float> own = data.subspan(own_begin, own_end - own_begin);
   Bytes forward;
-  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/ag")) : nullptr;
+  std::vector<float>* residual = codec.error_feedback() ? Residual(absl::StrCat(call.prefix, "/ag")) : nullptr;
   RETURN_IF_ERROR(EncodeTensor(codec, own, &forward, residual));
   if (!codec.lossless()) {
     RETURN_IF_ERROR(DecodeTensor(forward.span(), own));
@@ -253,8 +253,7 @@ absl::Status GrpcCommunicator::PairExchange(const Call& call, int peer, const st
   const Codec& codec = LinkCodec(rank_, peer);
   // OutgoingTensor decides how the codec is sent (an element-wise one encoded as it streams, the others now: top-k's
   // error feedback sees the tensor once); a lossy codec's own operand is rounded once the send has read it.
-  std::vector<float>* residual =
-      codec.kind == CodecKind::kTopK ? Residual(absl::StrCat(call.prefix, "/", part)) : nullptr;
+  std::vector<float>* residual = codec.error_feedback() ? Residual(absl::StrCat(call.prefix, "/", part)) : nullptr;
   ASSIGN_OR_RETURN(OutgoingTensor outgoing, OutgoingTensor::Prepare(codec, data, residual));
   AsyncStatus sent([&] { return SendOutgoing(call, part, peer, outgoing); });
   absl::StatusOr<ReceivedTensor> got = RecvFrom(call, part, peer);
@@ -321,7 +320,7 @@ absl::Status GrpcCommunicator::HierarchicalAllReduce(absl::Span<float> data, std
   if (site_ranks.size() == 1) return absl::OkStatus();
   const Codec& codec = options_.lan_codec;
   Bytes encoded;
-  std::vector<float>* residual = codec.kind == CodecKind::kTopK ? Residual(call.prefix + "/down") : nullptr;
+  std::vector<float>* residual = codec.error_feedback() ? Residual(call.prefix + "/down") : nullptr;
   RETURN_IF_ERROR(EncodeTensor(codec, data, &encoded, residual));
   if (!codec.lossless()) {
     RETURN_IF_ERROR(DecodeTensor(encoded.span(), data));

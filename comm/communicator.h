@@ -29,8 +29,8 @@
 //   arrive, so a tensor that fails its checks at its end may have been partly written;
 // - results are identical on every rank, bit for bit, for every codec (a lossy codec's error is shared:
 //   the final values of each chunk are encoded once by their owner and forwarded unchanged);
-// - top-k codecs keep one error-feedback residual per (tag, position in the algorithm) inside the
-//   communicator, so use a stable tag per gradient bucket.
+// - codecs with error feedback (top-k, int4, sparse: CodecSpec::error_feedback) keep one residual per (tag,
+//   position in the algorithm) inside the communicator, so use a stable tag per gradient bucket.
 // Thread safety: the methods are thread-safe under the tag rule above.
 #pragma once
 

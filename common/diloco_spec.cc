@@ -1,7 +1,30 @@
 // The diloco block's defaults (see diloco_spec.h).
 #include "common/diloco_spec.h"
 
+#include "absl/strings/ascii.h"
+#include "common/codec_spec.h"
+
 namespace geotrain {
+namespace {
+
+// codec sparse: its settings into its name (and the block's absent fields from the name; see EffectiveDiloco).
+void FillSparse(DilocoSpec* d) {
+  absl::StatusOr<CodecSpec> codec = ParseCodecSpec(d->codec());
+  if (!codec.ok() || codec->kind != CodecKind::kSparse) return;  // validation names a bad codec
+  std::string base = absl::AsciiStrToLower(d->codec());
+  absl::StripAsciiWhitespace(&base);
+  const bool named = base.rfind("sparse:", 0) == 0;  // "sparse:F[:B]": the name gives its settings
+  DilocoSparseSpec* s = d->mutable_sparse();
+  if (!named) {
+    if (s->has_fraction()) codec->sparse_fraction = s->fraction();
+    if (s->has_bits()) codec->sparse_bits = s->bits();
+  }
+  if (!s->has_fraction()) s->set_fraction(codec->sparse_fraction);
+  if (!s->has_bits()) s->set_bits(codec->sparse_bits);
+  d->set_codec(codec->ToString());
+}
+
+}  // namespace
 
 bool DilocoOn(const JobSpec& spec) {
   const std::string& sync = spec.parallel().sync();
@@ -17,6 +40,7 @@ DilocoSpec EffectiveDiloco(const JobSpec& spec) {
   if (d.codec().empty()) d.set_codec("int8");
   if (d.fragments() <= 0) d.set_fragments(1);
   if (!d.has_inner_lr_scale()) d.set_inner_lr_scale(1.0);
+  FillSparse(&d);
   return d;
 }
 

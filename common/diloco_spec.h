@@ -1,7 +1,7 @@
 // The `diloco` block of a job spec (proto/spec.proto DilocoSpec): whether a job trains with DiLoCo and the
 // block with its defaults. No gRPC: the planner (scheduler/) and the model's local trainer link it too.
 //
-//   if (DilocoOn(spec)) { const DilocoSpec d = EffectiveDiloco(spec); ... d.inner_steps() ... }
+//   if (DilocoOn(spec)) { const DilocoSpec d = EffectiveDiloco(spec); ... d.inner_steps() ... d.codec() ... }
 //
 // Thread safety: pure functions.
 #pragma once
@@ -14,7 +14,11 @@ namespace geotrain {
 // parallel.sync "sync".
 bool DilocoOn(const JobSpec& spec);
 // The diloco block with every default filled in: inner_steps 32, outer_lr 0.7, outer_momentum 0.9, nesterov,
-// codec int8, fragments 1, inner_lr_scale 1.
+// codec int8, fragments 1, inner_lr_scale 1. A sparse codec comes out with its settings in its name, which every
+// user of the codec parses (ParseCodecSpec): "sparse" (+zstd) takes diloco.sparse's fraction and bits (absent: 0.02
+// and 2) and becomes "sparse:F:B"; a name that gives them ("sparse:0.05:4") keeps them, and diloco.sparse's absent
+// fields are filled from it (ValidateJobSpec refuses a diloco.sparse that disagrees with it, or one beside another
+// codec). Other codecs leave diloco.sparse as it is.
 DilocoSpec EffectiveDiloco(const JobSpec& spec);
 
 }  // namespace geotrain

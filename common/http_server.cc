@@ -194,6 +194,10 @@ absl::StatusOr<SSL_CTX*> MakeTlsContext(const HttpServerTls& tls) {
   if (tls.require_client_cert) {
     if (SSL_CTX_load_verify_locations(ctx, tls.ca.c_str(), nullptr) != 1) return fail("TLS CA " + tls.ca);
     SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+    // Verified sessions are resumed only within this context: without one, OpenSSL fails every TLS 1.2
+    // resumption (each answer closes its connection, so a browser resumes on every request).
+    static constexpr unsigned char kSessionContext[] = "geotrain-http";
+    SSL_CTX_set_session_id_context(ctx, kSessionContext, sizeof(kSessionContext) - 1);
   }
   return ctx;
 }

@@ -406,8 +406,24 @@ absl::Status ValidateDiloco(const JobSpec& spec) {
                   absl::StrCat("(", e.fragments(), ") must not exceed inner_steps (", e.inner_steps(),
                                "): each fragment syncs once every inner_steps steps"));
   }
-  if (absl::StatusOr<CodecSpec> codec = ParseCodecSpec(e.codec()); !codec.ok()) {
-    return BadKey("diloco.codec", codec.status().message());
+  if (d.has_sparse() && d.sparse().has_fraction() && !(d.sparse().fraction() > 0 && d.sparse().fraction() <= 1)) {
+    return BadKey("diloco.sparse.fraction",
+                  absl::StrCat("must be in (0, 1], the share of each block kept (got ", d.sparse().fraction(), ")"));
+  }
+  if (d.has_sparse() && d.sparse().has_bits()) {
+    RETURN_IF_ERROR(CheckJobRange("diloco.sparse.bits", d.sparse().bits(), 2, 8));
+  }
+  absl::StatusOr<CodecSpec> codec = ParseCodecSpec(e.codec());
+  if (!codec.ok()) return BadKey("diloco.codec", codec.status().message());
+  if (d.has_sparse() && codec->kind != CodecKind::kSparse) {
+    return BadKey("diloco.sparse",
+                  absl::StrCat("applies to diloco.codec sparse only (the codec is '", e.codec(), "')"));
+  }
+  if (codec->kind == CodecKind::kSparse &&
+      (e.sparse().fraction() != codec->sparse_fraction || e.sparse().bits() != codec->sparse_bits)) {
+    return BadKey("diloco.sparse", absl::StrCat("(fraction ", e.sparse().fraction(), ", bits ", e.sparse().bits(),
+                                                ") disagrees with diloco.codec '", d.codec(),
+                                                "': give the fraction and bits in one place"));
   }
   return absl::OkStatus();
 }

@@ -3,7 +3,9 @@
 // Input: one control byte, then the bytes. Control bits 0-2 repair the header's payload size, payload CRC and
 // header CRC before decoding (so the fuzzer reaches the payload checks behind the checksums); bit 3 switches
 // to the round trip: the bytes are "CODEC NAME\0float data", encoded then decoded, with the codec's error bound
-// checked for the lossless codec.
+// checked for the lossless codec, and for the codecs with error feedback (top-k, int4, sparse) that what was decoded
+// plus what the residual kept is the input. Every kind is reached: none, fp16, bf16, int8, topk, int4 and sparse
+// (corpus: fuzz/corpus/codec/, int4* and sparse* for the last two).
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -64,7 +66,9 @@ void RoundTrip(std::string_view input) {
   absl::StatusOr<Codec> codec = geotrain::comm::ParseCodec(input.substr(0, nul));
   if (!codec.ok()) return;
   absl::StatusOr<Codec> again = geotrain::comm::ParseCodec(codec->ToString());
-  FUZZ_CHECK(again.ok() && again->kind == codec->kind && again->zstd == codec->zstd, codec->ToString().c_str());
+  FUZZ_CHECK(again.ok() && again->kind == codec->kind && again->zstd == codec->zstd &&
+                 again->sparse_fraction == codec->sparse_fraction && again->sparse_bits == codec->sparse_bits,
+             codec->ToString().c_str());
   const std::string_view raw = input.substr(nul + 1);
   std::vector<float> values(raw.size() / 4);
   if (!values.empty()) std::memcpy(values.data(), raw.data(), values.size() * 4);
@@ -76,6 +80,15 @@ void RoundTrip(std::string_view input) {
   FUZZ_CHECK(geotrain::comm::DecodeTensor(wire.span(), absl::MakeSpan(decoded)).ok(), "decodes what it encodes");
   if (codec->lossless() && !values.empty()) {
     FUZZ_CHECK(std::memcmp(values.data(), decoded.data(), values.size() * 4) == 0, "lossless is bit exact");
+  }
+  if (codec->error_feedback()) {
+    // The residual started empty: it holds exactly what the decoded tensor lacks (one float rounding at most).
+    FUZZ_CHECK(residual.size() == values.size(), "error feedback keeps a residual per element");
+    for (size_t i = 0; i < values.size(); ++i) {
+      const double v = values[i], y = decoded[i], r = residual[i];
+      FUZZ_CHECK(std::isfinite(y) && std::isfinite(r), "error feedback values stay finite");
+      FUZZ_CHECK(std::fabs(y + r - v) <= 1e-6 * (std::fabs(v) + std::fabs(y)) + 1e-37, "decoded + residual == input");
+    }
   }
 }
 

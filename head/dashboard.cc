@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/json.h"
 #include "common/log.h"
 #include "common/spec.h"
 #include "common/token.h"
@@ -40,30 +41,18 @@ void AddSecurityHeaders(HttpResponse* response) {
 
 HttpResponse Text(int status, std::string body) { return {.status = status, .body = std::move(body)}; }
 
-HttpResponse Json(int status, std::string body) {
+// An answer whose body is JSON: protobuf's mapping of a public API message, or one built with common/json.h.
+HttpResponse JsonResponse(int status, std::string body) {
   return {.status = status, .content_type = "application/json", .body = std::move(body)};
 }
+HttpResponse JsonResponse(int status, const geotrain::Json& body) { return JsonResponse(status, DumpJson(body)); }
 
-// A JSON string literal for `text` (quotes, backslashes and control characters escaped).
-std::string JsonString(absl::string_view text) {
-  std::string out = "\"";
-  for (const unsigned char c : text) {
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(static_cast<char>(c));
-    } else if (c < 0x20) {
-      absl::StrAppend(&out, "\\u00", absl::string_view("0123456789abcdef" + (c >> 4), 1),
-                      absl::string_view("0123456789abcdef" + (c & 15), 1));
-    } else {
-      out.push_back(static_cast<char>(c));
-    }
-  }
-  return out + "\"";
-}
+// A public API message as a JSON value (protobuf's mapping), to nest in an answer.
+geotrain::Json ProtoJson(const google::protobuf::Message& message) { return geotrain::Json::parse(ToJson(message)); }
 
 HttpResponse JsonError(int status, const absl::Status& error) {
-  return Json(status, absl::StrCat("{\"error\":", JsonString(error.message()),
-                                   ",\"code\":", JsonString(absl::StatusCodeToString(error.code())), "}"));
+  return JsonResponse(status, geotrain::Json{{"error", std::string(error.message())},
+                                             {"code", absl::StatusCodeToString(error.code())}});
 }
 
 // The HTTP status that says what an API error says.
@@ -92,7 +81,7 @@ int HttpStatusOf(const absl::Status& status) {
 template <typename Message>
 HttpResponse JsonAnswer(const absl::StatusOr<Message>& result) {
   if (!result.ok()) return JsonError(HttpStatusOf(result.status()), result.status());
-  return Json(200, ToJson(*result));
+  return JsonResponse(200, ToJson(*result));
 }
 
 HttpResponse Redirect(std::string location) {
@@ -152,8 +141,7 @@ const char* PageFile(std::string_view path) {
 // A state-changing request a browser made must come from a page of this dashboard: its Origin is this server's
 // (browsers send Origin on every POST; a cross-site page cannot forge it). Bearer requests carry no ambient
 // credential, so they need no such check.
-bool SameOriginOrBearer(const HttpRequest& request) {
-  if (!request.Header("authorization").empty()) return true;
+bool SameOrigin(const HttpRequest& request) {
   const std::string host = request.Header("host");
   const std::string origin = request.Header("origin");
   const std::string fetch_site = request.Header("sec-fetch-site");
@@ -208,17 +196,25 @@ bool Dashboard::CookieAuthenticated(const HttpRequest& request) const {
   const size_t dot = cookie.find('.');
   int64_t expires = 0;
   if (dot == std::string::npos || !absl::SimpleAtoi(absl::string_view(cookie).substr(0, dot), &expires)) return false;
-  if (expires * 1000 <= options_.clock->UnixMillis() || options_.token.empty()) return false;
+  // Compared in seconds: an expiry near INT64_MAX in a forged cookie must not overflow.
+  if (expires <= options_.clock->UnixMillis() / 1000 || options_.token.empty()) return false;
   return TokenMatches(cookie, SessionValue(expires));
 }
 
-bool Dashboard::Authenticated(const HttpRequest& request) const {
+bool Dashboard::BearerAuthenticated(const HttpRequest& request) const {
   const std::string authorization = request.Header("authorization");
-  if (absl::StartsWithIgnoreCase(authorization, "Bearer ")) {
-    return TokenMatches(std::string(absl::StripAsciiWhitespace(absl::string_view(authorization).substr(7))),
-                        options_.token);
-  }
+  return absl::StartsWithIgnoreCase(authorization, "Bearer ") &&
+         TokenMatches(std::string(absl::StripAsciiWhitespace(absl::string_view(authorization).substr(7))),
+                      options_.token);
+}
+
+bool Dashboard::Authenticated(const HttpRequest& request) const {
+  if (absl::StartsWithIgnoreCase(request.Header("authorization"), "Bearer ")) return BearerAuthenticated(request);
   return CookieAuthenticated(request);
+}
+
+bool Dashboard::MayChange(const HttpRequest& request) const {
+  return BearerAuthenticated(request) || SameOrigin(request);
 }
 
 HttpResponse Dashboard::LoginPage(std::string_view reason, int status) const {
@@ -248,7 +244,7 @@ HttpResponse Dashboard::StartSession(const HttpRequest& request, std::string loc
 
 HttpResponse Dashboard::Login(const HttpRequest& request) {
   if (request.path == "/logout") {
-    if (!SameOriginOrBearer(request)) return Text(403, "cross-site request refused\n");
+    if (!MayChange(request)) return Text(403, "cross-site request refused\n");
     HttpResponse response = Redirect("/login?reason=logged-out");
     response.headers.emplace_back("Set-Cookie",
                                   absl::StrCat(CookieName(request), "=; Path=/; Max-Age=0; HttpOnly; SameSite=Strict",
@@ -257,7 +253,7 @@ HttpResponse Dashboard::Login(const HttpRequest& request) {
   }
   if (request.method == "GET") return LoginPage(FormParameter(request.query, "reason"), 200);
   if (request.method != "POST") return Text(405, "GET or POST /login\n");
-  if (!SameOriginOrBearer(request)) return Text(403, "cross-site request refused\n");
+  if (!MayChange(request)) return Text(403, "cross-site request refused\n");
   if (!TokenMatches(FormParameter(request.body, "token"), options_.token)) {
     GT_LOG(WARNING) << "dashboard: refused a login from " << request.peer << ": wrong cluster token";
     return Redirect("/login?reason=wrong-token");
@@ -292,16 +288,16 @@ HttpResponse Dashboard::Page(const HttpRequest& request) {
 HttpResponse Dashboard::ApiGet(const HttpRequest& request, const PublicApi& api) {
   const std::string job_id = FormParameter(request.query, "id");
   if (request.path == "/api/cluster") {
-    return Json(200, absl::StrCat("{\"status\":", ToJson(api.GetClusterStatus()),
-                                  ",\"info\":", ToJson(api.GetClusterInfo()), "}"));
+    return JsonResponse(
+        200, geotrain::Json{{"status", ProtoJson(api.GetClusterStatus())}, {"info", ProtoJson(api.GetClusterInfo())}});
   }
-  if (request.path == "/api/jobs") return Json(200, ToJson(api.ListJobs()));
+  if (request.path == "/api/jobs") return JsonResponse(200, ToJson(api.ListJobs()));
   if (request.path == "/api/job") {
     absl::StatusOr<v1::Job> job = api.GetJob(job_id);
     if (!job.ok()) return JsonAnswer(job);
     absl::StatusOr<v1::JobEfficiency> efficiency = api.GetJobEfficiency(job_id);
     if (!efficiency.ok()) return JsonAnswer(efficiency);
-    return Json(200, absl::StrCat("{\"job\":", ToJson(*job), ",\"efficiency\":", ToJson(*efficiency), "}"));
+    return JsonResponse(200, geotrain::Json{{"job", ProtoJson(*job)}, {"efficiency", ProtoJson(*efficiency)}});
   }
   if (request.path == "/api/events") {
     int64_t after = 0;
@@ -314,14 +310,14 @@ HttpResponse Dashboard::ApiGet(const HttpRequest& request, const PublicApi& api)
         !text.empty() && !absl::SimpleAtoi(text, &tail)) {
       return JsonError(400, absl::InvalidArgumentError("tail must be a count of events"));
     }
-    absl::StatusOr<std::vector<v1::JobEvent>> events = api.JobEvents(job_id, after);
+    // The store reads only what is answered: the newest `tail`, or one more than an answer holds (to say `more`).
+    const int64_t limit = tail > 0 ? std::min<int64_t>(tail, kMaxEventsPerAnswer) : kMaxEventsPerAnswer + 1;
+    absl::StatusOr<std::vector<v1::JobEvent>> events = api.JobEvents(job_id, after, limit, /*newest=*/tail > 0);
     if (!events.ok()) return JsonError(HttpStatusOf(events.status()), events.status());
-    if (tail > 0 && static_cast<size_t>(tail) < events->size()) events->erase(events->begin(), events->end() - tail);
     const size_t count = std::min<size_t>(events->size(), kMaxEventsPerAnswer);
-    std::string out = "{\"events\":[";
-    for (size_t i = 0; i < count; ++i) absl::StrAppend(&out, i == 0 ? "" : ",", ToJson((*events)[i]));
-    absl::StrAppend(&out, "],\"more\":", count < events->size() ? "true" : "false", "}");
-    return Json(200, std::move(out));
+    geotrain::Json list = geotrain::Json::array();
+    for (size_t i = 0; i < count; ++i) list.push_back(ProtoJson((*events)[i]));
+    return JsonResponse(200, geotrain::Json{{"events", std::move(list)}, {"more", count < events->size()}});
   }
   return JsonError(404, absl::NotFoundError("no such endpoint"));
 }
@@ -358,7 +354,7 @@ HttpResponse Dashboard::Api(const HttpRequest& request) {
     refused.headers.emplace_back("WWW-Authenticate", "Bearer realm=\"geotrain\"");
     return refused;
   }
-  if (request.method == "POST" && !SameOriginOrBearer(request)) {
+  if (request.method == "POST" && !MayChange(request)) {
     GT_LOG(WARNING) << "dashboard: refused a cross-site " << request.path << " from " << request.peer;
     return JsonError(403, absl::PermissionDeniedError("cross-site request refused"));
   }

@@ -71,8 +71,13 @@ class Dashboard {
   std::string SessionValue(int64_t expires_unix_s) const;
 
  private:
+  // A Bearer header carries the token, or (no Bearer header) the session cookie is valid.
   bool Authenticated(const HttpRequest& request) const;
+  bool BearerAuthenticated(const HttpRequest& request) const;
   bool CookieAuthenticated(const HttpRequest& request) const;
+  // Whether a POST may change something: its Bearer token is valid (a script, not a browser), or it comes from the
+  // dashboard's own origin (CSRF: a cookie alone is not enough).
+  bool MayChange(const HttpRequest& request) const;
   HttpResponse Login(const HttpRequest& request);
   HttpResponse LoginPage(std::string_view reason, int status) const;
   HttpResponse StartSession(const HttpRequest& request, std::string location) const;

@@ -60,7 +60,17 @@ class HeadServer::Service final : public internal::HeadControl::Service {
     if (request->job_id().empty() || request->actor_id().empty()) {
       return call.Fail(absl::InvalidArgumentError("ReportStep: job_id and actor_id are required"));
     }
-    reply->set_stop(head_->runner_->OnStepReport(*request));
+    *reply = head_->runner_->OnStepReport(*request);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DrainWorker(grpc::ServerContext* context, const DrainWorkerRequest* request,
+                           WorkerInfo* reply) override {
+    RpcCall call(head_->metrics_.get(), auth_, context, "DrainWorker");
+    if (!call.authorized()) return call.status();
+    absl::StatusOr<WorkerInfo> worker = head_->DrainWorker(request->worker_id());
+    if (!worker.ok()) return call.Fail(worker.status());
+    *reply = *std::move(worker);
     return grpc::Status::OK;
   }
 
@@ -177,26 +187,14 @@ absl::Status HeadServer::Start() {
   runner_options.tls = options_.tls;
   // An alive worker that stops listing an actor in its heartbeats has lost it (e.g. it restarted).
   runner_options.actor_lost_after_ms = std::max<int64_t>(8000, 4 * options_.heartbeat_interval_ms);
+  runner_options.drain_checkpoint_root = absl::StrCat(options_.state_dir, "/checkpoints");
   runner_ = std::make_unique<JobRunner>(jobs_.get(), registry_.get(), metrics_.get(), runner_options, clock_);
   // Jobs that were running when the head went away go on: their actors report to this head.
   runner_->Restore();
   auto creds = MakeServerCredentials(options_.tls);
   if (!creds.ok()) return creds.status();
   service_ = std::make_unique<Service>(this);
-  PublicApi::Components components;
-  components.registry = registry_.get();
-  components.jobs = jobs_.get();
-  components.runner = runner_.get();
-  components.metrics = metrics_.get();
-  components.head_id = head_id_;
-  components.started_unix_ms = started_unix_ms_;
-  components.stopping = [this] { return IsStopping(); };
-  components.changed = [this] { RefreshMetrics(); };
-  components.dashboard_url = dashboard_url_;
-  if (metrics_) components.metrics_url = absl::StrCat("http://", UrlHost(), ":", metrics_->port(), "/metrics");
-  components.topology_file = options_.topology_file;
-  components.configured_links = std::move(configured_links);
-  public_api_ = std::make_unique<PublicApi>(std::move(components), token_);
+  public_api_ = std::make_unique<PublicApi>(PublicComponents(std::move(configured_links)), token_);
   dashboard_->Attach(public_api_.get());
   staging_ = std::make_unique<HeadStagingService>(
       token_, options_.state_dir,
@@ -244,6 +242,34 @@ absl::Status HeadServer::Start() {
                << ", state in " << options_.state_dir << ", " << workers->size() << " known worker(s), "
                << jobs_->List().size() << " job(s)";
   return absl::OkStatus();
+}
+
+PublicApi::Components HeadServer::PublicComponents(std::vector<v1::ConfiguredLink> configured_links) {
+  PublicApi::Components components;
+  components.registry = registry_.get();
+  components.jobs = jobs_.get();
+  components.runner = runner_.get();
+  components.metrics = metrics_.get();
+  components.head_id = head_id_;
+  components.started_unix_ms = started_unix_ms_;
+  components.stopping = [this] { return IsStopping(); };
+  components.changed = [this] { RefreshMetrics(); };
+  components.drain_worker = [this](const std::string& worker_id) { return DrainWorker(worker_id); };
+  components.dashboard_url = dashboard_url_;
+  if (metrics_) components.metrics_url = absl::StrCat("http://", UrlHost(), ":", metrics_->port(), "/metrics");
+  components.topology_file = options_.topology_file;
+  components.configured_links = std::move(configured_links);
+  return components;
+}
+
+absl::StatusOr<WorkerInfo> HeadServer::DrainWorker(const std::string& worker_id) {
+  ASSIGN_OR_RETURN(WorkerInfo worker, registry_->SetDraining(worker_id));
+  // Persisted, so that a restarted head places nothing on it either.
+  if (absl::Status s = store_->PutWorker(worker); !s.ok()) {
+    GT_LOG(ERROR) << "persisting worker " << worker.worker_id() << ": " << s;
+  }
+  runner_->Kick();  // its jobs' drains start now (JobRunner::CheckDrains)
+  return worker;
 }
 
 absl::Status HeadServer::StartHttp(std::vector<v1::ConfiguredLink>* configured_links) {

@@ -1,6 +1,6 @@
 // The head daemon: one per cluster. On one port it serves the public API (head/public_api.h: geotrain.v1 Jobs,
-// Cluster and Planner, what the CLI and clients call) and the internal HeadControl service (workers register and
-// heartbeat, actors report steps and exchange NCCL unique ids through its rendezvous); it runs the failure
+// Cluster and Planner, what the CLI and clients call) and the internal HeadControl service (workers register,
+// heartbeat and ask to drain, actors report steps and exchange NCCL unique ids through its rendezvous); it runs the failure
 // detector, keeps the job table, persists its state
 // under the state dir, serves Prometheus metrics and its web dashboard (head/dashboard.h), and records its address
 // and token so that the CLI on this machine finds it with no flags.
@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/clock.h"
 #include "common/http_server.h"
 #include "common/metrics.h"
@@ -92,12 +93,18 @@ class HeadServer {
   // The dashboard's address ("http://127.0.0.1:9470/"; https under TLS), "" when it is not served.
   const std::string& dashboard_url() const { return dashboard_url_; }
   bool IsStopping();
+  // A worker leaves on notice (the public Cluster.DrainWorker, and a worker's own SIGTERM through HeadControl): it
+  // is marked draining, persisted, and the job runner drains its jobs (head/job_drain.h). Errors: the registry's
+  // (NOT_FOUND, FAILED_PRECONDITION for a dead worker).
+  absl::StatusOr<WorkerInfo> DrainWorker(const std::string& worker_id);
 
  private:
   class Service;
   void DetectorLoop();
   void RefreshMetrics();
   void WriteScrapeTargets();
+  // What the public API calls (the components, and the head's answers about itself).
+  PublicApi::Components PublicComponents(std::vector<v1::ConfiguredLink> configured_links);
   // Starts /metrics and the dashboard (on the metrics port, or its own server), and reads the topology's links.
   absl::Status StartHttp(std::vector<v1::ConfiguredLink>* configured_links);
   // Starts the dashboard's own server when it has one (not on the metrics port), and sets dashboard_url_.

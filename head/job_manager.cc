@@ -224,7 +224,8 @@ absl::Status JobManager::store_error() const {
 }
 
 absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& job_id, int64_t after_seq,
-                                                             int64_t timeout_ms, bool* ended) {
+                                                             int64_t timeout_ms, bool* ended, int64_t limit,
+                                                             bool newest) {
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
@@ -238,7 +239,7 @@ absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& 
     mu_.AwaitWithTimeout(absl::Condition(&has_news), absl::Milliseconds(timeout_ms));
     *ended = IsTerminal(it->second.state());
   }
-  return store_->LoadEvents(job_id, after_seq);
+  return store_->LoadEvents(job_id, after_seq, limit, newest);
 }
 
 std::map<JobState, int> JobManager::CountByState() const {

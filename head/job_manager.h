@@ -62,10 +62,11 @@ class JobManager {
   // its last state. Nothing to do otherwise.
   absl::Status NoteWaiting(const std::string& job_id, const std::string& why);
 
-  // Events of `job_id` with seq > after_seq; waits up to timeout_ms for at least one when there are
-  // none and the job has not ended. `ended` tells whether the job is in a terminal state.
+  // Events of `job_id` with seq > after_seq (at most `limit` of them when > 0: the first, or with `newest` the
+  // last; HeadStore::LoadEvents); waits up to timeout_ms for at least one when there are none and the job has not
+  // ended. `ended` tells whether the job is in a terminal state.
   absl::StatusOr<std::vector<JobEvent>> WaitEvents(const std::string& job_id, int64_t after_seq, int64_t timeout_ms,
-                                                   bool* ended);
+                                                   bool* ended, int64_t limit = 0, bool newest = false);
 
   std::map<JobState, int> CountByState() const;
 

@@ -18,12 +18,14 @@ namespace {
 
 // The restart's figures in the job's last fault (where it resumed, the steps lost), and the steps lost counted.
 void RecordRestart(JobManager* jobs, StepAggregator* metrics, const std::string& job_id, const std::string& resume_from,
-                   int64_t fault_step) {
+                   int64_t fault_step, bool fault) {
   int64_t resumed_step = 0;
   if (!resume_from.empty()) {
     if (auto manifest = model::VerifyCheckpoint(resume_from); manifest.ok()) resumed_step = manifest->step();
   }
   const int64_t lost = std::max<int64_t>(0, fault_step - resumed_step);
+  if (lost > 0) metrics->CountStepsLost(job_id, lost);
+  if (!fault) return;
   LogIfFailed(jobs->Update(job_id,
                            [&](JobInfo& j) {
                              if (j.faults_size() == 0) return;
@@ -34,7 +36,6 @@ void RecordRestart(JobManager* jobs, StepAggregator* metrics, const std::string&
                            })
                   .status(),
               job_id, "recording the restart");
-  if (lost > 0) metrics->CountStepsLost(job_id, lost);
 }
 
 }  // namespace
@@ -46,6 +47,8 @@ struct JobRecovery::PendingFault {
   int restarts = 0;
   int64_t step = 0, detected_unix_ms = 0, attempt = 0;
   bool permanent = false;
+  bool leave = false;     // a drain's restart without its workers (Leave)
+  bool all_left = false;  // a leave's: every actor left by itself (none to stop)
 };
 
 JobRecovery::JobRecovery(JobManager* jobs, WorkerRegistry* registry, JobRuns* runs, ActorLauncher* launcher,
@@ -108,7 +111,9 @@ void JobRecovery::OnWorkerDead(const WorkerInfo& worker) {
     for (auto& [job_id, run] : runs_->by_job) {
       if (run.phase != RunPhase::kRunning) continue;
       for (const ActorPlacement& p : run.actors) {
-        if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id())) {
+        // An actor that left for a drain is not lost with its worker (which exits once its actors are gone).
+        if (p.actor.worker_id() == worker.worker_id() && !run.done.count(p.actor.actor_id()) &&
+            !run.drain.left.count(p.actor.actor_id())) {
           hit.push_back({job_id, run.attempt});
           break;
         }
@@ -134,9 +139,32 @@ void JobRecovery::Fault(const std::string& job_id, int64_t attempt, const std::s
     run.fault_detected_ms = clock_->NowMillis();
     run.fault_unix_ms = clock_->UnixMillis();
     run.fault_step = run.last_step;
+    run.leaving = false;
     runs_->kicked = true;
   }
   GT_LOG(WARNING) << "job " << job_id << " (run " << attempt << "): fault: " << cause;
+}
+
+void JobRecovery::Leave(const std::string& job_id, int64_t attempt, const std::string& cause,
+                        const std::string& workers, int64_t started_ms, bool stop_actors) {
+  {
+    absl::MutexLock lock(&runs_->mu);
+    auto it = runs_->by_job.find(job_id);
+    if (it == runs_->by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
+    JobRun& run = it->second;
+    run.phase = RunPhase::kFault;
+    run.fault_cause = cause;
+    run.fault_permanent = false;
+    run.fault_detected_ms = started_ms;
+    run.fault_unix_ms = clock_->UnixMillis();
+    run.fault_step = run.last_step;
+    run.leaving = true;
+    run.leaving_workers = workers;
+    run.drain.handed_over = true;
+    run.drain.gave_up = stop_actors;  // HandleLeave stops the actors then
+    runs_->kicked = true;
+  }
+  GT_LOG(INFO) << "job " << job_id << " (run " << attempt << "): leaves " << workers << ": " << cause;
 }
 
 void JobRecovery::HandleFaults() {
@@ -146,13 +174,17 @@ void JobRecovery::HandleFaults() {
     for (auto& [job_id, run] : runs_->by_job) {
       if (run.phase != RunPhase::kFault) continue;
       pending.push_back({job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms,
-                         run.attempt, run.fault_permanent});
+                         run.attempt, run.fault_permanent, run.leaving, run.leaving && !run.drain.gave_up});
     }
   }
   for (const PendingFault& p : pending) HandleFault(p);
 }
 
 void JobRecovery::HandleFault(const PendingFault& p) {
+  if (p.leave) {
+    HandleLeave(p);
+    return;
+  }
   absl::StatusOr<JobInfo> job = jobs_->Get(p.job_id);
   if (!job.ok()) return;
   const FaultToleranceSpec& ft = job->spec().fault_tolerance();
@@ -205,6 +237,31 @@ void JobRecovery::HandleFault(const PendingFault& p) {
   if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault) return;
   it->second.phase = RunPhase::kRecovering;
   it->second.restarts = p.restarts + 1;
+  it->second.waiting_message.clear();
+  runs_->kicked = true;
+}
+
+void JobRecovery::HandleLeave(const PendingFault& p) {
+  auto moved = jobs_->Transition(p.job_id, JOB_RESTARTING, p.cause);
+  if (!moved.ok() && moved.status().code() == absl::StatusCode::kUnavailable) {
+    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING (will retry)");  // the leave stays to be handled
+    return;
+  }
+  if (!moved.ok()) {  // cancelled meanwhile
+    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING");
+    absl::MutexLock lock(&runs_->mu);
+    if (auto it = runs_->by_job.find(p.job_id); it != runs_->by_job.end()) it->second.phase = RunPhase::kEnded;
+    return;
+  }
+  LogIfFailed(jobs_->Update(p.job_id, [](JobInfo& j) { j.set_leaves(j.leaves() + 1); }).status(), p.job_id,
+              "recording the leave");
+  metrics_->CountLeave(p.job_id);
+  // Actors that left stopped by themselves; those of a drain that gave up are stopped now.
+  if (!p.all_left) launcher_->StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
+  absl::MutexLock lock(&runs_->mu);
+  auto it = runs_->by_job.find(p.job_id);
+  if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault) return;
+  it->second.phase = RunPhase::kRecovering;
   it->second.waiting_message.clear();
   runs_->kicked = true;
 }
@@ -264,6 +321,7 @@ void JobRecovery::RecoverJob(const std::string& job_id) {
   }
   int64_t attempt, detected_ms, fault_step;
   std::string waiting;
+  bool leaving;
   {
     absl::MutexLock lock(&runs_->mu);
     const JobRun& run = runs_->by_job[job_id];
@@ -271,6 +329,7 @@ void JobRecovery::RecoverJob(const std::string& job_id) {
     detected_ms = run.fault_detected_ms;
     fault_step = run.fault_step;
     waiting = run.waiting_message;
+    leaving = run.leaving;
   }
   absl::StatusOr<std::string> resume_from = ResumePoint(job_id, job->spec());
   if (!resume_from.ok()) {
@@ -279,7 +338,8 @@ void JobRecovery::RecoverJob(const std::string& job_id) {
   }
   absl::Status launched = control_->PlaceAndLaunch(*job, attempt, *resume_from);
   if (launched.ok()) {
-    RecordRestart(jobs_, metrics_, job_id, *resume_from, fault_step);
+    // A leave has no fault record of its own; the steps it lost (a drain that gave up) are counted all the same.
+    RecordRestart(jobs_, metrics_, job_id, *resume_from, fault_step, /*fault=*/!leaving);
     return;
   }
   const double waited_s = (clock_->NowMillis() - detected_ms) / 1000.0;
@@ -310,11 +370,22 @@ void JobRecovery::RecoverJob(const std::string& job_id) {
 std::optional<JobRecovery::Recovery> JobRecovery::MeasureRecovery(JobRun& run, int64_t step) const {
   if (run.recovery_measured || step <= run.resumed_step) return std::nullopt;
   run.recovery_measured = true;
-  return Recovery{(clock_->NowMillis() - run.fault_detected_ms) / 1000.0,
-                  std::max<int64_t>(0, run.fault_step - run.resumed_step)};
+  Recovery recovery{(clock_->NowMillis() - run.fault_detected_ms) / 1000.0,
+                    std::max<int64_t>(0, run.fault_step - run.resumed_step), run.leaving, run.leaving_workers};
+  run.leaving = false;
+  return recovery;
 }
 
 void JobRecovery::RecordRecovery(const std::string& job_id, const Recovery& recovery) {
+  if (recovery.leave) {  // not a fault: its cost in the job's log (docs/reliability.md has the measured figures)
+    LogIfFailed(jobs_->Log(job_id, absl::StrFormat("training again without %s %.1f s after the drain began; %s",
+                                                   recovery.workers, recovery.seconds,
+                                                   recovery.steps_lost == 0
+                                                       ? std::string("no step lost")
+                                                       : absl::StrCat(recovery.steps_lost, " step(s) lost"))),
+                job_id, "logging");
+    return;
+  }
   LogIfFailed(jobs_
                   ->Update(job_id,
                            [&](JobInfo& j) {

@@ -12,14 +12,17 @@
 //   - The first step past the resumed one ends the recovery (MeasureRecovery, RecordRecovery): its time and the
 //     steps lost go in the fault's record and in geotrain_job_recovery_seconds / geotrain_job_steps_lost_total.
 //   - A head restart (Restore): the jobs that were RUNNING or RESTARTING get their runs back from their records.
+//   - A leave (Leave: a drain, head/job_drain.h, is ready or gave up): the job restarts the same way without the
+//     draining workers, but it is no fault: no fault record, no restart counted against max_restarts; the job's
+//     `leaves` and geotrain_job_leaves_total count it, and the first step after it logs the drain's cost.
 //
 // What it asks of the job's state machine (ending a job, launching a run) goes through RunControl, which JobRunner
 // implements; actors are stopped through the ActorLauncher, counters through the StepAggregator.
-// Threads: Fault, OnWorkerDead and MeasureRecovery on any thread (MeasureRecovery under JobRuns::mu, on the run it
-// is given; the others take it); HandleFaults, RecoverJobs, ResumePoint and RecordRecovery on the control thread or
+// Threads: Fault, Leave, OnWorkerDead and MeasureRecovery on any thread (MeasureRecovery under JobRuns::mu, on the
+// run it is given; the others take it); HandleFaults, RecoverJobs, ResumePoint and RecordRecovery on the control thread or
 // a reporting handler's, never under JobRuns::mu (they call the job table, RunControl and the launcher); Restore
 // before the control thread starts. Its fields are the shared components it was given; all run state is the
-// JobRun's fault section, under JobRuns::mu.
+// JobRun's fault section (and a drain's hand-over flags), under JobRuns::mu.
 // Errors: ResumePoint returns why a checkpoint the spec names cannot be resumed from; the rest end the job (FAILED,
 // naming the fault and the limit) or log a failed bookkeeping write.
 #pragma once
@@ -67,6 +70,11 @@ class JobRecovery {
   // current one or is not running (it already has a fault, or ended). `permanent`: a restart would fail the same
   // way (an actor's set-up error in the job's spec, data or checkpoint), so the job fails at once.
   void Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent = false);
+  // The job's run `attempt` restarts without `workers` (a drain): as a fault's restart, under `cause`, with the cost
+  // measured from `started_ms` (the drain's start, monotonic). `stop_actors`: some actors have not left (the drain
+  // gave up), so they are stopped first. Ignored when that run is not the current one or is not running.
+  void Leave(const std::string& job_id, int64_t attempt, const std::string& cause, const std::string& workers,
+             int64_t started_ms, bool stop_actors);
 
   // The control thread's steps: decide on the faults seen, then launch the recovering runs again.
   void HandleFaults();
@@ -80,6 +88,8 @@ class JobRecovery {
   struct Recovery {
     double seconds = 0;
     int64_t steps_lost = 0;
+    bool leave = false;   // after a drain: seconds since the drain started
+    std::string workers;  // a leave's: the workers it left
   };
   // Under JobRuns::mu, when every actor of `run` reported `step`: the first step past the resumed one after a
   // restart ends the recovery (once).
@@ -91,6 +101,8 @@ class JobRecovery {
   // Fails the job or moves it to RESTARTING for its fault (HandleFaults, one job).
   struct PendingFault;
   void HandleFault(const PendingFault& fault);
+  // A leave's part of HandleFault: RESTARTING under its cause, the leave counted, any actor left stopped.
+  void HandleLeave(const PendingFault& fault);
   // Launches one recovering job again, or decides that it waits or fails (RecoverJobs, one job).
   void RecoverJob(const std::string& job_id);
 

@@ -39,14 +39,32 @@ enum class RunPhase {
 // every actor's WAN bytes, the loss carriers' mean loss and the replicas' mean validation loss) and what the means
 // are made of.
 struct StepAggregate {
-  StepFigures figures;  // loss_scale: fp16's, the largest reported (all equal); 0 until one is reported
-  int reports = 0;
+  StepFigures figures;             // loss_scale: fp16's, the largest reported (all equal); 0 until one is reported
+  std::set<std::string> reported;  // the actors whose report of the step is in (a resent report counts once)
   bool have_loss = false;
   double loss_sum = 0, val_sum = 0;
   int loss_reports = 0, val_reports = 0;
   // The step's tokens by the site that trained them: each replica's share of the global batch, split evenly over
   // its actors (stages and tensor ranks), counted at each actor's site. Sums to figures.tokens.
   std::map<std::string, double> site_tokens;
+};
+
+// A drain of a run (head/job_drain.h): its actors leave after one common step T, each with its checkpoint shard
+// of T, and the job restarts without the draining workers from that checkpoint. Empty `workers`: no drain.
+struct RunDrain {
+  std::set<std::string> workers;  // the draining workers with an actor of the run
+  int64_t target = 0;             // T: the actors leave after this step (0 while none is picked)
+  bool ends_first = false;        // the job's last step comes before any target: it ends by itself
+  int picks = 0;                  // targets picked (the first, and each one an actor passed before it knew)
+  std::set<std::string> bound;    // actors that knew T before they passed it: they stop there
+  std::set<std::string> left;     // actors that stopped after T (their last report is in)
+  bool confirmed = false;         // every actor is bound: none trains past T
+  bool committed = false;         // the checkpoint of T is committed (or the job needs none: timed compute)
+  bool needs_checkpoint = true;
+  bool handed_over = false;    // the run went to recovery for its restart without the workers (once)
+  bool gave_up = false;        // handed over before every actor left (a timeout): they are stopped
+  std::string checkpoint_dir;  // the job's checkpoint.dir, where the actors write T's checkpoint
+  int64_t started_ms = 0;      // clock's monotonic milliseconds: the drain's cost is measured from here
 };
 
 // A job's current run.
@@ -82,6 +100,13 @@ struct JobRun {
   int64_t fault_step = 0;
   bool recovery_measured = true;  // false until the first step after a restart completes
   std::string waiting_message;    // last "waiting for workers" line logged
+  // The restart being recovered from is a drain's (a leave, not a fault): no fault record, no restart counted; its
+  // cost is measured from the drain's start (fault_detected_ms).
+  bool leaving = false;
+  std::string leaving_workers;  // the workers it left, for the log ("w-3, w-4")
+
+  // The drain's (JobRunner with head/job_drain.h; cleared by each launch).
+  RunDrain drain;
 };
 
 // The runs, shared by the runner's parts. Any thread; every field under `mu`.

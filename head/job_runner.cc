@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -74,6 +75,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     RetryPendingEnds();
     recovery_.HandleFaults();
     Reconcile();
+    CheckDrains();
     recovery_.RecoverJobs();
     StartPendingJobs();
     aggregator_.ForgetEndedJobSeries();
@@ -217,6 +219,7 @@ absl::Status JobRunner::BeginRun(const JobInfo& job, const std::vector<ActorPlac
     run.launched_ms = clock_->NowMillis();
     run.actor_seen_ms.clear();
     run.waiting_message.clear();
+    run.drain = RunDrain{};  // a drain is of one run: the next is placed without the draining workers
   }
   std::vector<ActorRecord> records;
   for (const ActorPlacement& p : placement) records.push_back(p.actor);
@@ -372,7 +375,7 @@ void JobRunner::Reconcile() {
       }
       for (const ActorPlacement& p : run.actors) {
         const std::string& id = p.actor.actor_id();
-        if (run.done.count(id)) continue;
+        if (run.done.count(id) || run.drain.left.count(id)) continue;  // its last report is in
         auto it = reported.find(id);
         if (it != reported.end()) {
           run.actor_seen_ms[id] = now;
@@ -417,6 +420,7 @@ void JobRunner::StopJob(const std::string& job_id, const std::string& reason) {
   }
   launcher_.StopActors(actors, reason, /*wait=*/false);
   RecordFinalActorStates(job_id, JOB_CANCELLED, reason);
+  aggregator_.JobEnded(job_id);  // its liveness series go now; the others after their last scrape
 }
 
 std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
@@ -428,22 +432,35 @@ std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
   return out;
 }
 
-bool JobRunner::OnStepReport(const StepReport& report) {
+ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
+  ReportStepReply reply;
   bool finished = false, failed = false;
   bool newly_done = false;  // this report is its actor's last
   std::optional<StepAggregate> complete;
   std::optional<JobRecovery::Recovery> recovery;
   CheckpointCommitter::Gathered gathered;
+  DrainNews drain;
+  bool draining = false;
   JobSpec spec;
   int64_t attempt = 0;
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(report.job_id());
-    if (it == runs_.by_job.end()) return true;  // unknown (e.g. a head restart without its state): stop
+    if (it == runs_.by_job.end()) {  // unknown (e.g. a head restart without its state): stop
+      reply.set_stop(true);
+      return reply;
+    }
     JobRun& run = it->second;
     // An earlier run's actor (stopped for a restart), or a job that ended: stop.
-    if (run.phase == RunPhase::kEnded || report.attempt() != run.attempt) return true;
-    if (run.phase != RunPhase::kRunning) return false;  // a fault is being handled: the actors are being stopped
+    if (run.phase == RunPhase::kEnded || report.attempt() != run.attempt) {
+      reply.set_stop(true);
+      return reply;
+    }
+    if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled: the actors are being stopped
+    if (report.drain_waiting()) {  // an actor at the drain's step asks whether to stop: nothing else to do
+      FillDrainReply(run, &reply);
+      return reply;
+    }
     spec = run.spec;
     attempt = run.attempt;
     if (!report.error().empty()) {
@@ -457,6 +474,9 @@ bool JobRunner::OnStepReport(const StepReport& report) {
     if (report.done()) newly_done = run.done.insert(report.actor_id()).second;
     finished = run.done.size() == run.actors.size();
     gathered = CheckpointCommitter::Gather(run, report);
+    draining = !run.drain.workers.empty();
+    if (draining && !failed) drain = ApplyDrainReport(run, report);
+    FillDrainReply(run, &reply);
   }
   // What a restarted head needs to go on: the actors whose last report it has (whether or not their workers still
   // list them) and the shards of checkpoints not yet complete. One write for both.
@@ -475,13 +495,164 @@ bool JobRunner::OnStepReport(const StepReport& report) {
   if (failed) {
     recovery_.Fault(report.job_id(), attempt, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()),
                     report.permanent());
-    return true;
+    reply.set_stop(true);
+    return reply;
   }
   committer_.Commit(report.job_id(), spec, gathered);
   if (complete) aggregator_.RecordStep(report.job_id(), *complete, spec.comm().wan_codec());
   if (recovery) recovery_.RecordRecovery(report.job_id(), *recovery);
+  if (draining) AfterDrainReport(report.job_id(), attempt, drain, gathered);
   if (finished) EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
-  return false;
+  return reply;
+}
+
+void JobRunner::CheckDrains() {
+  std::set<std::string> draining;
+  for (const WorkerInfo& w : registry_->Workers()) {
+    if (w.draining() && w.state() == WORKER_ALIVE) draining.insert(w.worker_id());
+  }
+  std::vector<std::tuple<std::string, int64_t, std::string>> starts;  // job, attempt, worker
+  struct GiveUp {
+    std::string job_id, subject, workers;
+    int64_t attempt, target, started_ms;
+  };
+  std::vector<GiveUp> give_ups;
+  const int64_t now = clock_->NowMillis();
+  {
+    absl::MutexLock lock(&runs_.mu);
+    for (const auto& [job_id, run] : runs_.by_job) {
+      if (run.phase != RunPhase::kRunning) continue;
+      const RunDrain& d = run.drain;
+      if (!d.workers.empty() && !d.handed_over && !d.ends_first && now - d.started_ms > options_.drain_timeout_ms) {
+        give_ups.push_back({job_id, DrainSubject(d), DrainingWorkers(d), run.attempt, d.target, d.started_ms});
+        continue;
+      }
+      for (const ActorPlacement& p : run.actors) {
+        const std::string& worker = p.actor.worker_id();
+        if (draining.count(worker) && !run.done.count(p.actor.actor_id()) && !d.workers.count(worker)) {
+          starts.push_back({job_id, run.attempt, worker});
+        }
+      }
+    }
+  }
+  for (const auto& [job_id, attempt, worker] : starts) StartDrain(job_id, attempt, worker);
+  for (const GiveUp& g : give_ups) {
+    recovery_.Leave(g.job_id, g.attempt,
+                    absl::StrFormat("%s: the actors did not all leave at step %d within %.0f s; restarting without "
+                                    "%s from the newest checkpoint",
+                                    g.subject, g.target, options_.drain_timeout_ms / 1000.0, g.workers),
+                    g.workers, g.started_ms, /*stop_actors=*/true);
+  }
+}
+
+void JobRunner::StartDrain(const std::string& job_id, int64_t attempt, const std::string& worker_id) {
+  absl::StatusOr<JobInfo> job = jobs_->Get(job_id);
+  if (!job.ok()) return;
+  std::string dir = job->spec().checkpoint().dir();
+  const bool timed = job->timed_compute();
+  if (dir.empty() && !timed && !options_.drain_checkpoint_root.empty()) {
+    // A job without checkpoint.dir: the drain's checkpoint goes under the head's state dir, and stays its dir (the
+    // staging service takes its files there, the restart resumes from there).
+    dir = absl::StrCat(options_.drain_checkpoint_root, "/", job_id);
+    absl::StatusOr<JobInfo> updated =
+        jobs_->Update(job_id, [&](JobInfo& j) { j.mutable_spec()->mutable_checkpoint()->set_dir(dir); });
+    if (!updated.ok()) {
+      LogIfFailed(updated.status(), job_id, "giving the job a checkpoint dir for its drain");
+      return;  // tried again on the next look
+    }
+    LogIfFailed(jobs_->Log(job_id, absl::StrCat("the job has no checkpoint.dir: its drain's checkpoint goes to ", dir,
+                                                " (its checkpoint.dir from now on)")),
+                job_id, "logging");
+  }
+  bool fresh = false, ends_first = false;
+  int64_t target = 0;
+  std::string workers;
+  {
+    absl::MutexLock lock(&runs_.mu);
+    auto it = runs_.by_job.find(job_id);
+    if (it == runs_.by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
+    JobRun& run = it->second;
+    if (!dir.empty()) run.spec.mutable_checkpoint()->set_dir(dir);  // the committer writes the manifest there
+    fresh = BeginDrain(run, worker_id, dir, /*needs_checkpoint=*/!timed && !dir.empty(), clock_->NowMillis());
+    ends_first = run.drain.ends_first;
+    target = run.drain.target;
+    workers = DrainingWorkers(run.drain);
+  }
+  std::string line;
+  if (!fresh) {
+    line = absl::StrCat("worker ", worker_id, " drains too: the job restarts without ", workers);
+  } else if (ends_first) {
+    line = absl::StrCat("worker ", worker_id, " drains: the job ends at step ", job->spec().train().steps(),
+                        " before its actors could leave; they leave with it");
+  } else {
+    line = absl::StrCat(
+        "worker ", worker_id, " drains: its actors leave at step ", target,
+        timed         ? "; the job restarts without it from step 1 (timed compute has no weights)"
+        : dir.empty() ? "; the job restarts without it from its start (no checkpoint dir)"
+                      : absl::StrCat(" with a checkpoint of it; the job restarts without ", worker_id, " from there"));
+  }
+  LogIfFailed(jobs_->Log(job_id, line), job_id, "logging");
+}
+
+void JobRunner::AfterDrainReport(const std::string& job_id, int64_t attempt, const DrainNews& news,
+                                 const CheckpointCommitter::Gathered& gathered) {
+  int64_t target = 0;
+  {
+    absl::MutexLock lock(&runs_.mu);
+    auto it = runs_.by_job.find(job_id);
+    if (it == runs_.by_job.end() || it->second.attempt != attempt) return;
+    target = it->second.drain.target;
+  }
+  if (news.repicked) {
+    LogIfFailed(
+        jobs_->Log(job_id, absl::StrCat("actor ", news.passed_actor, " finished step ", news.passed_step,
+                                        " before it learned of the drain's step ", news.old_target, ": ",
+                                        target > 0 ? absl::StrCat("the actors leave at step ", target, " instead")
+                                                   : std::string("the job ends before they could leave"))),
+        job_id, "logging");
+  }
+  if (news.confirmed) {
+    LogIfFailed(jobs_->Log(job_id, absl::StrCat("every actor knew step ", target, " in time: they leave after it")),
+                job_id, "logging");
+  }
+  bool committed = false;
+  for (const auto& [step, shards] : gathered.ready) {
+    if (step != target) continue;
+    // CommitCheckpoint wrote the manifest (the job's newest checkpoint moved on), or it failed (logged).
+    absl::StatusOr<JobInfo> job = jobs_->Get(job_id);
+    committed = job.ok() && job->last_checkpoint_step() >= target;
+  }
+  std::string subject, workers;
+  bool ready = false, needs_checkpoint = true;
+  int64_t started_ms = 0;
+  {
+    absl::MutexLock lock(&runs_.mu);
+    auto it = runs_.by_job.find(job_id);
+    if (it == runs_.by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
+    RunDrain& d = it->second.drain;
+    d.committed = d.committed || committed;
+    ready = DrainReady(it->second) || (news.broken && !d.handed_over);
+    if (ready) d.handed_over = true;  // one report hands it over
+    subject = DrainSubject(d);
+    workers = DrainingWorkers(d);
+    needs_checkpoint = d.needs_checkpoint;
+    started_ms = d.started_ms;
+  }
+  if (!ready) return;
+  if (news.broken) {
+    recovery_.Leave(
+        job_id, attempt,
+        absl::StrCat(subject, ": actor ", news.passed_actor, " passed step ", target,
+                     " after every actor knew it; restarting without ", workers, " from the newest checkpoint"),
+        workers, started_ms, /*stop_actors=*/true);
+    return;
+  }
+  recovery_.Leave(
+      job_id, attempt,
+      needs_checkpoint
+          ? absl::StrCat(subject, ": checkpoint at step ", target, " committed; restarting without ", workers)
+          : absl::StrCat(subject, ": every actor left at step ", target, "; restarting without ", workers),
+      workers, started_ms, /*stop_actors=*/false);
 }
 
 }  // namespace geotrain::head

@@ -12,6 +12,9 @@
 //     RESTARTING: every surviving actor is stopped at once; the job resumes from its newest complete
 //     checkpoint (or its start) as a new run (attempt) on the workers alive now: the same ones when they
 //     are back, spare ones, or, for `plan: auto`, a new plan ──▶ RUNNING
+//   RUNNING ──(a worker hosting an actor drains: its actors and every other of the job leave after one step T, with
+//     a checkpoint of T; head/job_drain.h)──▶ RESTARTING: a leave, no fault; the job resumes from T without the
+//     draining workers ──▶ RUNNING
 //   RESTARTING ──(fault_tolerance.max_restarts used up; or a manual plan still lacks devices after
 //     fault_tolerance.wait_for_workers_s)──▶ FAILED, naming the fault or what is missing
 //   any ──(job cancel)──▶ CANCELLED, every actor stopped
@@ -30,6 +33,7 @@
 //   head/job_recovery.h          faults: which restart, from which checkpoint, which fail the job; Restore
 //   head/step_aggregator.h       step reports -> step events, progress and the job's metric families
 //   head/checkpoint_committer.h  checkpoint shards -> committed manifests
+//   head/job_drain.h             workers leaving on notice: the step boundary every actor of a job leaves at
 //   head/job_run.h               the runs they share (one table, one mutex)
 // JobRunner itself is the job's state machine: it starts pending jobs, launches runs, reconciles them with the
 // workers' heartbeats, ends jobs (retrying an end the store could not write), and routes reports and faults.
@@ -37,11 +41,11 @@
 //
 // Threads and ownership:
 //   - the job-control thread (Start) runs ControlLoop: RetryPendingEnds, JobRecovery::HandleFaults, Reconcile,
-//     JobRecovery::RecoverJobs, StartPendingJobs, StepAggregator::ForgetEndedJobSeries, then `on_tick`. It alone
-//     plans, places, launches and restarts runs.
-//   - gRPC handlers call OnStepReport (aggregation and checkpoint gathering under JobRuns::mu, then recording and
-//     commits without it), StopJob, Actors and Kick; the detector thread calls OnWorkerDead, which only queues
-//     the fault (JobRecovery::Fault).
+//     CheckDrains, JobRecovery::RecoverJobs, StartPendingJobs, StepAggregator::ForgetEndedJobSeries, then `on_tick`.
+//     It alone plans, places, launches and restarts runs.
+//   - gRPC handlers call OnStepReport (aggregation, checkpoint gathering and the drain's bookkeeping under
+//     JobRuns::mu, then recording, commits and a ready drain's hand-over, JobRecovery::Leave, without it), StopJob,
+//     Actors and Kick; the detector thread calls OnWorkerDead, which only queues the fault (JobRecovery::Fault).
 //   - the launcher's executor threads make the RPCs to workers; they touch no run.
 //   - JobRuns::mu guards the runs (runs_.by_job, runs_.kicked) and the runner's own stopping_ and pending_ends_;
 //     no RPC is made and no other component is called while holding it. The step aggregator's series mutex is
@@ -65,6 +69,7 @@
 #include "common/rpc.h"
 #include "head/actor_launcher.h"
 #include "head/checkpoint_committer.h"
+#include "head/job_drain.h"
 #include "head/job_manager.h"
 #include "head/job_recovery.h"
 #include "head/job_run.h"
@@ -89,6 +94,11 @@ struct JobRunnerOptions {
   // A job's own series on /metrics (loss, tokens/s, step times, restarts: label job_id) are removed this long after
   // it ended, time enough for Prometheus to scrape the last values; its history stays in Prometheus.
   int64_t ended_job_series_ms = 60000;
+  // Drains (head/job_drain.h): where a job without checkpoint.dir gets one for its drain's checkpoint
+  // (<drain_checkpoint_root>/<job id>; empty: such a job restarts from its start), and how long a drain may take
+  // before the job restarts without the draining workers from its newest checkpoint (steps lost).
+  std::string drain_checkpoint_root;
+  int64_t drain_timeout_ms = 120000;
 };
 
 class JobRunner final : private RunControl {
@@ -111,8 +121,9 @@ class JobRunner final : private RunControl {
 
   // A worker was declared dead: the jobs with actors on it have a fault (handled on the control thread).
   void OnWorkerDead(const WorkerInfo& worker);
-  // Handles one actor's step report (gRPC handler threads); returns true when the actor should stop.
-  bool OnStepReport(const StepReport& report);
+  // Handles one actor's step report (gRPC handler threads); the reply says whether the actor should stop, and a
+  // drain's step boundary (head/job_drain.h).
+  ReportStepReply OnStepReport(const StepReport& report);
   // Stops every actor of the job (after a cancel); the stops are sent in the background.
   void StopJob(const std::string& job_id, const std::string& reason);
   // Actors of running jobs as the head placed them (for status when workers have not reported yet).
@@ -127,6 +138,16 @@ class JobRunner final : private RunControl {
   // Compares the runs with the workers' heartbeats: an actor that died is a fault, one that finished counts as
   // done once its last report is overdue, one an alive worker stopped listing is lost.
   void Reconcile();
+  // Starts the drains of the running jobs with an actor on a draining worker (registry), and hands the drains that
+  // took longer than drain_timeout_ms over to recovery (the job restarts without the workers all the same).
+  void CheckDrains();
+  // Starts (or widens) the drain of run `attempt` of the job for `worker_id`, giving a job without checkpoint.dir
+  // one for it, and logs it.
+  void StartDrain(const std::string& job_id, int64_t attempt, const std::string& worker_id);
+  // A report's consequences for the run's drain, after its checkpoints were committed: logs `news`, marks the
+  // drain's checkpoint committed, and hands a ready drain (or a broken one) over to recovery.
+  void AfterDrainReport(const std::string& job_id, int64_t attempt, const DrainNews& news,
+                        const CheckpointCommitter::Gathered& gathered);
 
   // RunControl (JobRecovery calls these too).
   // Chooses the plan and the placement for the job's next run, and launches it. UNAVAILABLE when the

@@ -82,7 +82,7 @@ absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>
   std::map<std::string, int> workers_in_site;
   std::vector<const WorkerInfo*> alive;
   for (const WorkerInfo& w : workers) {
-    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+    if (Placeable(w)) alive.push_back(&w);
   }
   std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
     return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());
@@ -233,6 +233,7 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
 std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, const HeldDevices& held) {
   std::vector<WorkerInfo> out;
   for (const WorkerInfo& w : workers) {
+    if (!Placeable(w)) continue;
     WorkerInfo copy = w;
     copy.clear_devices();
     for (int d = 0; d < w.devices_size(); ++d) {
@@ -285,7 +286,7 @@ absl::StatusOr<std::vector<Slot>> FreeSlots(const ParallelSpec& parallel, const 
                                             const HeldDevices& held) {
   std::vector<const WorkerInfo*> alive;
   for (const WorkerInfo& w : workers) {
-    if (w.state() == WORKER_ALIVE) alive.push_back(&w);
+    if (Placeable(w)) alive.push_back(&w);
   }
   std::sort(alive.begin(), alive.end(), [](const WorkerInfo* a, const WorkerInfo* b) {
     return std::tie(a->site(), a->worker_id()) < std::tie(b->site(), b->worker_id());

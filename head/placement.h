@@ -40,7 +40,7 @@ struct ActorPlacement {
 // time, so a held device is neither planned on nor placed on until its job ends or restarts elsewhere.
 using HeldDevices = std::map<std::pair<std::string, int>, std::string>;
 
-// Places the actors of a manual plan on the free devices of `workers` (alive ones, less `held`). Errors: not
+// Places the actors of a manual plan on the free devices of `workers` (placeable ones, less `held`). Errors: not
 // enough free devices (UNAVAILABLE, naming the jobs that hold the others: the job waits), a TP group across
 // sites or a plan that does not fit in memory (FAILED_PRECONDITION / INVALID_ARGUMENT: the job is refused).
 absl::StatusOr<std::vector<ActorPlacement>> PlaceActors(const JobInfo& job, const std::vector<WorkerInfo>& workers,
@@ -58,7 +58,10 @@ struct PrecisionChoice {
 absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
                                                 const std::vector<WorkerInfo>& workers);
 
-// The workers as the planner should see them for a new job: each one's devices less those `held`.
+// Whether jobs may be planned and placed on the worker: it is alive and not draining (leaving on notice).
+inline bool Placeable(const WorkerInfo& w) { return w.state() == WORKER_ALIVE && !w.draining(); }
+
+// The workers as the planner should see them for a new job: each placeable one's devices less those `held`.
 std::vector<WorkerInfo> FreeDevices(const std::vector<WorkerInfo>& workers, const HeldDevices& held);
 
 // Estimated bytes an actor of stage `stage` of the spec's manual plan needs, as the planner's simulator counts

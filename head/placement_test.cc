@@ -96,6 +96,29 @@ TEST(PlaceActorsTest, FillsDevicesInSiteOrderAndWaitsWhenShort) {
   EXPECT_EQ(PlaceActors(Job(1, 3, 1), workers).status().code(), absl::StatusCode::kInvalidArgument);  // 2 layers
 }
 
+// A draining worker (leaving on notice) is neither placed on nor planned on: a restart goes elsewhere, or waits.
+TEST(PlaceActorsTest, SkipsDrainingWorkers) {
+  std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16), Worker("w3", "b", 16)};
+  workers[0].set_draining(true);
+  EXPECT_FALSE(Placeable(workers[0]));
+  EXPECT_TRUE(Placeable(workers[1]));
+  auto placed = PlaceActors(Job(2, 1, 1), workers);
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  for (const ActorPlacement& p : *placed) EXPECT_NE(p.actor.worker_id(), "w1");
+  EXPECT_EQ(PlaceActors(Job(3, 1, 1), workers).status().code(), absl::StatusCode::kUnavailable);
+  const std::vector<WorkerInfo> free = FreeDevices(workers, {});
+  ASSERT_EQ(free.size(), 2u);
+  EXPECT_EQ(free[0].worker_id(), "w2");
+  // The planner of `plan: auto` jobs sees the same two workers.
+  JobSpec spec = Job(1, 1, 1).spec();
+  spec.mutable_parallel()->set_plan("auto");
+  auto plan = PlanAutoJob(spec, workers, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_LE(plan->parallel.dp() * plan->parallel.pp() * plan->parallel.tp(), 2);
+  for (WorkerInfo& w : workers) w.set_draining(true);
+  EXPECT_EQ(PlanAutoJob(spec, workers, {}).status().code(), absl::StatusCode::kUnavailable);
+}
+
 TEST(PlaceActorsTest, WorkerPinsWinOverSitePins) {
   std::vector<WorkerInfo> workers = {Worker("w1", "a", 16), Worker("w2", "a", 16)};
   JobInfo job = Job(2, 1, 1);

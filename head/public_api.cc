@@ -152,6 +152,14 @@ v1::ClusterInfo ClusterInfoOf(const Components& head) {
   return info;
 }
 
+absl::StatusOr<v1::Worker> DrainWorkerOf(const Components& head, const std::string& worker_id) {
+  if (worker_id.empty()) return absl::InvalidArgumentError("DrainWorker: worker_id is required");
+  if (!head.drain_worker) return absl::UnimplementedError("DrainWorker: this head cannot drain workers");
+  ASSIGN_OR_RETURN(WorkerInfo worker, head.drain_worker(worker_id));
+  head.changed();
+  return ToPublic<v1::Worker>(worker);
+}
+
 absl::StatusOr<v1::PlanJobReply> PlanJobOf(const Components& head, const v1::PlanJobRequest& request) {
   if (request.max_plans() < 0 || request.max_plans() > kMaxPlans) {
     return absl::InvalidArgumentError(absl::StrCat("max_plans must be 0..", kMaxPlans));
@@ -275,6 +283,13 @@ class PublicApi::ClusterService final : public v1::Cluster::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status DrainWorker(grpc::ServerContext* context, const v1::DrainWorkerRequest* request,
+                           v1::Worker* reply) override {
+    RpcCall call(head_.metrics, auth_, context, "DrainWorker");
+    if (!call.authorized()) return call.status();
+    return Answer(call, DrainWorkerOf(head_, request->worker_id()), reply);
+  }
+
  private:
   const Components& head_;
   const TokenAuth& auth_;
@@ -319,9 +334,11 @@ v1::ListJobsReply PublicApi::ListJobs() const { return ListJobsOf(components_); 
 absl::StatusOr<v1::Job> PublicApi::CancelJob(const std::string& job_id) const {
   return CancelJobOf(components_, job_id);
 }
-absl::StatusOr<std::vector<v1::JobEvent>> PublicApi::JobEvents(const std::string& job_id, int64_t after_seq) const {
+absl::StatusOr<std::vector<v1::JobEvent>> PublicApi::JobEvents(const std::string& job_id, int64_t after_seq,
+                                                               int64_t limit, bool newest) const {
   bool ended = false;
-  ASSIGN_OR_RETURN(std::vector<JobEvent> events, components_.jobs->WaitEvents(job_id, after_seq, 0, &ended));
+  ASSIGN_OR_RETURN(std::vector<JobEvent> events,
+                   components_.jobs->WaitEvents(job_id, after_seq, 0, &ended, limit, newest));
   std::vector<v1::JobEvent> out;
   out.reserve(events.size());
   for (const JobEvent& event : events) out.push_back(ToPublic<v1::JobEvent>(event));
@@ -332,6 +349,9 @@ absl::StatusOr<v1::JobEfficiency> PublicApi::GetJobEfficiency(const std::string&
 }
 v1::ClusterStatus PublicApi::GetClusterStatus() const { return ClusterStatusOf(components_); }
 v1::ClusterInfo PublicApi::GetClusterInfo() const { return ClusterInfoOf(components_); }
+absl::StatusOr<v1::Worker> PublicApi::DrainWorker(const std::string& worker_id) const {
+  return DrainWorkerOf(components_, worker_id);
+}
 absl::StatusOr<v1::PlanJobReply> PublicApi::PlanJob(const v1::PlanJobRequest& request) const {
   return PlanJobOf(components_, request);
 }

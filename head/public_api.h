@@ -51,6 +51,8 @@ class PublicApi {
     int64_t started_unix_ms = 0;
     std::function<bool()> stopping;  // the head is shutting down (ends WatchJob streams with UNAVAILABLE)
     std::function<void()> changed;   // after a submit or a cancel (refreshes the head's metrics)
+    // DrainWorker: marks the worker draining, persisted, and wakes the job runner (HeadServer::DrainWorker).
+    std::function<absl::StatusOr<WorkerInfo>(const std::string& worker_id)> drain_worker;
     // GetClusterInfo's answer: where the head serves its dashboard and /metrics ("": not served), and the
     // topology it was started with.
     std::string dashboard_url;
@@ -71,11 +73,14 @@ class PublicApi {
   absl::StatusOr<v1::Job> GetJob(const std::string& job_id) const;
   v1::ListJobsReply ListJobs() const;
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id) const;
-  // WatchJob without follow: the job's events with seq > after_seq recorded so far, in seq order.
-  absl::StatusOr<std::vector<v1::JobEvent>> JobEvents(const std::string& job_id, int64_t after_seq) const;
+  // WatchJob without follow: the job's events with seq > after_seq recorded so far, in seq order; at most `limit`
+  // of them when > 0 (the first, or with `newest` the last).
+  absl::StatusOr<std::vector<v1::JobEvent>> JobEvents(const std::string& job_id, int64_t after_seq, int64_t limit = 0,
+                                                      bool newest = false) const;
   absl::StatusOr<v1::JobEfficiency> GetJobEfficiency(const std::string& job_id) const;
   v1::ClusterStatus GetClusterStatus() const;
   v1::ClusterInfo GetClusterInfo() const;
+  absl::StatusOr<v1::Worker> DrainWorker(const std::string& worker_id) const;
   absl::StatusOr<v1::PlanJobReply> PlanJob(const v1::PlanJobRequest& request) const;
 
  private:

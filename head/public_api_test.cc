@@ -268,5 +268,46 @@ TEST_F(PublicApiTest, PlannerRanksPlansOnTheRegisteredWorkers) {
   EXPECT_EQ(cluster.head_id(), head_->head_id());
 }
 
+// Cluster.DrainWorker: the worker is marked draining (in status, and in what the planner plans on); errors carry
+// their codes; the internal HeadControl.DrainWorker (a worker's SIGTERM) does the same.
+TEST_F(PublicApiTest, DrainWorkerMarksTheWorkerAndThePlannerLeavesItOut) {
+  RegisterWorker("a-0", "site-a");
+  RegisterWorker("a-1", "site-a");
+  auto drain = [&](const std::string& id, v1::Worker* worker) {
+    grpc::ClientContext ctx;
+    v1::DrainWorkerRequest request;
+    request.set_worker_id(id);
+    return cluster_->DrainWorker(Prepare(&ctx), request, worker);
+  };
+  v1::Worker worker;
+  EXPECT_EQ(drain("nobody", &worker).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(drain("", &worker).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::Status s = drain("a-0", &worker);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(worker.worker_id(), "a-0");
+  EXPECT_TRUE(worker.draining());
+  EXPECT_TRUE(drain("a-0", &worker).ok()) << "draining again is no error";
+
+  grpc::ClientContext internal_ctx;
+  DrainWorkerRequest internal_request;
+  internal_request.set_worker_id("a-1");
+  WorkerInfo info;
+  s = control_->DrainWorker(Prepare(&internal_ctx), internal_request, &info);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(info.draining());
+
+  grpc::ClientContext status_ctx;
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(cluster_->GetClusterStatus(Prepare(&status_ctx), v1::GetClusterStatusRequest(), &cluster).ok());
+  ASSERT_EQ(cluster.workers_size(), 2);
+  for (const v1::Worker& w : cluster.workers()) EXPECT_TRUE(w.draining()) << w.worker_id();
+  grpc::ClientContext plan_ctx;
+  v1::PlanJobRequest request;
+  request.set_spec_text(kSpec);
+  v1::PlanJobReply reply;
+  EXPECT_EQ(planner_->PlanJob(Prepare(&plan_ctx), request, &reply).error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << "both workers drain: nothing to plan on";
+}
+
 }  // namespace
 }  // namespace geotrain::head

@@ -31,6 +31,9 @@ RegisterWorkerReply WorkerRegistry::Register(const RegisterWorkerRequest& reques
   WorkerInfo& w = workers_[id];
   const uint64_t incarnation = w.incarnation() + 1;
   const bool returning = w.incarnation() > 0;
+  // A draining worker stays draining when the same process registers again (the head restarted); a new process
+  // under its id joins afresh.
+  if (w.pid() != request.pid() || w.hostname() != request.hostname()) w.set_draining(false);
   w.set_worker_id(id);
   w.set_site(request.site());
   w.set_address(request.address());
@@ -69,6 +72,8 @@ HeartbeatReply WorkerRegistry::Heartbeat(const HeartbeatRequest& request) {
   last_seen_ms_[request.worker_id()] = clock_->NowMillis();
   it->second.set_last_heartbeat_unix_ms(clock_->UnixMillis());
   actors_[request.worker_id()].assign(request.actors().begin(), request.actors().end());
+  reply.set_draining(it->second.draining());
+  RecordSent(request);
   for (const LinkMeasurement& link : request.links()) {
     if (link.rtt_ms() < 0 || link.bandwidth_mbps() < 0 || !workers_.count(link.dst_worker())) continue;
     LinkMeasurement& stored = links_[{request.worker_id(), link.dst_worker()}];
@@ -87,6 +92,21 @@ HeartbeatReply WorkerRegistry::Heartbeat(const HeartbeatRequest& request) {
     p->set_address(via != peer.address_for_site().end() ? via->second : peer.address());
   }
   return reply;
+}
+
+absl::StatusOr<WorkerInfo> WorkerRegistry::SetDraining(const std::string& worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) {
+    return absl::NotFoundError(absl::StrCat("no worker '", worker_id, "'; `geotrain status` lists the workers"));
+  }
+  if (it->second.state() != WORKER_ALIVE) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker_id, " is dead (", it->second.dead_reason(),
+                                                      "): its jobs restart without it already"));
+  }
+  if (!it->second.draining()) GT_LOG(INFO) << "worker " << worker_id << " drains: nothing is placed on it again";
+  it->second.set_draining(true);
+  return it->second;
 }
 
 std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
@@ -160,9 +180,38 @@ std::vector<WorkerInfo> WorkerRegistry::Workers() const {
   return out;
 }
 
+void WorkerRegistry::RecordSent(const HeartbeatRequest& request) {
+  const int64_t now = clock_->NowMillis();
+  for (const LinkSent& sent : request.sent()) {
+    if (sent.bytes() < 0 || !(sent.seconds() >= 0) || !workers_.count(sent.dst_worker())) continue;
+    SentSample& sample = sent_[{request.worker_id(), sent.dst_worker()}];
+    const int64_t bytes = sent.bytes() - sample.bytes;
+    const double seconds = sent.seconds() - sample.seconds;
+    // Totals that shrank belong to a restarted worker: they start again from here.
+    if (bytes > 0 && seconds > 0) {
+      sample.goodput_mbps = static_cast<double>(bytes) * 8 / 1e6 / seconds;
+      sample.goodput_at_ms = now;
+    }
+    sample.bytes = sent.bytes();
+    sample.seconds = sent.seconds();
+  }
+}
+
 std::vector<SiteLink> WorkerRegistry::SiteLinks() const {
   absl::MutexLock lock(&mu_);
   std::map<std::pair<std::string, std::string>, std::pair<std::vector<double>, std::vector<double>>> by_pair;
+  // Goodput: each worker pair's latest, if it is from the last minute.
+  std::map<std::pair<std::string, std::string>, std::vector<double>> goodput;
+  const int64_t now = clock_->NowMillis();
+  for (const auto& [key, sample] : sent_) {
+    auto src = workers_.find(key.first);
+    auto dst = workers_.find(key.second);
+    if (sample.goodput_at_ms == 0 || now - sample.goodput_at_ms > 60'000 || src == workers_.end() ||
+        dst == workers_.end() || src->second.site() == dst->second.site()) {
+      continue;
+    }
+    goodput[std::minmax(src->second.site(), dst->second.site())].push_back(sample.goodput_mbps);
+  }
   for (const auto& [key, link] : links_) {
     auto src = workers_.find(key.first);
     auto dst = workers_.find(key.second);
@@ -188,6 +237,7 @@ std::vector<SiteLink> WorkerRegistry::SiteLinks() const {
     link.set_latency_ms(median(samples.first) / 2);
     link.set_bandwidth_mbps(median(samples.second));
     link.set_samples(static_cast<int32_t>(samples.first.size()));
+    if (auto it = goodput.find(sites); it != goodput.end()) link.set_goodput_mbps(median(it->second));
     out.push_back(link);
   }
   return out;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "control.pb.h"
@@ -56,6 +57,11 @@ class WorkerRegistry {
   // newly dead workers. The probe runs without the registry's lock.
   std::vector<WorkerInfo> CheckLiveness(const Probe& probe = nullptr);
 
+  // The worker leaves on notice (a drain): it is marked draining (placement skips it, its heartbeats are answered
+  // `draining`) until a new process registers under its id. Returns its record, to persist. NOT_FOUND: no such
+  // worker; FAILED_PRECONDITION: it is dead.
+  absl::StatusOr<WorkerInfo> SetDraining(const std::string& worker_id);
+
   std::vector<WorkerInfo> Workers() const;
   std::vector<ActorRecord> Actors() const;
   // Site-to-site links from the latest probe of each worker pair whose ends are alive: one-way latency
@@ -64,6 +70,8 @@ class WorkerRegistry {
   const Options& options() const { return options_; }
 
  private:
+  // Turns the growth of the heartbeat's sent totals into each worker pair's goodput (sent_).
+  void RecordSent(const HeartbeatRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const Clock* clock_;
   const Options options_;
   const std::string head_id_;
@@ -77,6 +85,14 @@ class WorkerRegistry {
   std::map<std::string, Reachability> suspected_ ABSL_GUARDED_BY(mu_);
   // Latest probe by (src worker, dst worker).
   std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
+  // (src worker, dst worker) -> the sender's totals at its last heartbeat, and the goodput their last growth gave.
+  struct SentSample {
+    int64_t bytes = 0;
+    double seconds = 0;
+    double goodput_mbps = 0;
+    int64_t goodput_at_ms = 0;  // clock's monotonic milliseconds; 0: no goodput yet
+  };
+  std::map<std::pair<std::string, std::string>, SentSample> sent_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain::head

@@ -81,6 +81,33 @@ TEST(RegistryTest, UnknownOrStaleWorkerMustReregister) {
   EXPECT_TRUE(registry.Heartbeat(beat).reregister());
 }
 
+// Leaving on notice: a draining worker's heartbeats say so, the same process registering again (a head restart)
+// stays draining, a new process under its id joins afresh; unknown and dead workers cannot drain.
+TEST(RegistryTest, DrainingWorkerStaysDrainingUntilANewProcessRegisters) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 4000}, "h-4");
+  RegisterWorkerRequest request = Request("w-d", "utah");
+  request.set_pid(100);
+  RegisterWorkerReply r = registry.Register(request, nullptr);
+  EXPECT_EQ(registry.SetDraining("w-nobody").status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<WorkerInfo> drained = registry.SetDraining("w-d");
+  ASSERT_TRUE(drained.ok()) << drained.status();
+  EXPECT_TRUE(drained->draining());
+  EXPECT_TRUE(registry.SetDraining("w-d").ok());  // again: no error
+  HeartbeatRequest beat;
+  beat.set_worker_id("w-d");
+  beat.set_incarnation(r.incarnation());
+  EXPECT_TRUE(registry.Heartbeat(beat).draining());
+  registry.Register(request, nullptr);  // the same process (pid 100)
+  EXPECT_TRUE(registry.Workers()[0].draining());
+  request.set_pid(101);  // a new process
+  registry.Register(request, nullptr);
+  EXPECT_FALSE(registry.Workers()[0].draining());
+  clock.AdvanceMillis(5000);
+  ASSERT_EQ(registry.CheckLiveness().size(), 1u);
+  EXPECT_EQ(registry.SetDraining("w-d").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(RegistryTest, RestoredWorkersGetAGracePeriod) {
   FakeClock clock;
   WorkerRegistry registry(&clock, {1000, 4000}, "h-3");
@@ -94,6 +121,44 @@ TEST(RegistryTest, RestoredWorkersGetAGracePeriod) {
   EXPECT_TRUE(registry.CheckLiveness().empty());
   clock.AdvanceMillis(2000);
   EXPECT_EQ(registry.CheckLiveness().size(), 1u);
+}
+
+}  // namespace
+}  // namespace geotrain::head
+
+namespace geotrain::head {
+namespace {
+
+// Heartbeats carry each worker's sent totals; their growth between two heartbeats is a worker pair's goodput, and a
+// site link shows the median of the pairs' recent ones, until they are a minute old.
+TEST(RegistryTest, SentTotalsBecomeTheLinksGoodput) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 60'000}, "h-1");
+  const uint64_t incarnation = registry.Register(Request("w-a", "utah"), nullptr).incarnation();
+  registry.Register(Request("w-b", "mass"), nullptr);
+  HeartbeatRequest beat;
+  beat.set_worker_id("w-a");
+  beat.set_incarnation(incarnation);
+  LinkMeasurement* probe = beat.add_links();
+  probe->set_dst_worker("w-b");
+  probe->set_rtt_ms(20);
+  probe->set_bandwidth_mbps(100);
+  LinkSent* sent = beat.add_sent();
+  sent->set_dst_worker("w-b");
+  sent->set_bytes(1'000'000);
+  sent->set_seconds(1);
+  registry.Heartbeat(beat);
+  ASSERT_EQ(registry.SiteLinks().size(), 1u);
+  EXPECT_DOUBLE_EQ(registry.SiteLinks()[0].goodput_mbps(), 8) << "the first totals: 1 MB in 1 s since it started";
+  beat.clear_links();
+  sent->set_bytes(6'000'000);  // 5 MB more in 0.5 s more: 80 Mbit/s
+  sent->set_seconds(1.5);
+  clock.AdvanceMillis(1000);
+  registry.Heartbeat(beat);
+  ASSERT_EQ(registry.SiteLinks().size(), 1u);
+  EXPECT_DOUBLE_EQ(registry.SiteLinks()[0].goodput_mbps(), 80);
+  clock.AdvanceMillis(61'000);
+  EXPECT_EQ(registry.SiteLinks()[0].goodput_mbps(), 0) << "a minute old: not recent";
 }
 
 }  // namespace

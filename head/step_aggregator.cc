@@ -19,6 +19,8 @@ struct JobFamily {
 };
 constexpr JobFamily kRestarts{"geotrain_job_restarts_total", "Restarts of a job from its checkpoint after a fault"};
 constexpr JobFamily kStepsLost{"geotrain_job_steps_lost_total", "Steps trained again after restarts, by job"};
+constexpr JobFamily kLeaves{"geotrain_job_leaves_total",
+                            "Restarts of a job without a worker that left on notice (a drain), by job"};
 constexpr JobFamily kPredictedStep{"geotrain_predicted_step_seconds", "The planner's predicted step time, by job"};
 constexpr JobFamily kMeasuredStep{"geotrain_measured_step_seconds", "The latest measured step time, by job"};
 constexpr JobFamily kStepDuration{"geotrain_step_duration_seconds", "Optimizer step time, by job"};
@@ -54,7 +56,7 @@ constexpr JobFamily kMultiLabelJobGauges[] = {kStepPhase, kSiteTokens};
 constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss, kValLoss,
                                     kBubble,        kTimedCompute, kLossScale,       kProgress,  kEta,
                                     kMedianStep,    kLastStep,     kJobMfu};
-constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps};
+constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps, kLeaves};
 
 // Step times the median and the ETA are taken over.
 constexpr size_t kMedianWindow = 101;
@@ -185,17 +187,11 @@ void SetJobSeries(MetricsServer& metrics, JobManager& jobs, const std::string& j
   }
 }
 
-}  // namespace
-
-StepAggregator::StepAggregator(JobManager* jobs, const WorkerRegistry* registry, MetricsServer* metrics,
-                               const Clock* clock, int64_t ended_job_series_ms)
-    : jobs_(jobs), registry_(registry), metrics_(metrics), clock_(clock), ended_job_series_ms_(ended_job_series_ms) {}
-
-std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& report) {
-  StepAggregate& agg = run.steps[report.step()];
+// Adds one actor's figures of the step to its aggregate: the slowest actor's times, the loss carriers' mean loss,
+// the replicas' mean validation loss, every actor's WAN bytes.
+void AddFigures(const StepReport& report, StepAggregate& agg) {
   StepFigures& f = agg.figures;
   const StepFigures& r = report.figures();
-  ++agg.reports;
   f.set_step(report.step());
   f.set_step_seconds(std::max(f.step_seconds(), r.step_seconds()));
   f.set_compute_seconds(std::max(f.compute_seconds(), r.compute_seconds()));
@@ -217,7 +213,21 @@ std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& 
   for (const auto& [pair, bytes] : r.wan_bytes_by_pair()) (*f.mutable_wan_bytes_by_pair())[pair] += bytes;
   f.set_wan_bytes(f.wan_bytes() + r.wan_bytes());
   if (r.compression_ratio() > 0) f.set_compression_ratio(r.compression_ratio());
-  if (agg.reports != static_cast<int>(run.actors.size())) return std::nullopt;
+}
+
+}  // namespace
+
+StepAggregator::StepAggregator(JobManager* jobs, const WorkerRegistry* registry, MetricsServer* metrics,
+                               const Clock* clock, int64_t ended_job_series_ms)
+    : jobs_(jobs), registry_(registry), metrics_(metrics), clock_(clock), ended_job_series_ms_(ended_job_series_ms) {}
+
+std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& report) {
+  StepAggregate& agg = run.steps[report.step()];
+  // A report the reporter sent again (its reply was lost) is in already.
+  if (!agg.reported.insert(report.actor_id()).second) return std::nullopt;
+  // A report without figures comes from a worker of an older version: it counts for the step's completion only.
+  if (report.has_figures()) AddFigures(report, agg);
+  if (agg.reported.size() != run.actors.size()) return std::nullopt;
   StepAggregate complete = std::move(agg);
   if (complete.figures.loss_scale() <= 0) complete.figures.set_loss_scale(1);  // none reported: not fp16
   complete.figures.set_tokens_per_second(TokensPerSecond(complete.figures));
@@ -258,6 +268,11 @@ void StepAggregator::RecordStep(const std::string& job_id, const StepAggregate& 
 void StepAggregator::CountRestart(const std::string& job_id) {
   if (metrics_ == nullptr) return;
   metrics_->Counters(kRestarts.name, kRestarts.help).Add({{"job_id", job_id}}).Increment();
+}
+
+void StepAggregator::CountLeave(const std::string& job_id) {
+  if (metrics_ == nullptr) return;
+  metrics_->Counters(kLeaves.name, kLeaves.help).Add({{"job_id", job_id}}).Increment();
 }
 
 void StepAggregator::CountStepsLost(const std::string& job_id, int64_t steps) {

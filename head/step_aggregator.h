@@ -2,7 +2,7 @@
 // actor's times, the loss carriers' mean loss, the WAN bytes of every actor), and when every actor has reported a
 // step, records it: the job's `step` event and progress (JobManager::UpdateProgress, what `job logs --follow`
 // shows) and the job's series on /metrics. It owns the families whose series belong to one job (label job_id: loss,
-// tokens/s, step times, bubble, restarts, steps lost...) and removes a job's series a while after it ended, time
+// tokens/s, step times, bubble, restarts, leaves, steps lost...) and removes a job's series a while after it ended, time
 // enough for Prometheus to scrape their last values.
 //
 //   {  // under JobRuns::mu, the run of the report
@@ -61,6 +61,7 @@ class StepAggregator {
 
   // The job's counters and the recovery histogram (no-ops without metrics).
   void CountRestart(const std::string& job_id);
+  void CountLeave(const std::string& job_id);  // geotrain_job_leaves_total: a restart without a draining worker
   void CountStepsLost(const std::string& job_id, int64_t steps);
   void ObserveRecovery(double seconds);
 

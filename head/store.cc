@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -190,12 +191,15 @@ absl::Status HeadStore::AppendEventLocked(const JobEvent& event) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<JobEvent>> HeadStore::LoadEvents(const std::string& job_id, int64_t after_seq) {
+absl::StatusOr<std::vector<JobEvent>> HeadStore::LoadEvents(const std::string& job_id, int64_t after_seq, int64_t limit,
+                                                            bool newest) {
   absl::MutexLock lock(&mu_);
-  Statement st(db_, "SELECT seq, record FROM events WHERE job_id = ? AND seq > ? ORDER BY seq");
+  Statement st(db_, newest ? "SELECT seq, record FROM events WHERE job_id = ? AND seq > ? ORDER BY seq DESC LIMIT ?"
+                           : "SELECT seq, record FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?");
   if (!st.ok()) return SqlError(db_, "prepare");
   sqlite3_bind_text(st.get(), 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_int64(st.get(), 2, after_seq);
+  sqlite3_bind_int64(st.get(), 3, limit > 0 ? limit : -1);  // SQLite: a negative LIMIT is none
   std::vector<JobEvent> out;
   while (sqlite3_step(st.get()) == SQLITE_ROW) {
     JobEvent e;
@@ -205,6 +209,7 @@ absl::StatusOr<std::vector<JobEvent>> HeadStore::LoadEvents(const std::string& j
     }
     out.push_back(std::move(e));
   }
+  if (newest) std::reverse(out.begin(), out.end());
   return out;
 }
 

@@ -39,7 +39,10 @@ class HeadStore {
   absl::Status AppendEvent(const JobEvent& event);
   // The job's new record and its event, in one transaction: both are written, or neither.
   absl::Status PutJobWithEvent(const JobInfo& job, const JobEvent& event);
-  absl::StatusOr<std::vector<JobEvent>> LoadEvents(const std::string& job_id, int64_t after_seq);
+  // The job's events with seq > after_seq, in seq order: all of them, or (limit > 0) the first `limit`, or with
+  // `newest` the last `limit`. The limit is SQL's, so a long job's history is not read to answer a few.
+  absl::StatusOr<std::vector<JobEvent>> LoadEvents(const std::string& job_id, int64_t after_seq, int64_t limit = 0,
+                                                   bool newest = false);
   absl::StatusOr<int64_t> MaxEventSeq();
 
   // Caps the database at `pages` pages (SQLite's max_page_count), so that tests see what a full disk does.

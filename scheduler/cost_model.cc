@@ -140,6 +140,16 @@ absl::StatusOr<Codec> ParseCodec(const std::string& name) {
       // A value and an index per kept element; the selection is slow.
       codec = Codec{codec.name, 2 * spec.topk_fraction, 0.5e9, false};
       break;
+    case CodecKind::kInt4:
+    case CodecKind::kSparse: {
+      // The runtime's bytes (common/codec_spec.h) of a tensor far larger than a block. Throughputs: the encoders'
+      // on one core of an AMD EPYC (comm/codec_lowbit_test.cc PrintsItsSpeed: int4 0.95 GB/s of fp32, sparse 0.44
+      // with its per-block selection; their decoders run at 5-7 GB/s), taken for both ends.
+      constexpr uint64_t kElements = uint64_t{1} << 24;
+      const double ratio = static_cast<double>(CodecRawPayloadBytes(spec, kElements)) / (4.0 * kElements);
+      codec = Codec{codec.name, ratio, spec.kind == CodecKind::kInt4 ? 0.95e9 : 0.44e9, false};
+      break;
+    }
   }
   if (spec.zstd) {
     // zstd over the payload (docs/results/2026-12-02-comm.md (b), level 1 on gradient-like data): it took 7-22% off

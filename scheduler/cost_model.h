@@ -64,7 +64,8 @@ struct Codec {
 };
 // The cost of a codec name as the runtime parses it (ParseCodecSpec, common/codec_spec.h): none (ratio 1),
 // fp16 and bf16 (0.5), int8 (0.25 and a scale per 256 values), topk:F (2F: a value and an index per kept
-// element); "+zstd" multiplies the ratio by 0.9 and caps the throughput at 1 GB/s. Errors: the parser's.
+// element), int4 and sparse:F:B (the runtime's own byte count, CodecRawPayloadBytes: int4 0.1406, sparse:0.02:2
+// 0.0090); "+zstd" multiplies the ratio by 0.9 and caps the throughput at 1 GB/s. Errors: the parser's.
 absl::StatusOr<Codec> ParseCodec(const std::string& name);
 
 enum class Schedule { k1F1B, kGPipe };

@@ -277,6 +277,22 @@ TEST(CostModelTest, CodecChoiceFollowsTheLink) {
   EXPECT_FALSE(ParseCodec("topk:2").ok());
 }
 
+// int4 and sparse cost the bytes the runtime sends (common/codec_spec.h CodecRawPayloadBytes, which comm/'s tests
+// check against encoded tensors), gradients only.
+TEST(CostModelTest, LowBitCodecsCostTheRuntimesBytes) {
+  const absl::StatusOr<Codec> int4 = ParseCodec("int4"), sparse = ParseCodec("sparse"),
+                              sparse_zstd = ParseCodec("sparse:0.1:4+zstd");
+  ASSERT_TRUE(int4.ok() && sparse.ok() && sparse_zstd.ok());
+  EXPECT_DOUBLE_EQ(int4->ratio, (0.5 + 4.0 / 64) / 4);  // 4 bits a value, a 4-byte scale per 64
+  EXPECT_EQ(sparse->name, "sparse:0.02:2");
+  // Per block of 4096: 82 kept, a 12-bit offset and a 2-bit value each, and a 4-byte scale.
+  EXPECT_NEAR(sparse->ratio, (4 + 82 * 14 / 8.0) / (4 * 4096), 1e-6);
+  EXPECT_NEAR(sparse_zstd->ratio, 0.9 * (4 + 410 * 16 / 8.0) / (4 * 4096), 1e-6);
+  EXPECT_FALSE(int4->for_activations);
+  EXPECT_FALSE(sparse->for_activations);
+  EXPECT_FALSE(ParseCodec("sparse:0.1:9").ok());
+}
+
 TEST(CostModelTest, CrossSitePipelineTrafficCountsActivationsBothWays) {
   const ModelCosts model = Costs("gpt2", 1024);
   JobOptions job;

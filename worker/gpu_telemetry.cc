@@ -66,11 +66,14 @@ struct GpuTelemetry::Nvml {
   }
 };
 
+// A matched GPU. Its gauges are made at its first successful read of each figure (null until then), so that a
+// figure NVML cannot read on it (a MIG instance's utilisation, say) has no series rather than a zero.
 struct GpuTelemetry::Watched {
   NvmlDevice device;
-  prometheus::Gauge* utilization;
-  prometheus::Gauge* used;
-  prometheus::Gauge* total;
+  std::map<std::string, std::string> labels;
+  prometheus::Gauge* utilization = nullptr;
+  prometheus::Gauge* used = nullptr;
+  prometheus::Gauge* total = nullptr;
 };
 
 GpuTelemetry::GpuTelemetry(MetricsServer* metrics, std::string site, std::vector<GpuToWatch> gpus, std::string library)
@@ -112,10 +115,6 @@ absl::Status GpuTelemetry::Start(absl::Duration period) {
   }
   nvml->initialised = true;
 
-  auto& utilization = metrics_->Gauges("geotrain_gpu_utilization_ratio",
-                                       "Share of the last sample period a kernel ran on the GPU (NVML), 0..1");
-  auto& used = metrics_->Gauges("geotrain_gpu_memory_used_bytes", "GPU memory in use, every process (NVML)");
-  auto& total = metrics_->Gauges("geotrain_gpu_memory_total_bytes", "GPU memory (NVML)");
   for (const GpuToWatch& gpu : gpus_) {
     NvmlDevice device = nullptr;
     if (NvmlReturn r = nvml->by_pci_bus_id(gpu.pci_bus_id.c_str(), &device); r != 0) {
@@ -125,7 +124,7 @@ absl::Status GpuTelemetry::Start(absl::Duration period) {
     }
     const std::map<std::string, std::string> labels = {
         {"site", site_}, {"device", absl::StrCat(gpu.device_index)}, {"name", gpu.name}};
-    watched_.push_back({device, &utilization.Add(labels), &used.Add(labels), &total.Add(labels)});
+    watched_.push_back({.device = device, .labels = labels});
   }
   if (watched_.empty()) return absl::FailedPreconditionError("NVML knows none of this worker's GPUs");
   nvml_ = std::move(nvml);
@@ -138,12 +137,20 @@ absl::Status GpuTelemetry::Start(absl::Duration period) {
 
 void GpuTelemetry::SampleOnce() {
   if (!nvml_) return;
-  for (const Watched& w : watched_) {
+  auto& utilization = metrics_->Gauges("geotrain_gpu_utilization_ratio",
+                                       "Share of the last sample period a kernel ran on the GPU (NVML), 0..1");
+  auto& used = metrics_->Gauges("geotrain_gpu_memory_used_bytes", "GPU memory in use, every process (NVML)");
+  auto& total = metrics_->Gauges("geotrain_gpu_memory_total_bytes", "GPU memory (NVML)");
+  for (Watched& w : watched_) {
     NvmlUtilization u{};
     // A failed read leaves the last value: a gauge that drops to zero on a driver hiccup would read as an idle GPU.
-    if (nvml_->utilization(w.device, &u) == 0) w.utilization->Set(u.gpu / 100.0);
+    if (nvml_->utilization(w.device, &u) == 0) {
+      if (w.utilization == nullptr) w.utilization = &utilization.Add(w.labels);
+      w.utilization->Set(u.gpu / 100.0);
+    }
     NvmlMemory m{};
     if (nvml_->memory(w.device, &m) == 0) {
+      if (w.used == nullptr) w.used = &used.Add(w.labels), w.total = &total.Add(w.labels);
       w.used->Set(static_cast<double>(m.used));
       w.total->Set(static_cast<double>(m.total));
     }

@@ -54,10 +54,10 @@ class GpuTelemetry {
   // worker runs on without the series.
   absl::Status Start(absl::Duration period);
 
-  // Samples every matched GPU once now (Start's thread calls this every period). Public for tests.
+ private:
+  // Samples every matched GPU once (Start does once, then its sampling thread every period).
   void SampleOnce();
 
- private:
   struct Nvml;  // the dlopen'ed library and its entry points
   struct Watched;
 
@@ -66,7 +66,7 @@ class GpuTelemetry {
   const std::vector<GpuToWatch> gpus_;
   const std::string library_;
   std::unique_ptr<Nvml> nvml_;    // set by Start; read by the sampling thread after
-  std::vector<Watched> watched_;  // written by Start before the thread starts; read-only after
+  std::vector<Watched> watched_;  // made by Start; then SampleOnce, on the sampling thread alone, sets its gauges
   absl::Notification stop_;
   std::thread sampler_;
 };

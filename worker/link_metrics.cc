@@ -45,9 +45,13 @@ void LinkMetrics::RecordProbe(const std::string& peer, const std::string& peer_s
 }
 
 void LinkMetrics::RecordSent(const std::string& peer, const std::string& peer_site, uint64_t bytes, double seconds) {
-  if (metrics_ == nullptr) return;
   absl::MutexLock lock(&mu_);
-  if (!Admit(peer)) return;
+  if (sent_.size() < kMaxLinkPeers || sent_.count(peer) > 0) {
+    SentTotals& totals = sent_[peer];
+    totals.bytes += bytes;
+    totals.seconds += seconds;
+  }
+  if (metrics_ == nullptr || !Admit(peer)) return;
   const prometheus::Labels labels = {{"src_site", site_}, {"dst_site", peer_site}, {"peer", peer}};
   metrics_->Counters("geotrain_link_sent_bytes_total", "Tensor bytes sent to a peer worker and acknowledged")
       .Add(labels)
@@ -55,6 +59,11 @@ void LinkMetrics::RecordSent(const std::string& peer, const std::string& peer_si
   metrics_->Counters("geotrain_link_send_seconds_total", "Time the acknowledged tensor sends to a peer took")
       .Add(labels)
       .Increment(seconds);
+}
+
+std::map<std::string, LinkMetrics::SentTotals> LinkMetrics::SentTotalsByPeer() const {
+  absl::MutexLock lock(&mu_);
+  return sent_;
 }
 
 void LinkMetrics::KeepProbedPeers(const std::set<std::string>& peers) {

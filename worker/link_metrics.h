@@ -44,16 +44,26 @@ class LinkMetrics {
   // Removes the probe gauges of every peer not in `peers`.
   void KeepProbedPeers(const std::set<std::string>& peers);
 
+  // What RecordSent added up per peer since this object was made (kept with or without a metrics server, for at
+  // most kMaxLinkPeers peers): the worker sends these totals to the head, which turns their growth into each
+  // link's recent goodput.
+  struct SentTotals {
+    uint64_t bytes = 0;
+    double seconds = 0;
+  };
+  std::map<std::string, SentTotals> SentTotalsByPeer() const;
+
  private:
   // Whether `peer` may have series (it has some, or the cap leaves room); warns once when the cap is reached.
   bool Admit(const std::string& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   MetricsServer* const metrics_;
   const std::string site_;
-  absl::Mutex mu_;  // held around Add/Set/Remove, so that no gauge is set after it was removed
+  mutable absl::Mutex mu_;  // held around Add/Set/Remove, so that no gauge is set after it was removed
   std::set<std::string> peers_ ABSL_GUARDED_BY(mu_);                // every peer with series
   std::map<std::string, std::string> probed_ ABSL_GUARDED_BY(mu_);  // peer -> its site, with probe gauges
   bool warned_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, SentTotals> sent_ ABSL_GUARDED_BY(mu_);  // peer -> RecordSent's totals
 };
 
 }  // namespace geotrain::worker

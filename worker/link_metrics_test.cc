@@ -69,11 +69,19 @@ TEST(LinkMetrics, DistinctPeersAreBounded) {
   EXPECT_THAT(Text(metrics), HasSubstr(R"(geotrain_link_sent_bytes_total{dst_site="b",peer="w0",src_site="a"} 15)"));
 }
 
-TEST(LinkMetrics, WithoutAMetricsServerNothingIsRecorded) {
+// Without a metrics server there are no series, but the sent totals the heartbeat carries to the head add up.
+TEST(LinkMetrics, WithoutAMetricsServerOnlyTheSentTotalsAreKept) {
   LinkMetrics links(nullptr, "a");
   links.RecordProbe("w1", "b", 0.01, 1e6);
   links.RecordSent("w1", "b", 10, 0.1);
+  links.RecordSent("w1", "b", 30, 0.3);
+  links.RecordSent("w2", "a", 5, 0.5);
   links.KeepProbedPeers({});
+  const auto totals = links.SentTotalsByPeer();
+  ASSERT_EQ(totals.size(), 2u);
+  EXPECT_EQ(totals.at("w1").bytes, 40u);
+  EXPECT_DOUBLE_EQ(totals.at("w1").seconds, 0.4);
+  EXPECT_EQ(totals.at("w2").bytes, 5u);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "model/checkpoint.h"
@@ -52,14 +53,29 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
   }
   if (services_.checkpoints) {
     checkpoint_writer_ = std::make_unique<CheckpointWriter>([this](CheckpointShard* shard) {
-      return services_.checkpoints->Publish(shard,
-                                            model::StepDirectory(config_.spec.checkpoint().dir(), shard->step()));
+      return services_.checkpoints->Publish(shard, model::StepDirectory(CheckpointDir(), shard->step()));
     });
   } else {
     checkpoint_writer_ = std::make_unique<CheckpointWriter>();
   }
-  reporter_ = std::make_unique<StepReporter>(services_.head.get(), config_.actor.actor_id(),
-                                             [this] { Stop("the head stopped the job"); });
+  reporter_ = std::make_unique<StepReporter>(
+      services_.head.get(), config_.actor.actor_id(), [this] { Stop("the head stopped the job"); },
+      [this](const ReportStepReply& reply) { OnReply(reply); });
+}
+
+void StageActor::OnReply(const ReportStepReply& reply) {
+  // Every reply says where the job's drain stands now (0: no drain).
+  drain_at_step_ = reply.drain_at_step();
+  drain_confirmed_step_ = reply.drain_confirmed() ? reply.drain_at_step() : 0;
+  if (reply.drain_checkpoint_dir().empty()) return;
+  absl::MutexLock lock(&mu_);
+  drain_checkpoint_dir_ = reply.drain_checkpoint_dir();
+}
+
+std::string StageActor::CheckpointDir() const {
+  if (!config_.spec.checkpoint().dir().empty()) return config_.spec.checkpoint().dir();
+  absl::MutexLock lock(&mu_);
+  return drain_checkpoint_dir_;  // a job without checkpoint.dir gets one from the head for its drain
 }
 
 StageActor::~StageActor() {
@@ -175,6 +191,7 @@ absl::Status StageActor::Run() {
   }
 
   const int64_t steps = spec.train().steps();
+  const bool writer = trainer->outer() != nullptr ? collectives.diloco_leader : ranks.replica == 0;
   for (int64_t step = first_step; step <= steps; ++step) {
     const auto step_start = Clock::now();
     ASSIGN_OR_RETURN(StepFigures figures, trainer->Step(step, stop_));
@@ -191,39 +208,14 @@ absl::Status StageActor::Run() {
     report.set_carries_loss(trainer->carries_loss());
     *report.mutable_figures() = std::move(figures);
     report.set_done(step == steps);
-    // Checkpoints: replica 0's actors snapshot their stage (weights, AdamW moments: full tensors, gathered
-    // across the tensor-parallel group) into host memory; tensor rank 0 writes it in the background. The
-    // head commits the checkpoint once every stage's shard of the step is in. DiLoCo: each group's leader
-    // writes its group's weights and moments (model-g<G>[-sK]), group 0's the outer state as well.
+    // A drain (head/job_drain.h): the step the job's actors leave after, as this actor knows it now.
+    const int64_t drain_at = drain_at_step_;
+    report.set_drain_at_step(drain_at);
+    const bool leaving = drain_at == step && !report.done();
     const int every = spec.checkpoint().every_steps();
-    const bool diloco = trainer->outer() != nullptr;
-    const bool writer = diloco ? collectives.diloco_leader : ranks.replica == 0;
-    if (!timed && !spec.checkpoint().dir().empty() && writer && ((every > 0 && step % every == 0) || report.done())) {
-      const auto snapshot_start = Clock::now();
-      ASSIGN_OR_RETURN(model::CheckpointSnapshot snapshot,
-                       model::SnapshotStage(trainer->stage(), trainer->optimizer(), /*keep=*/ranks.tp_rank == 0,
-                                            collectives.diloco_group == 0 ? trainer->outer() : nullptr));
-      double seconds = SecondsSince(snapshot_start);
-      if (ranks.tp_rank == 0) {
-        CheckpointShard shard;
-        shard.set_step(step);
-        shard.set_actor_id(me.actor_id());
-        shard.set_stage(ranks.stage);
-        shard.set_group(collectives.diloco_group);
-        if (diloco) shard.set_writers(collectives.diloco_groups * ranks.pp);
-        shard.set_optimizer_step(snapshot.optimizer_step);
-        shard.set_snapshot_seconds(seconds);
-        if (const model::DataLoader* loader = trainer->loader(); loader != nullptr) {
-          shard.mutable_data_position()->set_shard(loader->position().shard);
-          shard.mutable_data_position()->set_offset(loader->position().offset);
-          shard.mutable_data_position()->set_epoch(loader->position().epoch);
-        }
-        const std::string suffix = model::ShardSuffix(collectives.diloco_group, ranks.pp, ranks.stage);
-        const std::string step_dir = services_.checkpoints ? services_.checkpoints->LocalStepDir(step)
-                                                           : model::StepDirectory(spec.checkpoint().dir(), step);
-        seconds +=
-            absl::ToDoubleSeconds(checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
-      }
+    const std::string dir = CheckpointDir();
+    if (!timed && !dir.empty() && writer && ((every > 0 && step % every == 0) || report.done() || leaving)) {
+      ASSIGN_OR_RETURN(const double seconds, WriteCheckpoint(*trainer, ranks, step, dir));
       report.mutable_figures()->set_checkpoint_seconds(seconds);
     }
     if (report.done()) checkpoint_writer_->WaitIdle();  // the last checkpoint goes with the last report
@@ -231,9 +223,89 @@ absl::Status StageActor::Run() {
     report.mutable_figures()->set_step_seconds(SecondsSince(step_start));
     reporter_->Enqueue(report);
     if (stop_) return absl::CancelledError("stop requested");
+    if (leaving && AwaitDrain(step)) {
+      ReportLeft(step);
+      SetState(ACTOR_DEAD, absl::StrCat("stopped after step ", step,
+                                        " for a drain: the job restarts without the draining worker from there"));
+      GT_LOG(INFO) << "actor " << me.actor_id() << " left after step " << step << " for a drain";
+      return absl::OkStatus();
+    }
+    if (stop_) return absl::CancelledError("stop requested");
   }
   SetState(ACTOR_DEAD, "finished");
   return absl::OkStatus();
+}
+
+absl::StatusOr<double> StageActor::WriteCheckpoint(StageTrainer& trainer, const ActorRanks& ranks, int64_t step,
+                                                   const std::string& dir) {
+  // Replica 0's actors snapshot their stage (weights, AdamW moments: full tensors, gathered across the
+  // tensor-parallel group) into host memory; tensor rank 0 writes it in the background. The head commits the
+  // checkpoint once every stage's shard of the step is in. DiLoCo: each group's leader writes its group's weights
+  // and moments (model-g<G>[-sK]), group 0's the outer state as well.
+  const StageCollectives& collectives = trainer.collectives();
+  const bool diloco = trainer.outer() != nullptr;
+  const auto snapshot_start = Clock::now();
+  ASSIGN_OR_RETURN(model::CheckpointSnapshot snapshot,
+                   model::SnapshotStage(trainer.stage(), trainer.optimizer(), /*keep=*/ranks.tp_rank == 0,
+                                        collectives.diloco_group == 0 ? trainer.outer() : nullptr));
+  double seconds = SecondsSince(snapshot_start);
+  if (ranks.tp_rank != 0) return seconds;
+  CheckpointShard shard;
+  shard.set_step(step);
+  shard.set_actor_id(config_.actor.actor_id());
+  shard.set_stage(ranks.stage);
+  shard.set_group(collectives.diloco_group);
+  if (diloco) shard.set_writers(collectives.diloco_groups * ranks.pp);
+  shard.set_optimizer_step(snapshot.optimizer_step);
+  shard.set_snapshot_seconds(seconds);
+  if (const model::DataLoader* loader = trainer.loader(); loader != nullptr) {
+    shard.mutable_data_position()->set_shard(loader->position().shard);
+    shard.mutable_data_position()->set_offset(loader->position().offset);
+    shard.mutable_data_position()->set_epoch(loader->position().epoch);
+  }
+  const std::string suffix = model::ShardSuffix(collectives.diloco_group, ranks.pp, ranks.stage);
+  const std::string step_dir =
+      services_.checkpoints ? services_.checkpoints->LocalStepDir(step) : model::StepDirectory(dir, step);
+  return seconds +
+         absl::ToDoubleSeconds(checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
+}
+
+bool StageActor::AwaitDrain(int64_t step) {
+  // Every actor stops after `step` only once each knows it (the head confirms): until then this one waits here,
+  // which holds its peers at the next step at the latest, and asks again every 0.1 s. A later step (an actor passed
+  // this one before it knew) or none (the head restarted) means training goes on.
+  const auto deadline = Clock::now() + std::chrono::milliseconds(config_.collective_timeout_ms);
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    reporter_->Drain(absl::Milliseconds(std::max<int64_t>(0, left.count())));  // the replies so far are in
+    if (drain_confirmed_step_ == step) return true;
+    if (drain_at_step_ != step || stop_) return false;
+    if (Clock::now() >= deadline) {
+      GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": the head did not confirm the drain after step "
+                      << step << " within " << config_.collective_timeout_ms << " ms; training goes on";
+      return false;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+    StepReport probe;
+    probe.set_job_id(config_.actor.job_id());
+    probe.set_actor_id(config_.actor.actor_id());
+    probe.set_attempt(config_.attempt);
+    probe.set_drain_at_step(step);
+    probe.set_drain_waiting(true);
+    reporter_->Enqueue(probe);
+  }
+}
+
+void StageActor::ReportLeft(int64_t step) {
+  checkpoint_writer_->WaitIdle();  // its shard of `step` goes with its last report
+  StepReport report;
+  report.set_job_id(config_.actor.job_id());
+  report.set_actor_id(config_.actor.actor_id());
+  report.set_attempt(config_.attempt);
+  report.set_drain_at_step(step);
+  report.set_drained(true);
+  for (CheckpointShard& shard : checkpoint_writer_->TakeFinished()) *report.add_checkpoints() = std::move(shard);
+  reporter_->Enqueue(report);
 }
 
 }  // namespace geotrain::worker

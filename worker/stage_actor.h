@@ -14,7 +14,10 @@
 //   worker/head_client.h          step reports to the head: injectable.
 //   worker/step_reporter.h        reports delivered in the background, retried while the head is away;
 //   worker/checkpoint_writer.h    checkpoint shards written in the background from a host snapshot.
-// This file is the actor's life: its thread, its state, the step loop, resume, checkpoints and reports.
+// This file is the actor's life: its thread, its state, the step loop, resume, checkpoints and reports, and a drain
+// (head/job_drain.h): when the head's replies name a step the job's actors leave after, the actor writes its
+// checkpoint shard of that step, waits there until the head confirms that every actor stops there (or names a later
+// step), and ends with a last report (drained) that carries its shard.
 //
 // Threads: Start() runs the whole job on one thread that owns the trainer. Stop() and the accessors may be
 // called from any thread (state_ and message_ are guarded by mu_; the stop flag is atomic and checked
@@ -23,6 +26,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -100,6 +104,19 @@ class StageActor {
  private:
   absl::Status Run();
   void SetState(ActorState state, const std::string& message);
+  // The head's reply to a report (the reporter's thread): where the job's drain stands.
+  void OnReply(const ReportStepReply& reply);
+  // The job's checkpoint.dir, else the one the head gave for its drain ("": none).
+  std::string CheckpointDir() const;
+  // Snapshots the stage for the checkpoint of `step` into host memory and queues its write (tensor rank 0) under
+  // `dir`; returns the training thread's seconds.
+  absl::StatusOr<double> WriteCheckpoint(StageTrainer& trainer, const ActorRanks& ranks, int64_t step,
+                                         const std::string& dir);
+  // At the drain's step: true once the head confirms that every actor stops after it; false when it names another
+  // step (or none), the actor is stopped, or no answer came within the collective deadline (training goes on).
+  bool AwaitDrain(int64_t step);
+  // The last report of an actor that leaves after `step` for a drain, with its checkpoint shard of it.
+  void ReportLeft(int64_t step);
 
   const StageActorConfig config_;
   ActorServices services_;
@@ -107,6 +124,10 @@ class StageActor {
   // Publishes through services_.checkpoints; used and, when the run ends, reset by thread_ only.
   std::unique_ptr<CheckpointWriter> checkpoint_writer_;
   std::atomic<bool> stop_{false};
+  // A drain, as the latest reply tells (OnReply on the reporter's thread; the step loop reads them): the step the
+  // job's actors leave after (0: none), and that step once the head confirmed it.
+  std::atomic<int64_t> drain_at_step_{0};
+  std::atomic<int64_t> drain_confirmed_step_{0};
   bool set_up_ = false;  // written and read by thread_ only: true once the actor has set up and trains
   std::thread thread_;   // joined by the destructor before the members it uses go
 
@@ -114,6 +135,7 @@ class StageActor {
   ActorState state_ ABSL_GUARDED_BY(mu_) = ACTOR_PENDING_CREATION;
   std::string message_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::string drain_checkpoint_dir_ ABSL_GUARDED_BY(mu_);  // from the head, for a job without checkpoint.dir
 };
 
 }  // namespace geotrain::worker

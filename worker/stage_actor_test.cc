@@ -13,13 +13,16 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "comm/codec.h"
 #include "common/spec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/data.h"
 #include "model/trainer.h"
@@ -31,7 +34,9 @@ using ::testing::HasSubstr;
 
 constexpr char kToken[] = "stage-actor-test-token";
 
-// The head as the actors see it: records every report; asks an actor to stop from a given step on.
+// The head as the actors see it: records every report; asks an actor to stop from a given step on; drains the job
+// as the real head does (head/job_drain.h, in short): from a given step on, the actors leave two steps after the
+// newest one reported, once every actor has reported knowing that step before passing it.
 class RecordingHead : public HeadClient {
  public:
   absl::StatusOr<ReportStepReply> ReportStep(const StepReport& report, absl::Duration) override {
@@ -39,6 +44,7 @@ class RecordingHead : public HeadClient {
     reports_.push_back(report);
     ReportStepReply reply;
     reply.set_stop(stop_from_step_ > 0 && report.step() >= stop_from_step_);
+    if (drain_from_step_ > 0) Drain(report, &reply);
     return reply;
   }
   internal::HeadControl::StubInterface* stub() override { return nullptr; }
@@ -47,15 +53,55 @@ class RecordingHead : public HeadClient {
     absl::MutexLock lock(&mu_);
     stop_from_step_ = step;
   }
+  // Drains the job of `actors` actors once a report of `step` comes in; with `move_once`, the first actor to reach
+  // the target moves it two steps later (as when an actor passed it unaware), so the waiting actors train on.
+  void DrainFromStep(int64_t step, int actors, bool move_once, const std::string& checkpoint_dir) {
+    absl::MutexLock lock(&mu_);
+    drain_from_step_ = step;
+    actors_ = actors;
+    move_once_ = move_once;
+    checkpoint_dir_ = checkpoint_dir;
+  }
+  int64_t drain_target() const {
+    absl::MutexLock lock(&mu_);
+    return target_;
+  }
   std::vector<StepReport> reports() const {
     absl::MutexLock lock(&mu_);
     return reports_;
   }
 
  private:
+  void Drain(const StepReport& report, ReportStepReply* reply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    newest_ = std::max(newest_, report.step());
+    if (target_ == 0 && newest_ >= drain_from_step_) target_ = newest_ + 2;
+    if (target_ > 0 && !report.drain_waiting() && !report.drained() && report.step() > 0) {
+      if (report.drain_at_step() == target_ && report.step() <= target_) {
+        if (move_once_ && report.step() == target_) {
+          move_once_ = false;
+          target_ += 2;
+          bound_.clear();
+        } else {
+          bound_.insert(report.actor_id());
+        }
+      } else if (report.step() >= target_) {  // passed unaware: a later step, every binding starts over
+        target_ = newest_ + 2;
+        bound_.clear();
+      }
+    }
+    reply->set_drain_at_step(target_);
+    reply->set_drain_confirmed(target_ > 0 && static_cast<int>(bound_.size()) == actors_);
+    reply->set_drain_checkpoint_dir(checkpoint_dir_);
+  }
+
   mutable absl::Mutex mu_;
   std::vector<StepReport> reports_ ABSL_GUARDED_BY(mu_);
   int64_t stop_from_step_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t drain_from_step_ ABSL_GUARDED_BY(mu_) = 0, target_ ABSL_GUARDED_BY(mu_) = 0, newest_ ABSL_GUARDED_BY(mu_) = 0;
+  int actors_ ABSL_GUARDED_BY(mu_) = 0;
+  bool move_once_ ABSL_GUARDED_BY(mu_) = false;
+  std::string checkpoint_dir_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> bound_ ABSL_GUARDED_BY(mu_);
 };
 
 // A head client for one actor, forwarding to the shared RecordingHead.
@@ -331,6 +377,33 @@ class StageActorTest : public ::testing::Test {
     if (!spec.data().val().empty()) EXPECT_GT(evaluated, 0);
   }
 
+  // A DiLoCo job of two sites whose pseudo-gradients go through `codec` (int4, sparse: lossy, with error feedback)
+  // equals the simulation that rounds them alike (to 5e-7, as int8's), trains, differs from the exact exchange (the
+  // rounding is real), and each of the two leaders sends each outer exchange's bytes as the codec counts them
+  // (common/codec_spec.h CodecRawPayloadBytes, what the planner costs) and little more.
+  void ExpectLowBitOuter(const std::string& codec) {
+    const JobSpec spec = WithValidation(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2, 1, codec), 3, 2);
+    ExpectEqualToLocal(spec, 5e-7);
+    const std::vector<float> losses = ReportedLosses(), rounded = LocalLosses(spec),
+                             exact = LocalLosses(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 2, 1, "none"));
+    ASSERT_EQ(losses.size(), exact.size());
+    EXPECT_LT(losses.back(), losses.front()) << codec;
+    EXPECT_NEAR(losses.back(), exact.back(), 0.05 * exact.back()) << codec;
+    EXPECT_NE(rounded.back(), exact.back()) << codec;
+    double outer_bytes = 0;
+    for (const StepReport& r : head_.reports()) {
+      for (const auto& [pair, bytes] : r.figures().wan_bytes_by_pair()) outer_bytes += static_cast<double>(bytes);
+    }
+    absl::StatusOr<GPT2Config> config = GPT2Config::FromPreset("gpt2-tiny-test");
+    absl::StatusOr<comm::Codec> parsed = comm::ParseCodec(EffectiveDiloco(spec).codec());
+    ASSERT_TRUE(config.ok() && parsed.ok());
+    const double exchange =
+        static_cast<double>(comm::kCodecHeaderBytes + CodecRawPayloadBytes(*parsed, config->NumParameters()));
+    // Three outer steps in 6 steps (inner_steps 2), each leader sending its share once.
+    EXPECT_GE(outer_bytes, 3 * 2 * exchange) << codec;
+    EXPECT_LT(outer_bytes, 3 * 2 * exchange * 1.05) << codec;
+  }
+
   // `spec`'s job equals local, and each step every parameter's gradient crosses the two sites once each way (wte
   // once, however many copies): twice the model's fp32 bytes (uncompressed: the spec's wan_codec is none).
   void ExpectEveryGradientAcrossOnceAndEqualToLocal(const JobSpec& spec) {
@@ -496,6 +569,12 @@ TEST_F(StageActorTest, DilocoWithInt8PseudoGradientsEqualsTheRoundingSimulation)
   EXPECT_GT(outer_bytes, 0u);  // the outer exchanges cross the sites, and are counted
 }
 
+// int4 and sparse pseudo-gradients, with their error feedback (kept per fragment by the leaders' communicator, per
+// group and fragment by the simulation): the job equals the simulation that rounds them alike (ExpectLowBitOuter).
+TEST_F(StageActorTest, DilocoWithInt4PseudoGradientsEqualsTheRoundingSimulation) { ExpectLowBitOuter("int4"); }
+
+TEST_F(StageActorTest, DilocoWithSparsePseudoGradientsEqualsTheRoundingSimulation) { ExpectLowBitOuter("sparse"); }
+
 // fp16 with a scale far too large (2^40) on DP2 x PP2 across two "sites": the first steps overflow; every actor of
 // the job skips exactly those steps and halves the scale each time (one decision, from the all-reduced gradient
 // norm), then the job trains; its losses equal the single-process simulation's, which skips the same steps.
@@ -536,6 +615,61 @@ TEST_F(StageActorTest, AStopInTheMiddleEndsEveryActorWithoutAnError) {
     EXPECT_EQ(a->Record().state(), ACTOR_DEAD);
     EXPECT_THAT(a->Record().message(), HasSubstr("stop"));
   }
+}
+
+// A drain: every actor stops after the same step T, the last report of each says so (drained), replica 0's carry
+// their stage's checkpoint shard of T, written into the directory the head named (the job has none of its own), and
+// no actor trains past T. With the target moved once (an actor passed it unaware), the actors waiting at the first
+// target train on to the second.
+void ExpectDrainedAtOneStep(const RecordingHead& head, int64_t target, const std::string& dir) {
+  std::map<std::string, const StepReport*> last;
+  std::map<std::string, int64_t> newest_step;
+  for (const StepReport& r : head.reports()) {
+    EXPECT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
+    newest_step[r.actor_id()] = std::max(newest_step[r.actor_id()], r.step());
+  }
+  const std::vector<StepReport> reports = head.reports();
+  for (const StepReport& r : reports) last[r.actor_id()] = &r;
+  ASSERT_EQ(last.size(), 4u);
+  int shards = 0;
+  for (const auto& [actor, report] : last) {
+    EXPECT_EQ(newest_step[actor], target) << actor << " trained past the drain's step";
+    EXPECT_TRUE(report->drained()) << actor;
+    EXPECT_EQ(report->drain_at_step(), target) << actor;
+    for (const CheckpointShard& shard : report->checkpoints()) {
+      EXPECT_EQ(shard.step(), target);
+      EXPECT_TRUE(shard.error().empty()) << shard.error();
+      EXPECT_EQ(shard.dir(), model::StepDirectory(dir, target));
+      ++shards;
+    }
+  }
+  EXPECT_EQ(shards, 2) << "replica 0's two stages";
+  EXPECT_TRUE(std::filesystem::exists(model::StepDirectory(dir, target) + "/model-s0.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(model::StepDirectory(dir, target) + "/model-s1.safetensors"));
+}
+
+TEST_F(StageActorTest, ADrainEndsEveryActorAfterOneStepWithItsCheckpoint) {
+  const std::string dir = dir_ + "/drain-ckpt";
+  head_.DrainFromStep(3, 4, /*move_once=*/false, dir);
+  StartJob(Spec(2, 2, 1, 2, "1f1b", 40), 20000);
+  ASSERT_TRUE(WaitFinished(60));
+  const int64_t target = head_.drain_target();
+  ASSERT_GE(target, 5);
+  ExpectDrainedAtOneStep(head_, target, dir);
+  for (auto& a : actors_) {
+    EXPECT_EQ(a->Record().state(), ACTOR_DEAD);
+    EXPECT_THAT(a->Record().message(), HasSubstr(absl::StrCat("stopped after step ", target, " for a drain")));
+  }
+}
+
+TEST_F(StageActorTest, ADrainWhoseStepMovesOnTrainsOnToTheNextOne) {
+  const std::string dir = dir_ + "/drain-ckpt";
+  head_.DrainFromStep(3, 4, /*move_once=*/true, dir);
+  StartJob(Spec(2, 2, 1, 2, "1f1b", 40), 20000);
+  ASSERT_TRUE(WaitFinished(60));
+  const int64_t target = head_.drain_target();
+  ASSERT_GE(target, 7);
+  ExpectDrainedAtOneStep(head_, target, dir);
 }
 
 TEST_F(StageActorTest, APeerThatFailsEndsTheJobWithItsErrorByTheDeadline) {

@@ -18,8 +18,13 @@ bool Permanent(const absl::Status& s) {
 
 }  // namespace
 
-StepReporter::StepReporter(HeadClient* head, std::string actor_id, std::function<void()> on_stop)
-    : head_(head), actor_id_(std::move(actor_id)), on_stop_(std::move(on_stop)), thread_([this] { Loop(); }) {}
+StepReporter::StepReporter(HeadClient* head, std::string actor_id, std::function<void()> on_stop,
+                           std::function<void(const ReportStepReply&)> on_reply)
+    : head_(head),
+      actor_id_(std::move(actor_id)),
+      on_stop_(std::move(on_stop)),
+      on_reply_(std::move(on_reply)),
+      thread_([this] { Loop(); }) {}
 
 StepReporter::~StepReporter() {
   {
@@ -84,6 +89,7 @@ void StepReporter::Loop() {
       sending_ = true;
     }
     absl::StatusOr<ReportStepReply> reply = head_->ReportStep(report, absl::Seconds(5));
+    if (reply.ok() && on_reply_) on_reply_(*reply);  // before the report leaves the queue (Drain)
     bool stop = false;
     {
       absl::MutexLock lock(&mu_);

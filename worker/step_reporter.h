@@ -8,7 +8,9 @@
 //
 // The queue holds at most kMaxQueued reports: beyond that the oldest plain step reports are dropped (the
 // head then misses those steps' figures); reports that decide something (done, error, checkpoint shards)
-// are never dropped. A reply with stop set calls `on_stop` (once).
+// are never dropped. A reply with stop set calls `on_stop` (once). Every reply is handed to `on_reply` (a drain's
+// step boundary, head/job_drain.h) before its report leaves the queue, so that once Drain() returned, the replies to
+// every report queued before are known.
 // Thread-safety: all methods may be called from any thread. The destructor stops retrying and drops what
 // is undelivered.
 #pragma once
@@ -31,8 +33,10 @@ class StepReporter {
  public:
   static constexpr size_t kMaxQueued = 10000;
 
-  // `head` may be null (reports are dropped); it must outlive the reporter.
-  StepReporter(HeadClient* head, std::string actor_id, std::function<void()> on_stop);
+  // `head` may be null (reports are dropped); it must outlive the reporter. `on_reply` may be null; it runs on the
+  // reporter's thread.
+  StepReporter(HeadClient* head, std::string actor_id, std::function<void()> on_stop,
+               std::function<void(const ReportStepReply&)> on_reply = nullptr);
   ~StepReporter();
   StepReporter(const StepReporter&) = delete;
   StepReporter& operator=(const StepReporter&) = delete;
@@ -52,6 +56,7 @@ class StepReporter {
   HeadClient* const head_;
   const std::string actor_id_;
   const std::function<void()> on_stop_;
+  const std::function<void(const ReportStepReply&)> on_reply_;
   mutable absl::Mutex mu_;
   std::deque<StepReport> queue_ ABSL_GUARDED_BY(mu_);
   bool sending_ ABSL_GUARDED_BY(mu_) = false;  // the front report is being delivered

@@ -377,10 +377,76 @@ std::vector<std::unique_ptr<StageActor>> WorkerServer::TakeSettledActors() {
   return settled;
 }
 
-bool WorkerServer::SleepMillis(int64_t ms) {
+bool WorkerServer::SleepMillis(int64_t ms, bool wake_for_drain) {
   absl::MutexLock lock(&mu_);
-  mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(ms));
+  if (wake_for_drain) {
+    mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](WorkerServer* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) { return w->stopping_ || w->drain_wake_; },
+            this),
+        absl::Milliseconds(ms));
+  } else {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(ms));
+  }
   return !stopping_;
+}
+
+void WorkerServer::Drain(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  if (drain_requested_) return;
+  drain_requested_ = true;
+  drain_wake_ = true;
+  drain_deadline_ = absl::Now() + timeout;
+  GT_LOG(INFO) << "draining: the head moves this worker's jobs elsewhere (their actors leave at one step boundary "
+               << "after a checkpoint of it); exiting once its actors are gone, within " << timeout;
+}
+
+bool WorkerServer::draining() const {
+  absl::MutexLock lock(&mu_);
+  return draining_ || drain_requested_;
+}
+
+bool WorkerServer::ActorsGone() const {
+  for (const auto& [id, actor] : actors_) {
+    if (!actor->finished() || !actor->ReportsDelivered()) return false;
+  }
+  return true;
+}
+
+bool WorkerServer::WaitForExit() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    if ((draining_ || drain_requested_) && ActorsGone()) {
+      GT_LOG(INFO) << "drained: no actor left on this worker; exiting";
+      return true;
+    }
+    if (absl::Now() >= drain_deadline_) {
+      GT_LOG(WARNING) << "the drain did not end in time (--drain-timeout-ms): exiting now, the actors left stop";
+      return false;
+    }
+    // Actors finish without touching mu_: look again every 0.2 s.
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(200));
+  }
+  return false;
+}
+
+void WorkerServer::AskToDrain() {
+  DrainWorkerRequest request;
+  request.set_worker_id(worker_id());
+  grpc::ClientContext context;
+  AttachToken(&context, options_.token);
+  SetDeadlineMillis(&context, 3000);
+  WorkerInfo reply;
+  grpc::Status s = head_->DrainWorker(&context, request, &reply);
+  if (!s.ok() && s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    GT_LOG(WARNING) << "cannot ask the head to drain this worker: " << s.error_message() << "; retrying";
+    return;
+  }
+  // Any other refusal (the head does not know this worker) leaves nothing to move: it drains all the same.
+  if (!s.ok()) GT_LOG(WARNING) << "the head refused to drain this worker: " << s.error_message();
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  if (s.ok()) GT_LOG(INFO) << "the head drains this worker: its jobs restart elsewhere";
 }
 
 void WorkerServer::JoinLoop() {
@@ -409,6 +475,13 @@ void WorkerServer::JoinLoop() {
       failures = 0;
       backoff_ms = 200;
     }
+    bool ask_to_drain;
+    {
+      absl::MutexLock lock(&mu_);
+      ask_to_drain = drain_requested_ && !draining_;
+      drain_wake_ = false;
+    }
+    if (ask_to_drain) AskToDrain();
     int64_t interval;
     HeartbeatRequest beat;
     std::vector<std::unique_ptr<StageActor>> forgotten;  // destroyed outside mu_
@@ -432,13 +505,20 @@ void WorkerServer::JoinLoop() {
       std::erase_if(discarded_jobs_, [&](const std::string& job) { return !job_finished.contains(job); });
     }
     forgotten.clear();
-    if (!SleepMillis(interval)) return;
+    if (!SleepMillis(interval, /*wake_for_drain=*/true)) return;
     std::vector<LinkMeasurement> links;
     {
       absl::MutexLock lock(&mu_);
       links.swap(pending_links_);
     }
     for (const LinkMeasurement& link : links) *beat.add_links() = link;
+    beat.clear_sent();
+    for (const auto& [peer, totals] : links_->SentTotalsByPeer()) {
+      LinkSent* sent = beat.add_sent();
+      sent->set_dst_worker(peer);
+      sent->set_bytes(static_cast<int64_t>(totals.bytes));
+      sent->set_seconds(totals.seconds);
+    }
     grpc::ClientContext context;
     AttachToken(&context, options_.token);
     SetDeadlineMillis(&context, std::max<int64_t>(1000, interval * 2));
@@ -450,6 +530,11 @@ void WorkerServer::JoinLoop() {
       registered_ = false;
     } else if (!reply.reregister() && reply.head_id() == head_id_) {
       peers_.assign(reply.peers().begin(), reply.peers().end());
+      if (reply.draining() && !draining_) {
+        GT_LOG(INFO) << "the head drains this worker (`geotrain worker drain`): it exits once its actors are gone";
+      }
+      // A head that lost the drain a SIGTERM asked for (its state) is asked again.
+      draining_ = reply.draining() || (draining_ && !drain_requested_);
     }
     if (s.ok() && (reply.reregister() || reply.head_id() != head_id_)) {
       GT_LOG(INFO) << "the head asks this worker to register again (head "

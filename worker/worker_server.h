@@ -7,8 +7,16 @@
 //   worker.Wait();
 //
 // A worker that loses the head keeps trying with exponential backoff (0.2 s to 5 s) and logs it; it
-// never exits on its own. When the head restarts (its head id changes) or declares the worker dead,
-// the worker registers again under the same worker id.
+// never exits on its own, unless it drains. When the head restarts (its head id changes) or declares the worker
+// dead, the worker registers again under the same worker id.
+//
+// Leaving on notice (a drain: `geotrain worker drain ID`, or Drain() on SIGTERM, which asks the head itself): the
+// head moves the worker's jobs elsewhere, their actors leaving at one step boundary after a checkpoint of it
+// (head/job_drain.h), and WaitForExit() returns once the worker's actors are gone, for the caller to Shutdown():
+//
+//   server.Drain(absl::Minutes(2));   // SIGTERM
+//   server.WaitForExit();             // its actors are gone (or 2 min passed, or Shutdown())
+//   server.Shutdown();
 //
 // Threads: gRPC's sync server threads run the Worker service; one "join" thread owns the connection to
 // the head (registration and heartbeats); one "probe" thread measures latency and bandwidth to the peers
@@ -29,6 +37,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "comm/tensor_stream.h"
 #include "common/metrics.h"
 #include "common/rpc.h"
@@ -85,6 +94,15 @@ class WorkerServer {
   void Wait();
   void Shutdown();
 
+  // Asks the head to drain this worker (the join thread sends it, again while the head is away); WaitForExit gives
+  // up `timeout` from now. Once; later calls do nothing.
+  void Drain(absl::Duration timeout);
+  // Blocks until the worker should exit: it drains (Drain, or the head says so) and every actor of it has finished
+  // with its reports delivered (at once when it has none): true; Shutdown() was called, or a Drain's timeout passed:
+  // false. The caller calls Shutdown() then.
+  bool WaitForExit();
+  bool draining() const;
+
   int port() const { return port_; }
   std::string worker_id() const;
   bool registered() const;
@@ -107,8 +125,12 @@ class WorkerServer {
   absl::StatusOr<model::ShardSource> StageData(const std::string& job_id, const std::string& pattern,
                                                const std::string& head_address, const JobSpec& spec,
                                                const std::vector<ActorPeer>& peers);
-  // Sleeps up to `ms` or until Shutdown(); returns false when stopping.
-  bool SleepMillis(int64_t ms);
+  // Sleeps up to `ms` or until Shutdown() (or, with `wake_for_drain`, a Drain() call); returns false when stopping.
+  bool SleepMillis(int64_t ms, bool wake_for_drain = false);
+  // Asks the head to drain this worker (HeadControl.DrainWorker); on success the worker drains.
+  void AskToDrain();
+  // Every actor here has finished and the head has its reports.
+  bool ActorsGone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes and returns the finished actors whose reports were all delivered finished_actor_retention_ms ago.
   std::vector<std::unique_ptr<StageActor>> TakeSettledActors() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -137,6 +159,12 @@ class WorkerServer {
   std::string head_id_ ABSL_GUARDED_BY(mu_);
   bool registered_ ABSL_GUARDED_BY(mu_) = false;
   int64_t heartbeat_interval_ms_ ABSL_GUARDED_BY(mu_) = 1000;
+  // A drain: the head drains this worker (its answer to AskToDrain, or a heartbeat's); Drain() was called (and woke
+  // the join thread to ask); when WaitForExit gives up.
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool drain_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool drain_wake_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time drain_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   // Running (and finished) stage actors by id; their records come from StageActor::Record().
   std::map<std::string, std::unique_ptr<StageActor>> actors_ ABSL_GUARDED_BY(mu_);
   // Since when (ms, steady clock) each finished actor has had every report delivered: it is forgotten

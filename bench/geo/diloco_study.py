@@ -19,6 +19,10 @@ quality  `geotrain train --local` of the same job (4 replicas, two per site: sit
          --quality-codec other than none).
          --warm-start N starts the DiLoCo runs from the synchronous run's checkpoint at step N (the sites
          synchronous until then; files _warmN).
+codec-bytes, codecs  compressed pseudo-gradients (bench/geo/diloco_codecs.py): the WAN bytes of synchronous DP (bf16) and
+         of one outer exchange in each codec of --codecs, measured on a cluster, and the validation loss of DiLoCo
+         with each --inner-steps x --codecs against synchronous DP, by `train --local` (the cluster's rounding, error
+         feedback included), every seed of --seeds; writes diloco_codec_bytes.csv and diloco_codecs.csv.
 cluster  `geotrain cluster up` of two sites of two workers (emulated WAN, geotrain-netem) at 0 ms and at
          --latency-ms one way, --bandwidth-mbps, and the same job for --cluster-steps steps, synchronous DP
          (DP=4, bf16 gradients across sites), DiLoCo (int8 pseudo-gradients, --cluster-fragments fragments,
@@ -39,6 +43,7 @@ Usage: /usr/bin/python3 bench/geo/diloco_study.py [--geotrain build/bin/geotrain
            [--model YAML] [--parts quality,cluster]
            [--repeats 3] [--cluster-steps 34] [--cluster-fragments 4] [--hybrids PLAN,...]
            [--baselines sync-dp,diloco] [--cluster-csv diloco_cluster.csv]
+           [--codecs int8,int4,sparse] [--jobs 2]  (with --parts codec-bytes,codecs)
 From the checkout, with PYTHONPATH=tests/lib (the shared code: geotrain_testing).
 """
 import argparse
@@ -52,7 +57,8 @@ import subprocess
 from geotrain_testing.clusters import private_cluster_env, run
 from geotrain_testing.logs import cluster_steps, local_steps
 from geotrain_testing.shards import write_pattern_shard
-from run_study import PLANS  # bench/geo/, beside this script
+import diloco_codecs as codecs_study  # bench/geo/, beside this script
+from run_study import PLANS
 
 SITES = "[{replica: 0, stage: 0, site: a}, {replica: 1, stage: 0, site: a}, " \
         "{replica: 2, stage: 0, site: b}, {replica: 3, stage: 0, site: b}]"
@@ -90,10 +96,15 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
             f"comm: {{wan_codec: {wan_codec}}}\n")
     if sync == "diloco":
         text += (f"diloco: {{inner_steps: {inner_steps}, outer_lr: {outer[0]:g}, outer_momentum: {outer[1]:g}, "
-                 f"codec: {codec}, fragments: {fragments}"
+                 f"codec: {quote_codec(codec)}, fragments: {fragments}"
                  # only when set: binaries before 0211591 refuse the key, and the recorded rows name some
                  + (f", inner_lr_scale: {inner_lr_scale:g}" if inner_lr_scale != 1 else "") + "}\n")
     return text
+
+
+def quote_codec(codec):
+    """A codec name in the spec's flow mapping: quoted when it holds a colon (sparse:0.05:4, topk:0.01)."""
+    return f"'{codec}'" if ":" in codec else codec
 
 
 def quality(args, geotrain, data, work):
@@ -327,6 +338,7 @@ def main():
                     help="synchronous hybrid plans the cluster part runs beside DP=4 and DiLoCo (comma-separated, "
                          f"of {', '.join(HYBRID_PLANS)}; empty for none)")
     ap.add_argument("--cluster-inner-steps", type=int, default=8)
+    codecs_study.add_arguments(ap)
     ap.add_argument("--cluster-fragments", type=int, default=4)
     args = ap.parse_args()
     args.inner_steps = [int(x) for x in args.inner_steps.split(",")]
@@ -372,6 +384,10 @@ def main():
             plot(quality(args, geotrain, data, work), args.out, quality_suffix(args))
         if "cluster" in parts:
             cluster(args, geotrain, data, work, env)
+        if "codec-bytes" in parts:
+            codecs_study.measure_bytes(args, geotrain, data, work, env, spec_text)
+        if "codecs" in parts:
+            codecs_study.quality_grid(args, geotrain, data, work, spec_text)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

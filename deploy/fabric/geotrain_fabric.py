@@ -11,7 +11,7 @@ discovery. docs/deploy.md explains each step.
     deploy/fabric/geotrain_fabric.py --slice geotrain \\
         --site UTAH:RTX6000:2 --site TACC:A30:1 --site STAR:T4:2:2 \\
         --deb build/geotrain_0.1.0_amd64.deb [--tls] [--dry-run]
-    deploy/fabric/geotrain_fabric.py --slice geotrain --delete
+    deploy/fabric/geotrain_fabric.py --slice geotrain --delete   # drains every worker first, then deletes
 
 --site NAME:GPU_MODEL:NODES[:GPUS_PER_NODE] describes one site (repeat it; the head runs on the first site's
 first node). GPU_MODEL is geotrain's name of the GPU (RTX6000, T4, A30, A40) or fablib's component name
@@ -26,6 +26,10 @@ tunnel, for the study notebook). Nothing there is ever deleted. The cluster toke
 (mode 0600) and is never put on a command line: not here, not on the nodes (the units read GEOTRAIN_TOKEN_FILE).
 At the end the script prints the SSH tunnel command (slice key, FABRIC bastion, ports) that brings the head's API
 (6380), its /metrics (9470) and Prometheus (9090) to this machine.
+
+--delete first drains every worker (`geotrain worker drain ID --wait` on its node: the jobs it hosts restart without
+it from a checkpoint at a step boundary, nothing lost), stops its service, then deletes the slice; it reads the head's
+address and the sites from the secrets dir's cluster.json (without it, the slice is deleted undrained).
 
 --dry-run prints every step (each fablib call, each remote command and each file written, in order) and runs
 none of them; it needs neither fablib nor FABRIC credentials nor the .deb (it says it would upload it), and only
@@ -253,6 +257,8 @@ class DryRunSlice(_DryRunObject):
 
     def get_node(self, name):
         self._call("get_node", name=name)
+        if name not in self._nodes:  # a slice got by name (--delete): its nodes as the record names them
+            self._nodes[name] = DryRunNode(name)
         return self._nodes[name]
 
     def get_network(self, name):
@@ -749,6 +755,27 @@ def deploy(slice_, fablib, args, sites, nodes, addresses, subnets, token_path, s
     return problems
 
 
+def drain_workers(slice_, secrets_dir):
+    """Before the slice goes: each worker drains (its jobs restart without it from a checkpoint at a step boundary,
+    nothing lost; `--wait` returns once its actors are gone), then its service stops. The head's address and the
+    nodes come from the cluster.json the deployment left in the secrets dir; a worker already gone is said so."""
+    record_path = os.path.join(secrets_dir, "cluster.json")
+    if not os.path.isfile(record_path):
+        log(f"local: no {record_path} (written when the slice was deployed): the workers are not drained first")
+        return
+    with open(record_path) as f:
+        record = json.load(f)
+    sites = [Site(**site) for site in record["sites"]]
+    cli = f"sudo -u geotrain env GEOTRAIN_HEAD={record['head']} GEOTRAIN_TOKEN_FILE=/etc/geotrain/token geotrain"
+    tls = " --tls-ca /etc/geotrain/tls/ca.pem" if record.get("tls_ca") else ""
+    log("== draining the workers (their jobs restart without them, nothing lost), then stopping them")
+    for _, name in plan_nodes(sites):
+        # The unit's worker id is the host name (%H).
+        remote(slice_.get_node(name=name), name,
+               f'{{ {cli} worker drain "$(hostname)" --wait{tls} || echo "$(hostname): not drained (gone?)"; }} && '
+               "sudo systemctl stop geotrain-worker")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -844,9 +871,11 @@ def main(argv):
     args = parse_args(argv)
     fablib = DryRunFablib() if args.dry_run else real_fablib()
     if args.delete:
-        fablib.get_slice(name=args.slice).delete()
-        log(f"deleted slice {args.slice}; its secrets directory (if any) stays: "
-            f"{args.secrets_dir or os.path.join('~/.geotrain', args.slice)}")
+        secrets_dir = os.path.expanduser(args.secrets_dir or os.path.join("~/.geotrain", args.slice))
+        slice_ = fablib.get_slice(name=args.slice)
+        drain_workers(slice_, secrets_dir)
+        slice_.delete()
+        log(f"deleted slice {args.slice}; its secrets directory (if any) stays: {secrets_dir}")
         return 0
     sites = args.sites_plan
     nodes = plan_nodes(sites)

@@ -67,10 +67,11 @@ function linkTable(status, info, rates) {
       l.measured ? GT.fmt(l.measured.latency_ms, 2) + " ms" : "-",
       l.measured ? GT.fmt(l.measured.bandwidth_mbps, 0) + " Mbit/s" : "-",
       l.measured ? l.measured.samples : "-",
+      l.measured && l.measured.goodput_mbps ? GT.fmt(l.measured.goodput_mbps, 1) + " Mbit/s" : "-",
       carried.length ? carried : GT.el("span", { class: "muted" }, "-")];
   });
   GT.replace("links", rows.length ? GT.table(["SITE A", "SITE B", "CONF LATENCY", "CONF BANDWIDTH", "MEAS LATENCY",
-    "MEAS BANDWIDTH", "SAMPLES", "CARRIED (running jobs)"], rows, [0, 0, 1, 1, 1, 1, 1, 0])
+    "MEAS BANDWIDTH", "SAMPLES", "SEND GOODPUT", "CARRIED (running jobs)"], rows, [0, 0, 1, 1, 1, 1, 1, 1, 0])
     : GT.el("p", { class: "muted" }, "No links between sites (one site, or none measured yet)."));
   return links;
 }
@@ -88,6 +89,7 @@ function graph(status, links, rates) {
     if (l.measured) text.push(`meas ${GT.fmt(l.measured.latency_ms, 1)} ms, ${GT.fmt(l.measured.bandwidth_mbps, 0)} Mbit/s`);
     const carried = Object.values(rates.get(key) || {}).reduce((x, y) => x + y, 0);
     if (carried > 0) text.push(`carried ${mbit(carried)}`);
+    if (l.measured && l.measured.goodput_mbps) text.push(`goodput ${GT.fmt(l.measured.goodput_mbps, 1)} Mbit/s`);
     return { a: l.a, b: l.b, text };
   });
   Charts.siteGraph("graph", { sites, links: edges });

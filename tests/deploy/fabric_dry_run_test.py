@@ -9,8 +9,8 @@ directory (0700) and its token (0600) kept after the run and reused by the next;
 slice key, the bastion and the ports. Bad --site values and mixed flag forms stop with a message naming them.
 The steps only a real run takes are checked through a run without --dry-run against a stand-in for fablib that
 answers `status --json` with made-up workers: the head's view compared with the plan (exit status 3 when they
-differ), cluster.json with the printed tunnel for the notebook, and the TLS files made by deploy/make-certs.sh
-(openssl) kept private, an earlier run's kept. Without --dry-run and without fablib it stops with one line saying
+differ), cluster.json with the printed tunnel for the notebook (which --delete reads to drain every worker before
+the slice goes), and the TLS files made by deploy/make-certs.sh (openssl) kept private, an earlier run's kept. Without --dry-run and without fablib it stops with one line saying
 how to install fablib.
 Every run gets a temporary HOME, so the default secrets directory (~/.geotrain/SLICE) lands there.
 Usage: fabric_dry_run_test.py PATH/TO/geotrain_fabric.py
@@ -423,6 +423,26 @@ class RealRunWithFakeFablibTest(unittest.TestCase):
         bastion_key = os.path.join(self.dir.name, "work", "fabric_config", "fabric_bastion_key")
         self.assertIn(f"ProxyCommand=ssh -i {bastion_key} -W [%h]:%p carol_0003@bastion.fabric-testbed.net",
                       record["tunnel_without_ssh_config"])
+
+    def test_delete_drains_every_worker_before_the_slice_goes(self):
+        r = self.run_with_status([self.worker("utah-0", "utah", "Quadro RTX 6000"),
+                                  self.worker("star-0", "star", "Tesla T4", "Tesla T4")])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        r = run_script(["--slice", "gt-real", "--delete", "--dry-run"], self.dir.name)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        lines = r.stdout.splitlines()
+        delete = next(i for i, line in enumerate(lines) if "slice[gt-real].delete()" in line)
+        for node in ("utah-0", "star-0"):
+            drain = next(i for i, line in enumerate(lines) if line.startswith(f"[{node}] $ ") and "worker drain" in line)
+            self.assertLess(drain, delete)
+            self.assertIn('env GEOTRAIN_HEAD=10.128.1.2:6380 GEOTRAIN_TOKEN_FILE=/etc/geotrain/token geotrain worker '
+                          'drain "$(hostname)" --wait', lines[drain])
+            self.assertTrue(lines[drain].endswith("&& sudo systemctl stop geotrain-worker"), lines[drain])
+        # Without the deployment's record the slice still goes, undrained, and the script says so.
+        r = run_script(["--slice", "gt-other", "--delete", "--dry-run"], self.dir.name)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("the workers are not drained first", r.stdout)
+        self.assertIn("slice[gt-other].delete()", r.stdout)
 
     def test_tls_files_are_private_and_an_earlier_runs_are_kept(self):
         workers = [self.worker("utah-0", "utah", "Quadro RTX 6000"),

@@ -4,7 +4,8 @@
 installed template, and its ExecStart are expanded with systemd's rules (systemd.exec(5): `${VAR}` stays one
 word, a bare `$VAR` word splits on spaces, `%H` is the host name), and the resulting head and worker run as real
 processes on loopback with that environment: the worker joins with its site, the token comes only from the token
-file (on no command line), and the CLI finds the head from GEOTRAIN_HEAD and GEOTRAIN_TOKEN_FILE alone.
+file (on no command line), and the CLI finds the head from GEOTRAIN_HEAD and GEOTRAIN_TOKEN_FILE alone; the worker
+unit's stop (SIGTERM, with time for a drain) ends the worker with status 0.
 Usage: systemd_units_test.py PREFIX
 """
 import json
@@ -178,6 +179,13 @@ class SystemdUnitsTest(unittest.TestCase):
             with open(f"/proc/{p.pid}/cmdline", "rb") as f:
                 self.assertNotIn(self.token.encode(), f.read())
 
+        # `systemctl stop` sends KillSignal and waits TimeoutStopSec, above the worker's drain timeout (120 s): a
+        # worker without actors drains at once and exits 0.
+        service = read_service_section(os.path.join(UNITS, "geotrain-worker.service"))
+        self.assertEqual(service["KillSignal"], ["SIGTERM"])
+        stop_seconds = int(service["TimeoutStopSec"][0].rstrip("s"))
+        self.assertGreater(stop_seconds, 120)
+
         wrong = self.write("wrong-token", "not-the-token\n", 0o600)
         r = self.cli(["status"], wrong)
         self.assertEqual(r.returncode, 3, r.stderr)
@@ -187,6 +195,9 @@ class SystemdUnitsTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn(missing, r.stderr)
         self.assertIn("GEOTRAIN_TOKEN_FILE", r.stderr)
+
+        worker.send_signal(signal.SIGTERM)
+        self.assertEqual(worker.wait(timeout=stop_seconds), 0)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,7 @@ class JobStatus(_Result):
     precision: str  # what the actors train in: fp32, bf16 or fp16
     loss_scale: float  # fp16: the latest step's dynamic loss scale
     skipped_steps: int  # fp16: steps skipped because their gradients overflowed
+    leaves: int = 0  # restarts without a worker that left on notice (a drain)
 
     @property
     def ended(self):
@@ -264,6 +265,7 @@ class Worker(_Result):
     metrics_address: str
     dead_reason: str
     address_for_site: Dict[str, str]  # addresses for peers at particular sites
+    draining: bool = False  # leaving on notice (`geotrain worker drain`): nothing is placed on it
 
     @staticmethod
     def from_proto(worker):
@@ -294,6 +296,7 @@ class SiteLink(_Result):
     latency_ms: float  # one way: half the round trip
     bandwidth_mbps: float
     samples: int
+    goodput_mbps: float  # tensor sends across the link in the last minute: acknowledged bytes over send time (0: none)
 
     @staticmethod
     def from_proto(link):
