@@ -73,8 +73,8 @@ using DataSourceFn = std::function<absl::StatusOr<model::ShardSource>(const std:
 absl::StatusOr<model::Precision> StagePrecision(const JobSpec& spec, const std::string& device);
 
 // `train --local`'s model::LocalTrainOptions::outer_codec for `spec`: the rounding that its cluster run's outer
-// all-reduce (ExchangeOuter, through diloco.codec) gives each group's pseudo-gradient, kept per group and fragment
-// (top-k's error feedback). Null when that exchange is exact (codec none, or no diloco block). Errors: an unknown
+// all-reduce (ExchangeOuter, through diloco.codec) gives each group's pseudo-gradient, with the error feedback of
+// top-k, int4 and sparse kept per group and fragment (as the leaders' communicator keeps it per fragment's tag). Null when that exchange is exact (codec none, or no diloco block). Errors: an unknown
 // codec, named as ParseCodec names it.
 absl::StatusOr<std::function<absl::Status(int group, int fragment, absl::Span<float> operand)>> SimulatedOuterCodec(
     const JobSpec& spec);
