@@ -22,7 +22,9 @@ static_assert(std::endian::native == std::endian::little, "geotrain's wire forma
 namespace geotrain::comm {
 namespace {
 
+using internal::Get;
 using internal::Kernels;
+using internal::Put;
 const Kernels* K() { return internal::CodecKernels(); }
 
 // ---------------------------------------------------------------------------------------------------
@@ -39,17 +41,6 @@ struct Header {
 
 constexpr uint8_t kVersion = 1;
 constexpr uint8_t kFlagZstd = 1;
-
-template <typename T>
-void Put(uint8_t* p, T v) {
-  std::memcpy(p, &v, sizeof(T));
-}
-template <typename T>
-T Get(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
 
 void WriteHeader(const Header& h, uint8_t* p) {
   Put<uint32_t>(p + 0, kCodecMagic);

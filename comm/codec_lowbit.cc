@@ -18,17 +18,6 @@
 namespace geotrain::comm::internal {
 namespace {
 
-template <typename T>
-void Put(uint8_t* p, T v) {
-  std::memcpy(p, &v, sizeof(T));
-}
-template <typename T>
-T Get(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
 // Whether input[i] + residual[i] (or input[i] alone) is finite for every i; that sum is what the encoders send.

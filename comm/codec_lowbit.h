@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,6 +23,18 @@
 #include "common/codec_spec.h"
 
 namespace geotrain::comm::internal {
+
+// Unaligned little-endian-host reads and writes of the wire formats' fields (codec.cc and codec_lowbit.cc).
+template <typename T>
+void Put(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+template <typename T>
+T Get(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
 
 // int4: writes CodecRawPayloadBytes(int4, input.size()) bytes to `raw` (zeroed by the caller is not needed).
 // `residual` may be null (no error feedback); otherwise it is resized to input.size() (zeroed) if it differs.
