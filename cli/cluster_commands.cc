@@ -33,6 +33,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cli/cluster_isolation.h"
@@ -44,6 +45,7 @@
 #include "common/status.h"
 #include "netem/control_client.h"
 #include "netem/process.h"
+#include "worker/devices.h"
 #include "yaml-cpp/yaml.h"
 
 namespace geotrain::cli {
@@ -166,9 +168,10 @@ struct ClusterFile {
 struct UpOptions {
   bool isolate = false;
   bool tls = false;
-  std::vector<std::string> hidden;  // --hide: directories the isolated workers must not see
-  bool timed_compute = false;       // every worker's emulated devices on timed compute
-  std::string device_profiles;      // their calibration file (worker start --device-profiles)
+  std::vector<std::string> hidden;     // --hide: directories the isolated workers must not see
+  bool timed_compute = false;          // every worker's emulated devices on timed compute
+  std::string device_profiles;         // their calibration file (worker start --device-profiles)
+  std::vector<std::string> slowdowns;  // --slowdown NAME=F: workers started slowed (worker start --slowdown F)
 };
 
 std::string ClusterFilePath(const std::string& state_dir) { return state_dir + "/cluster.json"; }
@@ -324,6 +327,7 @@ struct PlannedWorker {
   int port;
   std::optional<ReservedPort> reservation;  // until the worker starts (not with isolate: its own namespace)
   std::vector<std::string> devices;
+  double slowdown = 1;                                // worker start --slowdown (1: not slowed)
   std::map<std::string, size_t> route_index_by_site;  // other site -> its route in the emulator's list
 };
 
@@ -336,6 +340,39 @@ std::vector<std::pair<std::string, std::string>> SiteWorkerIds(const Topology& t
     }
   }
   return site_workers;
+}
+
+// The factor each worker of `topology` is slowed by, by worker id (absent: not slowed), from `cluster up --slowdown`
+// entries NAME=F: NAME a site (each of its workers) or a worker id (SITE-INDEX; it wins over its site's entry).
+// Errors name the entry and the fix.
+absl::StatusOr<std::map<std::string, double>> SlowdownByWorker(const std::vector<std::string>& entries,
+                                                               const Topology& topology, bool timed_compute) {
+  std::map<std::string, double> by_site, by_worker;
+  for (const std::string& entry : entries) {
+    const size_t eq = entry.find('=');
+    double factor = 0;
+    if (eq == std::string::npos || eq == 0 || !absl::SimpleAtod(entry.substr(eq + 1), &factor)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--slowdown '", entry, "': expected SITE=FACTOR or WORKER=FACTOR, e.g. amsterdam=2"));
+    }
+    RETURN_IF_ERROR(WithContext(worker::ValidateSlowdown(factor, timed_compute), "cluster up"));
+    const std::string name = entry.substr(0, eq);
+    bool known = false;
+    for (const auto& [site, id] : SiteWorkerIds(topology)) {
+      if (site == name) by_site[site] = factor;
+      if (id == name) by_worker[id] = factor;
+      known = known || site == name || id == name;
+    }
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat("--slowdown '", entry, "': the topology has no site or worker ",
+                                                     name, "; name a site, or a worker as SITE-INDEX (e.g. ",
+                                                     topology.sites(0).name(), "-0)"));
+    }
+  }
+  for (const auto& [site, id] : SiteWorkerIds(topology)) {
+    if (!by_worker.count(id) && by_site.count(site)) by_worker[id] = by_site[site];
+  }
+  return by_worker;
 }
 
 // An error when the processes a cluster.json in `state_dir` records still run.
@@ -355,10 +392,12 @@ absl::Status CheckNoClusterUp(const std::string& state_dir) {
 // each process), so that a failure stops exactly that. Used once, by one thread.
 class ClusterLaunch {
  public:
-  ClusterLaunch(std::string state_dir, const UpOptions& up, Topology topology, std::string topology_path)
+  ClusterLaunch(std::string state_dir, const UpOptions& up, Topology topology, std::string topology_path,
+                std::map<std::string, double> slowdown_by_worker)
       : state_dir_(std::move(state_dir)),
         up_(up),
         topology_(std::move(topology)),
+        slowdown_by_worker_(std::move(slowdown_by_worker)),
         geotrain_(SelfDirectory() + "/geotrain"),
         netem_binary_(SelfDirectory() + "/geotrain-netem") {
     file_.topology = std::move(topology_path);
@@ -414,6 +453,9 @@ class ClusterLaunch {
         const std::string host = up_.isolate ? net_.nodes[worker_index].ip : "127.0.0.1";
         ++worker_index;
         p.devices = TopologyWorkerDevices(site.workers(i));
+        if (auto slowed = slowdown_by_worker_.find(p.id); slowed != slowdown_by_worker_.end()) {
+          p.slowdown = slowed->second;
+        }
         for (const TopologySite& other : topology_.sites()) {
           if (other.name() == site.name() || !links.count(std::minmax(other.name(), site.name()))) continue;
           netem::RouteSpec r;
@@ -572,6 +614,7 @@ class ClusterLaunch {
     if (!up_.device_profiles.empty()) {
       argv.insert(argv.end(), {"--device-profiles", std::filesystem::absolute(up_.device_profiles).string()});
     }
+    if (w.slowdown > 1) argv.insert(argv.end(), {"--slowdown", absl::StrCat(w.slowdown)});
     for (const auto& [site, index] : w.route_index_by_site) {
       // Peers at `site` dial the emulator's route at their own side: their bridge, or loopback.
       const auto gateway = net_.gateway_by_site.find(site);
@@ -634,6 +677,13 @@ class ClusterLaunch {
           "  timed compute: every worker waits its emulated GPU's time instead of computing; step times are "
           "EMULATED and losses are not real\n");
     }
+    std::string slowed;
+    for (const PlannedWorker& w : workers_) {
+      if (w.slowdown > 1) absl::StrAppend(&slowed, slowed.empty() ? "" : ", ", w.id, " ", w.slowdown, "x");
+    }
+    if (!slowed.empty()) {
+      std::printf("  slowed CPUs (--slowdown): %s; their step times are EMULATED, their losses real\n", slowed.c_str());
+    }
     for (const TopologyLink& l : topology_.links()) {
       std::printf("  link %s <-> %s: %.1f ms one way, %.0f Mbit/s, jitter %.1f ms\n", l.a().c_str(), l.b().c_str(),
                   l.latency_ms(), l.bandwidth_mbps(), l.jitter_ms());
@@ -673,7 +723,8 @@ class ClusterLaunch {
   const std::string state_dir_;
   const UpOptions& up_;
   const Topology topology_;
-  const std::string geotrain_;  // the binaries, beside this one
+  const std::map<std::string, double> slowdown_by_worker_;  // --slowdown, by worker id
+  const std::string geotrain_;                              // the binaries, beside this one
   const std::string netem_binary_;
   ClusterFile file_;     // what cluster.json records
   IsolatedNetwork net_;  // --isolate
@@ -690,9 +741,11 @@ absl::Status ClusterUp(const std::string& topology_path, const std::string& stat
     return absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add --timed-compute");
   }
   ASSIGN_OR_RETURN(Topology topology, LoadTopologyFile(topology_path));
+  ASSIGN_OR_RETURN(auto slowdown_by_worker, SlowdownByWorker(up.slowdowns, topology, up.timed_compute));
   RETURN_IF_ERROR(CheckNoClusterUp(state_dir));
   std::filesystem::create_directories(state_dir + "/logs");
-  ClusterLaunch launch(state_dir, up, std::move(topology), std::filesystem::absolute(topology_path).string());
+  ClusterLaunch launch(state_dir, up, std::move(topology), std::filesystem::absolute(topology_path).string(),
+                       std::move(slowdown_by_worker));
   return launch.Run();
 }
 
@@ -768,6 +821,10 @@ void AddClusterCommands(CLI::App& app, Context& context) {
                  "that a worker is not given); repeatable");
   AddTimedComputeFlag(up, &up_options->timed_compute);
   AddDeviceProfilesOption(up, &up_options->device_profiles);
+  up->add_option("--slowdown", up_options->slowdowns,
+                 "SITE=F or WORKER=F (SITE-INDEX): start that site's workers, or that worker, with `worker start "
+                 "--slowdown F`, their CPUs F times slower, for sites of unequal speed with real numerics (repeatable; "
+                 "docs/timed-compute.md)");
   up->callback([topology, state_dir, up_options, &context] {
     if (absl::Status s = ClusterUp(*topology, *state_dir, *up_options); !s.ok()) context.exit_code = Fail(s);
   });

@@ -37,6 +37,7 @@ using worker::CalibrateDeviceProfile;
 using worker::DeviceProfile;
 using worker::EmulatedDevice;
 using worker::ParseDeviceProfile;
+using worker::ValidateSlowdown;
 using worker::WorkerOptions;
 using worker::WorkerServer;
 
@@ -279,6 +280,11 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
   AddTimedComputeFlag(start, &options->timed_compute);
   auto profiles_file = std::make_shared<std::string>();
   AddDeviceProfilesOption(start, profiles_file.get());
+  start
+      ->add_option("--slowdown", options->slowdown,
+                   "slow every CPU device (the CPU, or --emulate-device without --timed-compute) by this factor >= 1: "
+                   "sites of unequal speed with real numerics; step times EMULATED (docs/timed-compute.md)")
+      ->capture_default_str();
   start->add_option("--metrics-bind", options->metrics_bind,
                     "address /metrics listens on (default: the advertised address's host)");
   start->add_option("--state-dir", options->state_dir,
@@ -307,6 +313,10 @@ void AddWorkerCommands(CLI::App& app, Context& context) {
     }
     if (!profiles_file->empty() && !options->timed_compute) {
       context.exit_code = Fail(absl::InvalidArgumentError("--device-profiles calibrates --timed-compute; add it"));
+      return;
+    }
+    if (absl::Status s = ValidateSlowdown(options->slowdown, options->timed_compute); !s.ok()) {
+      context.exit_code = Fail(s);
       return;
     }
     for (const std::string& text : *emulate) {
@@ -493,8 +503,12 @@ class ProgressLine {
     std::string bar(filled, '=');
     if (filled < kWidth) bar += '>' + std::string(kWidth - filled - 1, ' ');
     const std::string loss = figures.timed_compute() ? "EMULATED" : absl::StrFormat("loss %.4f", figures.loss());
-    std::fprintf(stdout, "\r[%s] step %ld/%d | %s | %.0f tok/s | %.2f s/step | WAN %.1f MB ", bar.c_str(), step, total_,
-                 loss.c_str(), figures.tokens_per_second(), figures.step_seconds(), wan_total_ / 1e6);
+    // A slowed CPU (worker --slowdown): its times are emulated, its loss real.
+    const std::string slowed =
+        figures.slowdown() > 1 ? absl::StrFormat(" (EMULATED: slowed %gx)", figures.slowdown()) : "";
+    std::fprintf(stdout, "\r[%s] step %ld/%d | %s | %.0f tok/s | %.2f s/step%s | WAN %.1f MB ", bar.c_str(), step,
+                 total_, loss.c_str(), figures.tokens_per_second(), figures.step_seconds(), slowed.c_str(),
+                 wan_total_ / 1e6);
     std::fflush(stdout);
     drawn_ = true;
     return true;

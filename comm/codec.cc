@@ -280,16 +280,13 @@ absl::Status EncodeTopK(const Codec& codec, absl::Span<const float> input, std::
     return absl::InvalidArgumentError("top-k supports tensors of at most 2^32 elements");
   }
   if (residual->size() != n) residual->assign(n, 0.0f);
+  // Checked before the residual takes the input, so that a refused tensor leaves it as it was (int4 and sparse alike).
+  if (!internal::AccumulatedFinite(input, residual)) {
+    return absl::InvalidArgumentError(
+        "top-k codec input (plus its residual) holds NaN or infinity; the residual is unchanged");
+  }
   float* acc = residual->data();
-  uint32_t max_bits = 0;
-  for (size_t i = 0; i < n; ++i) {
-    acc[i] += input[i];
-    const uint32_t a = std::bit_cast<uint32_t>(acc[i]) & 0x7FFFFFFFu;
-    max_bits = a > max_bits ? a : max_bits;
-  }
-  if (max_bits >= 0x7F800000u) {
-    return absl::InvalidArgumentError("top-k input (plus residual) holds NaN or infinity");
-  }
+  for (size_t i = 0; i < n; ++i) acc[i] += input[i];
   size_t k = n == 0 ? 0 : static_cast<size_t>(std::ceil(codec.topk_fraction * static_cast<double>(n)));
   k = std::clamp<size_t>(k, n == 0 ? 0 : 1, n);
   raw->resize(8 + 8 * k);

@@ -8,7 +8,7 @@
 // Codecs: "none" (fp32 as is), "fp16" and "bf16" (round to nearest even), "int8" (symmetric, one fp32
 // scale per block of kInt8BlockSize elements), "topk:F" (the F*n largest magnitudes with their indices;
 // gradients only, with error feedback: the caller keeps one residual vector per tensor), "int4" (symmetric,
-// -7..7, one fp32 scale per block of kInt4BlockSize elements; error feedback when given a residual),
+// -7..7, one fp32 scale per block of kInt4BlockSize elements; gradients only, error feedback when given a residual),
 // "sparse:F:B" (per block of kSparseBlockSize elements the ceil(F x block) largest magnitudes, each as a 12-bit
 // offset and a B-bit value, 2 <= B <= 8; gradients only, with error feedback), each optionally followed by "+zstd"
 // or "+zstd:LEVEL" (zstd over the encoded payload).
@@ -88,6 +88,11 @@ inline constexpr uint64_t kMaxCodecElements = uint64_t{1} << 40;
 // "+zstd" or "+zstd:L" (L in 1..19): ParseCodecSpec under comm's name. Errors name the bad part and list the accepted forms.
 inline absl::StatusOr<Codec> ParseCodec(std::string_view text) { return ParseCodecSpec(text); }
 
+// The codec activations (and their gradients between pipeline stages) travel with on a link whose spec names `codec`:
+// a gradients-only codec (CodecSpec::gradients_only: top-k, int4, sparse, every codec with error feedback) gives way
+// to its dense part, fp32 as is ("none", without zstd); every other codec is used as named.
+inline Codec ActivationCodec(const Codec& codec) { return codec.gradients_only() ? Codec{} : codec; }
+
 // What the header of an encoded tensor says, once validated.
 struct EncodedInfo {
   Codec codec;  // kind and zstd flag (the top-k and sparse fractions, sparse's bits and the zstd level are not read)
@@ -99,7 +104,9 @@ struct EncodedInfo {
 
 // Encodes `input` into `*out` (replaced). For kTopK and kSparse `residual` is required, for kInt4 optional (without
 // one, no error feedback), for the others unused: it holds the error feedback of this tensor (resized to
-// input.size() and zeroed if its size differs) and is updated (int4 and sparse leave it unchanged on error).
+// input.size() and zeroed if its size differs) and is updated only on success. int8, top-k, int4 and sparse refuse
+// NaN and infinity (in input + residual for the last three) with INVALID_ARGUMENT, before writing anything: a diverged
+// gradient is reported, not quantised, and never spreads into the residual of the other elements.
 absl::Status EncodeTensor(const Codec& codec, absl::Span<const float> input, Bytes* out,
                           std::vector<float>* residual = nullptr);
 

@@ -20,17 +20,6 @@ namespace {
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
-// Whether input[i] + residual[i] (or input[i] alone) is finite for every i; that sum is what the encoders send.
-bool AccumulatedFinite(absl::Span<const float> input, const std::vector<float>* residual) {
-  uint32_t max_bits = 0;
-  for (size_t i = 0; i < input.size(); ++i) {
-    const float v = residual != nullptr ? input[i] + (*residual)[i] : input[i];
-    const uint32_t a = std::bit_cast<uint32_t>(v) & 0x7FFFFFFFu;
-    max_bits = a > max_bits ? a : max_bits;
-  }
-  return max_bits < 0x7F800000u;
-}
-
 // Round to nearest, ties to even, for |x| <= 2^22: adding and subtracting 1.5 * 2^23 (as int8's quantiser does).
 int32_t RoundToInt(float x) {
   constexpr float kRound = 12582912.0f;
@@ -130,11 +119,23 @@ void ChooseKept(const float* acc, size_t length, size_t k, std::array<float, kSp
 
 }  // namespace
 
+bool AccumulatedFinite(absl::Span<const float> input, const std::vector<float>* residual) {
+  // The largest magnitude's bits, without a branch per element: NaN and infinity have the largest (exponent all ones).
+  uint32_t max_bits = 0;
+  for (size_t i = 0; i < input.size(); ++i) {
+    const float v = residual != nullptr ? input[i] + (*residual)[i] : input[i];
+    const uint32_t a = std::bit_cast<uint32_t>(v) & 0x7FFFFFFFu;
+    max_bits = a > max_bits ? a : max_bits;
+  }
+  return max_bits < 0x7F800000u;
+}
+
 absl::Status EncodeInt4(absl::Span<const float> input, std::vector<float>* residual, uint8_t* raw) {
   const size_t n = input.size();
   if (residual != nullptr && residual->size() != n) residual->assign(n, 0.0f);
   if (!AccumulatedFinite(input, residual)) {
-    return absl::InvalidArgumentError("int4 codec input (plus its residual) holds NaN or infinity");
+    return absl::InvalidArgumentError(
+        "int4 codec input (plus its residual) holds NaN or infinity; the residual is unchanged");
   }
   const uint64_t blocks = CeilDiv(n, kCodecInt4BlockSize);
   uint8_t* codes = raw + 4 * blocks;
@@ -209,7 +210,8 @@ absl::Status EncodeSparse(const CodecSpec& codec, absl::Span<const float> input,
   const size_t n = input.size();
   if (residual->size() != n) residual->assign(n, 0.0f);
   if (!AccumulatedFinite(input, residual)) {
-    return absl::InvalidArgumentError("sparse codec input (plus its residual) holds NaN or infinity");
+    return absl::InvalidArgumentError(
+        "sparse codec input (plus its residual) holds NaN or infinity; the residual is unchanged");
   }
   float* r = residual->data();
   SparseLayout l;

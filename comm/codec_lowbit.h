@@ -9,7 +9,8 @@
 // Error feedback: with a residual the encoder sends input + residual and leaves in the residual exactly what the
 // receiver does not get (accumulated - decoded, the decoded value computed as the decoder computes it), so that over
 // calls sum(decoded) + residual == sum(inputs) up to one float rounding per call. The residual is written only when
-// encoding succeeds (a NaN input leaves it as it was).
+// encoding succeeds: a NaN or infinity in input + residual is refused before anything is written (AccumulatedFinite,
+// which top-k in codec.cc checks too), so one bad element never spreads into the residual of the others.
 // Thread safety: pure functions of their arguments; a residual must not be shared by concurrent calls.
 #pragma once
 
@@ -35,6 +36,11 @@ T Get(const uint8_t* p) {
   std::memcpy(&v, p, sizeof(T));
   return v;
 }
+
+// Whether input[i] + residual[i] (input[i] alone without a residual) is finite for every i: what the encoders with
+// error feedback (top-k, int4, sparse) check before they write the residual. `residual`, if given, has input.size()
+// elements.
+bool AccumulatedFinite(absl::Span<const float> input, const std::vector<float>* residual);
 
 // int4: writes CodecRawPayloadBytes(int4, input.size()) bytes to `raw` (zeroed by the caller is not needed).
 // `residual` may be null (no error feedback); otherwise it is resized to input.size() (zeroed) if it differs.

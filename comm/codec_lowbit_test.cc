@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -59,8 +60,6 @@ TEST(LowBitCodecParse, NamesAndTheirCanonicalForms) {
   // The name keeps the fraction exactly (the shortest text that reads back the same).
   EXPECT_EQ(MustParse(MustParse("sparse:0.0123456789:3").ToString()).sparse_fraction, 0.0123456789);
   EXPECT_TRUE(MustParse("int4").error_feedback());
-  EXPECT_TRUE(MustParse("sparse").gradients_only());
-  EXPECT_FALSE(MustParse("int4").gradients_only());
   EXPECT_FALSE(MustParse("int8").error_feedback());
   for (const char* text : {"int4:2", "sparse:0", "sparse:1.5", "sparse:x", "sparse:0.1:1", "sparse:0.1:9",
                            "sparse:0.1:2:3", "sparse::2", "sparse:0.1:2.5"}) {
@@ -72,6 +71,21 @@ TEST(LowBitCodecParse, NamesAndTheirCanonicalForms) {
   EXPECT_EQ(static_cast<int>(MustParse("topk:0.1").kind), 4);
   EXPECT_EQ(static_cast<int>(MustParse("int4").kind), 5);
   EXPECT_EQ(static_cast<int>(MustParse("sparse").kind), 6);
+}
+
+// Every codec with error feedback is for gradients only, and activations take its dense part instead (fp32): the
+// pipeline's and tensor parallelism's communicators (worker/stage_collectives.cc) use ActivationCodec.
+TEST(LowBitCodecParse, GradientsOnlyCodecsNeverCarryActivations) {
+  for (const char* name : {"topk:0.01", "topk:0.5+zstd", "int4", "int4+zstd:3", "sparse", "sparse:0.1:8+zstd"}) {
+    const Codec codec = MustParse(name);
+    EXPECT_TRUE(codec.gradients_only()) << name;
+    EXPECT_EQ(ActivationCodec(codec).ToString(), "none") << name;
+    EXPECT_FALSE(ActivationCodec(codec).error_feedback()) << name;
+  }
+  for (const char* name : {"none", "fp16", "bf16+zstd", "int8", "int8+zstd:3"}) {
+    EXPECT_FALSE(MustParse(name).gradients_only()) << name;
+    EXPECT_EQ(ActivationCodec(MustParse(name)).ToString(), name);
+  }
 }
 
 // Bytes on the wire: 40 + CodecRawPayloadBytes (what the planner costs), and the ratios docs/comm.md states.
@@ -197,12 +211,15 @@ TEST(LowBitCodec, ErrorFeedbackDeliversWhatWasDropped) {
   }
 }
 
+// A NaN or infinity (in the input, or made by input + residual overflowing) is refused before the residual is
+// touched, by every codec with error feedback: the other elements' residuals stay as they were, and the next finite
+// tensor encodes as if the refused one had never come.
 TEST(LowBitCodec, NeedsAResidualRefusesNanAndKeepsTheResidualThen) {
   std::vector<float> input = RandomTensor(5000, 6);
   Bytes wire;
   EXPECT_EQ(EncodeTensor(MustParse("sparse"), input, &wire).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(EncodeTensor(MustParse("int4"), input, &wire).ok());  // int4 without error feedback
-  for (const char* name : {"int4", "sparse"}) {
+  for (const char* name : {"topk:0.1", "int4", "sparse"}) {
     std::vector<float> residual;
     ASSERT_TRUE(EncodeTensor(MustParse(name), input, &wire, &residual).ok());
     const std::vector<float> before = residual;
@@ -210,8 +227,27 @@ TEST(LowBitCodec, NeedsAResidualRefusesNanAndKeepsTheResidualThen) {
     bad[4321] = NAN;
     EXPECT_EQ(EncodeTensor(MustParse(name), bad, &wire, &residual).code(), absl::StatusCode::kInvalidArgument);
     bad[4321] = INFINITY;
-    EXPECT_FALSE(EncodeTensor(MustParse(name), bad, &wire, &residual).ok());
-    EXPECT_EQ(residual, before) << name;
+    EXPECT_EQ(EncodeTensor(MustParse(name), bad, &wire, &residual).code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_EQ(residual.size(), before.size()) << name;
+    for (size_t i = 0; i < residual.size(); ++i) {
+      ASSERT_EQ(std::memcmp(&residual[i], &before[i], sizeof(float)), 0) << name << ": residual " << i << " changed";
+    }
+    // Finite input and residual whose sum overflows.
+    std::vector<float> overflowing = before, huge = input;
+    overflowing[17] = huge[17] = std::numeric_limits<float>::max();
+    const std::vector<float> overflowing_before = overflowing;
+    EXPECT_EQ(EncodeTensor(MustParse(name), huge, &wire, &overflowing).code(), absl::StatusCode::kInvalidArgument)
+        << name;
+    EXPECT_EQ(overflowing, overflowing_before) << name;
+    // The next finite tensor: the same bytes as from an encoder that never saw the refused ones.
+    std::vector<float> fresh = before;
+    Bytes expected;
+    ASSERT_TRUE(EncodeTensor(MustParse(name), input, &expected, &fresh).ok());
+    ASSERT_TRUE(EncodeTensor(MustParse(name), input, &wire, &residual).ok()) << name;
+    EXPECT_EQ(std::vector<uint8_t>(wire.data(), wire.data() + wire.size()),
+              std::vector<uint8_t>(expected.data(), expected.data() + expected.size()))
+        << name;
+    EXPECT_EQ(residual, fresh) << name;
   }
 }
 
@@ -259,6 +295,50 @@ TEST(LowBitCodec, RoundTripKeepsTheErrorFeedbackPerStream) {
     ASSERT_TRUE(EncodeTensor(MustParse(name), second, &wire, &residual).ok());
     EXPECT_EQ(Decode(wire, second.size()), a2) << name;
   }
+}
+
+// A header for `payload` as a peer would send it (kind byte, element count, sizes, both checksums).
+std::vector<uint8_t> Sealed(CodecKind kind, uint64_t count, const std::vector<uint8_t>& payload) {
+  std::vector<uint8_t> b(kCodecHeaderBytes + payload.size(), 0);
+  std::copy(payload.begin(), payload.end(), b.begin() + kCodecHeaderBytes);
+  std::memcpy(b.data(), &kCodecMagic, 4);
+  b[4] = 1;
+  b[5] = static_cast<uint8_t>(kind);
+  const uint64_t bytes = payload.size();
+  std::memcpy(b.data() + 8, &count, 8);
+  std::memcpy(b.data() + 16, &bytes, 8);
+  std::memcpy(b.data() + 24, &bytes, 8);
+  Reseal(&b);
+  return b;
+}
+
+// The wire layouts codec.h documents, written by hand as fuzz/make_seeds.py writes its int4 and sparse seeds
+// (fuzz/corpus/codec/int4, sparse, sparse_two_blocks): they decode to the values their fields stand for.
+TEST(LowBitCodec, HandWrittenPayloadsDecodeAsDocumented) {
+  // int4: scale 0.5, codes 7, -7, 3 (element 2j in the low nibble of byte j), the padding nibble 0.
+  std::vector<uint8_t> int4 = {0, 0, 0, 0x3f, 0x97, 0x03};
+  std::vector<float> out(3);
+  ASSERT_TRUE(DecodeTensor(Sealed(CodecKind::kInt4, 3, int4), absl::MakeSpan(out)).ok());
+  EXPECT_THAT(out, testing::ElementsAre(3.5f, -3.5f, 1.5f));
+  // sparse, one block of 10: kept 82 per full block (none here) and 2 in the last, B = 2, scale 0.75; offsets 1 and
+  // 7 (12 bits each: 0x001, 0x007), codes 3 and 0 (2 bits each): values (2c + 1 - 4) / 4 x 0.75.
+  std::vector<uint8_t> sparse = {82, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0x40, 0x3f, 0x01, 0x70, 0x00, 0x03};
+  out.assign(10, -1.0f);
+  ASSERT_TRUE(DecodeTensor(Sealed(CodecKind::kSparse, 10, sparse), absl::MakeSpan(out)).ok());
+  EXPECT_THAT(out, testing::ElementsAre(0, 0.5625f, 0, 0, 0, 0, 0, -0.5625f, 0, 0));
+  // sparse, blocks of 4096 and 4: 3 kept in the first (offsets 0, 100, 4095), 1 in the last (offset 3), B = 5, scales
+  // 2 and 0.5, codes 31, 0, 17, 9: values (2c + 1 - 32) / 32 x scale.
+  sparse = {3,    0,    0,    0,    1,    0,    0, 0, 5, 0, 0, 0, 0, 0, 0, 0x40, 0, 0, 0, 0x3f,  // preamble, scales
+            0x00, 0x40, 0x06, 0xff, 0x3f, 0x00,  // offsets 0, 100, 4095, 3
+            0x1f, 0xc4, 0x04};                   // codes 31, 0, 17, 9
+  out.assign(4100, -1.0f);
+  ASSERT_TRUE(DecodeTensor(Sealed(CodecKind::kSparse, 4100, sparse), absl::MakeSpan(out)).ok());
+  std::vector<float> expected(4100, 0.0f);
+  expected[0] = 31.0f / 32 * 2;
+  expected[100] = -31.0f / 32 * 2;
+  expected[4095] = 3.0f / 32 * 2;
+  expected[4096 + 3] = -13.0f / 32 * 0.5f;
+  EXPECT_EQ(out, expected);
 }
 
 TEST(LowBitCodecCorruption, ForgedInt4PayloadsAreRefused) {

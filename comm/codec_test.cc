@@ -400,7 +400,8 @@ TEST(CodecCorruption, FuzzedBuffersNeverCrash) {
   std::mt19937 rng(7);
   std::vector<float> input = RandomTensor(700, 11);
   std::vector<std::vector<uint8_t>> seeds;
-  for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.1", "bf16+zstd", "topk:0.2+zstd"}) {
+  for (const char* name : {"none", "fp16", "bf16", "int8", "topk:0.1", "bf16+zstd", "topk:0.2+zstd", "int4",
+                           "int4+zstd", "sparse:0.1:3", "sparse:0.05:8+zstd"}) {
     Bytes wire;
     std::vector<float> residual;
     ASSERT_TRUE(EncodeTensor(MustParse(name), input, &wire, &residual).ok());

@@ -51,9 +51,10 @@ struct CodecSpec {
   bool error_feedback() const {
     return kind == CodecKind::kTopK || kind == CodecKind::kInt4 || kind == CodecKind::kSparse;
   }
-  // Whether the codec is for gradients only (top-k, sparse: most elements are dropped, the residual delivers them
-  // later), never for activations.
-  bool gradients_only() const { return kind == CodecKind::kTopK || kind == CodecKind::kSparse; }
+  // Whether the codec is for gradients only, never for activations: every codec with error feedback (top-k, int4,
+  // sparse). What they hold back in the residual reaches the receiver only with a later tensor, which a gradient's
+  // sum over steps absorbs and an activation, used once, does not.
+  bool gradients_only() const { return error_feedback(); }
   // The canonical name, which ParseCodecSpec accepts and parses back to the same codec: "bf16+zstd", "topk:0.01",
   // "int8+zstd:3", "sparse:0.02:2".
   std::string ToString() const;

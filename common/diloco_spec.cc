@@ -1,6 +1,9 @@
 // The diloco block's defaults (see diloco_spec.h).
 #include "common/diloco_spec.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/ascii.h"
 #include "common/codec_spec.h"
 
@@ -31,6 +34,14 @@ bool DilocoOn(const JobSpec& spec) {
   return sync == "diloco" || (sync.empty() && spec.diloco().inner_steps() > 0);
 }
 
+double DilocoInnerLrScale(const JobSpec& spec, int groups) {
+  if (!DilocoOn(spec)) return 1.0;
+  if (spec.diloco().has_inner_lr_scale()) return spec.diloco().inner_lr_scale();
+  return std::sqrt(static_cast<double>(std::max(1, groups)));
+}
+
+bool DilocoTimePaced(const JobSpec& spec) { return DilocoOn(spec) && spec.diloco().sync() == "time"; }
+
 DilocoSpec EffectiveDiloco(const JobSpec& spec) {
   DilocoSpec d = spec.diloco();
   if (d.inner_steps() <= 0) d.set_inner_steps(32);
@@ -39,7 +50,7 @@ DilocoSpec EffectiveDiloco(const JobSpec& spec) {
   if (!d.has_nesterov()) d.set_nesterov(true);
   if (d.codec().empty()) d.set_codec("int8");
   if (d.fragments() <= 0) d.set_fragments(1);
-  if (!d.has_inner_lr_scale()) d.set_inner_lr_scale(1.0);
+  if (d.sync().empty()) d.set_sync("steps");
   FillSparse(&d);
   return d;
 }

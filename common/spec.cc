@@ -398,8 +398,16 @@ absl::Status ValidateDiloco(const JobSpec& spec) {
   if (!(e.outer_momentum() >= 0 && e.outer_momentum() < 1)) {
     return BadKey("diloco.outer_momentum", "must be in [0, 1) (0: no momentum)");
   }
-  if (!(e.inner_lr_scale() > 0 && e.inner_lr_scale() <= 10)) {
-    return BadKey("diloco.inner_lr_scale", "must be in (0, 10] (1: train's schedule as it is)");
+  if (e.has_inner_lr_scale() && !(e.inner_lr_scale() > 0 && e.inner_lr_scale() <= 10)) {
+    return BadKey("diloco.inner_lr_scale",
+                  "must be in (0, 10] (1: train's schedule as it is; absent: sqrt of the number of sites)");
+  }
+  if (e.sync() != "steps" && e.sync() != "time") {
+    return BadKey("diloco.sync", absl::StrCat("must be steps or time (or absent: steps), got '", e.sync(), "'"));
+  }
+  if (e.sync() == "time" && e.fragments() > 1) {
+    return BadKey("diloco.sync", absl::StrCat("time paces whole-model outer steps; it needs diloco.fragments 1 (got ",
+                                              e.fragments(), ")"));
   }
   if (e.fragments() > e.inner_steps()) {
     return BadKey("diloco.fragments",

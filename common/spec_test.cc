@@ -106,6 +106,8 @@ TEST(SpecTest, ValuesAreBoundedAndTheErrorNamesTheLimit) {
       {"fault_tolerance: {max_restarts: 2000000000}", "fault_tolerance.max_restarts"},
       {"diloco: {inner_steps: 8, inner_lr_scale: 11}", "diloco.inner_lr_scale must be in (0, 10]"},
       {"diloco: {inner_steps: 8, inner_lr_scale: -1}", "diloco.inner_lr_scale must be in (0, 10]"},
+      {"diloco: {inner_steps: 8, sync: wall}", "diloco.sync must be steps or time"},
+      {"diloco: {inner_steps: 8, sync: time, fragments: 2}", "it needs diloco.fragments 1"},
       {"{\"name\": \"x\", \"train\": {\"steps\": 2000000000}}", "train.steps"},
   };
   for (const auto& c : cases) {
@@ -117,7 +119,7 @@ TEST(SpecTest, ValuesAreBoundedAndTheErrorNamesTheLimit) {
     EXPECT_THAT(s.message(), HasSubstr(c.key)) << c.text;
   }
   // The scale's bound is inclusive at 10, and only a job that trains with DiLoCo is held to it.
-  for (const char* text : {"diloco: {inner_steps: 8, inner_lr_scale: 10}",
+  for (const char* text : {"diloco: {inner_steps: 8, inner_lr_scale: 10}", "diloco: {inner_steps: 8, sync: time}",
                            "parallel: {sync: sync}\ndiloco: {inner_steps: 8, inner_lr_scale: 11}"}) {
     JobSpec spec;
     ASSERT_TRUE(ParseYamlOrJson(text, "spec.yaml", &spec).ok()) << text;

@@ -58,6 +58,30 @@ write("codec", "fp16", encoded(1, 0, 4, 8, struct.pack("<4H", 0x3C00, 0xC100, 0,
 write("codec", "bf16", encoded(2, 0, 4, 8, struct.pack("<4H", 0x3F80, 0xC020, 0, 0x7F7F)))
 write("codec", "int8", encoded(3, 0, 3, 4 + 3, struct.pack("<f3b", 0.5, 127, -127, 3)))
 write("codec", "topk", encoded(4, 0, 10, 8 + 16, struct.pack("<Q2I2f", 2, 1, 7, 0.25, -4.0)))
+# int4: a scale per 64 elements, then 4-bit codes -7..7, element 2j in the low nibble of byte j (3 elements: 3.5,
+# -3.5, 1.5 and a zero padding nibble).
+write("codec", "int4", encoded(5, 0, 3, 4 + 2, struct.pack("<f2B", 0.5, 0x97, 0x03)))
+
+
+def bits(fields, width):
+    """Packs `fields` as one little-endian bit stream of `width` bits each (bit b at bit b % 8 of byte b / 8)."""
+    value = sum(f << (i * width) for i, f in enumerate(fields))
+    return value.to_bytes((len(fields) * width + 7) // 8, "little")
+
+
+def sparse(kept_full, kept_last, b, scales, offsets, codes):
+    """A sparse payload: the preamble, a scale per 4096 elements, 12-bit offsets, then B-bit codes."""
+    return (struct.pack("<IIB3x", kept_full, kept_last, b) + struct.pack("<%df" % len(scales), *scales) +
+            bits(offsets, 12) + bits(codes, b))
+
+
+# sparse: 10 elements (one block), the 2 kept at offsets 1 and 7 with 2-bit codes 3 and 0 of scale 0.75 (values
+# (2c + 1 - 4) / 4 x 0.75: 0.5625 and -0.5625); kept per full block 82 = ceil(0.02 x 4096), unused with one block.
+payload = sparse(82, 2, 2, [0.75], [1, 7], [3, 0])
+write("codec", "sparse", encoded(6, 0, 10, len(payload), payload))
+# Two blocks (4096 + 4 elements), 3 kept in the full one and 1 in the last, 5-bit codes.
+payload = sparse(3, 1, 5, [2.0, 0.5], [0, 100, 4095, 3], [31, 0, 17, 9])
+write("codec", "sparse_two_blocks", encoded(6, 0, 4100, len(payload), payload))
 # zstd of the 16 "none" bytes above would need zstd here; the fuzzer finds frames from this stored frame
 # (magic, frame header with content size 16, one raw block).
 frame = struct.pack("<I", 0xFD2FB528) + bytes([0x20, 16]) + struct.pack("<I", (16 << 3) | 1)[:3] + floats
@@ -66,6 +90,10 @@ write("codec", "roundtrip_bf16", bytes([8]) + b"bf16\0" + floats)
 write("codec", "roundtrip_int8_zstd", bytes([8]) + b"int8+zstd:3\0" + floats * 70)
 write("codec", "roundtrip_topk", bytes([8]) + b"topk:0.5\0" + floats)
 write("codec", "roundtrip_none", bytes([8]) + b"none+zstd\0" + floats)
+write("codec", "roundtrip_int4", bytes([8]) + b"int4\0" + floats * 20)
+write("codec", "roundtrip_int4_zstd", bytes([8]) + b"int4+zstd\0" + floats * 17)
+write("codec", "roundtrip_sparse", bytes([8]) + b"sparse:0.5:3\0" + floats * 70)
+write("codec", "roundtrip_sparse_blocks", bytes([8]) + b"sparse+zstd\0" + floats * 1100)  # 4400 values: two blocks
 
 
 # Tensor streams (fuzz/tensor_chunks_fuzzer.cc): a control byte (bit 0: a receiver is waiting, so element-wise

@@ -15,7 +15,7 @@ namespace geotrain::head {
 namespace {
 
 // The step's manifest: the model, the plan, and every shard's files, in group and stage order: the first stage's
-// data position and optimizer step; a tied tensor (wte) from the first stage that holds it. The tensors map names
+// data position and optimizer step (of each DiLoCo group's first stage for groups > 0); a tied tensor (wte) from the first stage that holds it. The tensors map names
 // group 0's files; DiLoCo groups > 0 hold the same tensors in files of their own (model::GroupFileFor).
 // `snapshot` and `write` get the slowest shard's times.
 CheckpointManifest Manifest(const std::string& job_id, const JobSpec& spec, const GPT2Config& config, int64_t step,
@@ -47,6 +47,10 @@ CheckpointManifest Manifest(const std::string& job_id, const JobSpec& spec, cons
     if (shard == by_stage.front()) {
       *manifest.mutable_data_position() = shard->data_position();
       manifest.set_optimizer_step(shard->optimizer_step());
+    } else if (shard->group() > 0 && !manifest.group_optimizer_step().contains(shard->group())) {
+      // The group's first stage (shards are in group and stage order): its own position and step.
+      (*manifest.mutable_group_data_position())[shard->group()] = shard->data_position();
+      (*manifest.mutable_group_optimizer_step())[shard->group()] = shard->optimizer_step();
     }
     for (const CheckpointFile& f : shard->files()) {
       CheckpointFileEntry& entry = (*manifest.mutable_files())[f.name()];

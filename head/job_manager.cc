@@ -77,7 +77,7 @@ absl::StatusOr<JobInfo> JobManager::CommitLocked(JobInfo updated, const std::str
                                                  const StepFigures* figures) {
   const JobEvent event = MakeEventLocked(updated, kind, line, figures);
   RETURN_IF_ERROR(Persist([&] { return store_->PutJobWithEvent(updated, event); }));
-  ++last_seq_;
+  last_seq_of_job_[updated.job_id()] = ++last_seq_;
   JobInfo& stored = jobs_[updated.job_id()];
   stored = std::move(updated);
   return stored;
@@ -203,7 +203,7 @@ absl::Status JobManager::Log(const std::string& job_id, const std::string& line)
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
   const JobEvent event = MakeEventLocked(it->second, "log", line);
   RETURN_IF_ERROR(Persist([&] { return store_->AppendEvent(event); }));
-  ++last_seq_;
+  last_seq_of_job_[job_id] = ++last_seq_;
   return absl::OkStatus();
 }
 
@@ -232,10 +232,12 @@ absl::StatusOr<std::vector<JobEvent>> JobManager::WaitEvents(const std::string& 
     if (it == jobs_.end()) {
       return absl::NotFoundError(absl::StrCat("no job '", job_id, "'; `geotrain job list` shows the jobs"));
     }
+    // The job's newest event this head logged (a job none was logged for since the head started: the newest of all),
+    // so that another job's events do not wake a watcher of this one; the store decides what belongs to this job.
     auto has_news = [this, after_seq, &job_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return last_seq_ > after_seq || IsTerminal(jobs_[job_id].state());
+      const auto own = last_seq_of_job_.find(job_id);
+      return (own != last_seq_of_job_.end() ? own->second : last_seq_) > after_seq || IsTerminal(jobs_[job_id].state());
     };
-    // The global sequence moving is a cheap hint; the store decides what belongs to this job.
     mu_.AwaitWithTimeout(absl::Condition(&has_news), absl::Milliseconds(timeout_ms));
     *ended = IsTerminal(it->second.state());
   }

@@ -91,6 +91,7 @@ class JobManager {
   std::map<std::string, JobInfo> jobs_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_number_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, int64_t> last_seq_of_job_ ABSL_GUARDED_BY(mu_);  // each job's newest event logged by this head
   absl::Status store_error_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "common/rpc.h"
 
@@ -22,6 +23,32 @@ class JobManagerTest : public ::testing::Test {
   std::string dir_;
   FakeClock clock_;
 };
+
+// A watcher of one job is not woken by another job's events (it would poll the store in a busy loop): it returns
+// with this job's next event.
+TEST_F(JobManagerTest, AnotherJobsEventsDoNotWakeAWatcher) {
+  auto store = HeadStore::Open(dir_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  JobManager jobs(&clock_, store->get());
+  ASSERT_TRUE(jobs.Restore().ok());
+  JobSpec spec;
+  const std::string a = jobs.Submit(spec, "")->job_id(), b = jobs.Submit(spec, "")->job_id();
+  ASSERT_TRUE(jobs.Log(a, "a's first").ok());
+  bool ended = false;
+  const int64_t seen = jobs.WaitEvents(a, 0, 0, &ended)->back().seq();
+  absl::StatusOr<std::vector<JobEvent>> woken;
+  std::thread watcher([&] {
+    bool watcher_ended = false;
+    woken = jobs.WaitEvents(a, seen, 10000, &watcher_ended);
+  });
+  ASSERT_TRUE(jobs.Log(b, "b's").ok());
+  absl::SleepFor(absl::Milliseconds(200));  // a watcher woken by b's event returns now, with nothing of a's
+  ASSERT_TRUE(jobs.Log(a, "a's second").ok());
+  watcher.join();
+  ASSERT_TRUE(woken.ok()) << woken.status();
+  ASSERT_EQ(woken->size(), 1u);
+  EXPECT_EQ(woken->front().line(), "a's second");
+}
 
 TEST_F(JobManagerTest, StateMachine) {
   auto store = HeadStore::Open(dir_);

@@ -47,8 +47,10 @@ struct JobRecovery::PendingFault {
   int restarts = 0;
   int64_t step = 0, detected_unix_ms = 0, attempt = 0;
   bool permanent = false;
-  bool leave = false;     // a drain's restart without its workers (Leave)
-  bool all_left = false;  // a leave's: every actor left by itself (none to stop)
+  bool leave = false;           // a drain's restart without its workers (Leave)
+  bool all_left = false;        // a leave's: every actor left by itself (none to stop)
+  std::string leaving_workers;  // a leave's workers, and when its drain began (unix ms)
+  int64_t leave_started_unix_ms = 0;
 };
 
 JobRecovery::JobRecovery(JobManager* jobs, WorkerRegistry* registry, JobRuns* runs, ActorLauncher* launcher,
@@ -96,6 +98,12 @@ void JobRecovery::Restore() {
         run.fault_detected_ms = now;
         run.fault_unix_ms = clock_->UnixMillis();
         run.fault_step = job.step();
+        if (!job.leaving_workers().empty()) {  // a leave's restart: still no fault, its cost from the drain's start
+          run.leaving = true;
+          run.leaving_workers = job.leaving_workers();
+          run.leave_started_unix_ms = job.leave_started_unix_ms();
+          run.fault_detected_ms = now - std::max<int64_t>(0, run.fault_unix_ms - job.leave_started_unix_ms());
+        }
       }
       GT_LOG(INFO) << "job " << job.job_id() << " (" << JobStateName(job.state()) << ", run " << run.attempt
                    << ", step " << run.last_step << ") taken over from the previous head";
@@ -160,6 +168,7 @@ void JobRecovery::Leave(const std::string& job_id, int64_t attempt, const std::s
     run.fault_step = run.last_step;
     run.leaving = true;
     run.leaving_workers = workers;
+    run.leave_started_unix_ms = clock_->UnixMillis() - (clock_->NowMillis() - started_ms);
     run.drain.handed_over = true;
     run.drain.gave_up = stop_actors;  // HandleLeave stops the actors then
     runs_->kicked = true;
@@ -174,7 +183,8 @@ void JobRecovery::HandleFaults() {
     for (auto& [job_id, run] : runs_->by_job) {
       if (run.phase != RunPhase::kFault) continue;
       pending.push_back({job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms,
-                         run.attempt, run.fault_permanent, run.leaving, run.leaving && !run.drain.gave_up});
+                         run.attempt, run.fault_permanent, run.leaving, run.leaving && !run.drain.gave_up,
+                         run.leaving_workers, run.leave_started_unix_ms});
     }
   }
   for (const PendingFault& p : pending) HandleFault(p);
@@ -212,6 +222,8 @@ void JobRecovery::HandleFault(const PendingFault& p) {
                            [&](JobInfo& j) {
                              *j.add_faults() = fault;
                              j.set_restarts(p.restarts + 1);
+                             j.clear_leaving_workers();  // a fault during a leave's restart: a fault's restart now
+                             j.clear_leave_started_unix_ms();
                            })
                   .status(),
               p.job_id, "recording the fault");
@@ -253,8 +265,15 @@ void JobRecovery::HandleLeave(const PendingFault& p) {
     if (auto it = runs_->by_job.find(p.job_id); it != runs_->by_job.end()) it->second.phase = RunPhase::kEnded;
     return;
   }
-  LogIfFailed(jobs_->Update(p.job_id, [](JobInfo& j) { j.set_leaves(j.leaves() + 1); }).status(), p.job_id,
-              "recording the leave");
+  LogIfFailed(jobs_
+                  ->Update(p.job_id,
+                           [&](JobInfo& j) {
+                             j.set_leaves(j.leaves() + 1);
+                             j.set_leaving_workers(p.leaving_workers);
+                             j.set_leave_started_unix_ms(p.leave_started_unix_ms);
+                           })
+                  .status(),
+              p.job_id, "recording the leave");
   metrics_->CountLeave(p.job_id);
   // Actors that left stopped by themselves; those of a drain that gave up are stopped now.
   if (!p.all_left) launcher_->StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
@@ -378,6 +397,14 @@ std::optional<JobRecovery::Recovery> JobRecovery::MeasureRecovery(JobRun& run, i
 
 void JobRecovery::RecordRecovery(const std::string& job_id, const Recovery& recovery) {
   if (recovery.leave) {  // not a fault: its cost in the job's log (docs/reliability.md has the measured figures)
+    LogIfFailed(jobs_
+                    ->Update(job_id,
+                             [](JobInfo& j) {
+                               j.clear_leaving_workers();
+                               j.clear_leave_started_unix_ms();
+                             })
+                    .status(),
+                job_id, "recording the end of the leave");
     LogIfFailed(jobs_->Log(job_id, absl::StrFormat("training again without %s %.1f s after the drain began; %s",
                                                    recovery.workers, recovery.seconds,
                                                    recovery.steps_lost == 0

@@ -44,8 +44,11 @@ struct StepAggregate {
   bool have_loss = false;
   double loss_sum = 0, val_sum = 0;
   int loss_reports = 0, val_reports = 0;
-  // The step's tokens by the site that trained them: each replica's share of the global batch, split evenly over
-  // its actors (stages and tensor ranks), counted at each actor's site. Sums to figures.tokens.
+  // The tokens each replica trained in the step, as its actors report them (time-paced DiLoCo: a faster group's
+  // replicas train more); a replica none reported takes an even share of figures.tokens.
+  std::map<int, int64_t> replica_tokens;
+  // The step's tokens by the site that trained them: each replica's tokens, split evenly over its actors (stages and
+  // tensor ranks), counted at each actor's site. Sums to figures.tokens.
   std::map<std::string, double> site_tokens;
 };
 
@@ -103,7 +106,8 @@ struct JobRun {
   // The restart being recovered from is a drain's (a leave, not a fault): no fault record, no restart counted; its
   // cost is measured from the drain's start (fault_detected_ms).
   bool leaving = false;
-  std::string leaving_workers;  // the workers it left, for the log ("w-3, w-4")
+  std::string leaving_workers;        // the workers it left, for the log ("w-3, w-4")
+  int64_t leave_started_unix_ms = 0;  // when the drain began (persisted in JobInfo with leaving_workers)
 
   // The drain's (JobRunner with head/job_drain.h; cleared by each launch).
   RunDrain drain;

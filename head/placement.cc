@@ -164,12 +164,13 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
           model::ComputeCapabilityName(model::kMinComputeCapability), ", Turing); leave its worker out of the job"));
     }
   }
-  // fp16's overflow steps send infinities through the gradient all-reduces, which int8 and top-k cannot encode
-  // (they refuse non-finite input): fp16 needs a WAN and LAN codec that carries them (none, fp16, bf16).
+  // fp16's overflow steps send infinities through the gradient all-reduces, which int8 and the gradients-only codecs
+  // (top-k, int4, sparse: CodecSpec::gradients_only) cannot encode (they refuse non-finite input): fp16 needs a WAN
+  // and LAN codec that carries them (none, fp16, bf16).
   std::string lossy;
   for (const std::string* codec : {&spec.comm().wan_codec(), &spec.comm().lan_codec()}) {
     absl::StatusOr<CodecSpec> parsed = ParseCodecSpec(*codec);
-    if (parsed.ok() && (parsed->kind == CodecKind::kInt8 || parsed->kind == CodecKind::kTopK)) lossy = *codec;
+    if (parsed.ok() && (parsed->kind == CodecKind::kInt8 || parsed->gradients_only())) lossy = *codec;
   }
   const std::string& asked = spec.train().precision();
   PrecisionChoice choice;

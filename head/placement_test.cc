@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/spec.h"
 
@@ -75,6 +76,26 @@ TEST(ChoosePrecisionTest, AutoExplicitCodecsAndTooOldGpus) {
   ASSERT_TRUE(choice.ok()) << choice.status();
   EXPECT_EQ(choice->precision, model::Precision::kFp32);
   EXPECT_THAT(choice->explanation, HasSubstr("cannot go through the int8 codec"));
+  // Every gradients-only codec refuses infinities too, on the WAN or inside a site.
+  for (const char* codec : {"topk:0.01", "int4", "int4+zstd", "sparse:0.02:2"}) {
+    for (bool wan : {true, false}) {
+      job.mutable_spec()->mutable_comm()->set_wan_codec(wan ? codec : "bf16");
+      job.mutable_spec()->mutable_comm()->set_lan_codec(wan ? "none" : codec);
+      job.mutable_spec()->mutable_train()->set_precision("fp16");
+      EXPECT_THAT(ChoosePrecision(job.spec(), *placed, workers).status().message(),
+                  HasSubstr(absl::StrCat("fp16 cannot train through the ", codec, " codec")))
+          << codec << (wan ? " on the WAN" : " inside a site");
+      job.mutable_spec()->mutable_train()->set_precision("auto");
+      choice = ChoosePrecision(job.spec(), *placed, workers);
+      ASSERT_TRUE(choice.ok()) << choice.status();
+      EXPECT_EQ(choice->precision, model::Precision::kFp32) << codec;
+    }
+  }
+  job.mutable_spec()->mutable_comm()->set_wan_codec("bf16");
+  job.mutable_spec()->mutable_comm()->set_lan_codec("none");
+  choice = ChoosePrecision(job.spec(), *placed, workers);
+  ASSERT_TRUE(choice.ok()) << choice.status();
+  EXPECT_EQ(choice->precision, model::Precision::kFp16);
   workers[0] = with_cc(workers[0], "V100", 70);
   EXPECT_THAT(ChoosePrecision(job.spec(), *placed, workers).status().message(),
               HasSubstr("site utah's V100 (7.0) is older than the oldest GPU geotrain's CUDA build runs"));

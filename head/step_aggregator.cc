@@ -63,13 +63,18 @@ constexpr size_t kMedianWindow = 101;
 
 double TokensPerSecond(const StepFigures& f) { return f.step_seconds() > 0 ? f.tokens() / f.step_seconds() : 0; }
 
-std::map<std::string, double> SiteTokens(const std::vector<ActorPlacement>& actors, int64_t tokens) {
+std::map<std::string, double> SiteTokens(const std::vector<ActorPlacement>& actors, int64_t tokens,
+                                         const std::map<int, int64_t>& replica_tokens) {
   std::map<int, int> actors_per_replica;
   for (const ActorPlacement& a : actors) ++actors_per_replica[a.actor.replica()];
   std::map<std::string, double> out;
   if (actors_per_replica.empty()) return out;
-  const double per_replica = static_cast<double>(tokens) / actors_per_replica.size();
-  for (const ActorPlacement& a : actors) out[a.site] += per_replica / actors_per_replica[a.actor.replica()];
+  const double even_share = static_cast<double>(tokens) / actors_per_replica.size();
+  for (const ActorPlacement& a : actors) {
+    const auto reported = replica_tokens.find(a.actor.replica());
+    const double of_replica = reported != replica_tokens.end() ? static_cast<double>(reported->second) : even_share;
+    out[a.site] += of_replica / actors_per_replica[a.actor.replica()];
+  }
   return out;
 }
 
@@ -93,6 +98,12 @@ double Median(std::deque<double> values) {
 
 // The step's line in the job's events.
 std::string StepLine(const StepFigures& f) {
+  // After the phases: a checkpoint's time, DiLoCo's outer sync and time-paced inner steps, and a slowed device.
+  std::string extra;
+  if (f.checkpoint_seconds() > 0) absl::StrAppend(&extra, absl::StrFormat(", checkpoint %.3f", f.checkpoint_seconds()));
+  if (f.outer_sync_seconds() > 0) absl::StrAppend(&extra, absl::StrFormat(", outer sync %.3f", f.outer_sync_seconds()));
+  if (f.inner_steps() > 1) absl::StrAppend(&extra, ", inner steps ", f.inner_steps());
+  if (f.slowdown() > 1) absl::StrAppend(&extra, absl::StrFormat(", EMULATED slowdown %gx", f.slowdown()));
   std::string wan;
   for (const auto& [pair, bytes] : f.wan_bytes_by_pair()) absl::StrAppend(&wan, " ", pair, " ", bytes);
   // Timed compute: the times are an emulated GPU's and there is no real loss; the line says so first.
@@ -100,9 +111,8 @@ std::string StepLine(const StepFigures& f) {
       f.timed_compute() ? "EMULATED (timed compute) loss n/a" : absl::StrFormat("loss %.6f", f.loss());
   return absl::StrFormat(
       "step %d %s %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s%s", f.step(),
-      loss, TokensPerSecond(f), f.step_seconds(), f.compute_seconds(), f.comm_wait_seconds(), f.bubble_seconds(),
-      f.checkpoint_seconds() > 0 ? absl::StrFormat(", checkpoint %.3f", f.checkpoint_seconds()) : "", f.wan_bytes(),
-      wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"),
+      loss, TokensPerSecond(f), f.step_seconds(), f.compute_seconds(), f.comm_wait_seconds(), f.bubble_seconds(), extra,
+      f.wan_bytes(), wan.empty() ? "" : absl::StrCat(" (", wan.substr(1), ")"),
       f.val_loss() >= 0 ? absl::StrFormat(" val_loss %.6f", f.val_loss()) : "");
 }
 
@@ -198,6 +208,9 @@ void AddFigures(const StepReport& report, StepAggregate& agg) {
   f.set_comm_wait_seconds(std::max(f.comm_wait_seconds(), r.comm_wait_seconds()));
   f.set_bubble_seconds(std::max(f.bubble_seconds(), r.bubble_seconds()));
   f.set_checkpoint_seconds(std::max(f.checkpoint_seconds(), r.checkpoint_seconds()));
+  f.set_outer_sync_seconds(std::max(f.outer_sync_seconds(), r.outer_sync_seconds()));
+  f.set_slowdown(std::max(f.slowdown(), r.slowdown()));
+  f.set_inner_steps(std::max(f.inner_steps(), r.inner_steps()));
   f.set_tokens(r.tokens());
   f.set_timed_compute(f.timed_compute() || r.timed_compute());
   // Every actor decides the same (its group's, with DiLoCo): the step counts as skipped if any skipped it.
@@ -226,12 +239,19 @@ std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& 
   // A report the reporter sent again (its reply was lost) is in already.
   if (!agg.reported.insert(report.actor_id()).second) return std::nullopt;
   // A report without figures comes from a worker of an older version: it counts for the step's completion only.
-  if (report.has_figures()) AddFigures(report, agg);
+  if (report.has_figures()) {
+    AddFigures(report, agg);
+    for (const ActorPlacement& a : run.actors) {
+      if (a.actor.actor_id() == report.actor_id() && report.figures().replica_tokens() > 0) {
+        agg.replica_tokens[a.actor.replica()] = report.figures().replica_tokens();
+      }
+    }
+  }
   if (agg.reported.size() != run.actors.size()) return std::nullopt;
   StepAggregate complete = std::move(agg);
   if (complete.figures.loss_scale() <= 0) complete.figures.set_loss_scale(1);  // none reported: not fp16
   complete.figures.set_tokens_per_second(TokensPerSecond(complete.figures));
-  complete.site_tokens = SiteTokens(run.actors, complete.figures.tokens());
+  complete.site_tokens = SiteTokens(run.actors, complete.figures.tokens(), complete.replica_tokens);
   run.steps.erase(report.step());
   run.last_step = std::max(run.last_step, report.step());
   return complete;

@@ -105,5 +105,30 @@ TEST(StepAggregatorTest, SeriesOfACompleteStepAndTheirRemoval) {
   std::filesystem::remove_all(dir);
 }
 
+// Time-paced DiLoCo: the faster group's replica trains three inner steps' tokens to the slower one's one; the site
+// split follows the replicas' reported tokens, and the step keeps the largest wait, slowdown and inner steps.
+TEST(StepAggregatorTest, SitesGetTheTokensTheirReplicasReport) {
+  JobRun run;
+  run.actors = {Actor("a0", 0, 0, "a"), Actor("b0", 1, 0, "b")};
+  StepReport fast = Report("a0", 5, 1, 0.9, 0.1), slow = Report("b0", 5, 1, 0.3, 0.7);
+  fast.mutable_figures()->set_tokens(1200);
+  fast.mutable_figures()->set_replica_tokens(900);
+  fast.mutable_figures()->set_inner_steps(3);
+  fast.mutable_figures()->set_outer_sync_seconds(0.05);
+  slow.mutable_figures()->set_tokens(1200);
+  slow.mutable_figures()->set_replica_tokens(300);
+  slow.mutable_figures()->set_inner_steps(1);
+  slow.mutable_figures()->set_slowdown(3);
+  slow.mutable_figures()->set_outer_sync_seconds(0.01);
+  EXPECT_FALSE(StepAggregator::Add(run, fast));
+  auto complete = StepAggregator::Add(run, slow);
+  ASSERT_TRUE(complete);
+  EXPECT_DOUBLE_EQ(complete->site_tokens["a"], 900);
+  EXPECT_DOUBLE_EQ(complete->site_tokens["b"], 300);
+  EXPECT_EQ(complete->figures.inner_steps(), 3);
+  EXPECT_DOUBLE_EQ(complete->figures.slowdown(), 3);
+  EXPECT_DOUBLE_EQ(complete->figures.outer_sync_seconds(), 0.05);
+}
+
 }  // namespace
 }  // namespace geotrain::head

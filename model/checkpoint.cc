@@ -306,12 +306,25 @@ absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& path, GPT2Stage
       return absl::DataLossError(absl::StrCat(step_dir, "/optimizer.safetensors: no valid 'step' in its metadata"));
     }
   }
+  // A DiLoCo group of its own (time-paced groups differ): its position and step, else group 0's.
+  const DataPositionRecord* position = &manifest.data_position();
+  if (auto it = manifest.group_optimizer_step().find(options.group); it != manifest.group_optimizer_step().end()) {
+    optimizer_step = it->second;
+  }
+  if (auto it = manifest.group_data_position().find(options.group); it != manifest.group_data_position().end()) {
+    position = &it->second;
+  }
+  if (optimizer_step < 0 || position->shard() < 0 || position->offset() < 0 || position->epoch() < 0) {
+    return absl::DataLossError(
+        absl::StrCat(step_dir, "/manifest.json: group ", options.group,
+                     "'s optimizer step or data position is negative; the checkpoint is damaged"));
+  }
   adam.set_step(optimizer_step);
   if (adam.loss_scaler().enabled()) RETURN_IF_ERROR(RestoreLossScale(moments.begin()->second, step_dir, adam));
   info.step = manifest.step();
-  info.data_position.shard = manifest.data_position().shard();
-  info.data_position.offset = manifest.data_position().offset();
-  info.data_position.epoch = manifest.data_position().epoch();
+  info.data_position.shard = position->shard();
+  info.data_position.offset = position->offset();
+  info.data_position.epoch = position->epoch();
   return info;
 }
 

@@ -2,6 +2,7 @@
 #include "model/diloco.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace geotrain::model {
 
@@ -31,6 +32,31 @@ std::vector<int> DilocoSchedule::BlockingAfter(int64_t step) const {
   }
   if (overlapped()) return {};
   return DueAfter(step);
+}
+
+int DilocoSchedule::PeriodLength(int64_t step) const {
+  const int64_t start = PeriodStart(step);
+  return static_cast<int>(std::min<int64_t>(inner_steps, total_steps - start + 1));
+}
+
+std::vector<int> PlanPacedPeriod(const std::vector<double>& step_seconds, int period_steps, int max_factor) {
+  std::vector<int> out(step_seconds.size(), period_steps);
+  double slowest = 0;
+  for (double t : step_seconds) {
+    if (!(t > 0) || !std::isfinite(t)) return out;
+    slowest = std::max(slowest, t);
+  }
+  for (size_t g = 0; g < step_seconds.size(); ++g) {
+    const double fit = std::floor(period_steps * slowest / step_seconds[g]);
+    out[g] = static_cast<int>(
+        std::clamp(fit, static_cast<double>(period_steps), static_cast<double>(period_steps) * max_factor));
+  }
+  return out;
+}
+
+int PacedInnerSteps(int inner, int period_steps, int j) {
+  const int64_t n = inner, l = std::max(1, period_steps);
+  return static_cast<int>((j + 1) * n / l - j * n / l);
 }
 
 std::vector<int> DilocoGroups(const std::vector<std::string>& replica_sites) {

@@ -52,7 +52,22 @@ struct DilocoSchedule {
   // syncs at its end (after those are applied).
   std::vector<int> StartAtBeginning(int64_t step) const;
   std::vector<int> BlockingAfter(int64_t step) const;
+  // With one fragment, the outer period that holds `step`: its first step, and its length (inner_steps; the last
+  // period ends at total_steps).
+  int64_t PeriodStart(int64_t step) const { return (step - 1) / inner_steps * inner_steps + 1; }
+  int PeriodLength(int64_t step) const;
 };
+
+// diloco.sync time (sites of unequal speed). Outer periods are counted in the job's steps (inner_steps each, as with
+// count pacing); in a period of `period_steps` steps a group takes as many inner steps as fit in the time the
+// slowest group takes for period_steps, from the groups' median inner-step seconds measured over the previous period:
+// the slowest takes period_steps, a group k times as fast floor(k period_steps) (rounded down, so that it never
+// makes the slowest wait), at most max_factor times period_steps. Every group takes period_steps when a time is
+// unknown (<= 0 or not finite: the first period, or one resumed from a checkpoint).
+std::vector<int> PlanPacedPeriod(const std::vector<double>& step_seconds, int period_steps, int max_factor = 8);
+// The inner steps a group that takes `inner` over a period of `period_steps` steps takes in the period's step `j`
+// (0-based): spread evenly, each at least one when inner >= period_steps; over the period they sum to `inner`.
+int PacedInnerSteps(int inner, int period_steps, int j);
 
 // The DiLoCo group of each replica, from the site each replica trains in (the site of its first stage): the
 // replicas of one site form a group; groups are numbered in the order of their lowest replica.

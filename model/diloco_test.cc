@@ -28,6 +28,38 @@ TEST(DilocoScheduleTest, OneFragmentSyncsBlockingEveryInnerStepsAndAtTheEnd) {
   EXPECT_EQ(sync_steps, (std::vector<int64_t>{4, 8, 10}));
 }
 
+TEST(DilocoScheduleTest, PeriodsOfOneFragmentEndAtTheSyncs) {
+  const DilocoSchedule s{.inner_steps = 4, .fragments = 1, .total_steps = 10};
+  for (int64_t step = 1; step <= 10; ++step) {
+    const int64_t start = s.PeriodStart(step);
+    const int64_t end = start + s.PeriodLength(step) - 1;
+    EXPECT_LE(start, step);
+    EXPECT_GE(end, step);
+    EXPECT_FALSE(s.BlockingAfter(end).empty()) << step;  // the period ends where the outer step is
+    for (int64_t inside = start; inside < end; ++inside) EXPECT_TRUE(s.BlockingAfter(inside).empty()) << inside;
+  }
+  EXPECT_EQ(s.PeriodLength(9), 2);  // the last period is cut at total_steps
+}
+
+TEST(DilocoPacingTest, AGroupTwiceAsFastTakesTwiceTheInnerStepsSpreadOverThePeriod) {
+  EXPECT_EQ(PlanPacedPeriod({0.2, 0.1}, 8), (std::vector<int>{8, 16}));
+  // Rounded down: a group 1.9x as fast takes 15, not 16, so that the slowest never waits for it.
+  EXPECT_EQ(PlanPacedPeriod({0.19, 0.1}, 8), (std::vector<int>{8, 15}));
+  EXPECT_EQ(PlanPacedPeriod({1.0, 0.01}, 4), (std::vector<int>{4, 32}));  // at most 8x
+  EXPECT_EQ(PlanPacedPeriod({0.2, 0.0}, 8), (std::vector<int>{8, 8}));    // a time unknown: count pacing
+  EXPECT_EQ(PlanPacedPeriod({0.2, NAN}, 8), (std::vector<int>{8, 8}));
+  for (int inner : {8, 11, 15, 16, 64}) {
+    int sum = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int k = PacedInnerSteps(inner, 8, j);
+      EXPECT_GE(k, inner / 8);
+      EXPECT_LE(k, inner / 8 + 1);
+      sum += k;
+    }
+    EXPECT_EQ(sum, inner);
+  }
+}
+
 TEST(DilocoScheduleTest, FragmentsTakeTurnsAndOverlapTheNextStep) {
   const DilocoSchedule s{.inner_steps = 4, .fragments = 2, .total_steps = 12};
   EXPECT_EQ(s.Offset(0), 2);
@@ -51,20 +83,22 @@ TEST(TrainScheduleTest, TheInnerLearningRateScaleAppliesOnlyWithDiloco) {
   t->set_min_lr(1e-4);
   t->set_warmup_steps(2);
   t->set_steps(20);
-  EXPECT_EQ(TrainSchedule(spec).scale, 1.0);
+  EXPECT_EQ(TrainSchedule(spec, 2).scale, 1.0);
   spec.mutable_diloco()->set_inner_steps(4);
-  EXPECT_EQ(TrainSchedule(spec).scale, 1.0);  // absent: 1
+  EXPECT_EQ(TrainSchedule(spec, 2).scale, std::sqrt(2.0));  // absent: sqrt of the groups
+  EXPECT_EQ(TrainSchedule(spec, 4).scale, 2.0);
+  EXPECT_EQ(TrainSchedule(spec, 1).scale, 1.0);
   spec.mutable_diloco()->set_inner_lr_scale(1.5);
-  const LearningRateSchedule on = TrainSchedule(spec);
+  const LearningRateSchedule on = TrainSchedule(spec, 2);
   EXPECT_EQ(on.scale, 1.5);
   EXPECT_EQ(on.max_lr, 1e-3);
   EXPECT_EQ(on.min_lr, 1e-4);
   EXPECT_EQ(on.warmup_steps, 2);
   EXPECT_EQ(on.total_steps, 20);
   spec.mutable_parallel()->set_sync("sync");
-  EXPECT_EQ(TrainSchedule(spec).scale, 1.0);
+  EXPECT_EQ(TrainSchedule(spec, 2).scale, 1.0);
   spec.mutable_parallel()->set_sync("diloco");
-  EXPECT_EQ(TrainSchedule(spec).scale, 1.5);
+  EXPECT_EQ(TrainSchedule(spec, 2).scale, 1.5);
 }
 
 TEST(DilocoGroupsTest, ReplicasOfOneSiteShareAGroupNumberedByFirstReplica) {

@@ -16,7 +16,8 @@
 // Memory: Allocate hands out address space of the requested size backed by one small shared window of
 // physical memory (every allocation maps the same pages over and over), so that a GPT-2 large stage, its
 // gradients and its optimizer take a few MB. The contents are zeros, and stay zeros because no op writes:
-// the only writers are the runtime's communication (receives, all-reduces), which sums and moves zeros.
+// the only writers are the runtime's communication (receives, all-reduces), which sums and moves zeros, and
+// DiLoCo's outer step (model/diloco.h OuterOptimizer::Apply), which writes back the zeros it started from.
 // Anything that would write real values into backend memory (loading weights, InitializeWeights) must not
 // be used with this backend (a timed stage has no real weights; checkpoints of a timed job are refused).
 // CopyToDevice and CopyOnDevice copy nothing (time only); CopyToHost writes zeros. Sum and SumSquares return 0:

@@ -37,13 +37,13 @@ struct Group {
 
 }  // namespace
 
-LearningRateSchedule TrainSchedule(const JobSpec& spec) {
+LearningRateSchedule TrainSchedule(const JobSpec& spec, int diloco_groups) {
   const TrainSpec& t = spec.train();
   return {.max_lr = t.lr(),
           .min_lr = t.min_lr(),
           .warmup_steps = t.warmup_steps(),
           .total_steps = t.steps(),
-          .scale = DilocoOn(spec) ? EffectiveDiloco(spec).inner_lr_scale() : 1.0};
+          .scale = DilocoInnerLrScale(spec, diloco_groups)};
 }
 
 absl::StatusOr<Precision> SpecPrecision(const JobSpec& spec) {
@@ -166,6 +166,11 @@ absl::Status BuildGroups(const JobSpec& spec, LocalRun* run) {
   run->outer_schedule = {
       .inner_steps = d.inner_steps(), .fragments = d.fragments(), .total_steps = spec.train().steps()};
   if (run->diloco) {
+    if (d.sync() == "time") {
+      return absl::FailedPreconditionError(
+          "diloco.sync time paces the groups by the wall time their sites take, which one process cannot simulate; "
+          "run the job on a cluster, or simulate it here with sync steps");
+    }
     if (d.fragments() > run->config.n_layer) {
       return absl::InvalidArgumentError(absl::StrCat("diloco.fragments ", d.fragments(), " exceeds the model's ",
                                                      run->config.n_layer,
@@ -176,7 +181,7 @@ absl::Status BuildGroups(const JobSpec& spec, LocalRun* run) {
         OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
     run->outer->Initialize(model.params());
   }
-  run->schedule = TrainSchedule(spec);
+  run->schedule = TrainSchedule(spec, run->num_groups);
   return absl::OkStatus();
 }
 
@@ -246,7 +251,7 @@ void PrintRunSummary(const JobSpec& spec, const LocalTrainOptions& options, cons
                  "DiLoCo simulated: %d replicas in %d groups; outer step every %d steps (lr %g, momentum %g%s) in %d "
                  "fragment(s); inner lr x %g (at most train.lr); pseudo-gradients %s\n",
                  run.dp, run.num_groups, d.inner_steps(), d.outer_lr(), d.outer_momentum(),
-                 d.nesterov() ? ", Nesterov" : "", d.fragments(), d.inner_lr_scale(),
+                 d.nesterov() ? ", Nesterov" : "", d.fragments(), run.schedule.scale,
                  run.round_outer ? absl::StrCat("rounded by ", d.codec(), " as the cluster sends them").c_str()
                                  : "averaged exactly");
   }

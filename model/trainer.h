@@ -28,9 +28,9 @@
 
 namespace geotrain::model {
 
-// The AdamW learning rate schedule of a job's (inner) steps: train's, times diloco.inner_lr_scale with DiLoCo.
-// `train --local` and the cluster's stages take it from here.
-LearningRateSchedule TrainSchedule(const JobSpec& spec);
+// The AdamW learning rate schedule of a job's (inner) steps: train's, times the inner scale with DiLoCo over
+// `diloco_groups` groups (DilocoInnerLrScale). `train --local` and the cluster's stages take it from here.
+LearningRateSchedule TrainSchedule(const JobSpec& spec, int diloco_groups);
 
 // The precision a spec trains in: train.precision, with auto (or unset) as fp32. The head resolves auto by the
 // job's devices before its actors start (head/precision.h) and hands them the resolved spec; `train --local` runs

@@ -33,6 +33,69 @@ std::set<int> ReplicaSites(const Cluster& cluster, const Plan& plan) {
 
 std::string Shape(const Plan& plan) { return absl::StrFormat("dp %d x pp %d x tp %d", plan.dp, plan.pp, plan.tp); }
 
+// The site of each of the plan's replicas (each inside one site: ReplicaSites is not empty).
+int SiteOfReplica(const Cluster& cluster, const Plan& plan, int replica) {
+  return cluster.devices[plan.devices[replica].front().front()].site;
+}
+
+// Each site group's inner step alone, `sites` in order: its replicas of `plan` simulated on the free cluster;
+// and each group's sequences per inner step.
+absl::Status SimulateGroups(const Cluster& free, const ModelCosts& model, const JobOptions& job, const Plan& plan,
+                            const std::set<int>& sites, std::vector<double>* step_s, std::vector<double>* sequences) {
+  for (int site : sites) {
+    Plan group = plan;
+    group.devices.clear();
+    group.microbatches.clear();
+    for (int r = 0; r < plan.dp; ++r) {
+      if (SiteOfReplica(free, plan, r) != site) continue;
+      group.devices.push_back(plan.devices[r]);
+      group.microbatches.push_back(plan.microbatches[r]);
+    }
+    group.dp = static_cast<int>(group.devices.size());
+    JobOptions group_job = job;
+    group_job.global_batch = 0;
+    for (int m : group.microbatches) group_job.global_batch += m * plan.microbatch_size;
+    ASSIGN_OR_RETURN(const Prediction p, Simulate(free, model, group_job, group));
+    step_s->push_back(p.step_time_s);
+    sequences->push_back(group_job.global_batch);
+  }
+  return absl::OkStatus();
+}
+
+// diloco.sync time over count pacing: the sequences a period trains when each group takes floor(k H) inner steps
+// (k: how many times as fast as the slowest it is, at most 8), over H times every group's.
+double TimePacedGain(const std::vector<double>& step_s, const std::vector<double>& sequences, int H) {
+  const double slowest = *std::max_element(step_s.begin(), step_s.end());
+  double paced = 0, counted = 0;
+  for (size_t g = 0; g < step_s.size(); ++g) {
+    if (!(step_s[g] > 0)) return 1;
+    paced += std::clamp(std::floor(H * slowest / step_s[g]), 1.0 * H, 8.0 * H) * sequences[g];
+    counted += H * sequences[g];
+  }
+  return counted > 0 ? paced / counted : 1;
+}
+
+// The other pseudo-gradient codecs, with the bytes and step time each would give (one line, for the explanation).
+std::string CodecOffers(const Codec& chosen, double raw, int S, const LinkSpec& slowest, double inner_step_s, int H,
+                        int F) {
+  std::string out;
+  for (const char* name : {"int8", "int4", "sparse:0.02:2"}) {
+    absl::StatusOr<Codec> codec = ParseCodec(name);
+    if (!codec.ok() || codec->name == chosen.name) continue;
+    const double codec_s = codec->throughput_bytes_per_s > 0 ? 2 * raw / codec->throughput_bytes_per_s : 0;
+    const double exchange_s = RingAllReduceSeconds(raw * codec->ratio, S, slowest) + codec_s;
+    const double fragment_s = RingAllReduceSeconds(raw * codec->ratio / F, S, slowest) + codec_s / F;
+    const double exposed = F == 1 ? exchange_s : F * std::max(0.0, fragment_s - inner_step_s);
+    absl::StrAppend(&out, out.empty() ? "" : "; ",
+                    absl::StrFormat("%s %.3f s per step, %.2f MB across sites per step", codec->name,
+                                    inner_step_s + exposed / H, 2.0 * (S - 1) * raw * codec->ratio / H / 1e6));
+  }
+  return absl::StrCat(
+      "other codecs for the pseudo-gradients (diloco.codec; their loss cost is measured in "
+      "docs/diloco.md, not predicted): ",
+      out);
+}
+
 }  // namespace
 
 absl::StatusOr<DilocoChoice> ChooseSyncOrDiloco(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
@@ -68,6 +131,7 @@ absl::StatusOr<DilocoChoice> ChooseSyncOrDiloco(const Cluster& cluster, const Mo
     break;  // ranked fastest first
   }
   const int H = std::max(1, diloco.inner_steps()), F = std::max(1, diloco.fragments());
+  std::string codec_offers;
   if (best == nullptr) {
     choice.why_not = "no plan keeps each replica inside one site with replicas in two sites or more";
   } else {
@@ -96,7 +160,13 @@ absl::StatusOr<DilocoChoice> ChooseSyncOrDiloco(const Cluster& cluster, const Mo
         F == 1 ? choice.outer_exchange_s : F * std::max(0.0, fragment_s - choice.inner_step_s);
     choice.diloco_step_s = choice.inner_step_s + exposed_per_sync / H;
     choice.diloco_wan_bytes_per_step = 2.0 * (S - 1) * raw * codec.ratio / H;
-    choice.diloco_chosen = choice.diloco_step_s < choice.sync_step_s;
+    std::vector<double> sequences;
+    RETURN_IF_ERROR(SimulateGroups(free, model, job, best->plan, best_sites, &choice.group_step_s, &sequences));
+    choice.time_paced_gain = TimePacedGain(choice.group_step_s, sequences, H);
+    choice.time_paced = diloco.sync() == "time";
+    choice.diloco_batch_s = choice.time_paced ? choice.diloco_step_s / choice.time_paced_gain : choice.diloco_step_s;
+    choice.diloco_chosen = choice.diloco_batch_s < choice.sync_step_s;
+    codec_offers = CodecOffers(codec, raw, S, slowest, choice.inner_step_s, H, F);
   }
 
   const Prediction& s = choice.sync.prediction;
@@ -112,13 +182,29 @@ absl::StatusOr<DilocoChoice> ChooseSyncOrDiloco(const Cluster& cluster, const Mo
         H, codec.name, F, F == 1 ? "" : "s", Shape(choice.diloco.plan), choice.diloco_sites, choice.inner_step_s,
         choice.outer_exchange_s, H, F == 1 ? "" : " (overlapped with the next step)", choice.diloco_step_s,
         choice.diloco_wan_bytes_per_step / 1e6));
+    std::string groups;
+    for (double t : choice.group_step_s)
+      absl::StrAppend(&groups, groups.empty() ? "" : ", ", absl::StrFormat("%.3f", t));
+    if (choice.time_paced) {
+      choice.explanation.push_back(absl::StrFormat(
+          "paced by time (diloco.sync time): the sites' inner steps take %s s alone; the faster take more of them per "
+          "outer step: %.2fx the tokens per second of count pacing, %.3f s per global batch of tokens",
+          groups, choice.time_paced_gain, choice.diloco_batch_s));
+    } else if (choice.time_paced_gain >= 1.05 && F == 1) {  // time pacing takes one fragment
+      choice.explanation.push_back(absl::StrFormat(
+          "the sites differ in speed (inner steps of %s s alone): diloco.sync time would let the faster take more "
+          "inner steps per outer step, %.2fx the tokens per second",
+          groups, choice.time_paced_gain));
+    }
+    choice.explanation.push_back(codec_offers);
     choice.explanation.push_back(
         choice.diloco_chosen
-            ? absl::StrFormat("chose DiLoCo: %.2fx shorter steps, %.0fx fewer bytes across sites",
-                              choice.sync_step_s / choice.diloco_step_s,
+            ? absl::StrFormat("chose DiLoCo: %.2fx shorter steps%s, %.0fx fewer bytes across sites",
+                              choice.sync_step_s / choice.diloco_batch_s,
+                              choice.time_paced ? " (per global batch of tokens)" : "",
                               choice.sync_wan_bytes_per_step / std::max(1.0, choice.diloco_wan_bytes_per_step))
             : absl::StrFormat("chose synchronous training: DiLoCo's steps would be %.2fx as long",
-                              choice.diloco_step_s / choice.sync_step_s));
+                              choice.diloco_batch_s / choice.sync_step_s));
   }
   return choice;
 }

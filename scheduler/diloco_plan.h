@@ -14,6 +14,14 @@
 // 1/F of the parameters runs beside the next inner step, and only what outlasts that step shows.
 //   step = inner step + exposed outer exchange time / inner_steps
 //   WAN bytes per step = 2 (S - 1) x parameters x 4 x codec ratio / inner_steps     (S sites)
+// Sites of unequal speed: each site's group is simulated alone (its replicas on the free cluster). Count pacing
+// steps at the slowest group's inner step; with diloco.sync time a group k times as fast takes floor(k H) inner
+// steps per outer period (model/diloco.h PlanPacedPeriod), so a period trains sum_g n_g B_g sequences, not H B
+// (B_g: group g's sequences per inner step). The gain is their ratio; with sync time a job step trains that many
+// times the tokens, so the choice compares the time per global batch of tokens (step / gain) with the synchronous
+// plan's step, while the prediction of the job's step (what the head compares with the measured) stays the step. The explanation offers time
+// pacing when it would gain 5% or more, and the other pseudo-gradient codecs (int8, int4, sparse) with their bytes
+// and step time (their loss cost is measured, not predicted: docs/diloco.md).
 // Thread safety: pure functions.
 #pragma once
 
@@ -40,6 +48,10 @@ struct DilocoChoice {
   double outer_exchange_s = 0;  // one exchange of every parameter across the sites
   double diloco_step_s = 0;     // inner step + exposed exchange time / inner_steps
   double diloco_wan_bytes_per_step = 0;
+  std::vector<double> group_step_s;      // each site group's inner step alone, in the order of the sites' indices
+  double time_paced_gain = 1;            // tokens per second with diloco.sync time over count pacing
+  bool time_paced = false;               // the block's sync is time
+  double diloco_batch_s = 0;             // per global batch of tokens: diloco_step_s, or with sync time over the gain
   std::vector<std::string> explanation;  // both predictions and the choice
 };
 

@@ -6,6 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "common/spec.h"
 #include "spec.pb.h"
 
@@ -14,7 +17,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-Cluster TwoSites(double latency_ms, double mbps, int per_site = 2) {
+// Two sites of `per_site` A30s; site b's declared `b_tflops` (0: the A30's).
+Cluster TwoSites(double latency_ms, double mbps, int per_site = 2, double b_tflops = 0) {
   Topology t;
   for (const char* name : {"a", "b"}) {
     TopologySite* site = t.add_sites();
@@ -22,6 +26,7 @@ Cluster TwoSites(double latency_ms, double mbps, int per_site = 2) {
     TopologyWorker* w = site->add_workers();
     w->set_device("A30");
     w->set_count(per_site);
+    if (std::string(name) == "b" && b_tflops > 0) w->set_tflops(b_tflops);
   }
   TopologyLink* link = t.add_links();
   link->set_a("a");
@@ -76,10 +81,40 @@ TEST(DilocoPlanTest, SlowLinkBetweenSitesChoosesDilocoAndSaysWhy) {
   // Its plan uses both sites (more devices than the synchronous plan that stays in one).
   EXPECT_GE(c.diloco.plan.dp, 2);
   EXPECT_EQ(c.sync_step_s, p.sync.ranked.front().prediction.step_time_s);
-  ASSERT_EQ(c.explanation.size(), 3u);
+  ASSERT_EQ(c.explanation.size(), 4u);  // equal sites: no word on time pacing
   EXPECT_THAT(c.explanation[0], HasSubstr("synchronous"));
   EXPECT_THAT(c.explanation[1], HasSubstr("inner_steps 32, codec int8"));
-  EXPECT_THAT(c.explanation[2], HasSubstr("chose DiLoCo"));
+  EXPECT_THAT(c.explanation[2], HasSubstr("other codecs for the pseudo-gradients"));
+  EXPECT_THAT(c.explanation[2], HasSubstr("int4"));
+  EXPECT_THAT(c.explanation[2], HasSubstr("sparse:0.02:2"));
+  EXPECT_THAT(c.explanation[3], HasSubstr("chose DiLoCo"));
+  ASSERT_EQ(c.group_step_s.size(), 2u);
+  EXPECT_NEAR(c.group_step_s[0], c.group_step_s[1], 1e-9);
+  EXPECT_DOUBLE_EQ(c.time_paced_gain, 1);
+}
+
+// Site b's GPUs half as fast (the same device with half the TFLOP/s): count pacing waits for b at every outer step;
+// time pacing lets a take about twice the inner steps, and the planner says so, and with sync time predicts the
+// shorter time per global batch.
+TEST(DilocoPlanTest, SitesOfUnequalSpeedAreOfferedTimePacing) {
+  const Cluster cluster = TwoSites(100, 1000, 2, /*b_tflops=*/20);  // well under an A30's
+  const DilocoChoice counted = Plan(cluster, Block(32, "int8")).choice;
+  ASSERT_TRUE(counted.diloco_possible) << counted.why_not;
+  ASSERT_EQ(counted.group_step_s.size(), 2u);
+  EXPECT_LT(counted.group_step_s[0], counted.group_step_s[1]);
+  // Equal groups: a takes floor(32 k) inner steps per outer step where b takes 32 (k: how much faster a is).
+  const double k = counted.group_step_s[1] / counted.group_step_s[0];
+  EXPECT_GT(k, 1.5);
+  EXPECT_NEAR(counted.time_paced_gain, (std::min(std::floor(32 * k), 256.0) + 32) / 64, 1e-9);
+  EXPECT_THAT(counted.explanation[2], HasSubstr("diloco.sync time would let the faster"));
+  DilocoSpec block = Block(32, "int8");
+  block.set_sync("time");
+  const DilocoChoice paced = Plan(cluster, block).choice;
+  EXPECT_TRUE(paced.time_paced);
+  EXPECT_DOUBLE_EQ(paced.diloco_step_s, counted.diloco_step_s);  // a job step: the measured step's prediction
+  EXPECT_NEAR(paced.diloco_batch_s, counted.diloco_step_s / counted.time_paced_gain, 1e-9);
+  EXPECT_DOUBLE_EQ(counted.diloco_batch_s, counted.diloco_step_s);
+  EXPECT_THAT(paced.explanation[2], HasSubstr("paced by time"));
 }
 
 TEST(DilocoPlanTest, FastLinkKeepsSynchronousTraining) {

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -23,18 +24,6 @@ namespace {
 using internal::Better;
 using internal::kInf;
 using internal::TotalMicrobatches;
-
-std::string best_subset_name(const std::map<std::string, double>& subset_best) {
-  std::string name;
-  double t = kInf;
-  for (const auto& [n, time] : subset_best) {
-    if (time < t) {
-      t = time;
-      name = n;
-    }
-  }
-  return name;
-}
 
 // PlanJob's checks of its inputs; errors name what is wrong.
 absl::Status CheckPlanInputs(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
@@ -57,63 +46,48 @@ absl::Status CheckPlanInputs(const Cluster& cluster, const ModelCosts& model, co
   return absl::OkStatus();
 }
 
-// The device subsets PlanJob searches, in its order, and the best step time found on each. Each phase below is one
-// family of subsets; later phases start from what the earlier ones found. It refers to its arguments, which must
-// outlive it, and is used by one thread.
-class SubsetSearch {
- public:
-  SubsetSearch(const Cluster& cluster, const PlannerOptions& options, internal::Search* search)
-      : cluster_(cluster), options_(options), search_(*search), all_(cluster.devices.size()) {
-    std::iota(all_.begin(), all_.end(), 0);
-    site_devices_.resize(cluster.num_sites());
-    for (int d : all_) site_devices_[cluster.devices[d].site].push_back(d);
-  }
+}  // namespace
 
-  // Single sites first: they are cheap and give a good step time early, which prunes the larger
-  // searches. Then all devices.
-  void SingleSitesThenAll();
-  // Grow from the best single site, adding next the site with the best link to the set (the set's
-  // slowest link to it), at sizes 2, 4, 8, ... sites.
-  void GrowFromBestSite();
-  // Greedily without one more site, from the best subset so far (a few rounds).
-  void WithoutSites();
-  // Without the slowest device types (cumulatively), on all devices and on the best subset.
-  void WithoutSlowestDeviceTypes();
+namespace internal {
 
-  // The best step time of each subset searched, by name.
-  const std::map<std::string, double>& subset_best() const { return subset_best_; }
+SubsetSearch::SubsetSearch(const Cluster& cluster, const PlannerOptions& options, Search* search)
+    : cluster_(cluster), options_(options), search_(*search), all_(cluster.devices.size()) {
+  std::iota(all_.begin(), all_.end(), 0);
+  site_devices_.resize(cluster.num_sites());
+  for (int d : all_) site_devices_[cluster.devices[d].site].push_back(d);
+}
 
- private:
-  // Searches `devices` under `name`, once per name; a subset without a required site has no plan for the job.
-  void Evaluate(const std::vector<int>& devices, const std::string& name);
-  // Whether a subset can still beat the best plan found: its compute alone is faster.
-  bool Worth(const std::vector<int>& devices) const {
-    return !devices.empty() && search_.ComputeBound(devices) < search_.best_time();
-  }
-
-  const Cluster& cluster_;
-  const PlannerOptions& options_;
-  internal::Search& search_;
-  std::vector<int> all_;
-  std::vector<std::vector<int>> site_devices_;
-  std::map<std::string, double> subset_best_;
-  std::map<std::string, std::vector<int>> subset_devices_;
-};
-
-void SubsetSearch::Evaluate(const std::vector<int>& devices, const std::string& name) {
-  if (devices.empty() || subset_best_.count(name)) return;
+std::optional<double> SubsetSearch::Evaluate(const std::vector<int>& devices, const std::string& name) {
+  if (devices.empty()) return std::nullopt;
+  if (auto searched = subset_best_.find(name); searched != subset_best_.end()) return searched->second;
   for (int site : options_.required_sites) {  // a subset without a required site has no plan for the job
-    if (std::none_of(devices.begin(), devices.end(), [&](int d) { return cluster_.devices[d].site == site; })) return;
+    if (std::none_of(devices.begin(), devices.end(), [&](int d) { return cluster_.devices[d].site == site; })) {
+      return std::nullopt;
+    }
   }
   subset_devices_[name] = devices;
   const int64_t before = search_.simulated();
   const auto t0 = std::chrono::steady_clock::now();
-  subset_best_[name] = search_.Run(devices, name);
+  const double best = search_.Run(devices, name);
+  subset_best_[name] = best;
   if (std::getenv("GEOTRAIN_PLAN_DEBUG") != nullptr) {
     std::fprintf(stderr, "subset %s: %zu devices, best %.3f s, %lld simulated, %.3f s\n", name.c_str(), devices.size(),
-                 subset_best_[name], static_cast<long long>(search_.simulated() - before),
+                 best, static_cast<long long>(search_.simulated() - before),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  return best;
+}
+
+const std::string* SubsetSearch::BestSubset() const {
+  const std::string* name = nullptr;
+  double time = kInf;
+  for (const auto& [n, t] : subset_best_) {
+    if (t < time) {
+      time = t;
+      name = &n;
+    }
+  }
+  return name;
 }
 
 void SubsetSearch::SingleSitesThenAll() {
@@ -172,10 +146,11 @@ void SubsetSearch::GrowFromBestSite() {
 
 void SubsetSearch::WithoutSites() {
   for (int round = 0; round < 3; ++round) {
-    const std::string current = best_subset_name(subset_best_);
-    if (current.empty()) break;
-    const double current_time = subset_best_[current];
-    const std::vector<int> base = subset_devices_[current];
+    const std::string* best = BestSubset();
+    if (best == nullptr) break;
+    const std::string current = *best;  // the subset's name
+    const double current_time = subset_best_.at(current);
+    const std::vector<int> base = subset_devices_.at(current);  // Evaluate sets both maps together
     std::set<int> sites;
     for (int d : base) sites.insert(cluster_.devices[d].site);
     if (sites.size() < 2 || sites.size() > 8) break;
@@ -187,8 +162,9 @@ void SubsetSearch::WithoutSites() {
       }
       if (!Worth(kept)) continue;
       const std::string name = absl::StrCat(current, " without site ", cluster_.site_names[site]);
-      Evaluate(kept, name);
-      improved = improved || subset_best_[name] < current_time * (1 - 1e-9);
+      // Not searched (it lacks a required site): neither an improvement nor a subset to go on from.
+      const std::optional<double> time = Evaluate(kept, name);
+      improved = improved || (time.has_value() && *time < current_time * (1 - 1e-9));
     }
     if (!improved) break;
   }
@@ -196,9 +172,11 @@ void SubsetSearch::WithoutSites() {
 
 void SubsetSearch::WithoutSlowestDeviceTypes() {
   std::vector<std::string> bases = {"all devices"};
-  if (const std::string best = best_subset_name(subset_best_); best != "all devices") bases.push_back(best);
+  if (const std::string* best = BestSubset(); best != nullptr && *best != "all devices") bases.push_back(*best);
   for (const std::string& base_name : bases) {
-    const std::vector<int> base = subset_devices_[base_name];
+    auto searched = subset_devices_.find(base_name);
+    if (searched == subset_devices_.end()) continue;  // never searched (no devices): nothing to leave out
+    const std::vector<int> base = searched->second;
     std::map<double, std::set<std::string>> by_speed;
     for (int d : base) by_speed[search_.EffectiveFlops(d)].insert(cluster_.devices[d].name);
     std::vector<std::string> dropped;
@@ -214,6 +192,10 @@ void SubsetSearch::WithoutSlowestDeviceTypes() {
     }
   }
 }
+
+}  // namespace internal
+
+namespace {
 
 // The search's candidates ranked into result->ranked (fastest first, one per shape on the same devices) and its
 // shapes that never fit into result->rejected (closest to fitting first).
@@ -256,7 +238,7 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
   const auto started = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(CheckPlanInputs(cluster, model, job, options));
   internal::Search search(cluster, model, job, options);
-  SubsetSearch subsets(cluster, options, &search);
+  internal::SubsetSearch subsets(cluster, options, &search);
   subsets.SingleSitesThenAll();
   if (options.search_subsets && cluster.num_sites() > 1) {
     subsets.GrowFromBestSite();

@@ -1,15 +1,17 @@
-// Internal to the planner's files (planner.cc, planner_search.cc, planner_explain.cc, planner_output.cc): the
-// search over one device subset, the ranking rule, and the explanation. Callers use planner.h.
+// Internal to the planner's files (planner.cc, planner_search.cc, planner_explain.cc, planner_output.cc) and its
+// tests: the search over one device subset, the choice of subsets, the ranking rule, and the explanation. Callers use
+// planner.h.
 //
-// planner.cc runs PlanJob: it picks the device subsets, calls Search::Run on each, ranks the candidates and
-// asks Explain for the winner's lines. planner_search.cc searches the shapes of one subset. planner_output.cc
-// turns a result into the manual form, JSON and text.
+// planner.cc runs PlanJob: it picks the device subsets (SubsetSearch), calls Search::Run on each, ranks the
+// candidates and asks Explain for the winner's lines. planner_search.cc searches the shapes of one subset.
+// planner_output.cc turns a result into the manual form, JSON and text.
 // Thread safety: a Search is used by one thread (one PlanJob call); the free functions are pure.
 #pragma once
 
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -143,6 +145,48 @@ class Search {
   std::map<Key, PlanCandidate> unsliced_;  // shapes with no feasible slicing yet, during one Run
   double best_time_ = kInf;
   int64_t simulated_ = 0;
+};
+
+// The device subsets PlanJob searches, in its order, and the best step time found on each (planner.cc). Each phase
+// below is one family of subsets; later phases start from what the earlier ones found. It refers to its arguments,
+// which must outlive it, and is used by one thread.
+class SubsetSearch {
+ public:
+  SubsetSearch(const Cluster& cluster, const PlannerOptions& options, Search* search);
+
+  // Single sites first: they are cheap and give a good step time early, which prunes the larger
+  // searches. Then all devices.
+  void SingleSitesThenAll();
+  // Grow from the best single site, adding next the site with the best link to the set (the set's
+  // slowest link to it), at sizes 2, 4, 8, ... sites.
+  void GrowFromBestSite();
+  // Greedily without one more site, from the best subset so far (a few rounds).
+  void WithoutSites();
+  // Without the slowest device types (cumulatively), on all devices and on the best subset.
+  void WithoutSlowestDeviceTypes();
+
+  // The best step time of each subset searched, by name (kInf where no plan fits). A subset that was not searched
+  // (empty, or without a required site) has no entry.
+  const std::map<std::string, double>& subset_best() const { return subset_best_; }
+
+ private:
+  // Searches `devices` under `name`, once per name, and returns its best step time; nullopt, with nothing recorded,
+  // for a subset that is empty or lacks a required site (it has no plan for the job).
+  std::optional<double> Evaluate(const std::vector<int>& devices, const std::string& name);
+  // The searched subset with the fastest plan; null when none has a plan.
+  const std::string* BestSubset() const;
+  // Whether a subset can still beat the best plan found: its compute alone is faster.
+  bool Worth(const std::vector<int>& devices) const {
+    return !devices.empty() && search_.ComputeBound(devices) < search_.best_time();
+  }
+
+  const Cluster& cluster_;
+  const PlannerOptions& options_;
+  Search& search_;
+  std::vector<int> all_;
+  std::vector<std::vector<int>> site_devices_;
+  std::map<std::string, double> subset_best_;  // set together with subset_devices_, by Evaluate only
+  std::map<std::string, std::vector<int>> subset_devices_;
 };
 
 // "dp=2 pp=4 tp=1".

@@ -6,9 +6,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/spec.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "scheduler/planner_internal.h"
 #include "spec.pb.h"
 
 namespace geotrain::scheduler {
@@ -352,6 +355,35 @@ TEST(PlannerTest, TiesGoToFewerMicrobatches) {
   const PlanCandidate* pipeline = BestWhere(*r, [](const Plan& p) { return p.pp == 2 && p.dp == 1; });
   ASSERT_NE(pipeline, nullptr);
   EXPECT_GT(pipeline->plan.microbatches.front(), 1);
+}
+
+// Leaving out a required site leaves a subset with no plan for the job, which is not searched: the drop-one-site
+// phase must neither record it (as a step time of 0, which made it the best subset to go on from) nor count it as
+// an improvement. Site a's one slow T4 makes dropping it worth a try, from every subset that has it.
+TEST(PlannerTest, LeavingOutARequiredSiteIsNeverASearchedSubset) {
+  Cluster c = MakeCluster({{"a", {{"T4", 1}}}, {"b", {{"A100", 2}}}, {"c", {{"A100", 2}}}}, 1, 100000);
+  const ModelCosts model = Costs("gpt2", 1024);
+  const JobOptions job = Job(32, 1024);
+  PlannerOptions options;
+  options.required_sites = {0};
+  internal::Search search(c, model, job, options);
+  internal::SubsetSearch subsets(c, options, &search);
+  subsets.SingleSitesThenAll();
+  subsets.GrowFromBestSite();
+  subsets.WithoutSites();
+  subsets.WithoutSlowestDeviceTypes();
+  ASSERT_TRUE(subsets.subset_best().count("all devices"));
+  EXPECT_FALSE(subsets.subset_best().count("site b"));  // nor a single site without a
+  for (const auto& [name, time] : subsets.subset_best()) {
+    EXPECT_THAT(name, testing::Not(testing::HasSubstr("without site a"))) << "a subset without required site a";
+    EXPECT_GT(time, 0) << name;
+  }
+  absl::StatusOr<PlanResult> r = PlanJob(c, model, job, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (const PlanCandidate& candidate : r->ranked) {
+    EXPECT_THAT(candidate.subset, testing::Not(testing::HasSubstr("without site a")));
+    EXPECT_FALSE(std::count(candidate.left_out.begin(), candidate.left_out.end(), 0)) << candidate.subset;
+  }
 }
 
 }  // namespace

@@ -257,4 +257,39 @@ std::vector<Device> DiscoverDevices(const std::vector<Device>& emulated) {
   return out;
 }
 
+absl::Status ValidateSlowdown(double factor, bool timed_compute) {
+  if (!std::isfinite(factor) || factor < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--slowdown %g: the factor must be a finite number >= 1 (2: twice as slow; 1: not slowed)", factor));
+  }
+  if (factor > 1 && timed_compute) {
+    return absl::InvalidArgumentError(
+        "--slowdown slows real CPU compute, and --timed-compute computes nothing (it waits an emulated GPU's time); "
+        "use one or the other");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SlowDevices(double factor, std::vector<Device>* devices) {
+  const bool timed = std::any_of(devices->begin(), devices->end(), [](const Device& d) { return d.timed_compute(); });
+  RETURN_IF_ERROR(ValidateSlowdown(factor, timed));
+  if (factor == 1) return absl::OkStatus();
+  for (const Device& d : *devices) {
+    if (d.kind() == DEVICE_KIND_CUDA) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--slowdown slows a device that computes on the CPU, and device ", d.index(), " is a CUDA GPU (",
+                       d.name(), "); drop --slowdown, or run on the CPU with --emulate-device NAME"));
+    }
+  }
+  for (Device& d : *devices) {
+    d.set_slowdown(factor);
+    d.set_tflops(d.tflops() / factor);
+    d.set_fp32_tflops(d.fp32_tflops() / factor);
+    d.set_fp16_tflops(d.fp16_tflops() / factor);
+    d.set_bf16_tflops(d.bf16_tflops() / factor);
+    d.set_name(absl::StrFormat("%s (EMULATED: slowed %gx)", d.name(), factor));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace geotrain::worker

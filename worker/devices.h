@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "control.pb.h"
 #include "model/op_costs.h"
@@ -61,5 +62,18 @@ uint64_t PhysicalMemoryBytes();
 
 // What a worker offers: emulated devices when given, else CUDA devices, else the CPU.
 std::vector<Device> DiscoverDevices(const std::vector<Device>& emulated);
+
+// A worker's --slowdown factor: OK for a finite number >= 1 (1: not slowed); INVALID_ARGUMENT naming the flag for
+// another, or for a factor above 1 with timed compute (which computes nothing to slow).
+absl::Status ValidateSlowdown(double factor, bool timed_compute = false);
+
+// Slows a worker's devices by `factor` (worker start --slowdown, docs/timed-compute.md), so that sites of unequal
+// speed can be tried with real numerics: each device then carries slowdown = factor, its TFLOP/s (and its
+// per-precision peaks) divided by it, so the planner sees it slower, and its name says so
+// ("cpu x16 (EMULATED: slowed 2x)"). The stage actors on it wait (factor - 1) times each op's time
+// (StageTrainer::set_slowdown). Only devices that compute on the CPU can be slowed: the CPU, and emulated devices
+// without timed compute. INVALID_ARGUMENT for a bad factor, a CUDA device or a timed-compute one, with the fix. A
+// factor of 1 changes nothing.
+absl::Status SlowDevices(double factor, std::vector<Device>* devices);
 
 }  // namespace geotrain::worker

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 
 #include "absl/strings/str_format.h"
 #include "model/config.h"
@@ -153,6 +155,72 @@ TEST(DevicesTest, CpuIsMeasuredWhenNothingElse) {
   auto emulated = DiscoverDevices({*ParseEmulatedDevice("T4"), *ParseEmulatedDevice("A30")});
   ASSERT_EQ(emulated.size(), 2u);
   EXPECT_EQ(emulated[1].index(), 1);
+}
+
+TEST(DevicesTest, SlowedDevicesCarryTheFactorAndDividedFigures) {
+  Device cpu;
+  cpu.set_kind(DEVICE_KIND_CPU);
+  cpu.set_name("cpu x2");
+  cpu.set_tflops(0.2);
+  cpu.set_memory_bytes(8000000000ull);
+  std::vector<Device> devices = {cpu, *ParseEmulatedDevice("A30")};
+  const Device a30 = devices[1];
+  ASSERT_GT(a30.fp32_tflops(), 0);  // a known GPU's per-precision peaks: divided too
+  ASSERT_TRUE(SlowDevices(2.5, &devices).ok());
+  EXPECT_DOUBLE_EQ(devices[0].slowdown(), 2.5);
+  EXPECT_DOUBLE_EQ(devices[0].tflops(), 0.2 / 2.5);
+  EXPECT_EQ(devices[0].memory_bytes(), 8000000000ull);  // slower, not smaller
+  EXPECT_EQ(devices[0].name(), "cpu x2 (EMULATED: slowed 2.5x)");
+  EXPECT_DOUBLE_EQ(devices[1].slowdown(), 2.5);
+  EXPECT_DOUBLE_EQ(devices[1].tflops(), a30.tflops() / 2.5);
+  EXPECT_DOUBLE_EQ(devices[1].fp32_tflops(), a30.fp32_tflops() / 2.5);
+  EXPECT_DOUBLE_EQ(devices[1].fp16_tflops(), a30.fp16_tflops() / 2.5);
+  EXPECT_DOUBLE_EQ(devices[1].bf16_tflops(), a30.bf16_tflops() / 2.5);
+  EXPECT_EQ(devices[1].name(), "A30 (EMULATED: slowed 2.5x)");
+  EXPECT_EQ(devices[1].compute_capability(), a30.compute_capability());
+
+  // A factor of 1 is the default: nothing changes, and the devices do not say they are slowed.
+  std::vector<Device> unslowed = {cpu};
+  ASSERT_TRUE(SlowDevices(1, &unslowed).ok());
+  EXPECT_EQ(unslowed[0].slowdown(), 0);
+  EXPECT_DOUBLE_EQ(unslowed[0].tflops(), 0.2);
+  EXPECT_EQ(unslowed[0].name(), "cpu x2");
+}
+
+TEST(DevicesTest, SlowdownRefusesBadFactorsTimedComputeAndCuda) {
+  for (const double bad : {0.5, 0.0, -2.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    const absl::Status s = ValidateSlowdown(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(s.message(), ::testing::HasSubstr("--slowdown")) << bad;
+    EXPECT_THAT(s.message(), ::testing::HasSubstr("finite number >= 1")) << bad;
+  }
+  EXPECT_TRUE(ValidateSlowdown(1).ok());
+  EXPECT_TRUE(ValidateSlowdown(1.5).ok());
+  EXPECT_TRUE(ValidateSlowdown(1, /*timed_compute=*/true).ok());  // the default goes with anything
+  EXPECT_THAT(ValidateSlowdown(2, /*timed_compute=*/true).message(), ::testing::HasSubstr("--timed-compute"));
+
+  Device gpu;
+  gpu.set_kind(DEVICE_KIND_CUDA);
+  gpu.set_name("NVIDIA H100 80GB HBM3");
+  gpu.set_tflops(989);
+  std::vector<Device> cuda = {gpu};
+  const absl::Status on_cuda = SlowDevices(2, &cuda);
+  EXPECT_EQ(on_cuda.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(on_cuda.message(), ::testing::HasSubstr("CUDA GPU"));
+  EXPECT_THAT(on_cuda.message(), ::testing::HasSubstr("--emulate-device"));  // the fix
+  EXPECT_DOUBLE_EQ(cuda[0].tflops(), 989);                                   // refused: left as it was
+  EXPECT_EQ(cuda[0].slowdown(), 0);
+
+  std::vector<Device> timed = {*ParseEmulatedDevice("H100")};
+  timed[0].set_timed_compute(true);
+  EXPECT_THAT(SlowDevices(2, &timed).message(), ::testing::HasSubstr("--timed-compute"));
+  EXPECT_EQ(timed[0].slowdown(), 0);
+  Device cpu;
+  cpu.set_kind(DEVICE_KIND_CPU);
+  cpu.set_tflops(0.2);
+  std::vector<Device> below_one = {cpu};
+  EXPECT_THAT(SlowDevices(0.9, &below_one).message(), ::testing::HasSubstr("finite number >= 1"));
+  EXPECT_DOUBLE_EQ(below_one[0].tflops(), 0.2);
 }
 
 }  // namespace

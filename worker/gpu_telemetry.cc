@@ -1,5 +1,4 @@
-// NVML through dlopen: the declarations below are the few entry points of NVML's stable C ABI this file uses
-// (nvml.h is not part of the CUDA toolkit here, and a worker must start where the driver is absent).
+// NVML through dlopen: worker/nvml_abi.h declares the few entry points of NVML's stable C ABI this file uses.
 #include "worker/gpu_telemetry.h"
 
 #include <dlfcn.h>
@@ -9,28 +8,13 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "worker/nvml_abi.h"
 
 #ifdef GEOTRAIN_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
 namespace geotrain::worker {
-namespace {
-
-using NvmlReturn = int;  // nvmlReturn_t; 0 is NVML_SUCCESS
-using NvmlDevice = void*;
-struct NvmlUtilization {
-  unsigned int gpu;     // percent of the sample period a kernel ran
-  unsigned int memory;  // percent of it memory was read or written
-};
-struct NvmlMemory {
-  unsigned long long total;
-  unsigned long long free;
-  unsigned long long used;
-};
-
-}  // namespace
-
 std::vector<GpuToWatch> CudaDevicesToWatch() {
   std::vector<GpuToWatch> out;
 #ifdef GEOTRAIN_HAVE_CUDA
@@ -49,15 +33,15 @@ std::vector<GpuToWatch> CudaDevicesToWatch() {
 
 struct GpuTelemetry::Nvml {
   void* handle = nullptr;
-  NvmlReturn (*init)() = nullptr;
-  NvmlReturn (*shutdown)() = nullptr;
-  NvmlReturn (*by_pci_bus_id)(const char*, NvmlDevice*) = nullptr;
-  NvmlReturn (*utilization)(NvmlDevice, NvmlUtilization*) = nullptr;
-  NvmlReturn (*memory)(NvmlDevice, NvmlMemory*) = nullptr;
-  const char* (*error_string)(NvmlReturn) = nullptr;
+  NvmlInitFn* init = nullptr;
+  NvmlInitFn* shutdown = nullptr;
+  NvmlByPciBusIdFn* by_pci_bus_id = nullptr;
+  NvmlUtilizationFn* utilization = nullptr;
+  NvmlMemoryFn* memory = nullptr;
+  NvmlErrorStringFn* error_string = nullptr;
   bool initialised = false;
 
-  std::string Error(NvmlReturn r) const {
+  std::string Error(nvmlReturn_t r) const {
     return error_string ? absl::StrCat(error_string(r), " (", r, ")") : absl::StrCat("error ", r);
   }
   ~Nvml() {
@@ -69,7 +53,7 @@ struct GpuTelemetry::Nvml {
 // A matched GPU. Its gauges are made at its first successful read of each figure (null until then), so that a
 // figure NVML cannot read on it (a MIG instance's utilisation, say) has no series rather than a zero.
 struct GpuTelemetry::Watched {
-  NvmlDevice device;
+  nvmlDevice_t device;
   std::map<std::string, std::string> labels;
   prometheus::Gauge* utilization = nullptr;
   prometheus::Gauge* used = nullptr;
@@ -110,14 +94,14 @@ absl::Status GpuTelemetry::Start(absl::Duration period) {
         absl::StrCat(library_, " lacks an NVML entry point this worker needs (driver too old?): ", dlerror()));
   }
   Resolve(nvml->handle, "nvmlErrorString", &nvml->error_string);  // optional: errors show their code without it
-  if (NvmlReturn r = nvml->init(); r != 0) {
+  if (nvmlReturn_t r = nvml->init(); r != 0) {
     return absl::FailedPreconditionError(absl::StrCat("NVML does not start: ", nvml->Error(r)));
   }
   nvml->initialised = true;
 
   for (const GpuToWatch& gpu : gpus_) {
-    NvmlDevice device = nullptr;
-    if (NvmlReturn r = nvml->by_pci_bus_id(gpu.pci_bus_id.c_str(), &device); r != 0) {
+    nvmlDevice_t device = nullptr;
+    if (nvmlReturn_t r = nvml->by_pci_bus_id(gpu.pci_bus_id.c_str(), &device); r != 0) {
       GT_LOG(WARNING) << "GPU " << gpu.device_index << " (PCI " << gpu.pci_bus_id
                       << ") has no NVML device: " << nvml->Error(r) << "; its gauges are not exported";
       continue;
@@ -142,13 +126,13 @@ void GpuTelemetry::SampleOnce() {
   auto& used = metrics_->Gauges("geotrain_gpu_memory_used_bytes", "GPU memory in use, every process (NVML)");
   auto& total = metrics_->Gauges("geotrain_gpu_memory_total_bytes", "GPU memory (NVML)");
   for (Watched& w : watched_) {
-    NvmlUtilization u{};
+    nvmlUtilization_st u{};
     // A failed read leaves the last value: a gauge that drops to zero on a driver hiccup would read as an idle GPU.
     if (nvml_->utilization(w.device, &u) == 0) {
       if (w.utilization == nullptr) w.utilization = &utilization.Add(w.labels);
       w.utilization->Set(u.gpu / 100.0);
     }
-    NvmlMemory m{};
+    nvmlMemory_st m{};
     if (nvml_->memory(w.device, &m) == 0) {
       if (w.used == nullptr) w.used = &used.Add(w.labels), w.total = &total.Add(w.labels);
       w.used->Set(static_cast<double>(m.used));

@@ -154,6 +154,7 @@ absl::Status StageActor::Run() {
   ASSIGN_OR_RETURN(std::unique_ptr<StageTrainer> trainer,
                    StageTrainer::Create(spec, ranks, config_.peers, services_.collectives.get(), config_.device,
                                         config_.device_index, services_.data));
+  trainer->set_slowdown(config_.slowdown);
   int64_t first_step = 1;
   const bool timed = trainer->timed();
   if (timed && !config_.resume_from.empty()) {
@@ -188,6 +189,11 @@ absl::Status StageActor::Run() {
     GT_LOG(INFO) << "actor " << me.actor_id()
                  << ": timed compute: every op waits the emulated device's time and computes nothing; step times are "
                     "EMULATED, losses are not real (not reported), no checkpoint is written (no real weights)";
+  }
+  if (config_.slowdown > 1) {
+    GT_LOG(INFO) << "actor " << me.actor_id() << ": slowed " << config_.slowdown
+                 << "x (--slowdown): each op is followed by a wait of (factor - 1) times its time; step times are "
+                    "EMULATED, losses real";
   }
 
   const int64_t steps = spec.train().steps();

@@ -60,6 +60,9 @@ struct StageActorConfig {
   // Where the stage runs: "cpu", or "cuda:N" on a worker whose device N is a CUDA GPU.
   std::string device = "cpu";
   int device_index = 0;
+  // > 1: the device is a CPU slowed by this factor (the worker's --slowdown): each op is followed by a wait of
+  // (slowdown - 1) times its time, and the step figures say the times are emulated. 1: not slowed.
+  double slowdown = 1;
   int64_t attempt = 0;      // which run of the job this actor belongs to (0 first; raised by each restart)
   std::string resume_from;  // a checkpoint step directory to start from; empty: fresh weights, step 1
 };

@@ -248,6 +248,17 @@ class StageActorTest : public ::testing::Test {
     return spec;
   }
 
+  // `spec` with DiLoCo paced by time (inner_steps 4) over the two sites, site-b's actors slowed 4x, run to its end.
+  void RunTimePacedWithSiteBSlowed(const JobSpec& spec, const std::string& codec) {
+    JobSpec paced = WithDiloco(spec, 4, 1, codec);
+    paced.mutable_diloco()->set_sync("time");
+    ASSERT_TRUE(ValidateJobSpec(paced).ok()) << ValidateJobSpec(paced);
+    slowdown_by_site_["site-b"] = 4;
+    StartJob(paced, 30000);
+    ASSERT_TRUE(WaitFinished(120));
+    for (auto& a : actors_) EXPECT_EQ(a->Record().message(), "finished");
+  }
+
   // The reference: the same spec in one process (dp replicas' microbatches of the same size, simulated; DiLoCo's
   // pseudo-gradients rounded by its codec as `train --local` rounds them).
   std::vector<model::StepRecord> LocalHistory(JobSpec spec) {
@@ -313,6 +324,10 @@ class StageActorTest : public ::testing::Test {
       config.site = peers[i].site();
       config.token = kToken;
       config.collective_timeout_ms = collective_timeout_ms;
+      config.device = device_;
+      if (auto slowed = slowdown_by_site_.find(config.site); slowed != slowdown_by_site_.end()) {
+        config.slowdown = slowed->second;
+      }
       ActorServices services;
       services.mailbox = mailboxes_[i].get();
       services.head = std::make_unique<HeadView>(&head_);
@@ -428,6 +443,8 @@ class StageActorTest : public ::testing::Test {
   std::vector<std::unique_ptr<comm::TensorStreamServer>> mailboxes_;
   std::vector<std::unique_ptr<grpc::Server>> servers_;
   std::vector<std::unique_ptr<StageActor>> actors_;
+  std::map<std::string, double> slowdown_by_site_;  // StageActorConfig::slowdown of the actors at a site
+  std::string device_ = "cpu";                      // every actor's StageActorConfig::device
 };
 
 TEST_F(StageActorTest, PipelineGPipeEqualsLocal) { ExpectEqualToLocal(Spec(1, 2, 1, 4, "gpipe", 4)); }
@@ -574,6 +591,77 @@ TEST_F(StageActorTest, DilocoWithInt8PseudoGradientsEqualsTheRoundingSimulation)
 TEST_F(StageActorTest, DilocoWithInt4PseudoGradientsEqualsTheRoundingSimulation) { ExpectLowBitOuter("int4"); }
 
 TEST_F(StageActorTest, DilocoWithSparsePseudoGradientsEqualsTheRoundingSimulation) { ExpectLowBitOuter("sparse"); }
+
+// diloco.sync time with site-b's CPU slowed 4x (the worker's --slowdown): the first two steps are count-paced (nothing
+// measured yet), then the groups' times of those two plan the rest of the first period, and each outer step plans the
+// next period: site-b (the slowest) takes one inner step a step and site-a more, and each step's tokens are every
+// group's inner steps' tokens. The groups meet after step 2 (to plan) and at every outer step. Every actor ends
+// cleanly.
+TEST_F(StageActorTest, DilocoPacedByTimeLetsTheFasterSiteTakeMoreInnerSteps) {
+  RunTimePacedWithSiteBSlowed(Spec(2, 1, 1, 2, "1f1b", 8), "none");
+  std::map<int64_t, std::map<std::string, StepFigures>> by_step;  // step -> site -> figures
+  for (const StepReport& r : head_.reports()) {
+    ASSERT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
+    if (r.step() > 0) by_step[r.step()][r.actor_id().find("r0") != std::string::npos ? "a" : "b"] = r.figures();
+  }
+  ASSERT_EQ(by_step.size(), 8u);
+  const int64_t replica_tokens = 4 * 16;  // global batch 8 over two replicas, 16 tokens each
+  int fast_inner = 0;
+  for (const auto& [step, sites] : by_step) {
+    ASSERT_EQ(sites.size(), 2u) << step;
+    const StepFigures &a = sites.at("a"), &b = sites.at("b");
+    EXPECT_EQ(b.inner_steps(), 1) << step;
+    EXPECT_EQ(b.slowdown(), 4) << step;
+    EXPECT_EQ(a.slowdown(), 0) << step;
+    if (step <= 2) EXPECT_EQ(a.inner_steps(), 1) << step;
+    if (step > 2) fast_inner += a.inner_steps();
+    EXPECT_GE(a.inner_steps(), 1) << step;
+    EXPECT_EQ(a.replica_tokens(), a.inner_steps() * replica_tokens) << step;
+    EXPECT_EQ(a.tokens(), (a.inner_steps() + b.inner_steps()) * replica_tokens) << step;
+    EXPECT_EQ(b.tokens(), a.tokens()) << step;
+    EXPECT_TRUE(std::isfinite(a.loss()) && std::isfinite(b.loss())) << step;
+    EXPECT_EQ(a.outer_sync_seconds() > 0, step == 2 || step % 4 == 0) << step;
+  }
+  EXPECT_GT(fast_inner, 6) << "site-a, four times as fast, took no more inner steps than site-b over steps 3-8";
+  EXPECT_LE(fast_inner, 6 * 8);
+}
+
+// The same with two pipeline stages per replica and a short last period (10 steps, inner_steps 4): a replica's
+// stages take the same inner steps in every step (they share one plan), or the pipeline would hang.
+TEST_F(StageActorTest, DilocoPacedByTimeKeepsAReplicasStagesInStep) {
+  RunTimePacedWithSiteBSlowed(Spec(2, 2, 1, 2, "1f1b", 10), "int8");
+  std::map<std::pair<int64_t, char>, std::set<int>> inner;  // (step, replica) -> the inner steps its stages took
+  for (const StepReport& r : head_.reports()) {
+    ASSERT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
+    if (r.step() > 0) inner[{r.step(), r.actor_id()[7]}].insert(r.figures().inner_steps());  // "job-1-r0s1t0"
+  }
+  ASSERT_EQ(inner.size(), 20u);
+  int fast = 0;
+  for (const auto& [key, counts] : inner) {
+    EXPECT_EQ(counts.size(), 1u) << "step " << key.first << " replica " << key.second;
+    if (key.second == '0' && key.first > 2) fast += *counts.begin();
+    if (key.second == '1') EXPECT_EQ(*counts.begin(), 1) << key.first;  // the slowest group: one a step
+  }
+  EXPECT_GT(fast, 8) << "site-a took no extra inner steps over steps 3-10";
+}
+
+// Timed compute takes DiLoCo jobs for their timing: the steps are emulated (no loss), and the outer steps send the
+// (zero) pseudo-gradients across the sites at their real size, every inner_steps steps only.
+TEST_F(StageActorTest, DilocoOnTimedComputeExchangesAtTheOuterStepsOnly) {
+  device_ = "timed:H100@400:2680:5";
+  StartJob(WithDiloco(Spec(2, 1, 1, 2, "1f1b", 6), 3, 1, "int8"), 30000);
+  ASSERT_TRUE(WaitFinished(120));
+  for (auto& a : actors_) EXPECT_EQ(a->Record().message(), "finished");
+  int reports = 0;
+  for (const StepReport& r : head_.reports()) {
+    ASSERT_TRUE(r.error().empty()) << r.actor_id() << ": " << r.error();
+    if (r.step() == 0) continue;
+    ++reports;
+    EXPECT_TRUE(r.figures().timed_compute()) << r.step();
+    EXPECT_EQ(r.figures().wan_bytes() > 0, r.step() % 3 == 0) << r.actor_id() << " step " << r.step();
+  }
+  EXPECT_EQ(reports, 12);
+}
 
 // fp16 with a scale far too large (2^40) on DP2 x PP2 across two "sites": the first steps overflow; every actor of
 // the job skips exactly those steps and halves the scale each time (one decision, from the all-reduced gradient

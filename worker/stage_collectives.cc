@@ -193,9 +193,9 @@ class GrpcStageCollectives : public StageCollectives {
 
 // The communicator options of a stage's groups, all with the collective deadline and keyed by ranks.comm_job_id.
 struct GroupOptions {
-  comm::CommunicatorOptions coded;     // the spec's WAN and LAN codecs
-  comm::CommunicatorOptions pipeline;  // activations: the codecs' dense part
-  comm::CommunicatorOptions exact;     // scalars, never lossy
+  comm::CommunicatorOptions coded;        // gradients: the spec's WAN and LAN codecs
+  comm::CommunicatorOptions activations;  // the pipeline's and tensor parallelism's: comm::ActivationCodec of those
+  comm::CommunicatorOptions exact;        // scalars, never lossy
 };
 
 absl::StatusOr<GroupOptions> MakeGroupOptions(const JobSpec& spec, const ActorRanks& ranks, absl::Duration timeout) {
@@ -207,10 +207,10 @@ absl::StatusOr<GroupOptions> MakeGroupOptions(const JobSpec& spec, const ActorRa
   options.lan_codec = lan;
   options.wan_codec = wan;
   options.timeout = timeout;
-  // Activations never go through top-k (it is for gradients): they use the codec's dense part.
-  out.pipeline = options;
-  if (out.pipeline.wan_codec.kind == comm::CodecKind::kTopK) out.pipeline.wan_codec = comm::Codec{};
-  if (out.pipeline.lan_codec.kind == comm::CodecKind::kTopK) out.pipeline.lan_codec = comm::Codec{};
+  // Activations never go through a gradients-only codec (top-k, int4, sparse): they use the codec's dense part.
+  out.activations = options;
+  out.activations.wan_codec = comm::ActivationCodec(wan);
+  out.activations.lan_codec = comm::ActivationCodec(lan);
   // Scalars (gradient norm, loss) always travel exactly.
   out.exact = options;
   out.exact.lan_codec = comm::Codec{};
@@ -281,10 +281,11 @@ class GroupMaker {
 void SetUpBaseGroups(const ActorRanks& ranks, comm::TensorStreamServer* mailbox, const GroupMaker& make,
                      const GroupOptions& options, GrpcStageCollectives& c) {
   c.pipeline_comm_ = std::make_unique<comm::GrpcCommunicator>(ranks.my_rank, ranks.peers, mailbox, &c.pipeline_client_,
-                                                              options.pipeline);
+                                                              options.activations);
   c.dp_scalars_comm_ = make.Group(ranks.DataParallelGroup(), &c.other_client_, options.exact);
   c.replica_comm_ = make.Group(ranks.ReplicaGroup(), &c.other_client_, options.exact);
-  c.tp_comm_ = make.Group(ranks.TensorParallelGroup(), &c.other_client_, options.coded);
+  // Tensor parallelism sums activations (forward) and their gradients (backward): the activation codecs too.
+  c.tp_comm_ = make.Group(ranks.TensorParallelGroup(), &c.other_client_, options.activations);
   c.tp_adapter_ = std::make_unique<CommunicatorTensorParallel>(c.tp_comm_.get());
   c.pipeline = c.pipeline_comm_.get();
   c.dp_scalars = c.dp_scalars_comm_.get();

@@ -1,7 +1,8 @@
 // The collectives a stage actor trains with, set up once per actor from its ranks (worker/actor_ranks.h):
 //
 //   pipeline        point to point with the neighbouring stages: activations forward, their gradients back
-//                   (the WAN codec's dense part across sites: top-k is for gradients only);
+//                   (comm::ActivationCodec of the spec's codecs: top-k, int4 and sparse, which keep
+//                   error feedback, are for gradients only, so activations cross without them);
 //   dp_all_reduce   a gradient bucket's sum across replicas (gRPC on host memory: a ring, or the hierarchical
 //                   all-reduce when the group spans sites and a site holds several of its replicas, so that
 //                   each site's sum crosses the WAN once; or NCCL on device memory inside a site with gRPC
@@ -9,9 +10,10 @@
 //   tied            the tied-embedding gradient sum over every copy of wte (the first and last stage of each
 //                   replica of the data-parallel group, or of the DiLoCo group; of this replica alone when
 //                   the data-parallel all-reduce runs on NCCL);
-//   tp              the tensor-parallel all-reduces of the stage (gRPC, or NCCL on device memory);
+//   tp              the tensor-parallel all-reduces of the stage (gRPC through the activation codecs, as
+//                   they sum activations; or NCCL on device memory);
 //   replica         the global gradient norm over the replica's stages and ranks (exact, never lossy);
-//   dp_scalars      the loss average across replicas (exact);
+//   dp_scalars      the loss average across replicas (exact), and time-paced DiLoCo's step times;
 //   DiLoCo (the spec's diloco block on): dp_all_reduce sums only over this actor's group (the replicas whose
 //   first stage shares its site); `outer` carries the groups' pseudo-gradients between the group leaders
 //   across sites (diloco.codec), and `group` hands the result to the rest of the group (model/diloco.h).

@@ -4,10 +4,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "comm/codec.h"
 #include "common/diloco_spec.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "model/trainer.h"
 
@@ -17,6 +20,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// The seconds a compute op that began at `start` took, `slowdown` times as many: with the worker's --slowdown (> 1)
+// the op is followed by a wait of (slowdown - 1) times its time, as if the device were that much slower.
+double ComputeSeconds(Clock::time_point start, double slowdown) {
+  const double took = SecondsSince(start);
+  if (slowdown > 1) std::this_thread::sleep_for(std::chrono::duration<double>(took * (slowdown - 1)));
+  return took * slowdown;
+}
 
 // Timed compute's gradient buckets: the timed backend's memory (address space over one small window, zeros), and
 // copies that move nothing, since both sides hold zeros (model/timed_backend.h). The all-reduces still send
@@ -119,13 +130,9 @@ absl::StatusOr<model::Precision> StageTrainer::OpenDevice(const std::string& dev
   }
   on_device_ = backend_->is_cuda();
   // Timed compute (model/timed_backend.h): every op waits the emulated device's time; the stage has no real
-  // weights, so nothing that needs them can run.
+  // weights, so nothing that needs them can run. DiLoCo runs for its timing: its weights and so its pseudo-gradients
+  // are zeros, exchanged at their real size through the real codec, and its outer state takes host memory as usual.
   timed_ = device.starts_with("timed:");
-  if (timed_ && DilocoOn(spec_)) {
-    return absl::FailedPreconditionError(
-        "timed compute does not run DiLoCo (its outer step needs real weights); run the job without --timed-compute "
-        "or without the diloco block");
-  }
   return precision;
 }
 
@@ -141,7 +148,7 @@ absl::Status StageTrainer::CreateStage(model::Precision precision) {
   model::AdamWOptions adam_options = model::TrainOptimizerOptions(spec_, precision);
   if (timed_) adam_options.loss_scale.enabled = false;
   ASSIGN_OR_RETURN(adam_, model::AdamW::Create(stage_->num_params(), stage_->segments(), adam_options, *backend_));
-  schedule_ = model::TrainSchedule(spec_);
+  schedule_ = model::TrainSchedule(spec_, collectives_->diloco_groups);
   return absl::OkStatus();
 }
 
@@ -289,6 +296,8 @@ absl::Status StageTrainer::CreateOuterOptimizer() {
       model::OuterOptions{.lr = d.outer_lr(), .momentum = d.outer_momentum(), .nesterov = d.nesterov()});
   ASSIGN_OR_RETURN(float* params, HostParams());
   outer_->Initialize(params);
+  outer_weight_ = collectives_->outer_weight;
+  if (DilocoTimePaced(spec_)) pacing_ = std::make_unique<Pacing>();
   return absl::OkStatus();
 }
 
@@ -376,7 +385,7 @@ absl::Status StageTrainer::Forward(int m, bool recompute) {
   first_op_ = false;
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(stage_->Forward(Bm, T, tokens, in, targets));
-  stats_.compute_seconds += SecondsSince(t0);
+  stats_.compute_seconds += ComputeSeconds(t0, slowdown_);
   latest_forward_ = m;
   if (recompute) return absl::OkStatus();
   if (last) {
@@ -422,7 +431,7 @@ absl::Status StageTrainer::Backward(int m) {
   stage_->set_layer_gradients_ready(nullptr);
   RETURN_IF_ERROR(backward_status);
   RETURN_IF_ERROR(hook_status);
-  stats_.compute_seconds += SecondsSince(t0);
+  stats_.compute_seconds += ComputeSeconds(t0, slowdown_);
   latest_forward_ = -1;  // Backward consumed the activations
   if (first) return absl::OkStatus();
   const float* din = stage_->dinput();
@@ -508,12 +517,42 @@ absl::Status StageTrainer::GatherReplicated() {
 
 absl::StatusOr<StepFigures> StageTrainer::Step(int64_t step, const std::atomic<bool>& stop) {
   stats_ = StepStats{};
+  RETURN_IF_ERROR(StartOuterExchanges(step));
+  const int inner = PacedInnerSteps(step);
+  double loss = 0;
+  for (int i = 0; i < inner; ++i) {
+    const auto t0 = Clock::now();
+    ASSIGN_OR_RETURN(const double inner_loss, InnerStep(step, stop));
+    loss += inner_loss / inner;
+    if (pacing_) pacing_->seconds.push_back(SecondsSince(t0));
+  }
+  stats_.inner_steps = inner;
+  stats_.tokens = PaceStep(step);  // before the period's outer step plans the next period
+  RETURN_IF_ERROR(PaceWarmUp(step));
+  RETURN_IF_ERROR(FinishOuterExchanges(step));
+
+  // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages). With DiLoCo
+  // the head averages the replicas' losses: no collective across sites every step.
+  const bool carrier = ranks_.last_stage && ranks_.tp_rank == 0;
+  if (carrier && ranks_.dp > 1 && outer_ == nullptr) {
+    float l = static_cast<float>(loss);
+    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"));
+    loss = l / ranks_.dp;
+  }
+  stats_.loss = loss;
+  const int every = spec_.train().eval_every();
+  if (!spec_.data().val().empty() && every > 0 && (step % every == 0 || step == spec_.train().steps())) {
+    RETURN_IF_ERROR(Evaluate(stop));
+  }
+  return Figures(step);
+}
+
+absl::StatusOr<double> StageTrainer::InnerStep(int64_t step, const std::atomic<bool>& stop) {
   loss_sum_ = 0;
   latest_forward_ = -1;
   first_op_ = true;
   const uint64_t dp_bytes_before = collectives_->BytesSent(TrafficClass::kDataParallel);
   if (loader_) RETURN_IF_ERROR(loader_->Next(inputs_.data(), targets_.data()));
-  RETURN_IF_ERROR(StartOuterExchanges(step));
   stage_->ZeroGrad();
 
   for (const PipelineOp& op : pipeline_) {
@@ -542,30 +581,119 @@ absl::StatusOr<StepFigures> StageTrainer::Step(int64_t step, const std::atomic<b
   model::LossScaler& scaler = adam_->loss_scaler();
   const bool apply = scaler.Update(!scaler.enabled() || std::isfinite(norm_share[0]));
   stats_.loss_scale = scaler.scale_applied();
-  stats_.skipped = !apply;
+  stats_.skipped = stats_.skipped || !apply;
   const double norm = std::sqrt(static_cast<double>(norm_share[0])) / scaler.scale_applied();
   const auto t0 = Clock::now();
   if (apply) {
     adam_->Step(stage_->params(), stage_->grads(), static_cast<float>(schedule_.At(static_cast<int>(step) - 1)),
                 model::ClipScale(norm, spec_.train().grad_clip()) / scaler.scale_applied());
   }
-  stats_.compute_seconds += SecondsSince(t0);
-  RETURN_IF_ERROR(FinishOuterExchanges(step));
+  stats_.compute_seconds += ComputeSeconds(t0, slowdown_);
+  return norm_share[1];
+}
 
-  // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages). With DiLoCo
-  // the head averages the replicas' losses: no collective across sites every step.
-  double loss = norm_share[1];
-  if (carrier && ranks_.dp > 1 && outer_ == nullptr) {
-    float l = static_cast<float>(loss);
-    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"));
-    loss = l / ranks_.dp;
+int StageTrainer::InnerStepsOf(int group, int64_t step) const {
+  if (pacing_->plan_from == 0 || step < pacing_->plan_from) return 1;
+  return model::PacedInnerSteps(pacing_->planned[static_cast<size_t>(group)], pacing_->plan_length,
+                                static_cast<int>(step - pacing_->plan_from));
+}
+
+int StageTrainer::PacedInnerSteps(int64_t step) {
+  if (!pacing_) return 1;
+  if (const int64_t start = outer_schedule_.PeriodStart(step); pacing_->period_start != start) {
+    // A period with no plan (the first, or one resumed from a checkpoint): one inner step a step until PaceWarmUp.
+    pacing_->period_start = start;
+    pacing_->first_step = step;
+    pacing_->plan_from = 0;
+    pacing_->counts.assign(static_cast<size_t>(collectives_->diloco_groups), 0);
   }
-  stats_.loss = loss;
-  const int every = spec_.train().eval_every();
-  if (!spec_.data().val().empty() && every > 0 && (step % every == 0 || step == spec_.train().steps())) {
-    RETURN_IF_ERROR(Evaluate(stop));
+  return InnerStepsOf(collectives_->diloco_group, step);
+}
+
+int64_t StageTrainer::PaceStep(int64_t step) {
+  const int64_t global = static_cast<int64_t>(spec_.train().global_batch()) * ranks_.seq_len;
+  if (!pacing_) return global;
+  int64_t tokens = 0;
+  for (int h = 0; h < collectives_->diloco_groups; ++h) {
+    const int inner = InnerStepsOf(h, step);
+    pacing_->counts[static_cast<size_t>(h)] += inner;
+    if (!pacing_->group_replicas.empty()) {
+      tokens += inner * static_cast<int64_t>(pacing_->group_replicas[static_cast<size_t>(h)]) * ranks_.replica_batch *
+                ranks_.seq_len;
+    }
   }
-  return Figures(step);
+  return pacing_->group_replicas.empty() ? global : tokens;  // none known yet: every group took one inner step
+}
+
+absl::StatusOr<std::vector<double>> StageTrainer::GatherPace() {
+  // Stage 0's tensor rank 0 of every replica adds its median inner-step seconds since the last gathering (robust to a
+  // slow first step or a pause) over its group's replicas, and one replica count, to its group's slots; the replica's
+  // other stages and tensor ranks take its sums, so that every actor of the job plans alike. Only stage 0's tensor
+  // rank 0 crosses the sites (a data-parallel group holds one stage and rank: all of it takes part, or none); the sum
+  // completes when the last group arrives, so its time is this group's wait for the others.
+  const int groups = collectives_->diloco_groups, g = collectives_->diloco_group;
+  std::vector<float> sums(2 * static_cast<size_t>(groups), 0.0f);
+  if (std::vector<double>& s = pacing_->seconds; !s.empty()) {
+    const size_t mid = (s.size() - 1) / 2;  // the lower median: of a warm-up's two steps, not the first, slower one
+    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(mid), s.end());
+    sums[g] = static_cast<float>(s[mid] / collectives_->inner_replicas);
+  }
+  sums[groups + g] = 1;
+  const bool speaks = ranks_.stage == 0 && ranks_.tp_rank == 0;
+  const auto t0 = Clock::now();
+  if (speaks && collectives_->dp_scalars->size() > 1) {
+    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(sums), "pace"));
+  }
+  if (collectives_->replica->size() > 1) {
+    if (!speaks) std::fill(sums.begin(), sums.end(), 0.0f);
+    RETURN_IF_ERROR(collectives_->replica->AllReduceSum(absl::MakeSpan(sums), "pace-replica"));
+  }
+  stats_.outer_sync_seconds += SecondsSince(t0);
+  pacing_->group_replicas.assign(sums.begin() + groups, sums.end());
+  pacing_->seconds.clear();
+  return std::vector<double>(sums.begin(), sums.begin() + groups);
+}
+
+void StageTrainer::PlanPacing(int64_t from, int64_t step, const std::vector<double>& seconds) {
+  const int64_t end = pacing_->period_start + outer_schedule_.PeriodLength(pacing_->period_start) - 1;
+  pacing_->plan_from = from;
+  pacing_->plan_length = static_cast<int>(end - from + 1);
+  pacing_->planned = model::PlanPacedPeriod(seconds, pacing_->plan_length);
+  if (ranks_.stage == 0 && ranks_.tp_rank == 0 && collectives_->diloco_leader) {
+    GT_LOG(INFO) << "diloco.sync time after step " << step << ": group " << collectives_->diloco_group << " of "
+                 << collectives_->diloco_groups << "; the groups' median inner steps " << absl::StrJoin(seconds, ", ")
+                 << " s; their inner steps over steps " << from << "-" << end << ": "
+                 << absl::StrJoin(pacing_->planned, ", ");
+  }
+}
+
+absl::Status StageTrainer::PaceWarmUp(int64_t step) {
+  // A period without a plan is paced from its second step on (the first is the slowest to measure): the groups' times
+  // of those two steps plan the rest of it, so a fast site does not wait a whole period.
+  if (!pacing_ || pacing_->plan_from != 0 || step != pacing_->first_step + 1) return absl::OkStatus();
+  if (step >= pacing_->period_start + outer_schedule_.PeriodLength(pacing_->period_start) - 1) {
+    return absl::OkStatus();  // the period ends here: its outer step plans the next
+  }
+  ASSIGN_OR_RETURN(const std::vector<double> seconds, GatherPace());
+  PlanPacing(step + 1, step, seconds);
+  return absl::OkStatus();
+}
+
+absl::Status StageTrainer::PaceOuterStep(int64_t step) {
+  ASSIGN_OR_RETURN(const std::vector<double> seconds, GatherPace());
+  // The outer average weights each group by the tokens it trained over the period: its inner steps times its replicas.
+  const size_t g = static_cast<size_t>(collectives_->diloco_group);
+  double tokens = 0;
+  for (size_t h = 0; h < pacing_->counts.size(); ++h) tokens += pacing_->counts[h] * pacing_->group_replicas[h];
+  outer_weight_ = static_cast<float>(pacing_->counts[g] * pacing_->group_replicas[g] / tokens);
+  // The next period's plan, from the times since the last gathering.
+  if (step < outer_schedule_.total_steps) {
+    pacing_->period_start = step + 1;
+    pacing_->first_step = step + 1;
+    pacing_->counts.assign(pacing_->counts.size(), 0);
+    PlanPacing(step + 1, step, seconds);
+  }
+  return absl::OkStatus();
 }
 
 bool StageTrainer::carries_loss() const {
@@ -575,7 +703,11 @@ bool StageTrainer::carries_loss() const {
 StepFigures StageTrainer::Figures(int64_t step) const {
   StepFigures figures;
   figures.set_step(step);
-  figures.set_tokens(static_cast<int64_t>(spec_.train().global_batch()) * ranks_.seq_len);
+  figures.set_tokens(stats_.tokens);
+  figures.set_replica_tokens(static_cast<int64_t>(stats_.inner_steps) * ranks_.replica_batch * ranks_.seq_len);
+  figures.set_inner_steps(stats_.inner_steps);
+  figures.set_outer_sync_seconds(stats_.outer_sync_seconds);
+  if (slowdown_ > 1) figures.set_slowdown(slowdown_);
   figures.set_loss(stats_.loss);
   figures.set_val_loss(stats_.val_loss);
   figures.set_compute_seconds(stats_.compute_seconds);
@@ -624,7 +756,7 @@ absl::Status StageTrainer::Evaluate(const std::atomic<bool>& stop) {
     const auto t0 = Clock::now();
     RETURN_IF_ERROR(stage_->Forward(Bm, T, first ? val_inputs_.data() + offset : nullptr, in,
                                     last ? val_targets_.data() + offset : nullptr));
-    stats_.compute_seconds += SecondsSince(t0);
+    stats_.compute_seconds += ComputeSeconds(t0, slowdown_);
     if (last) {
       sum += stage_->loss();
       continue;
@@ -666,7 +798,7 @@ absl::Status StageTrainer::ExchangeOuter(int f, std::vector<float>* delta, size_
   *exchanged = data.size();
   if (collectives_->outer != nullptr) {
     // The group's share of the batch: sum_g (n_g / dp) delta_g over the group leaders.
-    for (float& x : data) x *= collectives_->outer_weight;
+    for (float& x : data) x *= outer_weight_;
     RETURN_IF_ERROR(collectives_->outer->AllReduceSum(data, absl::StrCat("outer", f)));
   }
   if (collectives_->group != nullptr) {
@@ -716,6 +848,7 @@ absl::Status StageTrainer::FinishOuterExchanges(int64_t step) {
   const std::vector<int> blocking = outer_schedule_.BlockingAfter(step);
   if (outer_in_flight_.empty() && blocking.empty()) return absl::OkStatus();
   const auto t0 = Clock::now();
+  if (pacing_ && !blocking.empty()) RETURN_IF_ERROR(PaceOuterStep(step));
   for (auto& x : outer_in_flight_) {
     if (x->thread.joinable()) x->thread.join();
   }
@@ -740,6 +873,7 @@ absl::Status StageTrainer::FinishOuterExchanges(int64_t step) {
   }
   RETURN_IF_ERROR(ParamsToDevice());
   stats_.wait_seconds += SecondsSince(t0);
+  if (!pacing_) stats_.outer_sync_seconds = SecondsSince(t0);
   if (collectives_->outer != nullptr) {
     const uint64_t sent = collectives_->BytesSent(TrafficClass::kOuter);
     AddAllReduceTraffic(&stats_.traffic, collectives_->outer_route, sent - outer_bytes_counted_, raw);

@@ -110,6 +110,9 @@ class StageTrainer {
   const StageCollectives& collectives() const { return *collectives_; }  // its DiLoCo group, among others
   // One line for the actor's log: parameters, layers, device, how gradients are all-reduced.
   std::string Describe() const;
+  // Slows this CPU stage by `factor` (>= 1; the worker's --slowdown): after each compute op it waits (factor - 1)
+  // times the op's time, and its figures say the times are emulated (StepFigures.slowdown). Before the first Step.
+  void set_slowdown(double factor) { slowdown_ = factor > 1 ? factor : 1; }
   // Whether the stage runs on timed compute (device "timed:...", model/timed_backend.h): its times are an
   // emulated GPU's, its loss and gradient norm are not real, and it has no weights to checkpoint.
   bool timed() const { return timed_; }
@@ -137,6 +140,23 @@ class StageTrainer {
   absl::Status Forward(int m, bool recompute);
   absl::Status Backward(int m);
   absl::Status SynchronizeGradients(SiteTraffic* traffic, uint64_t dp_bytes_before);
+  // One inner step of `step`: the batch, the pipeline, the gradients' sum and the optimizer step. Returns the
+  // replica's mean loss on the loss carrier (0 elsewhere).
+  absl::StatusOr<double> InnerStep(int64_t step, const std::atomic<bool>& stop);
+  // diloco.sync time (null pacing_: count-paced, one inner step a step). PacedInnerSteps: the inner steps this actor's
+  // group takes in `step`, starting an unplanned period when `step` opens one; InnerStepsOf: any group's; PaceStep: the
+  // job's tokens in `step` (every group's inner steps; before the period's outer step plans the next) and the period's
+  // counts; GatherPace: the groups' median inner-step times and replica counts from every actor (their arrival: the
+  // step's outer_sync_seconds); PlanPacing: the plan from step `from` to the period's end; PaceWarmUp: after the
+  // second step of an unplanned period, a plan for the rest of it; PaceOuterStep: at a period's end, before its outer
+  // exchange, this period's outer weight by tokens and the next period's plan.
+  int PacedInnerSteps(int64_t step);
+  int InnerStepsOf(int group, int64_t step) const;
+  int64_t PaceStep(int64_t step);
+  absl::StatusOr<std::vector<double>> GatherPace();
+  void PlanPacing(int64_t from, int64_t step, const std::vector<double>& seconds);
+  absl::Status PaceWarmUp(int64_t step);
+  absl::Status PaceOuterStep(int64_t step);
   // Validation of this replica's slice of data.val: stats_.val_loss on the carrier.
   absl::Status Evaluate(const std::atomic<bool>& stop);
   // The step's figures from stats_.
@@ -171,6 +191,7 @@ class StageTrainer {
   model::Backend* backend_ = nullptr;
   bool on_device_ = false;
   bool timed_ = false;
+  double slowdown_ = 1;                                      // set_slowdown
   std::unique_ptr<comm::BucketMemory> timed_bucket_memory_;  // timed compute: the buckets' memory
   std::unique_ptr<StageCollectives> collectives_;
   std::unique_ptr<model::GPT2Stage> stage_;
@@ -221,6 +242,23 @@ class StageTrainer {
     std::thread thread;
   };
   std::vector<std::unique_ptr<OuterExchange>> outer_in_flight_;
+  // This group's weight in the outer average: its share of the batch (StageCollectives::outer_weight), or
+  // time-paced, its share of the tokens the period trained.
+  float outer_weight_ = 1;
+  // diloco.sync time (model::PlanPacedPeriod). The period the fields are of (0: none yet) and the first step this run
+  // trained in it; the plan (0: none, one inner step a step): its first step, its length (to the period's end) and each
+  // group's inner steps over it; each group's inner steps over the period so far, and its replicas (from the first
+  // gathering on); the seconds of this actor's inner steps since the last gathering, one each.
+  struct Pacing {
+    int64_t period_start = 0, first_step = 0;
+    int64_t plan_from = 0;
+    int plan_length = 0;
+    std::vector<int> planned;
+    std::vector<int> counts;
+    std::vector<float> group_replicas;
+    std::vector<double> seconds;
+  };
+  std::unique_ptr<Pacing> pacing_;
   uint64_t outer_bytes_counted_ = 0;  // the outer client's bytes already in a step's traffic
   // Per step.
   // What the step measures as it runs (Step turns it into the step's StepFigures).
@@ -235,6 +273,9 @@ class StageTrainer {
     // the job, or in its DiLoCo group: every actor decides the same from the all-reduced gradient norm).
     double loss_scale = 1;
     bool skipped = false;
+    int inner_steps = 1;            // the inner steps the step took (diloco.sync time: more than one when fast)
+    int64_t tokens = 0;             // the job's tokens in the step, every group's
+    double outer_sync_seconds = 0;  // blocked at the outer sync (time-paced: waiting for the other groups)
   };
   StepStats stats_;
   double loss_sum_ = 0;

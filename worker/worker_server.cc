@@ -74,6 +74,7 @@ class WorkerServer::Service final : public internal::Worker::Service {
     config.attempt = request->attempt();
     config.resume_from = request->resume_from();
     const Device& device = worker_->devices_[a.device_index()];
+    config.slowdown = device.slowdown() > 1 ? device.slowdown() : 1;
     if (device.kind() == DEVICE_KIND_CUDA) {
       config.device = absl::StrCat("cuda:", device.index());
       config.device_index = device.index();
@@ -204,6 +205,11 @@ absl::Status WorkerServer::Start() {
                  << p.bandwidth_efficiency << ", " << p.launch_us << " us per op; " << p.source
                  << "): its step times are emulated, its losses are not real";
   }
+  RETURN_IF_ERROR(WithContext(SlowDevices(options_.slowdown, &devices_), "worker"));
+  if (options_.slowdown > 1) {
+    GT_LOG(INFO) << "slowed: every device computes on the CPU " << options_.slowdown
+                 << " times slower than it can (--slowdown): its step times are EMULATED, its losses real";
+  }
   if (options_.state_dir.empty()) {
     // One directory per worker: workers on one machine must not share a shard cache (one relaying shards to the
     // other would wait on the cache's lock held by the other's fetch).
@@ -236,6 +242,10 @@ absl::Status WorkerServer::Start() {
     metrics_->Gauges("geotrain_timed_compute", "1 when the worker's compute is emulated (timed compute), else 0")
         .Add({{"site", options_.site}})
         .Set(options_.timed_compute ? 1 : 0);
+    // Above 1 when this worker's CPU is slowed (--slowdown): its step times are emulated too.
+    metrics_->Gauges("geotrain_slowdown", "The factor this worker's compute is slowed by (--slowdown), 1 when not")
+        .Add({{"site", options_.site}})
+        .Set(options_.slowdown);
     StartGpuTelemetry();
   }
   links_ = std::make_unique<LinkMetrics>(metrics_.get(), options_.site);

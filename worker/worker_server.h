@@ -73,6 +73,9 @@ struct WorkerOptions {
   // timed_profiles[i], waiting the device's time instead of computing. Needs one profile per emulated device.
   bool timed_compute = false;
   std::vector<DeviceProfile> timed_profiles;
+  // Slowed CPU devices (--slowdown, docs/timed-compute.md): a factor >= 1 by which every device's compute is slowed,
+  // for sites of unequal speed with real numerics; 1: not slowed. Refused with timed compute or CUDA devices.
+  double slowdown = 1;
   // Addresses for peers at given sites (site -> host:port), e.g. routes through a WAN emulator.
   std::map<std::string, std::string> address_for_site;
   // How often to probe latency and bandwidth to the other workers; 0 disables probing.

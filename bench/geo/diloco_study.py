@@ -97,8 +97,8 @@ def spec_text(name, data, steps, eval_every, model, sync, inner_steps=0, codec="
     if sync == "diloco":
         text += (f"diloco: {{inner_steps: {inner_steps}, outer_lr: {outer[0]:g}, outer_momentum: {outer[1]:g}, "
                  f"codec: {quote_codec(codec)}, fragments: {fragments}"
-                 # only when set: binaries before 0211591 refuse the key, and the recorded rows name some
-                 + (f", inner_lr_scale: {inner_lr_scale:g}" if inner_lr_scale != 1 else "") + "}\n")
+                 # always given: its default is sqrt(groups) since 2026-12-07, and the recorded runs pin theirs
+                 f", inner_lr_scale: {inner_lr_scale:g}}}\n")
     return text
 
 

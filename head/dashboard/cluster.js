@@ -39,7 +39,8 @@ function workerRows(status) {
     const devices = w.devices.map((d) => GT.el("div", {},
       `${d.name} · ${GT.bytes(d.memory_bytes)} · ${GT.fmt(d.tflops, 1)} TFLOP/s`,
       d.kind === "DEVICE_KIND_EMULATED" && !d.timed_compute ? GT.el("span", { class: "muted small" }, " (emulated on CPU)") : null,
-      d.timed_compute ? GT.emulated() : null));
+      d.timed_compute ? GT.emulated() : null,
+      GT.num(d.slowdown) > 1 ? GT.emulated(GT.slowedTitle) : null));
     const actors = (actorsByWorker.get(w.worker_id) || []).map((a) => GT.el("div", { class: "mono" },
       GT.el("a", { href: "/job?id=" + encodeURIComponent(a.job_id) }, a.actor_id), " ", GT.stateName(a.state)));
     return [GT.el("span", { class: "mono" }, w.worker_id), w.site, GT.state(w.state), devices,
@@ -111,9 +112,13 @@ async function refresh() {
     card("Jobs running", byState.RUNNING || 0, `${byState.PENDING || 0} pending, ${byState.SUCCEEDED || 0} succeeded`),
     card("Failed or cancelled", (byState.FAILED || 0) + (byState.CANCELLED || 0)));
   const timed = status.workers.some((w) => w.devices.some((d) => d.timed_compute));
-  const banner = GT.replace("emulated-banner", timed ? [GT.emulated(),
-    " Some workers run on timed compute: their devices' times are emulated GPUs', nothing is computed."] : []);
-  banner.classList.toggle("hidden", !timed);
+  const slowed = status.workers.some((w) => w.devices.some((d) => GT.num(d.slowdown) > 1));
+  const banner = GT.replace("emulated-banner", [
+    timed ? [GT.emulated(), " Some workers run on timed compute: their devices' times are emulated GPUs', nothing is " +
+      "computed."] : [],
+    slowed ? [timed ? " " : null, GT.emulated(GT.slowedTitle), " Some workers' CPUs are slowed (worker --slowdown): " +
+      "their step times are emulated, their losses real."] : []].flat());
+  banner.classList.toggle("hidden", !timed && !slowed);
   GT.replace("sites", GT.table(["SITE", "ALIVE", "DEAD", "DEVICES", "TFLOP/S"], status.sites.map((s) =>
     [s.name, s.alive_workers, s.dead_workers, s.devices, GT.fmt(s.tflops, 1)]), [0, 1, 1, 1, 1]));
   const links = linkTable(status, info, rates);

@@ -63,6 +63,7 @@ GT.steps = (job) => GT.num(((job.spec || {}).train || {}).steps);
 GT.ended = (s) => ["JOB_SUCCEEDED", "JOB_FAILED", "JOB_CANCELLED"].includes(s);
 GT.emulated = (title) => GT.el("span", { class: "emulated", title: title ||
   "timed compute: emulated GPUs' times, nothing computed, no real loss (docs/timed-compute.md)" }, "EMULATED");
+GT.slowedTitle = "slowed CPU (worker --slowdown): its times are emulated, its numerics real (docs/timed-compute.md)";
 
 GT.fmt = function (v, digits) {
   v = GT.num(v);

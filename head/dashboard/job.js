@@ -20,6 +20,12 @@ async function fetchEvents() {
   }
 }
 
+// The largest factor a device of the job's steps was slowed by (worker --slowdown; 1: none): such steps' times are
+// emulated, their losses real.
+const slowdown = () => [...steps.values()].reduce((most, f) => Math.max(most, GT.num(f.slowdown)), 1);
+const slowedNote = (factor) => `slowed ${factor}x (worker --slowdown): a CPU made slower, so step times, tokens/s ` +
+  "and MFU are emulated; the loss is real (docs/timed-compute.md)";
+
 const series = (pick) => [...steps.entries()].sort((a, b) => a[0] - b[0])
   .map(([step, f]) => [step, pick(f)]).filter((p) => p[1] !== null && isFinite(p[1]));
 
@@ -34,6 +40,8 @@ function renderCards(job, efficiency) {
   const total = GT.steps(job);
   const valSteps = series((f) => (GT.num(f.val_loss) >= 0 && f.val_loss !== undefined ? GT.num(f.val_loss) : null));
   const timed = job.timed_compute;
+  const slowed = slowdown() > 1 && slowedNote(slowdown());
+  const timedOrSlowed = timed || slowed;
   const left = total - GT.num(job.step);
   const eta = job.state === "JOB_RUNNING" && left > 0 ? GT.seconds(left * GT.num(job.measured_step_seconds)) : "-";
   const mfu = GT.num(efficiency.mfu);
@@ -41,12 +49,13 @@ function renderCards(job, efficiency) {
     card("Step", `${job.step} / ${total}`, `ETA ${eta}`),
     card("Loss", timed ? "not real" : GT.fmt(job.loss, 4),
       valSteps.length ? `validation ${GT.fmt(valSteps[valSteps.length - 1][1], 4)}` : "no validation yet", timed),
-    card("Tokens/s", GT.fmt(job.tokens_per_second, 0), `${GT.seconds(job.measured_step_seconds)} per step`, timed),
+    card("Tokens/s", GT.fmt(job.tokens_per_second, 0), `${GT.seconds(job.measured_step_seconds)} per step`, timedOrSlowed),
     card("MFU", mfu > 0 ? GT.percent(mfu) : "-", `${GT.flops(efficiency.achieved_flops)} of ${GT.flops(efficiency.peak_flops)}` +
-      ` (${efficiency.devices} devices, ${efficiency.precision})`, timed || (efficiency.emulated_devices &&
+      ` (${efficiency.devices} devices, ${efficiency.precision})`, timedOrSlowed || (efficiency.emulated_devices &&
       "emulated devices: the peak is the emulated GPUs'; without timed compute the work ran on this machine's CPU")),
     card("Step time", GT.seconds(job.measured_step_seconds),
-      GT.num(job.predicted_step_seconds) > 0 ? `predicted ${GT.seconds(job.predicted_step_seconds)}` : "no prediction", timed),
+      GT.num(job.predicted_step_seconds) > 0 ? `predicted ${GT.seconds(job.predicted_step_seconds)}` : "no prediction",
+      timedOrSlowed),
     card("Restarts", job.restarts, `run ${job.attempt}`),
     card("Checkpoint", GT.num(job.last_checkpoint_step) > 0 ? `step ${job.last_checkpoint_step}` : "none",
       job.resumed_from ? "resumed from " + job.resumed_from.split("/").pop() : ""));
@@ -54,6 +63,7 @@ function renderCards(job, efficiency) {
 
 function renderCharts(job, efficiency) {
   const timed = job.timed_compute;
+  const emulated = timed ? " (EMULATED)" : slowdown() > 1 ? ` (EMULATED: slowed ${slowdown()}x)` : "";
   Charts.line("loss-chart", {
     series: timed ? [] : [
       { name: "training", points: series((f) => GT.num(f.loss)) },
@@ -69,17 +79,17 @@ function renderCharts(job, efficiency) {
       { name: "comm wait", points: series((f) => GT.num(f.comm_wait_seconds)) },
       { name: "bubble", points: series((f) => GT.num(f.bubble_seconds)) },
     ],
-    yLabel: timed ? "seconds (EMULATED)" : "seconds", zero: true,
+    yLabel: "seconds" + emulated, zero: true,
   });
   Charts.line("throughput-chart", {
     series: [{ name: "tokens/s", points: series((f) => GT.num(f.tokens_per_second)) }],
-    yLabel: timed ? "tokens/s (EMULATED)" : "tokens/s", zero: true,
+    yLabel: "tokens/s" + emulated, zero: true,
   });
   const peak = GT.num(efficiency.peak_flops), perToken = GT.num(efficiency.flops_per_token);
   Charts.line("mfu-chart", {
     series: peak > 0 && perToken > 0
       ? [{ name: "MFU %", points: series((f) => 100 * GT.num(f.tokens_per_second) * perToken / peak) }] : [],
-    yLabel: (timed || efficiency.emulated_devices ? "MFU % (EMULATED devices' peak)" : "MFU %") +
+    yLabel: (timed || efficiency.emulated_devices ? "MFU % (EMULATED devices' peak)" : "MFU %" + emulated) +
       ` in ${efficiency.precision}`, zero: true,
     empty: "MFU: no devices or no steps yet",
   });
@@ -87,7 +97,7 @@ function renderCharts(job, efficiency) {
   Charts.line("predicted-chart", {
     series: [{ name: "measured", points: series((f) => GT.num(f.step_seconds)) }],
     references: predicted > 0 ? [{ name: "predicted (planner)", value: predicted }] : [],
-    yLabel: timed ? "seconds (EMULATED)" : "seconds", zero: true,
+    yLabel: "seconds" + emulated, zero: true,
   });
   const pairs = new Set();
   for (const f of steps.values()) Object.keys(f.wan_bytes_by_pair || {}).forEach((p) => pairs.add(p));
@@ -171,11 +181,14 @@ async function refresh() {
   document.title = `geotrain: ${job.job_id}`;
   GT.replace("job-id", job.job_id);
   GT.replace("job-name", job.name);
-  GT.replace("job-state", GT.state(job.state), job.timed_compute ? GT.emulated() : null);
+  const slowed = !job.timed_compute && slowdown() > 1 ? slowedNote(slowdown()) : "";
+  GT.replace("job-state", GT.state(job.state), job.timed_compute || slowed ? GT.emulated(slowed || undefined) : null);
   GT.replace("job-message", job.message);
   const banner = GT.replace("emulated-banner", job.timed_compute ? [GT.emulated(), " This job runs on timed compute: its " +
-    "step times, tokens/s and MFU are emulated GPUs', and its loss is not real."] : []);
-  banner.classList.toggle("hidden", !job.timed_compute);
+    "step times, tokens/s and MFU are emulated GPUs', and its loss is not real."]
+    : slowed ? [GT.emulated(slowed), ` A device of this job is slowed ${slowdown()}x (worker --slowdown): its step ` +
+      "times, tokens/s and MFU are emulated, and its loss is real."] : []);
+  banner.classList.toggle("hidden", !job.timed_compute && !slowed);
   document.getElementById("cancel").classList.toggle("hidden", GT.ended(job.state));
   renderCards(job, efficiency);
   renderCharts(job, efficiency);

@@ -2,7 +2,7 @@
 come up; cross-site paths measured by the workers show the configured one-way latency; `status` needs
 no flags; `down` leaves none of the started processes running. A one-site topology (no links) comes up without
 the emulator, says so, and its workers join. A worker that exits before it joins fails `cluster up` at once, with
-the worker's last log line.
+the worker's last log line. `--slowdown` starts the workers it names slowed, and bad entries are refused.
 
 Usage: cluster_up_test.py PATH/TO/geotrain REPO_ROOT
 """
@@ -97,6 +97,49 @@ class ClusterUpTest(unittest.TestCase):
             self.assertIn("no WAN emulator", shown)
             self.assertIn("2 of 2 workers alive", shown)
             self.assertIn("stopped 3 process(es)", run("cluster", "down").stdout)  # head, two workers
+        except Exception:
+            run("cluster", "down", check=False)
+            raise
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+    def test_slowed_workers(self):
+        # `cluster up --slowdown NAME=F` by site and by worker id: those workers start with `worker start --slowdown`,
+        # so their devices report the factor and their TFLOP/s divided by it. Bad entries are refused before anything
+        # runs, and so are `worker start`'s bad factors and --slowdown with --timed-compute.
+        home = tempfile.mkdtemp(prefix="geotrain_cluster_")
+        run = cli_in(home)
+        try:
+            topo = os.path.join(home, "two-sites.yaml")
+            with open(topo, "w") as f:
+                f.write("sites:\n  - {name: fast, workers: [{device: T4}]}\n"
+                        "  - {name: slow, workers: [{device: T4}, {device: T4}]}\n")
+            for args, why in [(["--slowdown", "nowhere=2"], "no site or worker nowhere"),
+                              (["--slowdown", "slow=0.5"], "--slowdown 0.5: the factor must be a finite number >= 1"),
+                              (["--slowdown", "slow"], "expected SITE=FACTOR"),
+                              (["--slowdown", "slow=2", "--timed-compute"], "use one or the other")]:
+                r = run("cluster", "up", topo, *args, check=False)
+                self.assertNotEqual(r.returncode, 0, args)
+                self.assertIn(why, r.stderr, args)
+                self.assertFalse(os.path.exists(os.path.join(home, "cluster", "cluster.json")), args)
+            for args, why in [(["--slowdown", "0.5"], "--slowdown 0.5: the factor must be a finite number >= 1"),
+                              (["--slowdown", "2", "--emulate-device", "H100", "--timed-compute"],
+                               "use one or the other")]:
+                r = run("worker", "start", "--site", "x", "--head", "127.0.0.1:1", "--token", "t", *args, check=False)
+                self.assertNotEqual(r.returncode, 0, args)
+                self.assertIn(why, r.stderr, args)
+
+            out = run("cluster", "up", topo, "--slowdown", "slow=2", "--slowdown", "slow-1=4").stdout
+            self.assertIn("slowed CPUs (--slowdown): slow-0 2x, slow-1 4x", out)
+            devices = {w["worker_id"]: w["devices"][0] for w in json.loads(run("status", "--json").stdout)["workers"]}
+            self.assertEqual(devices["fast-0"]["slowdown"], 0)
+            self.assertAlmostEqual(devices["fast-0"]["tflops"], 65)
+            for worker, factor in [("slow-0", 2), ("slow-1", 4)]:
+                self.assertEqual(devices[worker]["slowdown"], factor)
+                self.assertAlmostEqual(devices[worker]["tflops"], 65 / factor)
+                self.assertEqual(devices[worker]["name"], f"T4 (EMULATED: slowed {factor}x)")
+            self.assertIn("T4 (EMULATED: slowed 4x)", run("status").stdout)
+            self.assertIn("stopped 4 process(es)", run("cluster", "down").stdout)  # head, three workers
         except Exception:
             run("cluster", "down", check=False)
             raise

@@ -120,7 +120,11 @@ class StepFigures(_Result):
     val_loss: Optional[float] = None  # mean validation loss over the replicas; None: not evaluated at this step
     timed_compute: bool = False  # EMULATED: an emulated GPU's time was waited, nothing computed; loss not real
     loss_scale: float = 1.0  # fp16: the step's loss scale
-    skipped: bool = False  # fp16: the gradients overflowed and the step was skipped
+    skipped: bool = False  # fp16: the gradients overflowed and the step (or one of its inner steps) was skipped
+    outer_sync_seconds: float = 0.0  # DiLoCo: blocked at the outer sync (time-paced: waiting for the other groups)
+    slowdown: float = 0.0  # EMULATED when > 1: a device was slowed by worker --slowdown (this factor)
+    replica_tokens: int = 0  # the tokens one replica trained (an actor's report; 0 in the job's aggregate)
+    inner_steps: int = 0  # DiLoCo sync time: the most inner steps a group took in the step (else 1)
     time: Optional[datetime.datetime] = None  # when the head recorded the step (from its event; None otherwise)
 
     @staticmethod
@@ -242,6 +246,7 @@ class Device(_Result):
     fp32_tflops: float  # dense peak in each precision the device supports (0: not supported)
     fp16_tflops: float
     bf16_tflops: float
+    slowdown: float = 0.0  # EMULATED when > 1: a CPU slowed by this factor (worker --slowdown); tflops divided by it
 
     @staticmethod
     def from_proto(device):
