@@ -227,44 +227,44 @@ void JobRecovery::HandleFault(const PendingFault& p) {
                            })
                   .status(),
               p.job_id, "recording the fault");
-  auto moved =
-      jobs_->Transition(p.job_id, JOB_RESTARTING,
+  if (!MoveToRestarting(p,
                         absl::StrCat(p.cause, "; restarting (", p.restarts + 1, " of ",
-                                     max_restarts < 0 ? std::string("unlimited") : absl::StrCat(max_restarts), ")"));
-  if (!moved.ok() && moved.status().code() == absl::StatusCode::kUnavailable) {
-    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING (will retry)");  // the fault stays to be handled
-    return;
-  }
-  if (!moved.ok()) {  // cancelled meanwhile
-    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING");
-    absl::MutexLock lock(&runs_->mu);
-    if (auto it = runs_->by_job.find(p.job_id); it != runs_->by_job.end()) it->second.phase = RunPhase::kEnded;
+                                     max_restarts < 0 ? std::string("unlimited") : absl::StrCat(max_restarts), ")"))) {
     return;
   }
   metrics_->CountRestart(p.job_id);
   // The surviving actors stop now (their receives end at once), before the next run is placed.
   launcher_->StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
-  absl::MutexLock lock(&runs_->mu);
-  auto it = runs_->by_job.find(p.job_id);
-  if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault) return;
-  it->second.phase = RunPhase::kRecovering;
-  it->second.restarts = p.restarts + 1;
-  it->second.waiting_message.clear();
-  runs_->kicked = true;
+  Recovering(p, /*restarts=*/p.restarts + 1);
 }
 
-void JobRecovery::HandleLeave(const PendingFault& p) {
-  auto moved = jobs_->Transition(p.job_id, JOB_RESTARTING, p.cause);
+bool JobRecovery::MoveToRestarting(const PendingFault& p, const std::string& message) {
+  auto moved = jobs_->Transition(p.job_id, JOB_RESTARTING, message);
   if (!moved.ok() && moved.status().code() == absl::StatusCode::kUnavailable) {
-    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING (will retry)");  // the leave stays to be handled
-    return;
+    LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING (will retry)");  // the fault stays to be handled
+    return false;
   }
   if (!moved.ok()) {  // cancelled meanwhile
     LogIfFailed(moved.status(), p.job_id, "moving to RESTARTING");
     absl::MutexLock lock(&runs_->mu);
     if (auto it = runs_->by_job.find(p.job_id); it != runs_->by_job.end()) it->second.phase = RunPhase::kEnded;
-    return;
+    return false;
   }
+  return true;
+}
+
+void JobRecovery::Recovering(const PendingFault& p, int restarts) {
+  absl::MutexLock lock(&runs_->mu);
+  auto it = runs_->by_job.find(p.job_id);
+  if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault) return;
+  it->second.phase = RunPhase::kRecovering;
+  it->second.restarts = restarts;
+  it->second.waiting_message.clear();
+  runs_->kicked = true;
+}
+
+void JobRecovery::HandleLeave(const PendingFault& p) {
+  if (!MoveToRestarting(p, p.cause)) return;
   LogIfFailed(jobs_
                   ->Update(p.job_id,
                            [&](JobInfo& j) {
@@ -277,12 +277,7 @@ void JobRecovery::HandleLeave(const PendingFault& p) {
   metrics_->CountLeave(p.job_id);
   // Actors that left stopped by themselves; those of a drain that gave up are stopped now.
   if (!p.all_left) launcher_->StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
-  absl::MutexLock lock(&runs_->mu);
-  auto it = runs_->by_job.find(p.job_id);
-  if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault) return;
-  it->second.phase = RunPhase::kRecovering;
-  it->second.waiting_message.clear();
-  runs_->kicked = true;
+  Recovering(p, /*restarts=*/p.restarts);  // a leave uses no restart
 }
 
 absl::StatusOr<std::string> JobRecovery::ResumePoint(const std::string& job_id, const JobSpec& spec) {

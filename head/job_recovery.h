@@ -103,6 +103,10 @@ class JobRecovery {
   void HandleFault(const PendingFault& fault);
   // A leave's part of HandleFault: RESTARTING under its cause, the leave counted, any actor left stopped.
   void HandleLeave(const PendingFault& fault);
+  // Their common parts: the job to RESTARTING with `message` (false: not now, the fault stays to be handled; or the job
+  // was cancelled meanwhile, and its run ends), and the run to recovering with `restarts` used.
+  bool MoveToRestarting(const PendingFault& fault, const std::string& message);
+  void Recovering(const PendingFault& fault, int restarts);
   // Launches one recovering job again, or decides that it waits or fails (RecoverJobs, one job).
   void RecoverJob(const std::string& job_id);
 
