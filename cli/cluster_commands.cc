@@ -28,6 +28,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -111,12 +112,24 @@ std::string LastLogLine(const std::string& path) {
   return last;
 }
 
-// Starts argv[0] in its own session with stdout and stderr appended to `log`; returns its pid.
+// Starts argv[0] in its own session with stdout and stderr appended to `log`, and OMP_WAIT_POLICY=PASSIVE unless the
+// environment sets a policy; returns its pid.
 // The child runs only async-signal-safe calls: gRPC threads may hold allocator or stdio locks at fork.
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // The cluster's processes share this machine: their OpenMP threads sleep at barriers rather than spin against each
+  // other's (a spinning team takes the cores another worker needs), unless the caller chose a policy.
+  static char kPassive[] = "OMP_WAIT_POLICY=PASSIVE";
+  std::vector<char*> env;
+  bool policy_set = false;
+  for (char** e = environ; *e != nullptr; ++e) {
+    env.push_back(*e);
+    policy_set = policy_set || std::string_view(*e).starts_with("OMP_WAIT_POLICY=");
+  }
+  if (!policy_set) env.push_back(kPassive);
+  env.push_back(nullptr);
   const char* log_path = log.c_str();
   static constexpr char kExecFailed[] = "geotrain cluster: cannot execute the binary\n";
   const pid_t pid = ::fork();
@@ -130,7 +143,7 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
     }
     const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (null >= 0) ::dup2(null, STDIN_FILENO);
-    ::execv(args[0], args.data());
+    ::execve(args[0], args.data(), env.data());
     ssize_t ignored = ::write(STDERR_FILENO, kExecFailed, sizeof(kExecFailed) - 1);
     (void)ignored;
     ::_exit(127);

@@ -24,7 +24,8 @@ ROOT = sys.argv.pop(1)
 def cli_in(home):
     """A function that runs geotrain with GEOTRAIN_HOME=home (and no head or token from this environment)."""
     env = dict(os.environ, GEOTRAIN_HOME=home)
-    for k in ("GEOTRAIN_HEAD", "GEOTRAIN_TOKEN", "GEOTRAIN_TOKEN_FILE"):
+    # OMP_WAIT_POLICY too (`make test` sets it): cluster up chooses the cluster's own.
+    for k in ("GEOTRAIN_HEAD", "GEOTRAIN_TOKEN", "GEOTRAIN_TOKEN_FILE", "OMP_WAIT_POLICY"):
         env.pop(k, None)
 
     def run(*args, check=True):
@@ -70,6 +71,10 @@ class ClusterUpTest(unittest.TestCase):
                 record = f.read()
             pids = [int(p) for p in __import__("re").findall(r'"pid": "(\d+)"', record)]
             self.assertEqual(len(pids), 6)  # emulator, head, four workers
+            # The cluster's processes share the machine: their OpenMP threads sleep at barriers, not spin.
+            for pid in pids:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    self.assertIn(b"OMP_WAIT_POLICY=PASSIVE", f.read().split(b"\0"), f"process {pid}")
             self.assertIn("stopped 6 process(es)", run("cluster", "down").stdout)
             for pid in pids:
                 alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/cmdline").read() != ""
