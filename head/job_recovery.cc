@@ -135,20 +135,29 @@ void JobRecovery::OnWorkerDead(const WorkerInfo& worker) {
   }
 }
 
+JobRun* JobRecovery::MarkFault(const std::string& job_id, int64_t attempt, const std::string& cause) {
+  auto it = runs_->by_job.find(job_id);
+  if (it == runs_->by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) {
+    return nullptr;
+  }
+  JobRun& run = it->second;
+  run.phase = RunPhase::kFault;
+  run.fault_cause = cause;
+  run.fault_permanent = false;
+  run.fault_detected_ms = clock_->NowMillis();
+  run.fault_unix_ms = clock_->UnixMillis();
+  run.fault_step = run.last_step;
+  run.leaving = false;
+  runs_->kicked = true;
+  return &run;
+}
+
 void JobRecovery::Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent) {
   {
     absl::MutexLock lock(&runs_->mu);
-    auto it = runs_->by_job.find(job_id);
-    if (it == runs_->by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
-    JobRun& run = it->second;
-    run.phase = RunPhase::kFault;
-    run.fault_cause = cause;
-    run.fault_permanent = permanent;
-    run.fault_detected_ms = clock_->NowMillis();
-    run.fault_unix_ms = clock_->UnixMillis();
-    run.fault_step = run.last_step;
-    run.leaving = false;
-    runs_->kicked = true;
+    JobRun* run = MarkFault(job_id, attempt, cause);
+    if (run == nullptr) return;
+    run->fault_permanent = permanent;
   }
   GT_LOG(WARNING) << "job " << job_id << " (run " << attempt << "): fault: " << cause;
 }
@@ -157,21 +166,15 @@ void JobRecovery::Leave(const std::string& job_id, int64_t attempt, const std::s
                         const std::string& workers, int64_t started_ms, bool stop_actors) {
   {
     absl::MutexLock lock(&runs_->mu);
-    auto it = runs_->by_job.find(job_id);
-    if (it == runs_->by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
-    JobRun& run = it->second;
-    run.phase = RunPhase::kFault;
-    run.fault_cause = cause;
-    run.fault_permanent = false;
-    run.fault_detected_ms = started_ms;
-    run.fault_unix_ms = clock_->UnixMillis();
-    run.fault_step = run.last_step;
+    JobRun* found = MarkFault(job_id, attempt, cause);
+    if (found == nullptr) return;
+    JobRun& run = *found;
+    run.fault_detected_ms = started_ms;  // a leave's cost counts from the drain's start
     run.leaving = true;
     run.leaving_workers = workers;
     run.leave_started_unix_ms = clock_->UnixMillis() - (clock_->NowMillis() - started_ms);
     run.drain.handed_over = true;
     run.drain.gave_up = stop_actors;  // HandleLeave stops the actors then
-    runs_->kicked = true;
   }
   GT_LOG(INFO) << "job " << job_id << " (run " << attempt << "): leaves " << workers << ": " << cause;
 }

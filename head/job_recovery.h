@@ -106,6 +106,10 @@ class JobRecovery {
   // Their common parts: the job to RESTARTING with `message` (false: not now, the fault stays to be handled; or the job
   // was cancelled meanwhile, and its run ends), and the run to recovering with `restarts` used.
   bool MoveToRestarting(const PendingFault& fault, const std::string& message);
+  // Under JobRuns::mu: moves the run `attempt` of the job to kFault with `cause`, detected now, and wakes the control
+  // thread; null (nothing done) when that run is not the current one or is not running.
+  JobRun* MarkFault(const std::string& job_id, int64_t attempt, const std::string& cause)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(runs_->mu);
   void Recovering(const PendingFault& fault, int restarts);
   // Launches one recovering job again, or decides that it waits or fails (RecoverJobs, one job).
   void RecoverJob(const std::string& job_id);
