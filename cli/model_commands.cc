@@ -156,6 +156,7 @@ struct TimedStepArgs {
   std::string model = "gpt2";
   std::string device = "H100";
   std::string profiles;
+  std::string precision = "bf16";
   int batch = 1, seq_len = 1024, microbatches = 1;
   bool json = false;
 };
@@ -170,16 +171,18 @@ int TimedStep(const TimedStepArgs& a) {
       return Fail(c.status());
   }
   if (absl::Status s = worker::TimedDeviceName(*profile).status(); !s.ok()) return Fail(s);
-  absl::StatusOr<double> seconds =
-      model::PredictTrainingStepSeconds(*config, a.batch, a.seq_len, a.microbatches, profile->roofline());
+  absl::StatusOr<model::Precision> precision = model::ParsePrecision(a.precision);
+  if (!precision.ok()) return Fail(precision.status());
+  const model::Roofline r = profile->roofline(*precision);
+  absl::StatusOr<double> seconds = model::PredictTrainingStepSeconds(*config, a.batch, a.seq_len, a.microbatches, r);
   if (!seconds.ok()) return Fail(seconds.status());
-  const model::Roofline r = profile->roofline();
   if (a.json) {
     const Json json = {{"model", a.model},
                        {"device", profile->name},
                        {"batch", a.batch},
                        {"seq_len", a.seq_len},
                        {"microbatches", a.microbatches},
+                       {"precision", a.precision},
                        {"achieved_tflops", JsonFigure(r.flops_per_s / 1e12, 6)},
                        {"achieved_bandwidth_gbs", JsonFigure(r.bytes_per_s / 1e9, 6)},
                        {"launch_us", JsonFigure(r.launch_s * 1e6, 6)},
@@ -188,10 +191,10 @@ int TimedStep(const TimedStepArgs& a) {
     std::printf("%s\n", DumpJson(json).c_str());
   } else {
     std::printf(
-        "EMULATED %s step of %s, %d x %d microbatch x %d: %.6f s (%.1f TFLOP/s, %.0f GB/s achieved, %.0f us "
+        "EMULATED %s step of %s in %s, %d x %d microbatch x %d: %.6f s (%.1f TFLOP/s, %.0f GB/s achieved, %.0f us "
         "per op; %s)\n",
-        profile->name.c_str(), a.model.c_str(), a.batch, a.seq_len, a.microbatches, *seconds, r.flops_per_s / 1e12,
-        r.bytes_per_s / 1e9, r.launch_s * 1e6, profile->source.c_str());
+        profile->name.c_str(), a.model.c_str(), a.precision.c_str(), a.batch, a.seq_len, a.microbatches, *seconds,
+        r.flops_per_s / 1e12, r.bytes_per_s / 1e9, r.launch_s * 1e6, profile->source.c_str());
   }
   return 0;
 }
@@ -206,6 +209,9 @@ void AddTimedStepCommand(CLI::App* model_cmd, Context& context) {
   cmd->add_option("--batch", args->batch, "microbatch size B")->capture_default_str();
   cmd->add_option("--seq-len", args->seq_len, "sequence length T")->capture_default_str();
   cmd->add_option("--microbatches", args->microbatches, "microbatches per step")->capture_default_str();
+  cmd->add_option("--precision", args->precision,
+                  "bf16, fp16 (the tensor cores' peak) or fp32 (a known GPU's CUDA cores' peak)")
+      ->capture_default_str();
   AddJsonFlag(cmd, &args->json);
   cmd->callback([&context, args]() { context.exit_code = TimedStep(*args); });
 }

@@ -356,6 +356,7 @@ absl::Status ApplySearchFlags(const PlanFlags& flags, bool from_spec, scheduler:
                               scheduler::PlannerOptions* options) {
   if (!from_spec || flags.codecs_given) {
     job->codecs.clear();
+    job->codec_on_every_link = false;  // a what-if: the cheapest of them per link
     for (absl::string_view name : absl::StrSplit(flags.codecs, ',', absl::SkipEmpty())) {
       if (name == "none") continue;
       absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));

@@ -55,6 +55,9 @@ struct CodecSpec {
   // sparse). What they hold back in the residual reaches the receiver only with a later tensor, which a gradient's
   // sum over steps absorbs and an activation, used once, does not.
   bool gradients_only() const { return error_feedback(); }
+  // Whether the encoder refuses non-finite input (infinities, NaN): int8 (its scale would be infinite) and every
+  // gradients-only codec. fp16's overflow steps need a codec that carries them (none, fp16, bf16).
+  bool finite_only() const { return kind == CodecKind::kInt8 || gradients_only(); }
   // The canonical name, which ParseCodecSpec accepts and parses back to the same codec: "bf16+zstd", "topk:0.01",
   // "int8+zstd:3", "sparse:0.02:2".
   std::string ToString() const;

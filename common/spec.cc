@@ -526,6 +526,12 @@ absl::Status ValidateTopology(Topology* topology) {
         if (w.tflops() <= 0) w.set_tflops(known->tflops);
         if (w.mem_gb() <= 0) w.set_mem_gb(known->mem_gb);
       }
+      RETURN_IF_ERROR(CheckRange("topology", absl::StrCat("site '", site.name(), "': compute_capability"),
+                                 w.compute_capability(), 0, 1000));
+      RETURN_IF_ERROR(
+          CheckRange("topology", absl::StrCat("site '", site.name(), "': fp32_tflops"), w.fp32_tflops(), 0.0, 1e6));
+      if (known != nullptr && w.compute_capability() == 0) w.set_compute_capability(known->compute_capability);
+      if (known != nullptr && w.fp32_tflops() == 0) w.set_fp32_tflops(known->fp32_tflops);
     }
   }
   std::set<std::pair<std::string, std::string>> seen;

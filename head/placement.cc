@@ -110,6 +110,8 @@ absl::StatusOr<PlanningCluster> ClusterForPlanning(const std::vector<WorkerInfo>
       device.name = w->devices(d).name();
       device.tflops = std::max(1e-3, PeakTflops(w->devices(d), precision));
       device.mem_bytes = static_cast<double>(w->devices(d).memory_bytes());
+      device.compute_capability = w->devices(d).compute_capability();
+      device.fp32_tflops = w->devices(d).fp32_tflops();
       out.grpc_collectives = out.grpc_collectives || w->devices(d).kind() != DEVICE_KIND_CUDA;
       out.device_of[{w->worker_id(), d}] = static_cast<int>(cluster.devices.size());
       cluster.devices.push_back(device);
@@ -165,13 +167,8 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
     }
   }
   // fp16's overflow steps send infinities through the gradient all-reduces, which int8 and the gradients-only codecs
-  // (top-k, int4, sparse: CodecSpec::gradients_only) cannot encode (they refuse non-finite input): fp16 needs a WAN
-  // and LAN codec that carries them (none, fp16, bf16).
-  std::string lossy;
-  for (const std::string* codec : {&spec.comm().wan_codec(), &spec.comm().lan_codec()}) {
-    absl::StatusOr<CodecSpec> parsed = ParseCodecSpec(*codec);
-    if (parsed.ok() && (parsed->kind == CodecKind::kInt8 || parsed->gradients_only())) lossy = *codec;
-  }
+  // cannot encode: fp16 needs a WAN and LAN codec that carries them (model::FiniteOnlyCodec).
+  const std::string lossy = model::FiniteOnlyCodec(spec.comm());
   const std::string& asked = spec.train().precision();
   PrecisionChoice choice;
   if (asked.empty() || asked == "auto") {
@@ -182,20 +179,21 @@ absl::StatusOr<PrecisionChoice> ChoosePrecision(const JobSpec& spec, const std::
     }
     if (oldest == nullptr) {
       choice.explanation = "precision fp32 (auto: the job runs on CPUs)";
-    } else if (model::PrecisionSupported(model::Precision::kBf16, oldest->device->compute_capability())) {
-      choice.precision = model::Precision::kBf16;
-      choice.explanation = absl::StrCat("precision bf16 (auto: every GPU of the job has compute capability ",
-                                        model::ComputeCapabilityName(model::kBf16MinComputeCapability),
-                                        " or more; the oldest is ", describe(*oldest), ")");
-    } else if (!lossy.empty()) {
-      choice.explanation = absl::StrCat("precision fp32 (auto: ", describe(*oldest),
-                                        " has no bf16, and fp16's overflow steps cannot go through the ", lossy,
-                                        " codec; with wan_codec bf16 or fp16 auto would choose fp16)");
     } else {
-      choice.precision = model::Precision::kFp16;
-      choice.explanation = absl::StrCat("precision fp16 with dynamic loss scaling (auto: ", describe(*oldest),
-                                        " has no bf16, which needs compute capability ",
-                                        model::ComputeCapabilityName(model::kBf16MinComputeCapability), ")");
+      choice.precision = model::AutoPrecision(oldest->device->compute_capability(), !lossy.empty());
+      if (choice.precision == model::Precision::kBf16) {
+        choice.explanation = absl::StrCat("precision bf16 (auto: every GPU of the job has compute capability ",
+                                          model::ComputeCapabilityName(model::kBf16MinComputeCapability),
+                                          " or more; the oldest is ", describe(*oldest), ")");
+      } else if (choice.precision == model::Precision::kFp32) {
+        choice.explanation = absl::StrCat("precision fp32 (auto: ", describe(*oldest),
+                                          " has no bf16, and fp16's overflow steps cannot go through the ", lossy,
+                                          " codec; with wan_codec bf16 or fp16 auto would choose fp16)");
+      } else {
+        choice.explanation = absl::StrCat("precision fp16 with dynamic loss scaling (auto: ", describe(*oldest),
+                                          " has no bf16, which needs compute capability ",
+                                          model::ComputeCapabilityName(model::kBf16MinComputeCapability), ")");
+      }
     }
   } else {
     ASSIGN_OR_RETURN(choice.precision, model::ParsePrecision(asked));
@@ -450,6 +448,35 @@ absl::StatusOr<std::vector<int>> RequiredSites(const ParallelSpec& parallel, con
   return std::vector<int>(required.begin(), required.end());
 }
 
+// A plan that leaves out devices of a site it uses that differ from the ones it uses (a slower type, a GPU without
+// bf16 for a job that would train in fp32 on it) names the workers of its actors, not only their sites: PlaceActors
+// takes a site's free devices in the order of its workers, and could take the ones left out.
+void PinWorkersWhereTheChoiceMatters(const scheduler::Cluster& cluster,
+                                     const std::map<std::pair<std::string, int>, int>& device_of,
+                                     const scheduler::Plan& plan, ParallelSpec* parallel) {
+  std::map<int, std::string> worker_of;  // Cluster::devices index -> worker id
+  for (const auto& [key, index] : device_of) worker_of[index] = key.first;
+  std::set<int> used;
+  for (const auto& replica : plan.devices)
+    for (const auto& stage : replica) used.insert(stage.begin(), stage.end());
+  auto kind = [&](int d) { return std::make_pair(cluster.devices[d].name, cluster.devices[d].compute_capability); };
+  std::set<int> sites_to_pin;
+  for (int d = 0; d < static_cast<int>(cluster.devices.size()); ++d) {
+    if (used.count(d)) continue;
+    for (int u : used) {
+      if (cluster.devices[u].site == cluster.devices[d].site && kind(u) != kind(d)) {
+        sites_to_pin.insert(cluster.devices[d].site);
+      }
+    }
+  }
+  for (PlacementSpec& p : *parallel->mutable_placement()) {
+    if (p.replica() >= plan.dp || p.stage() >= plan.pp || p.tp_rank() >= plan.tp) continue;
+    const int d = plan.devices[p.replica()][p.stage()][p.tp_rank()];
+    if (!sites_to_pin.count(cluster.devices[d].site) || !worker_of.count(d)) continue;
+    p.set_worker(worker_of[d]);  // the site stays: the plan's sites read the same
+  }
+}
+
 absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::vector<WorkerInfo>& workers,
                                               const std::vector<SiteLink>& links, int max_plans) {
   ASSIGN_OR_RETURN(scheduler::SpecPlanning planning, scheduler::PlanningForSpec(spec));
@@ -501,6 +528,7 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
     }
     RankedAutoPlan plan;
     scheduler::FillParallelSpec(manual, &plan.parallel);
+    PinWorkersWhereTheChoiceMatters(cluster, planning_cluster.device_of, candidate.plan, &plan.parallel);
     JobSpec check = spec;
     *check.mutable_parallel() = plan.parallel;
     if (!ValidateJobSpec(check).ok()) continue;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/codec_spec.h"
 
 namespace geotrain::model {
 namespace {
@@ -55,6 +56,20 @@ bool PrecisionSupported(Precision precision, int compute_capability) {
       return compute_capability >= kBf16MinComputeCapability;
   }
   return false;
+}
+
+std::string FiniteOnlyCodec(const CommSpec& comm) {
+  for (const std::string* codec : {&comm.wan_codec(), &comm.lan_codec()}) {
+    absl::StatusOr<CodecSpec> parsed = ParseCodecSpec(*codec);
+    if (parsed.ok() && parsed->finite_only()) return *codec;
+  }
+  return "";
+}
+
+Precision AutoPrecision(int oldest_compute_capability, bool finite_only_codec) {
+  if (oldest_compute_capability == 0) return Precision::kFp32;
+  if (PrecisionSupported(Precision::kBf16, oldest_compute_capability)) return Precision::kBf16;
+  return finite_only_codec ? Precision::kFp32 : Precision::kFp16;
 }
 
 std::string ComputeCapabilityName(int compute_capability) {

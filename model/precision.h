@@ -38,6 +38,16 @@ bool PrecisionSupported(Precision precision, int compute_capability);
 // "7.5" for 75.
 std::string ComputeCapabilityName(int compute_capability);
 
+// The first of a job's codecs (comm.wan_codec, then comm.lan_codec) that refuses non-finite values (int8, and the
+// gradients-only top-k, int4 and sparse), which fp16's overflow steps send through the all-reduces; "" when none
+// does (or a name does not parse: the spec's validation reports that).
+std::string FiniteOnlyCodec(const CommSpec& comm);
+// What train.precision auto resolves to for GPUs whose oldest has compute capability `oldest_compute_capability`
+// (0: the job runs on CPUs only, in fp32): bf16 from Ampere on; before it fp16, unless a codec of the job refuses
+// fp16's infinities (`finite_only_codec`, FiniteOnlyCodec), then fp32. The head resolves a job's precision by it
+// (head/placement.h ChoosePrecision) and the planner predicts with it (scheduler/cost_model.h).
+Precision AutoPrecision(int oldest_compute_capability, bool finite_only_codec);
+
 // x rounded to bf16 / fp16 (IEEE binary16) and back to float, to nearest with ties to even. fp16: magnitudes
 // that round past 65504 become infinity (as a GPU's conversion does), below 2^-14 they lose precision
 // (subnormals) and below 2^-25 become zero. NaN stays NaN, infinities and signed zeros stay.

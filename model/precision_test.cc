@@ -74,6 +74,24 @@ TEST(PrecisionTest, NamesAndSupportByComputeCapability) {
   EXPECT_EQ(ComputeCapabilityName(86), "8.6");
 }
 
+// What auto resolves to (the head's choice and the planner's prediction): bf16 from Ampere, fp16 on Turing unless a
+// codec refuses its overflow steps' infinities, fp32 then and on CPUs.
+TEST(PrecisionTest, AutoFollowsTheOldestGpuAndTheCodecs) {
+  EXPECT_EQ(AutoPrecision(80, false), Precision::kBf16);
+  EXPECT_EQ(AutoPrecision(80, true), Precision::kBf16);
+  EXPECT_EQ(AutoPrecision(75, false), Precision::kFp16);
+  EXPECT_EQ(AutoPrecision(75, true), Precision::kFp32);
+  EXPECT_EQ(AutoPrecision(0, false), Precision::kFp32);
+  CommSpec comm;
+  EXPECT_EQ(FiniteOnlyCodec(comm), "");
+  comm.set_wan_codec("bf16");
+  EXPECT_EQ(FiniteOnlyCodec(comm), "");
+  comm.set_lan_codec("int8");
+  EXPECT_EQ(FiniteOnlyCodec(comm), "int8");
+  comm.set_wan_codec("sparse:0.02:2");
+  EXPECT_EQ(FiniteOnlyCodec(comm), "sparse:0.02:2");  // the WAN codec first
+}
+
 // The CPU backend in bf16 / fp16 multiplies exactly the rounded operands: the same as rounding them by hand and
 // multiplying in fp32. The bias gradient sums the unrounded dout.
 TEST(PrecisionTest, CpuBackendGemmsTakeRoundedInputs) {

@@ -71,6 +71,8 @@ absl::StatusOr<Cluster> ClusterFromTopology(const Topology& topology, const Clus
         d.name = worker.device().empty() ? "custom" : worker.device();
         d.tflops = worker.tflops();
         d.mem_bytes = worker.mem_gb() * 1e9;
+        d.compute_capability = worker.compute_capability();
+        d.fp32_tflops = worker.fp32_tflops();
         cluster.devices.push_back(d);
       }
     }

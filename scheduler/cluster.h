@@ -37,6 +37,10 @@ struct Device {
   std::string name;      // device model, e.g. "RTX6000"
   double tflops = 0;     // dense bf16/fp16 peak (or measured) TFLOP/s
   double mem_bytes = 0;  // device memory
+  // A GPU's compute capability (major * 10 + minor; 0: a CPU or unknown) and its fp32 peak TFLOP/s (0: unknown,
+  // then tflops stands for every precision): a job that trains in fp32 runs at that peak (JobOptions::precision).
+  int compute_capability = 0;
+  double fp32_tflops = 0;
 };
 
 struct Cluster {

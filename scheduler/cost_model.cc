@@ -293,6 +293,7 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
 }
 
 int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
+  if (job.codec_on_every_link && !activations && !job.codecs.empty()) return 0;
   int best = -1;
   double best_cost = 1.0 / link.bandwidth_bytes_per_s;
   for (int c = 0; c < static_cast<int>(job.codecs.size()); ++c) {
@@ -357,7 +358,7 @@ double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begi
 namespace internal {
 
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
-                             const std::vector<int>& member_sites, double bytes_per_rank, double collective_scale,
+                             const std::vector<int>& member_sites, double bytes_per_rank, const CollectiveHost& host,
                              std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec,
                              DpRing* ring) {
   const int n = static_cast<int>(member_sites.size());
@@ -371,7 +372,7 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   }
   const int tp = plan.tp;
   if (sites.size() == 1) {
-    const LinkSpec link = CollectiveLink(cluster, sites[0], collective_scale);
+    const LinkSpec link = CollectiveLink(cluster, sites[0], host.collective_scale);
     *ring = DpRing{n, link.latency_s, AllReduceRounds(n, bytes_per_rank) * link.latency_s, LinkSpec{}};
     return RingAllReduceSeconds(bytes_per_rank, n, link);
   }
@@ -381,7 +382,11 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   };
   // The sites' cyclic ring order is their index order; the slowest hop paces the ring.
   const int S = static_cast<int>(sites.size());
-  double worst_seconds_per_byte = 0, worst_wan_latency = 0;
+  // On a shared host the hierarchical all-reduce's leaders code at their own share of its cores: only they code
+  // while their ring runs (CollectiveHost::cores).
+  const double leader_codec_rescale =
+      host.cores > 0 ? std::min(1.0, host.cores / (host.concurrent_groups * S)) / host.codec_scale : 1;
+  double worst_seconds_per_byte = 0, worst_leader_seconds_per_byte = 0, worst_wan_latency = 0;
   LinkSpec worst_wan;
   for (int i = 0; i < S; ++i) {
     const int a = sites[i], b = sites[(i + 1) % S];
@@ -389,12 +394,15 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
     const int c = codec_of(a, b);
     const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
     worst_seconds_per_byte = std::max(worst_seconds_per_byte, spb);
+    Codec leaders_codec = c < 0 ? Codec{} : job.codecs[c];
+    leaders_codec.throughput_bytes_per_s *= leader_codec_rescale;
+    worst_leader_seconds_per_byte = std::max(worst_leader_seconds_per_byte, leaders_codec.SecondsPerByte(link));
     if (link.latency_s >= worst_wan_latency) worst_wan = link;
     worst_wan_latency = std::max(worst_wan_latency, link.latency_s);
   }
   double intra_latency = 0, intra_seconds_per_byte = 0;
   for (int s : sites) {
-    const LinkSpec link = CollectiveLink(cluster, s, collective_scale);
+    const LinkSpec link = CollectiveLink(cluster, s, host.collective_scale);
     intra_latency = std::max(intra_latency, link.latency_s);
     if (count[s] > 1) intra_seconds_per_byte = std::max(intra_seconds_per_byte, 1.0 / link.bandwidth_bytes_per_s);
   }
@@ -409,18 +417,26 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   // it k - 1 copies back. Both leaders' groups are gRPC all-reduces: two leaders exchange in one round.
   double intra = 0;
   bool shared_site = false;
+  int gathered = 0;  // the transfers of one gather (or copy back): every site's members but its leader
   for (int s : sites) {
     const int k = count[s];
     if (k <= 1) continue;
     shared_site = true;
-    const LinkSpec l = CollectiveLink(cluster, s, collective_scale);
+    gathered += k - 1;
+    const LinkSpec l = CollectiveLink(cluster, s, host.collective_scale);
     intra = std::max(intra, job.grpc_collectives
                                 ? (k - 1.0) * bytes_per_rank / l.bandwidth_bytes_per_s + l.latency_s
                                 : (k - 1.0) / k * bytes_per_rank / l.bandwidth_bytes_per_s + (k - 1) * l.latency_s);
   }
+  if (job.grpc_collectives && host.host_bytes_per_s > 0 && shared_site) {
+    // One host carries every site's gather at once (CollectiveHost).
+    intra =
+        bytes_per_rank * std::max(2.0, static_cast<double>(host.concurrent_groups) * gathered) / host.host_bytes_per_s +
+        intra_latency;
+  }
   const double leader_rounds = AllReduceRounds(S, bytes_per_rank);
-  const double hierarchical =
-      2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_seconds_per_byte + leader_rounds * worst_wan_latency;
+  const double hierarchical = 2 * intra + 2.0 * (S - 1) / S * bytes_per_rank * tp * worst_leader_seconds_per_byte +
+                              leader_rounds * worst_wan_latency;
   // What the runtime runs (worker/stage_collectives.cc): its gRPC groups the hierarchical all-reduce whenever a site
   // holds several of their replicas, else the ring; NCCL groups across sites always the hierarchical one.
   const bool use_flat = job.grpc_collectives && !shared_site;

@@ -17,6 +17,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -57,7 +58,7 @@ struct Codec {
   std::string name;
   double ratio = 1;
   double throughput_bytes_per_s = 0;  // 0: free (no codec)
-  bool for_activations = true;
+  bool for_activations = true;        // whether ChooseCodec may pick it for activations (the lossy ones: no)
   // Seconds per raw byte sent over `link`: max(ratio / bandwidth, 1 / throughput) + 1 / throughput (the sender
   // encodes chunk k + 1 while chunk k is on the wire; the receiver decodes the whole tensor).
   double SecondsPerByte(const LinkSpec& link) const;
@@ -67,6 +68,8 @@ struct Codec {
 // element), int4 and sparse:F:B (the runtime's own byte count, CodecRawPayloadBytes: int4 0.1406, sparse:0.02:2
 // 0.0090); "+zstd" multiplies the ratio by 0.9 and caps the throughput at 1 GB/s. Errors: the parser's.
 absl::StatusOr<Codec> ParseCodec(const std::string& name);
+
+inline constexpr std::string_view kFp32EfficiencySuffix = "@fp32";
 
 enum class Schedule { k1F1B, kGPipe };
 const char* ScheduleName(Schedule schedule);
@@ -78,8 +81,10 @@ struct JobOptions {
   double memory_headroom = 0.10;      // fraction of each device's memory kept free
   double fixed_memory_bytes = 1.0e9;  // runtime context, workspace, allocator slack per device
   double efficiency = 0.40;           // achieved / peak FLOP/s (MFU) for devices not in efficiency_by_device
-  std::map<std::string, double> efficiency_by_device;  // device name -> MFU, calibrated from runs
-  double optimizer_bytes_per_parameter = 8;            // Adam: two fp32 moments
+  // Device name -> MFU, calibrated from runs. NAME@fp32 (kFp32EfficiencySuffix): NAME's when the plan trains in fp32
+  // (on the CUDA cores, where less of the step is bound by memory than on the tensor cores); absent, NAME's.
+  std::map<std::string, double> efficiency_by_device;
+  double optimizer_bytes_per_parameter = 8;  // Adam: two fp32 moments
   // Fixed cost per layer and microbatch (kernel launches, framework): forward pays it once,
   // backward twice. It is what makes many tiny microbatches slower than fewer larger ones;
   // calibrate it with the efficiency.
@@ -144,6 +149,16 @@ struct JobOptions {
   // with sequential_sync, each gradient bucket's ring messages. 0: no window. Calibrated from a run across a long
   // link (bench/geo/timed_lib.py); inside a site the latency is a per-message cost, not a round trip.
   double wan_window_bytes = 0;
+  // The job's train.precision ("", auto, bf16, fp16, fp32) and whether a codec of the job refuses fp16's
+  // infinities (model::FiniteOnlyCodec). Simulate resolves auto as the head does (model::AutoPrecision over the
+  // plan's oldest GPU), and a plan that trains in fp32 computes at each device's fp32_tflops where it is known: a
+  // Turing GPU (no bf16) with an int8 codec trains in fp32, 8x slower than on its tensor cores.
+  std::string precision;
+  bool finite_only_codec = false;
+  // The runtime's rule (PlanningForSpec sets it): every gradient message across sites goes in codecs[0]
+  // (comm.wan_codec), whatever the link; activations as ChooseCodec picks. false: ChooseCodec picks the cheapest of
+  // `codecs` (or none) for each link and kind, as a what-if over codecs.
+  bool codec_on_every_link = false;
   double EfficiencyOf(const std::string& device) const;
 };
 
@@ -179,6 +194,7 @@ struct LinkTraffic {
 
 struct Prediction {
   bool fits = true;
+  std::string precision;      // what the plan trains in: bf16, fp16 or fp32 (JobOptions::precision resolved)
   std::string reject_reason;  // which device does not fit, with the numbers
   double step_time_s = 0;
   double tokens_per_s = 0;

@@ -69,12 +69,28 @@ struct DpRing {
   LinkSpec wan;                // its slowest hop across sites (a message's window); bandwidth 0 when none
 };
 
+// How a data-parallel all-reduce's transfers inside sites see the machine (JobOptions::sites_share_one_host).
+struct CollectiveHost {
+  double collective_scale = 1;  // of the bandwidth inside a site: a ring inside one site, a flat ring across sites
+  // > 0: every site's traffic goes through one host, which moves this many bytes per second in all (twice the
+  // bandwidth inside a site, whose calibration has two ranks sending at once). gRPC's hierarchical all-reduce then
+  // shares it among the transfers that run at once: in each of concurrent_groups groups (the stages' and tp
+  // ranks' groups, which all-reduce together), every site's members but its leader send it their tensor, and
+  // then it sends each of them the sum. One transfer alone goes at most at half of it.
+  double host_bytes_per_s = 0;
+  int concurrent_groups = 1;
+  // > 0: the host's cores, which the leaders of the concurrent groups share for their codecs while the leaders' ring
+  // runs, instead of the share of every rank of the plan at once that job.codecs' throughputs carry (codec_scale).
+  double cores = 0;
+  double codec_scale = 1;
+};
+
 // Gradient all-reduce of one stage's DP group (one per tp rank; the tp rings share the WAN), whose members sit in
 // member_sites. Returns the seconds, describes its ring in *ring and adds the wire bytes of every cross-site hop to
 // traffic[a][b] (ordered by direction) and the codec of each pair it crosses to used_codec[min][max]. The pointers
 // are the caller's and must not be null.
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
-                             const std::vector<int>& member_sites, double bytes_per_rank, double collective_scale,
+                             const std::vector<int>& member_sites, double bytes_per_rank, const CollectiveHost& host,
                              std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec,
                              DpRing* ring);
 

@@ -13,12 +13,14 @@
 #include "absl/strings/str_format.h"
 #include "common/pipeline_schedule.h"
 #include "common/status.h"
+#include "model/precision.h"
 #include "scheduler/cost_model.h"
 #include "scheduler/cost_model_internal.h"
 
 namespace geotrain::scheduler {
 namespace {
 
+using internal::CollectiveHost;
 using internal::CollectiveLink;
 using internal::DataParallelAllReduce;
 using internal::DpRing;
@@ -65,6 +67,8 @@ std::string CodecName(const JobOptions& job, int c) { return c < 0 ? "none" : jo
 struct HostShare {
   double collective_scale = 1;
   double p2p_bytes_per_s = kInf;
+  double host_bytes_per_s = 0;  // 0: not shared (internal::CollectiveHost)
+  double codec_scale = 1;       // what every codec's throughput was multiplied by: all ranks code at once
 };
 
 // One step of a checked plan, on the links as the plan sees them (Simulate adjusts them for a shared host). Run
@@ -120,6 +124,11 @@ class StepSimulation {
   // With split_replicated: the seconds each replica's tp ranks take to gather the others' slices of stage s's
   // replicated tensors after its all-reduce (a ring inside the replica's site), the slowest replica's.
   double ReplicatedGatherSeconds(int s, int begin, int end) const;
+  // How `groups` all-reduces at once see the host (internal::CollectiveHost): its share when sites share one.
+  CollectiveHost Collective(int groups) const;
+  // Seconds per raw byte of codec c (-1: none) on `link` while `coders` ranks code at once: on a shared host, at
+  // their share of its cores rather than the share of every rank of the plan that job_.codecs carry.
+  double CodedSecondsPerByte(int c, const LinkSpec& link, int coders) const;
   // Phase 7 with sequential sync: the scalar rings and the step time.
   void SequentialStepEnd();
   // Phase 8: the tied wte exchange of each replica's pair (its traffic, and the step time without sequential sync).
@@ -405,8 +414,9 @@ void StepSimulation::TiedGroupAllReduce() {
   if (!tied_apart_) return;
   const double bytes = model_.tied_parameters * model_.bytes_per_element / (split_replicated_ ? tp_ : 1);
   DpRing ring;
-  const double seconds = DataParallelAllReduce(cluster_, job_, plan_, tied_sites_, bytes, host_.collective_scale,
-                                               &traffic_tied_, &gradient_codec_used_, &ring);
+  const CollectiveHost host = Collective(tp_);
+  const double seconds = DataParallelAllReduce(cluster_, job_, plan_, tied_sites_, bytes, host, &traffic_tied_,
+                                               &gradient_codec_used_, &ring);
   tied_group_end_ = tied_group_ready_ + seconds + (seconds > 0 ? RoundsExtra(tied_sites_, ring, {bytes}) : 0);
 }
 
@@ -421,7 +431,8 @@ double StepSimulation::EpilogueStart() {
     const int c = first == last                  ? -1
                   : plan_.gradient_codec.empty() ? ChooseCodec(job_, link, false)
                                                  : plan_.gradient_codec[first][last];
-    const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job_.codecs[c].SecondsPerByte(link);
+    // Each pair's two stages code at once, every tp rank of every replica.
+    const double spb = CodedSecondsPerByte(c, link, 2 * tp_ * plan_.dp);
     // Each replica's tp ranks: every rank holds all of wte.
     const double bytes = model_.tied_parameters * model_.bytes_per_element * replicas * tp_;
     // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
@@ -433,6 +444,27 @@ double StepSimulation::EpilogueStart() {
         epilogue_start, tied_ready_[pair] + bytes * spb + window + rounds * 2 * RoundTrips(wire) * link.latency_s);
   }
   return epilogue_start;
+}
+
+CollectiveHost StepSimulation::Collective(int groups) const {
+  CollectiveHost host{.collective_scale = host_.collective_scale,
+                      .host_bytes_per_s = host_.host_bytes_per_s,
+                      .concurrent_groups = groups};
+  if (host_.host_bytes_per_s > 0) {
+    host.cores = kOneHostCalibrationRanks;  // as many coders as run at full speed: the codecs' share (Simulate)
+    host.codec_scale = host_.codec_scale;
+  }
+  return host;
+}
+
+double StepSimulation::CodedSecondsPerByte(int c, const LinkSpec& link, int coders) const {
+  if (c < 0) return 1.0 / link.bandwidth_bytes_per_s;
+  Codec codec = job_.codecs[c];
+  if (host_.host_bytes_per_s > 0) {
+    codec.throughput_bytes_per_s *=
+        std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) / coders) / host_.codec_scale;
+  }
+  return codec.SecondsPerByte(link);
 }
 
 double StepSimulation::ReplicatedGatherSeconds(int s, int begin, int end) const {
@@ -463,8 +495,9 @@ void StepSimulation::GradientAllReduces() {
     const double bytes = DataParallelParameters(model_, begin, end, pp_, tied_apart_).PerRank(tp_, split_replicated_) *
                          model_.bytes_per_element;
     DpRing ring;
-    const double seconds = DataParallelAllReduce(cluster_, job_, plan_, member_sites, bytes, host_.collective_scale,
-                                                 &traffic_gradient_, &gradient_codec_used_, &ring);
+    const CollectiveHost host = Collective(pp_ * tp_);
+    const double seconds = DataParallelAllReduce(cluster_, job_, plan_, member_sites, bytes, host, &traffic_gradient_,
+                                                 &gradient_codec_used_, &ring);
     // With split_replicated each replica's tp ranks then gather the others' slices of the replicated tensors (a ring
     // inside the replica's site), after the all-reduce's last bucket.
     const double gather = split_replicated_ && seconds > 0 ? ReplicatedGatherSeconds(s, begin, end) : 0;
@@ -541,7 +574,7 @@ void StepSimulation::TiedPairExchanges() {
       traffic_gradient_[last][first] += bytes * copies * (c < 0 ? 1.0 : job_.codecs[c].ratio);
       gradient_codec_used_[std::min(first, last)][std::max(first, last)] = c;
     }
-    const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job_.codecs[c].SecondsPerByte(link);
+    const double spb = CodedSecondsPerByte(c, link, 2 * tp_ * plan_.dp);
     const double window = first == last ? 0 : WindowSeconds(job_, link, bytes * (c < 0 ? 1.0 : job_.codecs[c].ratio));
     tied_sync = std::max(tied_sync, tied_ready_[pair] + bytes * copies * spb + window + link.latency_s);
   }
@@ -623,15 +656,49 @@ absl::Status CheckPlan(const Cluster& cluster, const ModelCosts& model, const Pl
   return absl::OkStatus();
 }
 
+// The precision the plan trains in (JobOptions::precision): the job's, or auto resolved as the head resolves it for
+// the GPUs the plan uses (the oldest of them).
+absl::StatusOr<model::Precision> PlanPrecision(const Cluster& cluster, const JobOptions& job,
+                                               const std::vector<char>& used) {
+  if (!job.precision.empty() && job.precision != "auto") return model::ParsePrecision(job.precision);
+  int oldest = 0;
+  for (size_t d = 0; d < used.size(); ++d) {
+    const int cc = cluster.devices[d].compute_capability;
+    if (used[d] && cc > 0 && (oldest == 0 || cc < oldest)) oldest = cc;
+  }
+  return model::AutoPrecision(oldest, job.finite_only_codec);
+}
+
 }  // namespace
 
 absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& model, const JobOptions& job,
                                     const Plan& plan) {
   std::vector<char> used;
   RETURN_IF_ERROR(CheckPlan(cluster, model, plan, &used));
-  // The links as this plan sees them (see JobOptions): a shared host's arithmetic.
-  std::optional<Cluster> adjusted;
-  std::optional<JobOptions> shared_job;
+  std::optional<Cluster> adjusted;  // the devices and links as this plan sees them
+  auto adjust = [&]() -> Cluster& {
+    if (!adjusted) adjusted = cluster;
+    return *adjusted;
+  };
+  std::optional<JobOptions> adjusted_job;  // the job's figures as this plan sees them
+  auto adjust_job = [&]() -> JobOptions& {
+    if (!adjusted_job) adjusted_job = job;
+    return *adjusted_job;
+  };
+  // In fp32 the GPUs compute on their CUDA cores, at their fp32 peak where it is known, and at the efficiency
+  // calibrated for fp32 where there is one (JobOptions::efficiency_by_device).
+  ASSIGN_OR_RETURN(const model::Precision precision, PlanPrecision(cluster, job, used));
+  if (precision == model::Precision::kFp32) {
+    for (size_t d = 0; d < cluster.devices.size(); ++d) {
+      if (cluster.devices[d].fp32_tflops > 0) adjust().devices[d].tflops = cluster.devices[d].fp32_tflops;
+    }
+    for (const auto& [name, efficiency] : job.efficiency_by_device) {
+      if (name.ends_with(kFp32EfficiencySuffix)) {
+        adjust_job().efficiency_by_device[name.substr(0, name.size() - kFp32EfficiencySuffix.size())] = efficiency;
+      }
+    }
+  }
+  // A shared host's arithmetic (see JobOptions).
   HostShare host;
   if (job.sites_share_one_host) {
     std::set<int> sites_used;
@@ -650,21 +717,26 @@ absl::StatusOr<Prediction> Simulate(const Cluster& cluster, const ModelCosts& mo
       host.p2p_bytes_per_s = kOneHostCalibrationRanks * inside / streams;
     }
     if (k > 1) {
-      adjusted = cluster;
-      for (int a = 0; a < adjusted->num_sites(); ++a) adjusted->links[a][a].bandwidth_bytes_per_s /= k;
+      for (int a = 0; a < cluster.num_sites(); ++a) adjust().links[a][a].bandwidth_bytes_per_s /= k;
+    }
+    for (int a : sites_used) {
+      host.host_bytes_per_s =
+          std::max(host.host_bytes_per_s, kOneHostCalibrationRanks * cluster.Link(a, a).bandwidth_bytes_per_s);
     }
     const int ranks = plan.dp * plan.pp * plan.tp;
     host.collective_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) * k / ranks);
     // The codecs' encoding and decoding run on the same cores: when more ranks than the host runs at full speed
     // code at once (a collective's members all do), each gets its share of their throughput.
     const double codec_scale = std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) / ranks);
+    host.codec_scale = codec_scale;
     if (codec_scale < 1) {
-      shared_job = job;
-      for (Codec& codec : shared_job->codecs) codec.throughput_bytes_per_s *= codec_scale;
+      for (Codec& codec : adjust_job().codecs) codec.throughput_bytes_per_s *= codec_scale;
     }
   }
-  StepSimulation step(adjusted ? *adjusted : cluster, model, shared_job ? *shared_job : job, plan, host);
-  return step.Run(used);
+  StepSimulation step(adjusted ? *adjusted : cluster, model, adjusted_job ? *adjusted_job : job, plan, host);
+  ASSIGN_OR_RETURN(Prediction prediction, step.Run(used));
+  prediction.precision = std::string(model::PrecisionName(precision));
+  return prediction;
 }
 
 }  // namespace geotrain::scheduler

@@ -273,6 +273,12 @@ TEST(CostModelTest, CodecChoiceFollowsTheLink) {
   // 100 Mbit/s: gradients take the smallest wire size; activations only lossless-enough codecs.
   EXPECT_EQ(job.codecs[ChooseCodec(job, LinkSpec{0.05, 100e6 / 8}, false)].name, "topk:0.01");
   EXPECT_EQ(job.codecs[ChooseCodec(job, LinkSpec{0.05, 100e6 / 8}, true)].name, "bf16");
+  // The runtime's rule: gradients cross every link in the spec's codec, fast or not; activations as chosen.
+  JobOptions runtime;
+  runtime.codecs.push_back(*ParseCodec("int8"));
+  runtime.codec_on_every_link = true;
+  EXPECT_EQ(ChooseCodec(runtime, LinkSpec{0, 100e9 / 8}, false), 0);
+  EXPECT_EQ(ChooseCodec(runtime, LinkSpec{0.05, 100e6 / 8}, true), -1);
   EXPECT_FALSE(ParseCodec("zip").ok());
   EXPECT_FALSE(ParseCodec("topk:2").ok());
 }
@@ -628,24 +634,69 @@ TEST(CostModelTest, OneHostPipelineSendsShareTheHostsThroughput) {
   EXPECT_DOUBLE_EQ(two_shared->pipeline_time_s, two_apart->pipeline_time_s);
 }
 
-// On one host the codecs of a collective's ranks share its cores: DP4 over two sites codes at half the codec's
-// throughput (the host runs two ranks at full speed), as a cluster with half the bandwidth inside each site and a
-// codec of half the throughput predicts it.
-TEST(CostModelTest, OneHostCodecsShareTheHostsCores) {
-  const Cluster c = TwoSites("RTX6000", 2, 10, 100000);
+// On one host gRPC's hierarchical all-reduce gathers every site's tensors to its leader, and copies the sum back,
+// through the host at once: each phase moves (members - leaders) tensors at the host's throughput (twice the
+// bandwidth inside a site). The leaders, the only ranks that code while their ring runs, code at their share of the
+// host's two cores: two leaders at full speed.
+TEST(CostModelTest, OneHostHierarchicalAllReduceSharesTheHostByPhase) {
+  const Cluster c = TwoSites("RTX6000", 4, 10, 1000);
   const ModelCosts model = Costs("gpt2-tiny-test", 32);
-  JobOptions shared = TinyJob();
-  shared.grpc_collectives = true;
-  shared.codecs.push_back(*ParseCodec("int8"));
-  JobOptions slow_codec = shared;
-  slow_codec.codecs[0].throughput_bytes_per_s /= 2;
-  shared.sites_share_one_host = true;
-  const Cluster halved = InsideBandwidthTimes(c, 0.5);
-  absl::StatusOr<Prediction> on_one_host = Simulate(c, model, shared, DataParallel(model, 4, 1));
-  absl::StatusOr<Prediction> as_slow = Simulate(halved, model, slow_codec, DataParallel(model, 4, 1));
-  ASSERT_TRUE(on_one_host.ok() && as_slow.ok());
-  EXPECT_DOUBLE_EQ(on_one_host->step_time_s, as_slow->step_time_s);
-  EXPECT_GT(on_one_host->stage_allreduce_s[0], 0);
+  JobOptions job = TinyJob();
+  job.grpc_collectives = true;
+  job.sites_share_one_host = true;
+  job.codecs.push_back(*ParseCodec("int8"));
+  job.codec_on_every_link = true;
+  double parameters = 0;
+  for (const LayerCost& l : model.layers) parameters += l.parameters;
+  const double bytes = parameters * 4;
+  const LinkSpec inside = c.Link(0, 0);
+  // Two leaders: one exchange of the whole tensor, coded at the codec's own throughput.
+  const double leaders = bytes * job.codecs[0].SecondsPerByte(c.Link(0, 1)) + 0.010;
+  absl::StatusOr<Prediction> eight = Simulate(c, model, job, DataParallel(model, 8, 1));
+  ASSERT_TRUE(eight.ok()) << eight.status();
+  const double gather_six = 6 * bytes / (2 * inside.bandwidth_bytes_per_s) + inside.latency_s;
+  EXPECT_NEAR(eight->stage_allreduce_s[0], 2 * gather_six + leaders, 1e-9);
+  // Two members but the leaders: one transfer alone goes at the bandwidth inside a site, not the host's.
+  absl::StatusOr<Prediction> four = Simulate(c, model, job, [&] {
+    Plan p = DataParallel(model, 4, 1);
+    p.devices = {{{0}}, {{1}}, {{4}}, {{5}}};  // two in utah, two in amsterdam
+    return p;
+  }());
+  ASSERT_TRUE(four.ok()) << four.status();
+  const double gather_two = 2 * bytes / (2 * inside.bandwidth_bytes_per_s) + inside.latency_s;
+  EXPECT_NEAR(four->stage_allreduce_s[0], 2 * gather_two + leaders, 1e-9);
+}
+
+// A Turing GPU has no bf16: auto trains in fp16 there, or in fp32 when a codec refuses fp16's infinities (as the
+// head resolves it, model::AutoPrecision), and fp32 computes at the GPU's fp32 peak and its fp32 efficiency.
+TEST(CostModelTest, PlansComputeInThePrecisionTheHeadResolves) {
+  const ModelCosts model = Costs("gpt2-tiny-test", 32);
+  const KnownDevice* rtx = FindKnownDevice("RTX6000");
+  ASSERT_NE(rtx, nullptr);
+  ASSERT_EQ(rtx->compute_capability, 75);
+  const Cluster turing = TwoSites("RTX6000", 1, 10, 1000);
+  const Plan one = DataParallel(model, 1, 1);
+  JobOptions job = TinyJob();
+  absl::StatusOr<Prediction> fp16 = Simulate(turing, model, job, one);
+  job.finite_only_codec = true;
+  absl::StatusOr<Prediction> fp32 = Simulate(turing, model, job, one);
+  JobOptions calibrated = job;
+  calibrated.efficiency_by_device = {{"RTX6000", job.efficiency}, {"RTX6000@fp32", 2 * job.efficiency}};
+  absl::StatusOr<Prediction> fp32_calibrated = Simulate(turing, model, calibrated, one);
+  ASSERT_TRUE(fp16.ok() && fp32.ok() && fp32_calibrated.ok());
+  EXPECT_EQ(fp16->precision, "fp16");
+  EXPECT_EQ(fp32->precision, "fp32");
+  EXPECT_NEAR(fp32->compute_bound_s / fp16->compute_bound_s, rtx->tflops / rtx->fp32_tflops, 1e-9);
+  EXPECT_NEAR(fp32_calibrated->compute_bound_s / fp32->compute_bound_s, 0.5, 1e-9);
+  // An Ampere GPU keeps bf16 whatever the codec; a precision the job names stands.
+  const Cluster ampere = TwoSites("A30", 1, 10, 1000);
+  absl::StatusOr<Prediction> bf16 = Simulate(ampere, model, job, one);
+  job.precision = "fp32";
+  absl::StatusOr<Prediction> asked = Simulate(ampere, model, job, one);
+  ASSERT_TRUE(bf16.ok() && asked.ok());
+  EXPECT_EQ(bf16->precision, "bf16");
+  EXPECT_EQ(asked->precision, "fp32");
+  EXPECT_GT(asked->compute_bound_s, 4 * bf16->compute_bound_s);
 }
 
 // Activations (the pipeline's sends, tensor parallelism's all-reduces) can be given their own bandwidth inside a

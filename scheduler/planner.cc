@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "model/precision.h"
 #include "scheduler/planner_internal.h"
 
 namespace geotrain::scheduler {
@@ -193,6 +194,28 @@ void SubsetSearch::WithoutSlowestDeviceTypes() {
   }
 }
 
+void SubsetSearch::WithoutGpusWithoutBf16() {
+  std::vector<std::string> bases = {"all devices"};
+  if (const std::string* best = BestSubset(); best != nullptr && *best != "all devices") bases.push_back(*best);
+  for (const std::string& base_name : bases) {
+    auto searched = subset_devices_.find(base_name);
+    if (searched == subset_devices_.end()) continue;
+    std::vector<int> kept;
+    std::set<std::string> dropped;
+    for (int d : searched->second) {
+      const int cc = cluster_.devices[d].compute_capability;
+      if (cc == 0 || model::PrecisionSupported(model::Precision::kBf16, cc)) {
+        kept.push_back(d);
+      } else {
+        dropped.insert(cluster_.devices[d].name);
+      }
+    }
+    if (dropped.empty() || !Worth(kept)) continue;
+    Evaluate(kept, absl::StrCat(base_name == "all devices" ? "" : base_name + ", ", "without ",
+                                absl::StrJoin(dropped, ", "), " (no bf16: fp32 with this codec)"));
+  }
+}
+
 }  // namespace internal
 
 namespace {
@@ -245,6 +268,9 @@ absl::StatusOr<PlanResult> PlanJob(const Cluster& cluster, const ModelCosts& mod
     subsets.WithoutSites();
   }
   if (options.search_subsets) subsets.WithoutSlowestDeviceTypes();
+  if (options.search_subsets && (job.precision.empty() || job.precision == "auto") && job.finite_only_codec) {
+    subsets.WithoutGpusWithoutBf16();
+  }
   PlanResult result;
   RankCandidates(search, &result);
   result.plans_simulated = search.simulated();

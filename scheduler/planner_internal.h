@@ -164,6 +164,10 @@ class SubsetSearch {
   void WithoutSites();
   // Without the slowest device types (cumulatively), on all devices and on the best subset.
   void WithoutSlowestDeviceTypes();
+  // Without the GPUs that have no bf16, on all devices and on the best subset: for a job whose precision auto trains
+  // in fp32 where one of them takes part (a codec refuses fp16's infinities: model::AutoPrecision), the others alone
+  // train in bf16 on their tensor cores.
+  void WithoutGpusWithoutBf16();
 
   // The best step time of each subset searched, by name (kInf where no plan fits). A subset that was not searched
   // (empty, or without a required site) has no entry.

@@ -144,6 +144,7 @@ Json CandidateJson(const Cluster& cluster, const ModelCosts& model, const PlanCa
               {"subset", c.subset},
               {"devices_used", DevicesUsedName(cluster, c)},
               {"fits", pr.fits},
+              {"precision", pr.precision},
               {"reject_reason", pr.reject_reason},
               {"step_time_s", JsonNumber(pr.step_time_s)},
               {"tokens_per_s", JsonNumber(pr.tokens_per_s)},

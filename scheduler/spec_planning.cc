@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "model/precision.h"
 #include "spec.pb.h"
 
 namespace geotrain::scheduler {
@@ -13,12 +14,15 @@ absl::StatusOr<SpecPlanning> PlanningForSpec(const JobSpec& spec) {
   planning.model = ModelCosts::FromConfig(planning.config, spec.train().seq_len());
   planning.job.global_batch = spec.train().global_batch();
   planning.job.seq_len = spec.train().seq_len();
+  planning.job.precision = spec.train().precision();
+  planning.job.finite_only_codec = !model::FiniteOnlyCodec(spec.comm()).empty();
   planning.job.sequential_sync = true;  // the runtime ends a step as the validated model says (docs/planner.md)
   if (spec.comm().grad_bucket_mb() > 0) planning.job.grad_bucket_bytes = spec.comm().grad_bucket_mb() * (1 << 20);
   if (!spec.comm().wan_codec().empty()) {
     absl::StatusOr<Codec> codec = ParseCodec(spec.comm().wan_codec());
     if (!codec.ok()) return WithContext(codec.status(), "comm.wan_codec");
     if (codec->name != "none") planning.job.codecs.push_back(*codec);
+    planning.job.codec_on_every_link = true;  // as the runtime sends
   }
   planning.options.runtime_plans = true;  // the runtime's stage split and equal replica shares: the plan that runs
   return planning;

@@ -41,8 +41,10 @@ const KnownDevice* FindKnownDeviceInName(const std::string& name) {
 
 }  // namespace
 
-model::Roofline DeviceProfile::roofline() const {
-  return {.flops_per_s = peak_tflops * 1e12 * flops_efficiency,
+model::Roofline DeviceProfile::roofline(model::Precision precision) const {
+  const KnownDevice* known = precision == model::Precision::kFp32 ? FindKnownDeviceInName(name) : nullptr;
+  const double peak = known != nullptr && known->fp32_tflops > 0 ? known->fp32_tflops : peak_tflops;
+  return {.flops_per_s = peak * 1e12 * flops_efficiency,
           .bytes_per_s = bandwidth_gbs * 1e9 * bandwidth_efficiency,
           .launch_s = launch_us * 1e-6};
 }
@@ -109,7 +111,7 @@ absl::StatusOr<std::string> TimedDeviceName(const DeviceProfile& profile) {
                                      r.launch_s * 1e6);
   // A known GPU's fp32 peak, at the same achieved fraction: an fp32 job on it is timed at its CUDA cores' rate.
   if (const KnownDevice* known = FindKnownDeviceInName(profile.name); known != nullptr && known->fp32_tflops > 0) {
-    absl::StrAppendFormat(&name, ":%.6g", known->fp32_tflops * profile.flops_efficiency);
+    absl::StrAppendFormat(&name, ":%.6g", profile.roofline(model::Precision::kFp32).flops_per_s / 1e12);
   }
   return name;
 }

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "control.pb.h"
 #include "model/op_costs.h"
+#include "model/precision.h"
 
 namespace geotrain::worker {
 
@@ -27,7 +28,9 @@ struct DeviceProfile {
   double bandwidth_efficiency = 0.8;
   double launch_us = 5;                                           // per op: kernel launch and the framework's dispatch
   std::string source = "published peaks x default efficiencies";  // where the achieved figures come from
-  model::Roofline roofline() const;
+  // The achieved figures of a job in `precision`: in fp32 a known GPU computes on its CUDA cores, at its fp32 peak
+  // (the same achieved fraction); the other precisions (and devices without a known fp32 peak) at peak_tflops.
+  model::Roofline roofline(model::Precision precision = model::Precision::kBf16) const;
 };
 
 // Parses NAME[:TFLOPS[:MEM_GB[:BW_GBS]]] (e.g. "T4", "T4:65:16", "X:100:32:900"). Figures left out come from

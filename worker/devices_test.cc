@@ -78,6 +78,8 @@ TEST(DeviceProfileTest, KnownProfilesOverridesAndTheirRoofline) {
   auto fp32 = model::MakeTimedBackend(*TimedDeviceName(*h100), model::Precision::kFp32);
   ASSERT_TRUE(fp32.ok()) << fp32.status();
   EXPECT_NEAR((*fp32)->roofline().flops_per_s, 67e12 * h100->flops_efficiency, 1e6);
+  // The profile's own roofline in fp32 (what `geotrain model timed-step --precision fp32` times) is that backend's.
+  EXPECT_NEAR(h100->roofline(model::Precision::kFp32).flops_per_s, (*fp32)->roofline().flops_per_s, 1e6);
   // A device without a known fp32 peak keeps its one figure.
   auto custom = model::MakeTimedBackend(*TimedDeviceName(*ParseDeviceProfile("X1:50:16:900")), model::Precision::kFp32);
   ASSERT_TRUE(custom.ok()) << custom.status();

@@ -9,7 +9,9 @@ The planner's defaults describe real nodes, so before predicting, three figures 
 plan is (the bandwidths on the studies' own clusters, below; on a profiling cluster of one site and two devices only
 for validate_timed.py --no-refit):
   - each device type's efficiency: the planner's compute time of a microbatch at efficiency 1 over what the timed
-    backend waits for it (`geotrain model timed-step`);
+    backend waits for it (`geotrain model timed-step`), on the tensor cores (NAME) and in fp32 (NAME@fp32, the
+    CUDA cores, where less of the step waits for memory: 0.57-0.59 against 0.43-0.44), which a plan that trains in
+    fp32 takes (a Turing GPU with the int8 codec: the head resolves precision auto to fp32 there);
   - the bandwidth inside a site for gradients: --intra-site-gbps solved so that the planner's prediction of
     DP2 inside the site (1.4 GB of gradients all-reduced over loopback for GPT-2 medium) equals its measured step;
   - the bandwidth inside a site for activations: the same on --intra-site-activation-gbps for TP2 inside the site
@@ -59,10 +61,10 @@ def write_topology(path, sites, links):
                 f.write(f"  - {{a: {a}, b: {b}, latency_ms: {ms:g}, bandwidth_mbps: {mbps:g}, jitter_ms: 0}}\n")
 
 
-def write_job(path, name, model, data, parallel, steps, batch, codec="bf16"):
+def write_job(path, name, model, data, parallel, steps, batch, codec="bf16", precision="auto"):
     with open(path, "w") as f:
         f.write(f"name: {name}\nmodel: {{preset: {model}}}\ndata: {{train: '{data}'}}\n"
-                f"train: {{steps: {steps}, global_batch: {batch}, seq_len: 1024}}\n"
+                f"train: {{steps: {steps}, global_batch: {batch}, seq_len: 1024, precision: {precision}}}\n"
                 f"parallel: {parallel}\ncomm: {{wan_codec: {codec}}}\n")
 
 
@@ -289,14 +291,19 @@ def calibrate(geotrain, cluster_up, work, data, model, device_types, device, ste
     for d in device_types:
         topo = os.path.join(work, f"calib-{d}.yaml")
         write_topology(topo, [("calib", [(d, 1)])], [])
-        spec = os.path.join(work, f"calib-{d}.yaml.job")
-        write_job(spec, "calib", model, data, "{plan: manual, dp: 1, microbatches: 8}", steps, 16)
-        at_one = plan_json(geotrain, topo, spec, ["--efficiency", "1"], predict=True)["compute_bound_s"]
-        r = subprocess.run([geotrain, "model", "timed-step", "--model", model, "--device", d, "--batch", "2",
-                            "--seq-len", "1024", "--microbatches", "8", "--json"], capture_output=True, text=True,
-                           check=True)
-        waited = json.loads(r.stdout.strip().splitlines()[-1])["step_seconds"]
-        efficiency[d] = at_one / waited
+        # bf16 under the device's own name, and fp32 (its CUDA cores, where less of the step waits for memory) as
+        # NAME@fp32, which the planner takes for plans that train in fp32 (a Turing GPU with an int8 codec).
+        # (auto is bf16 or fp16: the tensor cores' peak, which timed-step's bf16 is.)
+        for precision, timed_as, key in (("auto", "bf16", d), ("fp32", "fp32", d + "@fp32")):
+            spec = os.path.join(work, f"calib-{d}-{precision}.yaml.job")
+            write_job(spec, "calib", model, data, "{plan: manual, dp: 1, microbatches: 8}", steps, 16,
+                      precision=precision)
+            at_one = plan_json(geotrain, topo, spec, ["--efficiency", "1"], predict=True)["compute_bound_s"]
+            r = subprocess.run([geotrain, "model", "timed-step", "--model", model, "--device", d, "--batch", "2",
+                                "--seq-len", "1024", "--microbatches", "8", "--precision", timed_as, "--json"],
+                               capture_output=True, text=True, check=True)
+            waited = json.loads(r.stdout.strip().splitlines()[-1])["step_seconds"]
+            efficiency[key] = at_one / waited
     cal = {"efficiency": efficiency, "intra_site_gbps": 100.0, "intra_site_activation_gbps": 0,
            "intra_site_latency_ms": 0.05, "wan_window_mb": 0}
     if not inside_site:
