@@ -27,6 +27,7 @@
 #include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
+#include "common/codec_spec.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "head/placement.h"
@@ -357,11 +358,14 @@ absl::Status ApplySearchFlags(const PlanFlags& flags, bool from_spec, scheduler:
   if (!from_spec || flags.codecs_given) {
     job->codecs.clear();
     job->codec_on_every_link = false;  // a what-if: the cheapest of them per link
+    job->finite_only_codec = false;
     for (absl::string_view name : absl::StrSplit(flags.codecs, ',', absl::SkipEmpty())) {
       if (name == "none") continue;
       absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
       if (!codec.ok()) return WithContext(codec.status(), "--codecs");
       job->codecs.push_back(*codec);
+      absl::StatusOr<CodecSpec> parsed = ParseCodecSpec(std::string(name));
+      job->finite_only_codec = job->finite_only_codec || (parsed.ok() && parsed->finite_only());
     }
   }
   options->search_subsets = !flags.no_subsets;

@@ -165,6 +165,9 @@ links:
   EXPECT_DOUBLE_EQ(t.sites(0).workers(1).mem_gb(), 24.0);
   EXPECT_DOUBLE_EQ(t.sites(1).workers(0).tflops(), 65.0);
   EXPECT_EQ(t.sites(1).workers(0).count(), 1);
+  // A known GPU brings its compute capability and fp32 peak, which plans that train in fp32 use.
+  EXPECT_EQ(t.sites(1).workers(0).compute_capability(), 75);
+  EXPECT_DOUBLE_EQ(t.sites(1).workers(0).fp32_tflops(), FindKnownDevice("T4")->fp32_tflops);
 
   Topology bad = t;
   bad.mutable_links(0)->set_b("tokyo");
@@ -176,6 +179,9 @@ links:
   bad = t;
   bad.mutable_sites(1)->set_name("utah");
   EXPECT_THAT(ValidateTopology(&bad).message(), HasSubstr("appears twice"));
+  bad = t;
+  bad.mutable_sites(1)->mutable_workers(0)->set_fp32_tflops(-1);
+  EXPECT_THAT(ValidateTopology(&bad).message(), HasSubstr("fp32_tflops"));
 }
 
 }  // namespace

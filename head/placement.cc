@@ -554,6 +554,7 @@ absl::StatusOr<RankedAutoPlans> RankAutoPlans(const JobSpec& spec, const std::ve
       if (choice.diloco_chosen) {
         ParallelSpec diloco;
         scheduler::FillParallelSpec(scheduler::ToManualPlan(cluster, model, choice.diloco.plan), &diloco);
+        PinWorkersWhereTheChoiceMatters(cluster, planning_cluster.device_of, choice.diloco.plan, &diloco);
         diloco.set_sync("diloco");
         *check.mutable_parallel() = diloco;
         if (ValidateJobSpec(check).ok()) {

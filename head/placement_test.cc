@@ -209,27 +209,28 @@ TEST(PlanAutoJobTest, PlansTheWanTrafficWithTheJobsCodecZstdIncluded) {
 // head's planner predicts that, so with int8 it leaves the Turing GPU out and trains on the Ampere one alone, where
 // with bf16 (fp16 on the Turing GPU) both are worth using.
 TEST(PlanAutoJobTest, PredictsThePrecisionTheDevicesResolve) {
-  std::vector<WorkerInfo> workers = {Worker("turing", "a", 16), Worker("ampere", "a", 16)};
+  // The Turing GPU's worker sorts first: without the pin PlaceActors would take it.
+  std::vector<WorkerInfo> workers = {Worker("a-turing", "a", 16), Worker("b-ampere", "a", 16)};
   for (WorkerInfo& w : workers) {
     Device* d = w.mutable_devices(0);
     d->set_kind(DEVICE_KIND_CUDA);
     d->set_tflops(0.001);  // milliseconds per microbatch, as the other tests
     d->set_fp32_tflops(0.001 / 8);
-    d->set_compute_capability(w.worker_id() == "turing" ? 75 : 80);
+    d->set_compute_capability(w.worker_id() == "a-turing" ? 75 : 80);
   }
   JobSpec spec = AutoSpec("int8");
   auto int8 = PlanAutoJob(spec, workers, {});
   ASSERT_TRUE(int8.ok()) << int8.status();
   EXPECT_EQ(int8->parallel.dp() * int8->parallel.pp() * int8->parallel.tp(), 1);
   ASSERT_EQ(int8->parallel.placement_size(), 1);
-  EXPECT_EQ(int8->parallel.placement(0).worker(), "ampere");  // pinned: the site's other GPU would train in fp32
+  EXPECT_EQ(int8->parallel.placement(0).worker(), "b-ampere");  // pinned: the site's other GPU would train in fp32
   JobInfo job;
   job.set_job_id("job-000008");
   *job.mutable_spec() = spec;
   *job.mutable_spec()->mutable_parallel() = int8->parallel;
   auto placed = PlaceActors(job, workers);
   ASSERT_TRUE(placed.ok()) << placed.status();
-  EXPECT_EQ((*placed)[0].actor.worker_id(), "ampere");
+  EXPECT_EQ((*placed)[0].actor.worker_id(), "b-ampere");
   auto bf16 = PlanAutoJob(AutoSpec("bf16"), workers, {});
   ASSERT_TRUE(bf16.ok()) << bf16.status();
   EXPECT_EQ(bf16->parallel.dp() * bf16->parallel.pp() * bf16->parallel.tp(), 2);

@@ -151,6 +151,7 @@ absl::StatusOr<Codec> ParseCodec(const std::string& name) {
       break;
     }
   }
+  codec.gradients_only = spec.gradients_only();
   if (spec.zstd) {
     // zstd over the payload (docs/results/2026-12-02-comm.md (b), level 1 on gradient-like data): it took 7-22% off
     // the cast codecs' bytes and ran at about 1 GB/s of fp32 input, encode and decode together.
@@ -293,7 +294,7 @@ PipelineTimeline SimulatePipeline(const std::vector<double>& forward_s, const st
 }
 
 int ChooseCodec(const JobOptions& job, const LinkSpec& link, bool activations) {
-  if (job.codec_on_every_link && !activations && !job.codecs.empty()) return 0;
+  if (job.codec_on_every_link && !job.codecs.empty()) return activations && job.codecs[0].gradients_only ? -1 : 0;
   int best = -1;
   double best_cost = 1.0 / link.bandwidth_bytes_per_s;
   for (int c = 0; c < static_cast<int>(job.codecs.size()); ++c) {

@@ -59,6 +59,8 @@ struct Codec {
   double ratio = 1;
   double throughput_bytes_per_s = 0;  // 0: free (no codec)
   bool for_activations = true;        // whether ChooseCodec may pick it for activations (the lossy ones: no)
+  // The runtime never sends activations in it (CodecSpec::gradients_only: top-k, int4, sparse); int8 it does.
+  bool gradients_only = false;
   // Seconds per raw byte sent over `link`: max(ratio / bandwidth, 1 / throughput) + 1 / throughput (the sender
   // encodes chunk k + 1 while chunk k is on the wire; the receiver decodes the whole tensor).
   double SecondsPerByte(const LinkSpec& link) const;
@@ -126,8 +128,10 @@ struct JobOptions {
   // between stages (each site's sends run at the same time as the others'), and a collective, whose members all
   // send at once, gets at most the host's throughput over every rank of the plan: 2 / (dp pp tp) of it. Sends
   // between stages share it too: each gets at most 2 / (dp tp (pp - 1)) of it (one send per boundary at a time).
-  // And with more than two ranks, codecs run at 2 / (dp pp tp) of their throughput (the same cores). Off for
-  // real clusters, where each site has its own hosts.
+  // And with more than two ranks, codecs run at 2 / (dp pp tp) of their throughput (the same cores). gRPC's
+  // hierarchical all-reduce, its leaders' ring and the tied embedding's pair exchanges share the host by phase
+  // instead, among the ranks that take part (internal::CollectiveHost). Off for real clusters, where each site has
+  // its own hosts.
   bool sites_share_one_host = false;
   // The bandwidth inside a site for messages of one microbatch's activations (the pipeline's sends between
   // stages, tensor parallelism's all-reduces), over the bandwidth inside a site that gradients and the tied
@@ -155,9 +159,9 @@ struct JobOptions {
   // Turing GPU (no bf16) with an int8 codec trains in fp32, 8x slower than on its tensor cores.
   std::string precision;
   bool finite_only_codec = false;
-  // The runtime's rule (PlanningForSpec sets it): every gradient message across sites goes in codecs[0]
-  // (comm.wan_codec), whatever the link; activations as ChooseCodec picks. false: ChooseCodec picks the cheapest of
-  // `codecs` (or none) for each link and kind, as a what-if over codecs.
+  // The runtime's rule (PlanningForSpec sets it): every message across sites goes in codecs[0] (comm.wan_codec),
+  // whatever the link, activations too unless it is gradients-only (comm::ActivationCodec). false: ChooseCodec picks
+  // the cheapest of `codecs` (or none) for each link and kind, as a what-if over codecs.
   bool codec_on_every_link = false;
   double EfficiencyOf(const std::string& device) const;
 };

@@ -295,6 +295,9 @@ void StepSimulation::ComputeReplicaStages(int r) {
     const int next_site = SiteOf(r, s + 1);
     LinkSpec link = ActivationLink(cluster_, job_, site, next_site);
     link.bandwidth_bytes_per_s = std::min(link.bandwidth_bytes_per_s, host_.p2p_bytes_per_s);
+    // Every tp rank sends its own copy of the boundary's activations to its peer of the next stage, at once: across
+    // sites the copies share the link.
+    if (site != next_site) link.bandwidth_bytes_per_s /= tp_;
     const double bytes = model_.layers[end - 1].output_bytes * b_;
     int c = -1;
     if (site != next_site) c = ActivationCodecOf(site, next_site);
@@ -305,7 +308,7 @@ void StepSimulation::ComputeReplicaStages(int r) {
       message_round_trips.push_back(RoundTrips(bytes * (c < 0 ? 1.0 : job_.codecs[c].ratio)));
     }
     if (site != next_site) {
-      const double wire = bytes * (c < 0 ? 1.0 : job_.codecs[c].ratio) * plan_.microbatches[r];
+      const double wire = bytes * (c < 0 ? 1.0 : job_.codecs[c].ratio) * plan_.microbatches[r] * tp_;
       traffic_activation_[site][next_site] += wire;  // activations forward
       traffic_activation_[next_site][site] += wire;  // their gradients backward
       activation_codec_used_[std::min(site, next_site)][std::max(site, next_site)] = c;

@@ -39,6 +39,16 @@ TEST(SpecPlanningTest, TheWanCodecIsPlannedAsTheRuntimeParsesIt) {
   EXPECT_EQ(zstd->job.global_batch, 16);
   EXPECT_EQ(zstd->model.seq_len, 64);
 
+  // As the runtime sends it: on every link, and its precision resolved as the head resolves it.
+  EXPECT_TRUE(zstd->job.codec_on_every_link);
+  EXPECT_FALSE(zstd->job.finite_only_codec);
+  JobSpec int8_fp32 = Spec("int8", 1, 1, 1, "1f1b");
+  int8_fp32.mutable_train()->set_precision("fp32");
+  absl::StatusOr<SpecPlanning> int8 = PlanningForSpec(int8_fp32);
+  ASSERT_TRUE(int8.ok()) << int8.status();
+  EXPECT_TRUE(int8->job.finite_only_codec);
+  EXPECT_EQ(int8->job.precision, "fp32");
+
   absl::StatusOr<SpecPlanning> none = PlanningForSpec(Spec("none", 1, 1, 1, "1f1b"));
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_TRUE(none->job.codecs.empty());
