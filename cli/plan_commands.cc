@@ -27,7 +27,6 @@
 #include "cli/flags.h"
 #include "cli/registry.h"
 #include "cli/support.h"
-#include "common/codec_spec.h"
 #include "common/spec.h"
 #include "common/status.h"
 #include "head/placement.h"
@@ -364,8 +363,7 @@ absl::Status ApplySearchFlags(const PlanFlags& flags, bool from_spec, scheduler:
       absl::StatusOr<scheduler::Codec> codec = scheduler::ParseCodec(std::string(name));
       if (!codec.ok()) return WithContext(codec.status(), "--codecs");
       job->codecs.push_back(*codec);
-      absl::StatusOr<CodecSpec> parsed = ParseCodecSpec(std::string(name));
-      job->finite_only_codec = job->finite_only_codec || (parsed.ok() && parsed->finite_only());
+      job->finite_only_codec = job->finite_only_codec || codec->finite_only;
     }
   }
   options->search_subsets = !flags.no_subsets;

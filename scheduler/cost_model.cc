@@ -152,6 +152,7 @@ absl::StatusOr<Codec> ParseCodec(const std::string& name) {
     }
   }
   codec.gradients_only = spec.gradients_only();
+  codec.finite_only = spec.finite_only();
   if (spec.zstd) {
     // zstd over the payload (docs/results/2026-12-02-comm.md (b), level 1 on gradient-like data): it took 7-22% off
     // the cast codecs' bytes and ran at about 1 GB/s of fp32 input, encode and decode together.
@@ -358,6 +359,17 @@ double StageMemoryBytes(const ModelCosts& model, const JobOptions& job, int begi
 
 namespace internal {
 
+double CollectiveHost::CodecRescale(int coders) const {
+  return cores > 0 ? std::min(1.0, cores / coders) / codec_scale : 1;
+}
+
+double CodedSecondsPerByte(const JobOptions& job, int c, const LinkSpec& link, double rescale) {
+  if (c < 0) return 1.0 / link.bandwidth_bytes_per_s;
+  Codec codec = job.codecs[c];
+  codec.throughput_bytes_per_s *= rescale;
+  return codec.SecondsPerByte(link);
+}
+
 double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, const Plan& plan,
                              const std::vector<int>& member_sites, double bytes_per_rank, const CollectiveHost& host,
                              std::vector<std::vector<double>>* traffic, std::vector<std::vector<int>>* used_codec,
@@ -385,19 +397,17 @@ double DataParallelAllReduce(const Cluster& cluster, const JobOptions& job, cons
   const int S = static_cast<int>(sites.size());
   // On a shared host the hierarchical all-reduce's leaders code at their own share of its cores: only they code
   // while their ring runs (CollectiveHost::cores).
-  const double leader_codec_rescale =
-      host.cores > 0 ? std::min(1.0, host.cores / (host.concurrent_groups * S)) / host.codec_scale : 1;
+  const double leader_codec_rescale = host.CodecRescale(host.concurrent_groups * S);
   double worst_seconds_per_byte = 0, worst_leader_seconds_per_byte = 0, worst_wan_latency = 0;
   LinkSpec worst_wan;
   for (int i = 0; i < S; ++i) {
     const int a = sites[i], b = sites[(i + 1) % S];
     const LinkSpec& link = cluster.Link(a, b);
     const int c = codec_of(a, b);
-    const double spb = c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job.codecs[c].SecondsPerByte(link);
+    const double spb = CodedSecondsPerByte(job, c, link, 1);
     worst_seconds_per_byte = std::max(worst_seconds_per_byte, spb);
-    Codec leaders_codec = c < 0 ? Codec{} : job.codecs[c];
-    leaders_codec.throughput_bytes_per_s *= leader_codec_rescale;
-    worst_leader_seconds_per_byte = std::max(worst_leader_seconds_per_byte, leaders_codec.SecondsPerByte(link));
+    worst_leader_seconds_per_byte =
+        std::max(worst_leader_seconds_per_byte, CodedSecondsPerByte(job, c, link, leader_codec_rescale));
     if (link.latency_s >= worst_wan_latency) worst_wan = link;
     worst_wan_latency = std::max(worst_wan_latency, link.latency_s);
   }

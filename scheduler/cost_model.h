@@ -61,6 +61,8 @@ struct Codec {
   bool for_activations = true;        // whether ChooseCodec may pick it for activations (the lossy ones: no)
   // The runtime never sends activations in it (CodecSpec::gradients_only: top-k, int4, sparse); int8 it does.
   bool gradients_only = false;
+  // It refuses fp16's infinities (CodecSpec::finite_only: int8 and the gradients-only ones).
+  bool finite_only = false;
   // Seconds per raw byte sent over `link`: max(ratio / bandwidth, 1 / throughput) + 1 / throughput (the sender
   // encodes chunk k + 1 while chunk k is on the wire; the receiver decodes the whole tensor).
   double SecondsPerByte(const LinkSpec& link) const;

@@ -83,7 +83,14 @@ struct CollectiveHost {
   // runs, instead of the share of every rank of the plan at once that job.codecs' throughputs carry (codec_scale).
   double cores = 0;
   double codec_scale = 1;
+  // The factor on job.codecs' throughputs while `coders` ranks code at once: their share of the cores over the share
+  // of every rank that the throughputs carry; 1 when the host is not shared.
+  double CodecRescale(int coders) const;
 };
+
+// Seconds per raw byte of job.codecs[c] (-1: none) on `link`, the codec's throughput multiplied by `rescale`
+// (CollectiveHost::CodecRescale).
+double CodedSecondsPerByte(const JobOptions& job, int c, const LinkSpec& link, double rescale);
 
 // Gradient all-reduce of one stage's DP group (one per tp rank; the tp rings share the WAN), whose members sit in
 // member_sites. Returns the seconds, describes its ring in *ring and adds the wire bytes of every cross-site hop to

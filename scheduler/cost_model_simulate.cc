@@ -20,6 +20,7 @@
 namespace geotrain::scheduler {
 namespace {
 
+using internal::CodedSecondsPerByte;
 using internal::CollectiveHost;
 using internal::CollectiveLink;
 using internal::DataParallelAllReduce;
@@ -126,9 +127,6 @@ class StepSimulation {
   double ReplicatedGatherSeconds(int s, int begin, int end) const;
   // How `groups` all-reduces at once see the host (internal::CollectiveHost): its share when sites share one.
   CollectiveHost Collective(int groups) const;
-  // Seconds per raw byte of codec c (-1: none) on `link` while `coders` ranks code at once: on a shared host, at
-  // their share of its cores rather than the share of every rank of the plan that job_.codecs carry.
-  double CodedSecondsPerByte(int c, const LinkSpec& link, int coders) const;
   // Phase 7 with sequential sync: the scalar rings and the step time.
   void SequentialStepEnd();
   // Phase 8: the tied wte exchange of each replica's pair (its traffic, and the step time without sequential sync).
@@ -301,7 +299,7 @@ void StepSimulation::ComputeReplicaStages(int r) {
     const double bytes = model_.layers[end - 1].output_bytes * b_;
     int c = -1;
     if (site != next_site) c = ActivationCodecOf(site, next_site);
-    transfer[s] = bytes * (c < 0 ? 1.0 / link.bandwidth_bytes_per_s : job_.codecs[c].SecondsPerByte(link));
+    transfer[s] = bytes * CodedSecondsPerByte(job_, c, link, 1);
     if (site != next_site) stall[s] = WindowSeconds(job_, link, bytes * (c < 0 ? 1.0 : job_.codecs[c].ratio));
     latency[s] = link.latency_s;
     if (job_.sequential_sync) {
@@ -435,7 +433,7 @@ double StepSimulation::EpilogueStart() {
                   : plan_.gradient_codec.empty() ? ChooseCodec(job_, link, false)
                                                  : plan_.gradient_codec[first][last];
     // Each pair's two stages code at once, every tp rank of every replica.
-    const double spb = CodedSecondsPerByte(c, link, 2 * tp_ * plan_.dp);
+    const double spb = CodedSecondsPerByte(job_, c, link, Collective(1).CodecRescale(2 * tp_ * plan_.dp));
     // Each replica's tp ranks: every rank holds all of wte.
     const double bytes = model_.tied_parameters * model_.bytes_per_element * replicas * tp_;
     // Two members: one exchange of the whole tensor, or a ring of two's two half-size rounds above 32 MiB.
@@ -458,16 +456,6 @@ CollectiveHost StepSimulation::Collective(int groups) const {
     host.codec_scale = host_.codec_scale;
   }
   return host;
-}
-
-double StepSimulation::CodedSecondsPerByte(int c, const LinkSpec& link, int coders) const {
-  if (c < 0) return 1.0 / link.bandwidth_bytes_per_s;
-  Codec codec = job_.codecs[c];
-  if (host_.host_bytes_per_s > 0) {
-    codec.throughput_bytes_per_s *=
-        std::min(1.0, static_cast<double>(kOneHostCalibrationRanks) / coders) / host_.codec_scale;
-  }
-  return codec.SecondsPerByte(link);
 }
 
 double StepSimulation::ReplicatedGatherSeconds(int s, int begin, int end) const {
@@ -577,7 +565,7 @@ void StepSimulation::TiedPairExchanges() {
       traffic_gradient_[last][first] += bytes * copies * (c < 0 ? 1.0 : job_.codecs[c].ratio);
       gradient_codec_used_[std::min(first, last)][std::max(first, last)] = c;
     }
-    const double spb = CodedSecondsPerByte(c, link, 2 * tp_ * plan_.dp);
+    const double spb = CodedSecondsPerByte(job_, c, link, Collective(1).CodecRescale(2 * tp_ * plan_.dp));
     const double window = first == last ? 0 : WindowSeconds(job_, link, bytes * (c < 0 ? 1.0 : job_.codecs[c].ratio));
     tied_sync = std::max(tied_sync, tied_ready_[pair] + bytes * copies * spb + window + link.latency_s);
   }
