@@ -473,6 +473,10 @@ void PrintJob(const v1::Job& job) {
                 job.resumed_from().empty() ? "" : "; this run resumed from ", job.resumed_from().c_str());
   }
   if (job.restarts() > 0) std::printf("  restarts: %d (run %ld)\n", job.restarts(), static_cast<long>(job.attempt()));
+  if (job.regroups() > 0) {
+    std::printf("  replicas: %d of %d training; %d live regroup%s after faults, without a restart\n",
+                job.replicas().present(), job.replicas().planned(), job.regroups(), job.regroups() == 1 ? "" : "s");
+  }
   for (const v1::Fault& f : job.faults()) {
     std::printf("  fault at %s, step %ld: %s\n    -> %s, %ld step(s) lost, %s\n",
                 FormatTime(f.detected_unix_ms()).c_str(), static_cast<long>(f.step()), f.cause().c_str(),

@@ -1,5 +1,5 @@
 // Model verbs of the geotrain CLI:
-//   geotrain train --local SPEC.yaml [--resume]         one-process training (the reference run)
+//   geotrain train --local SPEC.yaml [--resume] [--regrouped-at STEP --replicas R,...]   one-process training (the reference run)
 //   geotrain data prepare INPUT... --out DIR [--val-fraction F]
 //   geotrain model init --config SPEC.yaml --out W.safetensors [--seed S]
 //   geotrain model grad --config SPEC.yaml --weights W.safetensors --tokens X.bin --out G.safetensors
@@ -223,7 +223,15 @@ void AddModelCommands(CLI::App& app, Context& context) {
   auto resume = std::make_shared<bool>(false);
   train->add_option("--local", *train_spec, "Job spec (YAML or JSON) to train in this process")->required();
   train->add_flag("--resume", *resume, "Continue from the latest checkpoint in checkpoint.dir");
-  train->callback([&context, train_spec, resume]() {
+  // What a cluster job trained after a live regroup: from --regrouped-at on, only --replicas' rows of each batch.
+  auto regrouped_at = std::make_shared<int>(0);
+  auto replicas = std::make_shared<std::vector<int>>();
+  train->add_option("--regrouped-at", *regrouped_at,
+                    "Simulate a job that went on with fewer replicas after a fault: from this step on (the one its "
+                    "log says they train next) only --replicas train");
+  train->add_option("--replicas", *replicas, "With --regrouped-at: the replicas that trained on (e.g. 0,2)")
+      ->delimiter(',');
+  train->callback([&context, train_spec, resume, regrouped_at, replicas]() {
     absl::StatusOr<JobSpec> spec = LoadJobSpecFile(*train_spec);
     if (!spec.ok()) {
       context.exit_code = Fail(spec.status());
@@ -232,6 +240,13 @@ void AddModelCommands(CLI::App& app, Context& context) {
     model::LocalTrainer trainer;
     model::LocalTrainOptions options;
     options.resume = *resume;
+    if ((*regrouped_at > 0) != !replicas->empty()) {
+      context.exit_code = Fail(absl::InvalidArgumentError(
+          "--regrouped-at and --replicas go together: the step the replicas left trained next, and which they are"));
+      return;
+    }
+    options.replicas_from_step = *regrouped_at;
+    options.replicas = *replicas;
     options.progress_bar = ::isatty(::fileno(stdout));
     // DiLoCo's pseudo-gradients rounded by diloco.codec, as the cluster sends them.
     absl::StatusOr<std::function<absl::Status(int, int, absl::Span<float>)>> outer_codec =

@@ -113,7 +113,7 @@ std::vector<float>* GrpcCommunicator::Residual(const std::string& key) {
   return &residuals_[key];
 }
 
-absl::Status GrpcCommunicator::SendWithRetries(const Call& call, const std::function<absl::Status()>& send) {
+absl::Status GrpcCommunicator::SendWithRetries(const Call& call, int peer, const std::function<absl::Status()>& send) {
   absl::Duration backoff = absl::Milliseconds(50);
   for (int attempt = 0;; ++attempt) {
     absl::Status status = send();
@@ -123,6 +123,7 @@ absl::Status GrpcCommunicator::SendWithRetries(const Call& call, const std::func
     if (server_->JobCancelled(options_.job_id)) {
       return absl::CancelledError(absl::StrCat("job ", options_.job_id, " is stopping: ", status.message()));
     }
+    if (attempt == 0 && options_.on_peer_unavailable) options_.on_peer_unavailable(peers_[peer].name);
     if (absl::Now() + backoff >= call.deadline) {
       return absl::UnavailableError(
           absl::StrCat(status.message(), " (retried ", attempt + 1, " time(s) until the deadline)"));
@@ -144,15 +145,16 @@ absl::Status GrpcCommunicator::SendOutgoing(const Call& call, const std::string&
                                             const OutgoingTensor& tensor) {
   const TensorKey key = MakeKey(call, part, rank_);
   const int64_t elements = static_cast<int64_t>(tensor.size());
-  return SendWithRetries(call,
+  return SendWithRetries(call, peer,
                          [&] { return client_->Send(peers_[peer].address, key, {elements}, tensor, call.deadline); });
 }
 
 absl::Status GrpcCommunicator::SendEncodedTo(const Call& call, const std::string& part, int peer, const Codec& codec,
                                              const Bytes& encoded, int64_t elements) {
   const TensorKey key = MakeKey(call, part, rank_);
-  return SendWithRetries(
-      call, [&] { return client_->SendEncoded(peers_[peer].address, key, {elements}, codec, encoded, call.deadline); });
+  return SendWithRetries(call, peer, [&] {
+    return client_->SendEncoded(peers_[peer].address, key, {elements}, codec, encoded, call.deadline);
+  });
 }
 
 absl::StatusOr<ReceivedTensor> GrpcCommunicator::RecvFrom(const Call& call, const std::string& part, int peer) {

@@ -88,6 +88,9 @@ struct CommunicatorOptions {
   Codec wan_codec;  // between sites (default none)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::kRing;
   absl::Duration timeout = absl::Seconds(120);  // deadline of each collective, from its start
+  // Called (from the sending thread) when a send to a peer fails UNAVAILABLE and is about to be retried, with the
+  // peer's name: its process may be gone, which whoever detects failures can check at once. May be null.
+  std::function<void(const std::string& peer_name)> on_peer_unavailable;
 };
 
 class GrpcCommunicator : public Communicator {
@@ -148,7 +151,7 @@ class GrpcCommunicator : public Communicator {
                       const Codec& codec, const std::string& residual_key);
   // Runs `send` again with backoff (50 ms doubling to 1 s) while it fails UNAVAILABLE (a connection lost or
   // refused: a link that flaps), until the call's deadline or until the job's receives are cancelled here.
-  absl::Status SendWithRetries(const Call& call, const std::function<absl::Status()>& send);
+  absl::Status SendWithRetries(const Call& call, int peer, const std::function<absl::Status()>& send);
   // Sends `tensor` (prepared once) with retries, as SendWithRetries.
   absl::Status SendOutgoing(const Call& call, const std::string& part, int peer, const OutgoingTensor& tensor);
   // Sends an encoded tensor (forwarded, or the same bytes to several ranks) with retries.

@@ -91,7 +91,33 @@ absl::Status ActorLauncher::CreateActors(const JobSpec& spec, const std::vector<
   return absl::OkStatus();
 }
 
-void ActorLauncher::StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait) {
+void ActorLauncher::StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait,
+                               bool job_goes_on) {
+  StopActorRequest request;
+  request.set_reason(reason);
+  request.set_job_goes_on(job_goes_on);
+  OnAliveWorkers(
+      actors, wait, "stopping",
+      [request](internal::Worker::Stub& stub, grpc::ClientContext& ctx, const std::string& actor_id) mutable {
+        request.set_actor_id(actor_id);
+        StopActorReply reply;
+        return stub.StopActor(&ctx, request, &reply);
+      });
+}
+
+void ActorLauncher::InterruptActors(const std::vector<ActorPlacement>& actors, int64_t epoch) {
+  OnAliveWorkers(actors, /*wait=*/false, "interrupting",
+                 [epoch](internal::Worker::Stub& stub, grpc::ClientContext& ctx, const std::string& actor_id) {
+                   InterruptActorRequest request;
+                   request.set_actor_id(actor_id);
+                   request.set_epoch(epoch);
+                   StopActorReply reply;
+                   return stub.InterruptActor(&ctx, request, &reply);
+                 });
+}
+
+void ActorLauncher::OnAliveWorkers(const std::vector<ActorPlacement>& actors, bool wait, const std::string& what,
+                                   ActorCall call) {
   const WorkersById workers = ById(registry_->Workers());
   auto targets = std::make_shared<std::vector<std::pair<WorkerInfo, std::string>>>();
   for (const ActorPlacement& p : actors) {
@@ -99,29 +125,25 @@ void ActorLauncher::StopActors(const std::vector<ActorPlacement>& actors, const 
     if (it == workers.end() || it->second.state() != WORKER_ALIVE) continue;
     targets->push_back({it->second, p.actor.actor_id()});
   }
-  auto stop_one = [targets, reason, options = options_](int i) -> absl::Status {
+  auto one = [targets, what, call, options = options_](int i) -> absl::Status {
     const auto& [worker, actor_id] = (*targets)[i];
     ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(worker.address(), options.tls));
     auto stub = internal::Worker::NewStub(channel);
     grpc::ClientContext ctx;
     AttachToken(&ctx, options.token);
     SetDeadlineMillis(&ctx, options.stop_deadline_ms);
-    StopActorRequest request;
-    request.set_actor_id(actor_id);
-    request.set_reason(reason);
-    StopActorReply reply;
-    grpc::Status s = stub->StopActor(&ctx, request, &reply);
+    grpc::Status s = call(*stub, ctx, actor_id);
     // NOT_FOUND: the worker restarted and the actor is gone, which is what a stop wants.
     if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
-      GT_LOG(WARNING) << "stopping actor " << actor_id << " on worker " << worker.worker_id() << ": "
+      GT_LOG(WARNING) << what << " actor " << actor_id << " on worker " << worker.worker_id() << ": "
                       << s.error_message();
     }
     return absl::OkStatus();
   };
   if (wait) {
-    executor_->Map(static_cast<int>(targets->size()), stop_one);
+    executor_->Map(static_cast<int>(targets->size()), one);
   } else {
-    for (int i = 0; i < static_cast<int>(targets->size()); ++i) executor_->Submit([stop_one, i] { (void)stop_one(i); });
+    for (int i = 0; i < static_cast<int>(targets->size()); ++i) executor_->Submit([one, i] { (void)one(i); });
   }
 }
 

@@ -1,5 +1,5 @@
 // The job runner's launcher: turns a placement (placement.h) into actors created on their workers, and stops
-// actors. It is the runner's only caller of the Worker service (CreateActor, StopActor); it decides nothing about
+// actors. It is the runner's only caller of the Worker service (CreateActor, StopActor, InterruptActor); it decides nothing about
 // the job (JobRunner records the run and moves its state, JobRecovery decides what a failure means).
 //
 //   ActorLauncher::NameForRun(&placement, attempt);
@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "head/job_run.h"
 #include "head/placement.h"
 #include "head/registry.h"
+#include "internal.grpc.pb.h"
 
 namespace geotrain::head {
 
@@ -55,13 +57,23 @@ class ActorLauncher {
   absl::Status CreateActors(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
                             const WorkersById& workers, int64_t attempt, const std::string& resume_from);
 
-  // Sends StopActor to every actor whose worker is alive, at once; waits for the answers when `wait`.
-  void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait);
+  // Sends StopActor to every actor whose worker is alive, at once; waits for the answers when `wait`. `job_goes_on`:
+  // the actors leave a job that goes on without them (a live regroup): their peers are told they failed.
+  void StopActors(const std::vector<ActorPlacement>& actors, const std::string& reason, bool wait,
+                  bool job_goes_on = false);
+  // A live regroup to membership `epoch` (head/job_regroup.h): InterruptActor to every actor whose worker is alive, at
+  // once, without waiting: each one's step in flight ends, and it asks for the new membership.
+  void InterruptActors(const std::vector<ActorPlacement>& actors, int64_t epoch);
 
   // Finishes the RPCs queued (the stops sent without waiting) and ends the executor's threads.
   void Shutdown();
 
  private:
+  // One RPC per actor whose worker is alive, on the executor (`what` names it in a failure's log line).
+  using ActorCall =
+      std::function<grpc::Status(internal::Worker::Stub& stub, grpc::ClientContext& ctx, const std::string& actor_id)>;
+  void OnAliveWorkers(const std::vector<ActorPlacement>& actors, bool wait, const std::string& what, ActorCall call);
+
   WorkerRegistry* registry_;
   const ActorLauncherOptions options_;
   std::unique_ptr<Executor> executor_;

@@ -3,14 +3,17 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
+#include "head/job_regroup.h"
 #include "model/checkpoint_files.h"
 
 namespace geotrain::head {
@@ -47,6 +50,7 @@ struct JobRecovery::PendingFault {
   int restarts = 0;
   int64_t step = 0, detected_unix_ms = 0, attempt = 0;
   bool permanent = false;
+  bool no_regroup = false;      // restart even where the replicas left could train on
   bool leave = false;           // a drain's restart without its workers (Leave)
   bool all_left = false;        // a leave's: every actor left by itself (none to stop)
   std::string leaving_workers;  // a leave's workers, and when its drain began (unix ms)
@@ -81,6 +85,8 @@ void JobRecovery::Restore() {
       run.last_step = job.step();
       run.last_checkpoint_step = job.last_checkpoint_step();
       run.resumed_from = job.resumed_from();
+      run.regroup.epoch = job.epoch();  // the membership its actors train in after live regroups
+      run.regroup.replicas.assign(job.present_replicas().begin(), job.present_replicas().end());
       run.launched_ms = now;  // the workers get a grace period to list their actors again
       for (const ActorRecord& a : job.actors()) {
         ActorPlacement p;
@@ -144,6 +150,7 @@ JobRun* JobRecovery::MarkFault(const std::string& job_id, int64_t attempt, const
   run.phase = RunPhase::kFault;
   run.fault_cause = cause;
   run.fault_permanent = false;
+  run.fault_no_regroup = false;
   run.fault_detected_ms = clock_->NowMillis();
   run.fault_unix_ms = clock_->UnixMillis();
   run.fault_step = run.last_step;
@@ -152,12 +159,15 @@ JobRun* JobRecovery::MarkFault(const std::string& job_id, int64_t attempt, const
   return &run;
 }
 
-void JobRecovery::Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent) {
+void JobRecovery::Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent,
+                        const std::string& lost_actor, bool no_regroup) {
   {
     absl::MutexLock lock(&runs_->mu);
     JobRun* run = MarkFault(job_id, attempt, cause);
     if (run == nullptr) return;
     run->fault_permanent = permanent;
+    run->fault_no_regroup = no_regroup;
+    if (!lost_actor.empty()) run->regroup.lost_actors.insert(lost_actor);
   }
   GT_LOG(WARNING) << "job " << job_id << " (run " << attempt << "): fault: " << cause;
 }
@@ -186,8 +196,8 @@ void JobRecovery::HandleFaults() {
     for (auto& [job_id, run] : runs_->by_job) {
       if (run.phase != RunPhase::kFault) continue;
       pending.push_back({job_id, run.fault_cause, run.actors, run.restarts, run.fault_step, run.fault_unix_ms,
-                         run.attempt, run.fault_permanent, run.leaving, run.leaving && !run.drain.gave_up,
-                         run.leaving_workers, run.leave_started_unix_ms});
+                         run.attempt, run.fault_permanent, run.fault_no_regroup, run.leaving,
+                         run.leaving && !run.drain.gave_up, run.leaving_workers, run.leave_started_unix_ms});
     }
   }
   for (const PendingFault& p : pending) HandleFault(p);
@@ -208,6 +218,7 @@ void JobRecovery::HandleFault(const PendingFault& p) {
                                   "and a restart would fail the same way; fix it and submit the job again"));
     return;
   }
+  if (!p.no_regroup && TryRegroup(p)) return;
   if (max_restarts >= 0 && p.restarts >= max_restarts) {
     control_->EndJob(p.job_id, JOB_FAILED,
                      max_restarts == 0 ? p.cause
@@ -239,6 +250,74 @@ void JobRecovery::HandleFault(const PendingFault& p) {
   // The surviving actors stop now (their receives end at once), before the next run is placed.
   launcher_->StopActors(p.actors, absl::StrCat("the job is restarting: ", p.cause), /*wait=*/true);
   Recovering(p, /*restarts=*/p.restarts + 1);
+}
+
+bool JobRecovery::TryRegroup(const PendingFault& p) {
+  const WorkersById workers = ById(registry_->Workers());
+  std::vector<ActorPlacement> leaving, staying;
+  std::vector<int> kept;
+  std::vector<StepAggregate> completed;  // steps every actor that stays had reported
+  std::string wan_codec;
+  int planned = 0;
+  int64_t epoch = 0;
+  std::string why;
+  {
+    absl::MutexLock lock(&runs_->mu);
+    auto it = runs_->by_job.find(p.job_id);
+    if (it == runs_->by_job.end() || it->second.phase != RunPhase::kFault || it->second.attempt != p.attempt) {
+      return false;
+    }
+    JobRun& run = it->second;
+    if (!RegroupEligible(run, workers, &why)) {
+      GT_LOG(INFO) << "job " << p.job_id << ": no live regroup (" << why << "): restarting";
+      return false;
+    }
+    std::set<std::string> lost = run.regroup.lost_actors;
+    for (const auto& [actor, error] : run.actor_errors) lost.insert(actor);
+    kept = RegroupKept(run, workers, lost);
+    if (kept.empty() || !RegroupMakesProgress(run, kept)) return false;
+    planned = run.spec.parallel().dp();
+    leaving = BeginRegroup(run, kept, p.cause, run.fault_detected_ms);
+    completed = StepAggregator::CompleteAfterLeave(run);
+    wan_codec = run.spec.comm().wan_codec();
+    staying = run.actors;
+    epoch = run.regroup.epoch;
+    runs_->kicked = true;
+  }
+  const std::string replicas = absl::StrJoin(kept, ", ");
+  const std::string degraded =
+      absl::StrCat(kept.size(), " of ", planned, " replicas train on (", replicas, ") without a restart");
+  std::vector<ActorRecord> records;
+  for (const ActorPlacement& a : staying) records.push_back(a.actor);
+  LogIfFailed(jobs_->SetActors(p.job_id, records), p.job_id, "recording the actors left");
+  LogIfFailed(jobs_
+                  ->Update(p.job_id,
+                           [&](JobInfo& j) {
+                             j.mutable_replicas()->set_present(static_cast<int>(kept.size()));
+                             j.mutable_replicas()->set_planned(planned);
+                             j.set_regroups(j.regroups() + 1);
+                             j.set_epoch(epoch);
+                             j.clear_present_replicas();
+                             for (int r : kept) j.add_present_replicas(r);
+                             j.set_message(absl::StrCat("RUNNING, degraded: ", degraded, "; after: ", p.cause));
+                           })
+                  .status(),
+              p.job_id, "recording the regroup");
+  std::set<int> left_replicas;
+  for (const ActorPlacement& a : leaving) left_replicas.insert(a.actor.replica());
+  LogIfFailed(jobs_->Log(p.job_id, absl::StrCat("fault: ", p.cause, "; ", degraded, ": replica",
+                                                left_replicas.size() == 1 ? " " : "s ",
+                                                absl::StrJoin(left_replicas, ", "), " left (membership ", epoch, ")")),
+              p.job_id, "logging");
+  GT_LOG(WARNING) << "job " << p.job_id << " (run " << p.attempt << "): " << p.cause << "; " << degraded;
+  for (const StepAggregate& step : completed) metrics_->RecordStep(p.job_id, step, wan_codec);
+  metrics_->CountRegroup(p.job_id, static_cast<int>(kept.size()));
+  // The survivors' step in flight ends (its receives cancelled); the leaving actors still alive stop, their peers told
+  // that they failed, not that the job stopped.
+  launcher_->InterruptActors(staying, epoch);
+  launcher_->StopActors(leaving, absl::StrCat("the job goes on without this replica: ", p.cause), /*wait=*/false,
+                        /*job_goes_on=*/true);
+  return true;
 }
 
 bool JobRecovery::MoveToRestarting(const PendingFault& p, const std::string& message) {

@@ -12,6 +12,8 @@
 //   - The first step past the resumed one ends the recovery (MeasureRecovery, RecordRecovery): its time and the
 //     steps lost go in the fault's record and in geotrain_job_recovery_seconds / geotrain_job_steps_lost_total.
 //   - A head restart (Restore): the jobs that were RUNNING or RESTARTING get their runs back from their records.
+//   - A live regroup (TryRegroup, head/job_regroup.h): before restarting, a fault that leaves some data-parallel replica
+//     whole lets those replicas train on without a restart; the others' actors leave. No restart is counted.
 //   - A leave (Leave: a drain, head/job_drain.h, is ready or gave up): the job restarts the same way without the
 //     draining workers, but it is no fault: no fault record, no restart counted against max_restarts; the job's
 //     `leaves` and geotrain_job_leaves_total count it, and the first step after it logs the drain's cost.
@@ -69,7 +71,10 @@ class JobRecovery {
   // Records a fault of the job's run `attempt` and wakes the control thread; ignored when that run is not the
   // current one or is not running (it already has a fault, or ended). `permanent`: a restart would fail the same
   // way (an actor's set-up error in the job's spec, data or checkpoint), so the job fails at once.
-  void Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent = false);
+  // `lost_actor` (may be empty): the actor the fault lost (it died or failed), whose replica cannot train on.
+  // `no_regroup`: restart, even where the replicas left could train on (a regroup that diverged).
+  void Fault(const std::string& job_id, int64_t attempt, const std::string& cause, bool permanent = false,
+             const std::string& lost_actor = "", bool no_regroup = false);
   // The job's run `attempt` restarts without `workers` (a drain): as a fault's restart, under `cause`, with the cost
   // measured from `started_ms` (the drain's start, monotonic). `stop_actors`: some actors have not left (the drain
   // gave up), so they are stopped first. Ignored when that run is not the current one or is not running.
@@ -103,6 +108,9 @@ class JobRecovery {
   void HandleFault(const PendingFault& fault);
   // A leave's part of HandleFault: RESTARTING under its cause, the leave counted, any actor left stopped.
   void HandleLeave(const PendingFault& fault);
+  // A live regroup instead of a restart (head/job_regroup.h), when the job allows one and some replica is whole: the
+  // job stays RUNNING with those replicas. False: restart as usual.
+  bool TryRegroup(const PendingFault& fault);
   // Their common parts: the job to RESTARTING with `message` (false: not now, the fault stays to be handled; or the job
   // was cancelled meanwhile, and its run ends), and the run to recovering with `restarts` used.
   bool MoveToRestarting(const PendingFault& fault, const std::string& message);

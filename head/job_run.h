@@ -70,6 +70,25 @@ struct RunDrain {
   int64_t started_ms = 0;      // clock's monotonic milliseconds: the drain's cost is measured from here
 };
 
+// Replicas as failure domains (head/job_regroup.h): the membership a run trains in after live regroups, and the one
+// forming. Epoch 0 is the run's first membership, every replica.
+struct RunRegroup {
+  int64_t epoch = 0;
+  std::vector<int> replicas;             // the replicas of `epoch`, ascending (empty in epoch 0: every replica)
+  bool confirmed = true;                 // every actor of it stands at one completed step (false while it forms)
+  int64_t resume_step = 0;               // confirmed after a regroup: the step its actors train next
+  std::map<std::string, int64_t> ready;  // forming: actor -> the step it completed, waiting in `epoch`
+  std::string cause;                     // the fault it recovers from
+  int64_t detected_ms = 0;               // monotonic: that fault's detection
+  int64_t last_complete_ms = 0;  // monotonic: when the newest complete step was recorded (the healthy pause's start)
+  int64_t paused_from_ms = 0;    // the last complete step before the fault (0: the pause is measured)
+  // An actor waits for a regroup that no known fault started (its step failed on a peer): since when (monotonic;
+  // 0: none), and its failure. JobRunner::CheckRegroups turns it into a fault after kRegroupGraceMs.
+  int64_t waiting_since_ms = 0;
+  std::string waiting_cause;
+  std::set<std::string> lost_actors;  // actors the fault named as lost (an actor's death or error)
+};
+
 // A job's current run.
 struct JobRun {
   // The state machine's (JobRunner: Launch, EndJob, StopJob, Reconcile; JobRecovery moves the phase on faults).
@@ -98,6 +117,7 @@ struct JobRun {
   int restarts = 0;
   std::string fault_cause;
   bool fault_permanent = false;   // the job itself is at fault: it fails without a restart
+  bool fault_no_regroup = false;  // restart even where a live regroup could go on (one diverged)
   int64_t fault_detected_ms = 0;  // clock's monotonic milliseconds
   int64_t fault_unix_ms = 0;
   int64_t fault_step = 0;
@@ -111,6 +131,9 @@ struct JobRun {
 
   // The drain's (JobRunner with head/job_drain.h; cleared by each launch).
   RunDrain drain;
+
+  // Live regroups' (JobRecovery::TryRegroup starts one, JobRunner applies the actors' reports; cleared by each launch).
+  RunRegroup regroup;
 };
 
 // The runs, shared by the runner's parts. Any thread; every field under `mu`.

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/names.h"
 #include "common/status.h"
@@ -76,6 +77,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     recovery_.HandleFaults();
     Reconcile();
     CheckDrains();
+    CheckRegroups();
     recovery_.RecoverJobs();
     StartPendingJobs();
     aggregator_.ForgetEndedJobSeries();
@@ -219,8 +221,11 @@ absl::Status JobRunner::BeginRun(const JobInfo& job, const std::vector<ActorPlac
     run.launched_ms = clock_->NowMillis();
     run.actor_seen_ms.clear();
     run.waiting_message.clear();
-    run.drain = RunDrain{};  // a drain is of one run: the next is placed without the draining workers
+    run.drain = RunDrain{};      // a drain is of one run: the next is placed without the draining workers
+    run.regroup = RunRegroup{};  // a new run has every replica of its plan
   }
+  const int planned = std::max(1, job.spec().parallel().dp());
+  aggregator_.SetReplicas(job.job_id(), planned);
   std::vector<ActorRecord> records;
   for (const ActorPlacement& p : placement) records.push_back(p.actor);
   LogIfFailed(jobs_->SetActors(job.job_id(), records), job.job_id(), "recording the actors");
@@ -232,6 +237,10 @@ absl::Status JobRunner::BeginRun(const JobInfo& job, const std::vector<ActorPlac
                              j.set_step(resumed_step);
                              j.clear_pending_shards();
                              j.clear_done_actors();
+                             j.mutable_replicas()->set_present(planned);
+                             j.mutable_replicas()->set_planned(planned);
+                             j.set_epoch(0);
+                             j.clear_present_replicas();
                            })
                   .status(),
               job.job_id(), "recording the run");
@@ -359,7 +368,7 @@ void JobRunner::Reconcile() {
   for (const ActorRecord& a : registry_->Actors()) reported[a.actor_id()] = a;
   const WorkersById workers = ById(registry_->Workers());
   const int64_t now = clock_->NowMillis();
-  std::vector<std::tuple<std::string, int64_t, std::string>> faults;
+  std::vector<std::tuple<std::string, int64_t, std::string, std::string>> faults;  // job, run, cause, lost actor
   std::vector<std::string> succeeded;
   {
     absl::MutexLock lock(&runs_.mu);
@@ -388,7 +397,7 @@ void JobRunner::Reconcile() {
               completed_here = run.done.size() == run.actors.size();
             }
           } else if (!absl::StartsWith(it->second.message(), "stopped")) {
-            faults.push_back({job_id, run.attempt, absl::StrCat("actor ", id, " died: ", it->second.message())});
+            faults.push_back({job_id, run.attempt, absl::StrCat("actor ", id, " died: ", it->second.message()), id});
             break;
           }
           continue;
@@ -398,14 +407,15 @@ void JobRunner::Reconcile() {
         if (w != workers.end() && w->second.state() == WORKER_ALIVE && now - since > options_.actor_lost_after_ms) {
           faults.push_back(
               {job_id, run.attempt,
-               absl::StrCat("actor ", id, " is gone from worker ", p.actor.worker_id(), " (the worker restarted?)")});
+               absl::StrCat("actor ", id, " is gone from worker ", p.actor.worker_id(), " (the worker restarted?)"),
+               id});
           break;
         }
       }
       if (completed_here) succeeded.push_back(job_id);
     }
   }
-  for (const auto& [job_id, attempt, cause] : faults) recovery_.Fault(job_id, attempt, cause);
+  for (const auto& [job_id, attempt, cause, actor] : faults) recovery_.Fault(job_id, attempt, cause, false, actor);
   for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor finished");
 }
 
@@ -432,7 +442,106 @@ std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
   return out;
 }
 
+ReportStepReply JobRunner::OnRegroupReport(const StepReport& report) {
+  ReportStepReply reply;
+  RegroupNews news;
+  std::vector<std::string> suspects;
+  int64_t attempt = 0;
+  {
+    absl::MutexLock lock(&runs_.mu);
+    auto it = runs_.by_job.find(report.job_id());
+    if (it == runs_.by_job.end() || it->second.phase == RunPhase::kEnded || report.attempt() != it->second.attempt) {
+      reply.set_stop(true);  // as for a step report: an ended job, or an earlier run
+      return reply;
+    }
+    JobRun& run = it->second;
+    if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled
+    if (InRun(run, report.actor_id())) news = ApplyRegroupReport(run, report, clock_->NowMillis());
+    FillRegroupReply(run, &reply);  // an actor of a replica that left learns so from it
+    attempt = run.attempt;
+    if (news.first_wait) {
+      for (const ActorPlacement& p : run.actors) suspects.push_back(p.actor.worker_id());
+    }
+  }
+  // A killed worker's peers know first: the detector probes the run's workers now rather than after their heartbeat
+  // timeout (a refused port is a dead process).
+  if (!suspects.empty()) registry_->Suspect(suspects);
+  AfterRegroupReport(report.job_id(), attempt, news);
+  return reply;
+}
+
+void JobRunner::AfterRegroupReport(const std::string& job_id, int64_t attempt, const RegroupNews& news) {
+  if (news.diverged) {
+    recovery_.Fault(job_id, attempt,
+                    absl::StrCat("the replicas left by a fault completed different steps (", news.steps,
+                                 "): a live regroup would mix parameter versions"),
+                    /*permanent=*/false, /*lost_actor=*/"", /*no_regroup=*/true);
+    return;
+  }
+  if (!news.confirmed) return;
+  std::string replicas;
+  {
+    absl::MutexLock lock(&runs_.mu);
+    auto it = runs_.by_job.find(job_id);
+    if (it == runs_.by_job.end()) return;
+    replicas = absl::StrJoin(it->second.regroup.replicas, ", ");
+  }
+  LogIfFailed(jobs_->Log(job_id, absl::StrCat("regrouped: replicas ", replicas, " rebuilt their groups at step ",
+                                              news.step, " and train step ", news.step + 1, " next")),
+              job_id, "logging");
+}
+
+void JobRunner::RecordRegroupPause(const std::string& job_id, int64_t step, double pause_seconds) {
+  aggregator_.SetHealthyPause(job_id, pause_seconds);
+  LogIfFailed(
+      jobs_->Log(job_id, absl::StrFormat("training again without a restart: step %d complete; the replicas that "
+                                         "stayed healthy paused %.1f s between two complete steps; no step lost",
+                                         step, pause_seconds)),
+      job_id, "logging");
+}
+
+void JobRunner::CheckRegroups() {
+  const int64_t now = clock_->NowMillis();
+  std::vector<std::tuple<std::string, int64_t, std::string, bool>> faults;  // job, run, cause, no regroup
+  {
+    absl::MutexLock lock(&runs_.mu);
+    for (auto& [job_id, run] : runs_.by_job) {
+      if (run.phase != RunPhase::kRunning) continue;
+      const RunRegroup& g = run.regroup;
+      if (!g.confirmed && now - g.detected_ms > kRegroupFormMs) {
+        faults.push_back(
+            {job_id, run.attempt,
+             absl::StrCat("the replicas left by a fault did not all rebuild their groups within ",
+                          kRegroupFormMs / 1000, " s (", g.ready.size(), " of ", run.actors.size(), " actors did)"),
+             true});
+      } else if (g.confirmed && g.waiting_since_ms > 0 && now - g.waiting_since_ms >= kRegroupGraceMs) {
+        faults.push_back({job_id, run.attempt, g.waiting_cause, false});
+      }
+    }
+  }
+  for (const auto& [job_id, attempt, cause, no_regroup] : faults) {
+    recovery_.Fault(job_id, attempt, cause, /*permanent=*/false, /*lost_actor=*/"", no_regroup);
+  }
+}
+
 ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
+  if (report.regroup_waiting()) return OnRegroupReport(report);
+  if (!report.unreachable_peer().empty()) {
+    // A killed worker's peers know first: the detector probes its worker now rather than after its heartbeat timeout
+    // (a refused port is a dead process).
+    std::vector<std::string> suspects;
+    {
+      absl::MutexLock lock(&runs_.mu);
+      auto it = runs_.by_job.find(report.job_id());
+      if (it != runs_.by_job.end() && it->second.attempt == report.attempt()) {
+        for (const ActorPlacement& p : it->second.actors) {
+          if (p.actor.actor_id() == report.unreachable_peer()) suspects.push_back(p.actor.worker_id());
+        }
+      }
+    }
+    if (!suspects.empty()) registry_->Suspect(suspects);
+    return ReportStepReply();
+  }
   ReportStepReply reply;
   bool finished = false, failed = false;
   bool newly_done = false;  // this report is its actor's last
@@ -441,6 +550,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   CheckpointCommitter::Gathered gathered;
   DrainNews drain;
   bool draining = false;
+  double healthy_pause = -1;  // the first complete step after a regroup: the healthy replicas' pause
   JobSpec spec;
   int64_t attempt = 0;
   {
@@ -457,10 +567,15 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       return reply;
     }
     if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled: the actors are being stopped
+    FillRegroupReply(run, &reply);
+    // An actor of a replica that left a live regroup: the membership in the reply tells it to leave. Never `stop`:
+    // its peers would take that as the whole job stopping.
+    if (!InRun(run, report.actor_id())) return reply;
     if (report.drain_waiting()) {  // an actor at the drain's step asks whether to stop: nothing else to do
       FillDrainReply(run, &reply);
       return reply;
     }
+
     spec = run.spec;
     attempt = run.attempt;
     if (!report.error().empty()) {
@@ -469,6 +584,14 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     } else if (report.step() > 0) {
       complete = StepAggregator::Add(run, report);
       if (complete) recovery = recovery_.MeasureRecovery(run, report.step());
+      if (complete) {
+        RunRegroup& g = run.regroup;
+        g.last_complete_ms = clock_->NowMillis();
+        if (g.paused_from_ms > 0 && g.confirmed) {
+          healthy_pause = static_cast<double>(g.last_complete_ms - g.paused_from_ms) / 1000;
+          g.paused_from_ms = 0;
+        }
+      }
     }
     StepAggregator::ForgetStale(run, report.step());
     if (report.done()) newly_done = run.done.insert(report.actor_id()).second;
@@ -494,13 +617,14 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   }
   if (failed) {
     recovery_.Fault(report.job_id(), attempt, absl::StrCat("actor ", report.actor_id(), " failed: ", report.error()),
-                    report.permanent());
+                    report.permanent(), report.actor_id());
     reply.set_stop(true);
     return reply;
   }
   committer_.Commit(report.job_id(), spec, gathered);
   if (complete) aggregator_.RecordStep(report.job_id(), *complete, spec.comm().wan_codec());
   if (recovery) recovery_.RecordRecovery(report.job_id(), *recovery);
+  if (healthy_pause >= 0) RecordRegroupPause(report.job_id(), report.step(), healthy_pause);
   if (draining) AfterDrainReport(report.job_id(), attempt, drain, gathered);
   if (finished) EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
   return reply;

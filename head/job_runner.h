@@ -41,7 +41,7 @@
 //
 // Threads and ownership:
 //   - the job-control thread (Start) runs ControlLoop: RetryPendingEnds, JobRecovery::HandleFaults, Reconcile,
-//     CheckDrains, JobRecovery::RecoverJobs, StartPendingJobs, StepAggregator::ForgetEndedJobSeries, then `on_tick`.
+//     CheckDrains, CheckRegroups, JobRecovery::RecoverJobs, StartPendingJobs, StepAggregator::ForgetEndedJobSeries, then `on_tick`.
 //     It alone plans, places, launches and restarts runs.
 //   - gRPC handlers call OnStepReport (aggregation, checkpoint gathering and the drain's bookkeeping under
 //     JobRuns::mu, then recording, commits and a ready drain's hand-over, JobRecovery::Leave, without it), StopJob,
@@ -72,6 +72,7 @@
 #include "head/job_drain.h"
 #include "head/job_manager.h"
 #include "head/job_recovery.h"
+#include "head/job_regroup.h"
 #include "head/job_run.h"
 #include "head/placement.h"  // PlaceActors, PlanAutoJob (moved there; callers keep including this header)
 #include "head/registry.h"
@@ -148,6 +149,16 @@ class JobRunner final : private RunControl {
   // drain's checkpoint committed, and hands a ready drain (or a broken one) over to recovery.
   void AfterDrainReport(const std::string& job_id, int64_t attempt, const DrainNews& news,
                         const CheckpointCommitter::Gathered& gathered);
+  // Live regroups (head/job_regroup.h): an actor's wait that no known fault explains after kRegroupGraceMs becomes a
+  // fault; a membership that has not formed within kRegroupFormMs restarts the job.
+  void CheckRegroups();
+  // A report that waits for a regroup (OnStepReport's part): applied to the run's regroup, the reply with its
+  // membership.
+  ReportStepReply OnRegroupReport(const StepReport& report);
+  // A report's consequences for the run's regroup, outside the lock: logs `news`; a divergence restarts the job.
+  void AfterRegroupReport(const std::string& job_id, int64_t attempt, const RegroupNews& news);
+  // The first complete step after a regroup: the healthy replicas' pause, logged and in its gauge.
+  void RecordRegroupPause(const std::string& job_id, int64_t step, double pause_seconds);
 
   // RunControl (JobRecovery calls these too).
   // Chooses the plan and the placement for the job's next run, and launches it. UNAVAILABLE when the

@@ -109,18 +109,27 @@ absl::StatusOr<WorkerInfo> WorkerRegistry::SetDraining(const std::string& worker
   return it->second;
 }
 
+void WorkerRegistry::Suspect(const std::vector<std::string>& worker_ids) {
+  absl::MutexLock lock(&mu_);
+  peer_suspects_.insert(worker_ids.begin(), worker_ids.end());
+}
+
 std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
   // Which silent workers answer a connection, asked without the lock (a probe takes up to a second).
   std::vector<std::string> silent_ids, addresses;
+  std::set<std::string> peer_suspects;  // probed although not silent (Suspect)
   if (probe) {
     const int64_t now = clock_->NowMillis();
     absl::MutexLock lock(&mu_);
     for (const auto& [id, w] : workers_) {
-      if (w.state() == WORKER_ALIVE && now - last_seen_ms_[id] > options_.timeout_ms) {
+      const bool silent = now - last_seen_ms_[id] > options_.timeout_ms;
+      if (w.state() == WORKER_ALIVE && (silent || peer_suspects_.count(id))) {
         silent_ids.push_back(id);
         addresses.push_back(w.address());
+        if (!silent) peer_suspects.insert(id);
       }
     }
+    peer_suspects_.clear();
   }
   std::map<std::string, Reachability> reach;
   if (!silent_ids.empty()) {
@@ -133,12 +142,18 @@ std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
   for (auto& [id, w] : workers_) {
     if (w.state() != WORKER_ALIVE) continue;
     const int64_t silent = now - last_seen_ms_[id];
+    std::string reason = absl::StrCat("no heartbeat for ", silent, " ms (timeout ", options_.timeout_ms, " ms)");
     if (silent <= options_.timeout_ms) {
       suspected_.erase(id);
-      continue;
+      // A worker its job's peers lost: dead only if its port refuses connections (a heartbeat may be on its way).
+      auto r = reach.find(id);
+      if (!peer_suspects.count(id) || r == reach.end() || r->second != Reachability::kRefused) continue;
+      reason = absl::StrCat(
+          "its job's actors lost contact with it and its port refuses connections: the process is "
+          "gone (last heartbeat ",
+          silent, " ms ago)");
     }
-    std::string reason = absl::StrCat("no heartbeat for ", silent, " ms (timeout ", options_.timeout_ms, " ms)");
-    if (probe) {
+    if (probe && silent > options_.timeout_ms) {
       auto r = reach.find(id);
       if (r == reach.end()) continue;  // went silent after the probe: the next check probes it
       if (r->second != Reachability::kRefused) {

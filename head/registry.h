@@ -15,6 +15,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,10 @@ class WorkerRegistry {
   // connections, or silent for longer than the unreachable timeout), marks its actors dead, and returns the
   // newly dead workers. The probe runs without the registry's lock.
   std::vector<WorkerInfo> CheckLiveness(const Probe& probe = nullptr);
+  // Workers whose job's actors lost contact with them (a step failed on a peer: head/job_regroup.h): the next
+  // CheckLiveness with a probe probes them at once, silent or not, and declares dead one whose port refuses
+  // connections (the process is gone), without waiting for its heartbeat timeout. Each is probed once.
+  void Suspect(const std::vector<std::string>& worker_ids);
 
   // The worker leaves on notice (a drain): it is marked draining (placement skips it, its heartbeats are answered
   // `draining`) until a new process registers under its id. Returns its record, to persist. NOT_FOUND: no such
@@ -83,6 +88,7 @@ class WorkerRegistry {
   std::map<std::string, std::vector<ActorRecord>> actors_ ABSL_GUARDED_BY(mu_);
   // Silent workers that did not refuse the probe, with what it found (logged once per silence).
   std::map<std::string, Reachability> suspected_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> peer_suspects_ ABSL_GUARDED_BY(mu_);  // Suspect's, until the next probe
   // Latest probe by (src worker, dst worker).
   std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
   // (src worker, dst worker) -> the sender's totals at its last heartbeat, and the goodput their last growth gave.

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
 namespace geotrain::head {
 namespace {
 
@@ -67,6 +70,36 @@ TEST(RegistryTest, SilentWorkerIsDeclaredDeadAfterTimeoutWithItsActors) {
   RegisterWorkerReply again = registry.Register(Request("w-a", "utah"), nullptr);
   beat.set_incarnation(again.incarnation());
   EXPECT_FALSE(registry.Heartbeat(beat).reregister());
+}
+
+// A worker its job's peers lost (Suspect) is probed at once, silent or not: a refused port is a dead process, declared
+// dead before its heartbeat timeout; one whose port answers stays alive, and is not probed again unless suspected.
+TEST(RegistryTest, ASuspectWhosePortRefusesIsDeadBeforeItsHeartbeatTimeout) {
+  FakeClock clock;
+  WorkerRegistry registry(&clock, {1000, 4000}, "h-1");
+  registry.Register(Request("w-a", "utah"), nullptr);
+  registry.Register(Request("w-b", "utah"), nullptr);
+  std::vector<std::string> probed;
+  Reachability answer = Reachability::kListening;
+  const WorkerRegistry::Probe probe = [&](const std::vector<std::string>& addresses) {
+    probed.insert(probed.end(), addresses.begin(), addresses.end());
+    return std::vector<Reachability>(addresses.size(), answer);
+  };
+  clock.AdvanceMillis(500);
+  EXPECT_TRUE(registry.CheckLiveness(probe).empty());
+  EXPECT_TRUE(probed.empty()) << "nobody silent, nobody suspected: no probe";
+  registry.Suspect({"w-b"});
+  EXPECT_TRUE(registry.CheckLiveness(probe).empty()) << "its port answers: alive";
+  EXPECT_EQ(probed.size(), 1u);
+  EXPECT_TRUE(registry.CheckLiveness(probe).empty());
+  EXPECT_EQ(probed.size(), 1u) << "a suspect is probed once";
+  registry.Suspect({"w-b"});
+  answer = Reachability::kRefused;
+  std::vector<WorkerInfo> dead = registry.CheckLiveness(probe);
+  ASSERT_EQ(dead.size(), 1u);
+  EXPECT_EQ(dead[0].worker_id(), "w-b");
+  EXPECT_NE(dead[0].dead_reason().find("lost contact with it and its port refuses"), std::string::npos)
+      << dead[0].dead_reason();
 }
 
 TEST(RegistryTest, UnknownOrStaleWorkerMustReregister) {

@@ -21,6 +21,13 @@ constexpr JobFamily kRestarts{"geotrain_job_restarts_total", "Restarts of a job 
 constexpr JobFamily kStepsLost{"geotrain_job_steps_lost_total", "Steps trained again after restarts, by job"};
 constexpr JobFamily kLeaves{"geotrain_job_leaves_total",
                             "Restarts of a job without a worker that left on notice (a drain), by job"};
+constexpr JobFamily kRegroups{"geotrain_job_regroups_total",
+                              "Live regroups of a job: a fault left some replicas whole and they trained on without a "
+                              "restart"};
+constexpr JobFamily kReplicas{"geotrain_job_replicas", "Data-parallel replicas of a job training now"};
+constexpr JobFamily kHealthyPause{"geotrain_job_healthy_pause_seconds",
+                                  "The longest gap between two complete steps of the replicas that stayed healthy "
+                                  "around a fault (the latest regroup's), by job"};
 constexpr JobFamily kPredictedStep{"geotrain_predicted_step_seconds", "The planner's predicted step time, by job"};
 constexpr JobFamily kMeasuredStep{"geotrain_measured_step_seconds", "The latest measured step time, by job"};
 constexpr JobFamily kStepDuration{"geotrain_step_duration_seconds", "Optimizer step time, by job"};
@@ -55,8 +62,8 @@ constexpr JobFamily kLivenessGauges[] = {kLastStep, kMedianStep, kEta};
 constexpr JobFamily kMultiLabelJobGauges[] = {kStepPhase, kSiteTokens};
 constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss, kValLoss,
                                     kBubble,        kTimedCompute, kLossScale,       kProgress,  kEta,
-                                    kMedianStep,    kLastStep,     kJobMfu};
-constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps, kLeaves};
+                                    kMedianStep,    kLastStep,     kJobMfu,          kReplicas,  kHealthyPause};
+constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps, kLeaves, kRegroups};
 
 // Step times the median and the ETA are taken over.
 constexpr size_t kMedianWindow = 101;
@@ -248,12 +255,29 @@ std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& 
     }
   }
   if (agg.reported.size() != run.actors.size()) return std::nullopt;
-  StepAggregate complete = std::move(agg);
+  return Complete(run, report.step());
+}
+
+std::vector<StepAggregate> StepAggregator::CompleteAfterLeave(JobRun& run) {
+  std::vector<int64_t> done;
+  for (const auto& [step, agg] : run.steps) {
+    if (std::all_of(run.actors.begin(), run.actors.end(),
+                    [&](const ActorPlacement& a) { return agg.reported.count(a.actor.actor_id()) > 0; })) {
+      done.push_back(step);
+    }
+  }
+  std::vector<StepAggregate> out;
+  for (int64_t step : done) out.push_back(Complete(run, step));
+  return out;
+}
+
+StepAggregate StepAggregator::Complete(JobRun& run, int64_t step) {
+  StepAggregate complete = std::move(run.steps[step]);
   if (complete.figures.loss_scale() <= 0) complete.figures.set_loss_scale(1);  // none reported: not fp16
   complete.figures.set_tokens_per_second(TokensPerSecond(complete.figures));
   complete.site_tokens = SiteTokens(run.actors, complete.figures.tokens(), complete.replica_tokens);
-  run.steps.erase(report.step());
-  run.last_step = std::max(run.last_step, report.step());
+  run.steps.erase(step);
+  run.last_step = std::max(run.last_step, step);
   return complete;
 }
 
@@ -293,6 +317,22 @@ void StepAggregator::CountRestart(const std::string& job_id) {
 void StepAggregator::CountLeave(const std::string& job_id) {
   if (metrics_ == nullptr) return;
   metrics_->Counters(kLeaves.name, kLeaves.help).Add({{"job_id", job_id}}).Increment();
+}
+
+void StepAggregator::CountRegroup(const std::string& job_id, int present) {
+  if (metrics_ == nullptr) return;
+  metrics_->Counters(kRegroups.name, kRegroups.help).Add({{"job_id", job_id}}).Increment();
+  SetReplicas(job_id, present);
+}
+
+void StepAggregator::SetReplicas(const std::string& job_id, int present) {
+  if (metrics_ == nullptr) return;
+  metrics_->Gauges(kReplicas.name, kReplicas.help).Add({{"job_id", job_id}}).Set(present);
+}
+
+void StepAggregator::SetHealthyPause(const std::string& job_id, double seconds) {
+  if (metrics_ == nullptr) return;
+  metrics_->Gauges(kHealthyPause.name, kHealthyPause.help).Add({{"job_id", job_id}}).Set(seconds);
 }
 
 void StepAggregator::CountStepsLost(const std::string& job_id, int64_t steps) {

@@ -51,6 +51,9 @@ class StepAggregator {
   // Adds one actor's report of step report.step() (> 0, no error) to the run's aggregate. When it is the last of
   // the run's actors to report that step, returns the step's aggregate, forgets it and moves run.last_step on.
   static std::optional<StepAggregate> Add(JobRun& run, const StepReport& report);
+  // After actors left the run (a live regroup): the steps every actor left has reported, complete now (in order), as
+  // Add returns them. Their figures keep what the actors that left reported.
+  static std::vector<StepAggregate> CompleteAfterLeave(JobRun& run);
   // Forgets the steps more than 100 behind `step`: some report of theirs was lost (e.g. sent to a head that
   // restarted), so they never complete.
   static void ForgetStale(JobRun& run, int64_t step);
@@ -63,6 +66,12 @@ class StepAggregator {
   void CountRestart(const std::string& job_id);
   void CountLeave(const std::string& job_id);  // geotrain_job_leaves_total: a restart without a draining worker
   void CountStepsLost(const std::string& job_id, int64_t steps);
+  // A live regroup (head/job_regroup.h): geotrain_job_regroups_total, and geotrain_job_replicas to `present`.
+  void CountRegroup(const std::string& job_id, int present);
+  void SetReplicas(const std::string& job_id, int present);  // geotrain_job_replicas
+  // geotrain_job_healthy_pause_seconds: the gap between the healthy replicas' last step before a fault and their
+  // first after the regroup.
+  void SetHealthyPause(const std::string& job_id, double seconds);
   void ObserveRecovery(double seconds);
 
   // The job ended now: its series are removed ended_job_series_ms from now.
@@ -71,6 +80,8 @@ class StepAggregator {
   void ForgetEndedJobSeries();
 
  private:
+  // Takes the run's aggregate of `step` as complete: its derived figures, forgotten, run.last_step moved on.
+  static StepAggregate Complete(JobRun& run, int64_t step);
   JobManager* jobs_;
   const WorkerRegistry* registry_;  // may be null
   MetricsServer* metrics_;          // may be null

@@ -69,9 +69,10 @@ namespace {
 struct LocalRun {
   GPT2Config config;
   int global_batch = 0, T = 0;
-  int micro = 1;  // microbatches per replica
-  int dp = 1;     // replicas
-  int mb = 0;     // rows of a microbatch
+  int micro = 1;    // microbatches per replica
+  int dp = 1;       // replicas
+  int present = 1;  // replicas training (dp, unless LocalTrainOptions::replicas left some out)
+  int mb = 0;       // rows of a microbatch
   bool diloco = false;
   DilocoSpec d;               // EffectiveDiloco(spec)
   std::vector<int> group_of;  // each replica's group
@@ -131,6 +132,7 @@ absl::Status PlanReplicas(const JobSpec& spec, LocalRun* run) {
   run->T = T;
   run->micro = micro;
   run->dp = dp;
+  run->present = dp;
   run->mb = Bm / dp;
   run->diloco = diloco;
   run->d = EffectiveDiloco(spec);
@@ -182,6 +184,26 @@ absl::Status BuildGroups(const JobSpec& spec, LocalRun* run) {
     run->outer->Initialize(model.params());
   }
   run->schedule = TrainSchedule(spec, run->num_groups);
+  return absl::OkStatus();
+}
+
+// LocalTrainOptions::replicas: from now on the synchronous group trains (and evaluates) only those replicas' rows.
+absl::Status KeepReplicas(const std::vector<int>& replicas, LocalRun* run) {
+  if (run->num_groups != 1 || replicas.empty()) {
+    return absl::InvalidArgumentError(
+        "simulating a job without some replicas needs a synchronous job (no diloco) "
+        "and at least one replica left");
+  }
+  Group& g = run->groups[0];
+  g.microbatch_rows.clear();
+  for (int r : replicas) {
+    if (r < 0 || r >= run->dp) {
+      return absl::InvalidArgumentError(absl::StrCat("replica ", r, " is not one of the job's ", run->dp));
+    }
+    for (int m = 0; m < run->micro; ++m) g.microbatch_rows.push_back(r * run->micro * run->mb + m * run->mb);
+  }
+  g.loss_scale = 1.0f / static_cast<float>(g.microbatch_rows.size());
+  run->present = static_cast<int>(replicas.size());
   return absl::OkStatus();
 }
 
@@ -420,6 +442,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     if (run.diloco) {
       ASSIGN_OR_RETURN(pending, StartOuterExchanges(run, options, step));
     }
+    if (options.replicas_from_step == step + 1) RETURN_IF_ERROR(KeepReplicas(options.replicas, &run));
     RETURN_IF_ERROR(run.train->Next(inputs.data(), targets.data()));
     StepRecord rec;
     rec.step = step + 1;
@@ -427,7 +450,7 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
     ASSIGN_OR_RETURN(const double loss_sum, TrainGroups(t, run, inputs, targets, rec.lr, &rec));
     if (run.diloco) RETURN_IF_ERROR(FinishOuterExchanges(run, options, step, pending));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    rec.loss = static_cast<float>(loss_sum / (run.micro * run.dp));
+    rec.loss = static_cast<float>(loss_sum / (run.micro * run.present));
     rec.tokens_per_second = static_cast<double>(run.global_batch) * run.T / seconds;
     const bool last = step + 1 == t.steps();
     if (run.val != nullptr && ((step + 1) % t.eval_every() == 0 || last)) {

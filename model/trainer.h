@@ -51,6 +51,11 @@ struct LocalTrainOptions {
   // otherwise (docs/diloco.md). Null: the exchange is exact. model/ does not depend on comm/: the CLI (`train
   // --local`) and the tests pass it.
   std::function<absl::Status(int group, int fragment, absl::Span<float> operand)> outer_codec;
+  // A synchronous job that went on without some replicas (a live regroup, head/job_regroup.h): from step
+  // `replicas_from_step` (1-based; 0: never) on, only `replicas` train: each update is the mean over their rows of the
+  // global batch, the loss is theirs, and validation evaluates their rows.
+  int replicas_from_step = 0;
+  std::vector<int> replicas;
 };
 
 struct StepRecord {

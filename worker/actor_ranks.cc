@@ -2,18 +2,29 @@
 #include "worker/actor_ranks.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 
 namespace geotrain::worker {
 
-std::string CommJobId(const std::string& job_id, int64_t attempt) {
-  return attempt > 0 ? absl::StrCat(job_id, "/attempt", attempt) : job_id;
+std::string CommJobId(const std::string& job_id, int64_t attempt, int64_t epoch) {
+  std::string key = attempt > 0 ? absl::StrCat(job_id, "/attempt", attempt) : job_id;
+  if (epoch > 0) absl::StrAppend(&key, "/epoch", epoch);
+  return key;
+}
+
+ActorRanks ActorRanks::Regrouped(int64_t new_epoch, std::vector<int> replicas) const {
+  ActorRanks out = *this;
+  out.epoch = new_epoch;
+  out.present = std::move(replicas);
+  out.comm_job_id = CommJobId(job_id, attempt, new_epoch);
+  return out;
 }
 
 std::vector<int> ActorRanks::DataParallelGroup() const {
   std::vector<int> out;
-  for (int r = 0; r < dp; ++r) out.push_back(WorldRank(r, stage, tp_rank));
+  for (int r : present) out.push_back(WorldRank(r, stage, tp_rank));
   return out;
 }
 
@@ -69,6 +80,8 @@ absl::StatusOr<ActorRanks> ActorRanks::Create(const JobSpec& spec, const ActorRe
     return absl::InvalidArgumentError(absl::StrCat("actor ", me.actor_id(), " (replica ", r.replica, ", stage ",
                                                    r.stage, ", tp rank ", r.tp_rank, ") is outside the plan"));
   }
+  r.present.resize(r.dp);
+  std::iota(r.present.begin(), r.present.end(), 0);
   r.first_stage = r.stage == 0;
   r.last_stage = r.stage == r.pp - 1;
   r.site = my_site;

@@ -20,8 +20,9 @@
 
 namespace geotrain::worker {
 
-// The key every tensor of run `attempt` of job `job_id` travels under (see ActorRanks::comm_job_id).
-std::string CommJobId(const std::string& job_id, int64_t attempt);
+// The key every tensor of run `attempt` of job `job_id` travels under in membership `epoch` (see
+// ActorRanks::comm_job_id).
+std::string CommJobId(const std::string& job_id, int64_t attempt, int64_t epoch = 0);
 
 struct ActorRanks {
   // The plan.
@@ -41,14 +42,24 @@ struct ActorRanks {
   int prev_rank = -1;  // the previous one; -1 on the first stage
   std::string site;    // the hosting worker's site
   // The key every tensor of this run of the job travels under: the job id, plus "/attempt<N>" after a
-  // restart, so that a run never receives an earlier run's tensors.
+  // restart and "/epoch<E>" after a live regroup, so that a run never receives an earlier run's tensors, nor a
+  // membership an earlier one's.
   std::string comm_job_id;
+  // Live regroups (head/job_regroup.h): the membership the groups are built for (0: the run's first) and the
+  // replicas in it, ascending (every replica in the first). The plan (dp, the data each replica reads, the world
+  // ranks) stays; the data-parallel groups hold the present replicas only.
+  int64_t epoch = 0;
+  std::vector<int> present;
   // Every actor of the job by world rank, with the address this actor dials it at (per its site).
   std::vector<comm::PeerInfo> peers;
 
   int world_size() const { return dp * pp * tp; }
   int WorldRank(int r, int s, int t) const { return (r * pp + s) * tp + t; }
-  // This stage and tensor rank in every replica, by replica.
+  // The lowest replica present: its actors write the checkpoints and carry the job's loss.
+  int lead_replica() const { return present.front(); }
+  // The same actor in membership `epoch` of `replicas` (ascending, this actor's among them).
+  ActorRanks Regrouped(int64_t new_epoch, std::vector<int> replicas) const;
+  // This stage and tensor rank in every present replica, by replica.
   std::vector<int> DataParallelGroup() const;
   // Every stage and tensor rank of this replica, stage-major.
   std::vector<int> ReplicaGroup() const;

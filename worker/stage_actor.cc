@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -47,9 +48,11 @@ StageActor::StageActor(StageActorConfig config, ActorServices services)
     // The tensor streams to peers go under the same TLS configuration as every other connection.
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeChannelCredentials(config_.tls);
     if (!credentials.ok()) GT_LOG(ERROR) << "actor " << config_.actor.actor_id() << ": " << credentials.status();
-    services_.collectives = std::make_unique<GrpcCollectivesFactory>(
+    auto factory = std::make_unique<GrpcCollectivesFactory>(
         services_.mailbox, config_.token, services_.head ? services_.head->stub() : nullptr,
         absl::Milliseconds(config_.collective_timeout_ms), credentials.value_or(nullptr), services_.links);
+    factory->set_on_peer_unavailable([this](const std::string& actor_id) { ReportUnreachable(actor_id); });
+    services_.collectives = std::move(factory);
   }
   if (services_.checkpoints) {
     checkpoint_writer_ = std::make_unique<CheckpointWriter>([this](CheckpointShard* shard) {
@@ -67,9 +70,9 @@ void StageActor::OnReply(const ReportStepReply& reply) {
   // Every reply says where the job's drain stands now (0: no drain).
   drain_at_step_ = reply.drain_at_step();
   drain_confirmed_step_ = reply.drain_confirmed() ? reply.drain_at_step() : 0;
-  if (reply.drain_checkpoint_dir().empty()) return;
   absl::MutexLock lock(&mu_);
-  drain_checkpoint_dir_ = reply.drain_checkpoint_dir();
+  regroup_ = reply.regroup();
+  if (!reply.drain_checkpoint_dir().empty()) drain_checkpoint_dir_ = reply.drain_checkpoint_dir();
 }
 
 std::string StageActor::CheckpointDir() const {
@@ -122,10 +125,28 @@ void StageActor::Stop(const std::string& reason, bool job_stopping) {
       if (state_ != ACTOR_DEAD) message_ = reason;
     }
     // Receives blocked on peers end now rather than at their deadline.
-    if (services_.mailbox != nullptr) {
-      services_.mailbox->CancelJob(CommJobId(config_.actor.job_id(), config_.attempt), job_stopping);
-    }
+    if (services_.mailbox != nullptr) services_.mailbox->CancelJob(comm_job_id(), job_stopping);
   }
+}
+
+void StageActor::ReportUnreachable(const std::string& peer_actor_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!reported_unreachable_.insert(peer_actor_id).second) return;  // once per peer
+  }
+  StepReport report;
+  report.set_job_id(config_.actor.job_id());
+  report.set_actor_id(config_.actor.actor_id());
+  report.set_attempt(config_.attempt);
+  report.set_unreachable_peer(peer_actor_id);
+  reporter_->Enqueue(report);
+}
+
+void StageActor::Interrupt(int64_t epoch) {
+  if (epoch <= epoch_ || services_.mailbox == nullptr) return;
+  GT_LOG(INFO) << "actor " << config_.actor.actor_id() << ": the job regroups (membership " << epoch
+               << "): the step in flight ends";
+  services_.mailbox->CancelJob(comm_job_id(), /*stopped=*/false);
 }
 
 bool StageActor::finished() const {
@@ -178,6 +199,7 @@ absl::Status StageActor::Run() {
                                            {.group = collectives.diloco_group, .outer = trainer->outer()}));
     if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
     first_step = info.step + 1;
+    trainer->set_completed_step(info.step);
     GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
   }
   SetState(ACTOR_ALIVE, "training");
@@ -197,10 +219,26 @@ absl::Status StageActor::Run() {
   }
 
   const int64_t steps = spec.train().steps();
-  const bool writer = trainer->outer() != nullptr ? collectives.diloco_leader : ranks.replica == 0;
   for (int64_t step = first_step; step <= steps; ++step) {
     const auto step_start = Clock::now();
-    ASSIGN_OR_RETURN(StepFigures figures, trainer->Step(step, stop_));
+    absl::StatusOr<StepFigures> stepped = trainer->Step(step, stop_);
+    if (!stepped.ok()) {
+      // A peer failed (a stream, a collective): the job may go on without its replica, without a restart.
+      if (stop_ || ranks.dp == 1 || !trainer->regroupable() || comm::IsJobStoppedOnReceiver(stepped.status())) {
+        return stepped.status();
+      }
+      ASSIGN_OR_RETURN(const int64_t resume, AwaitRegroup(*trainer, ranks, stepped.status()));
+      if (resume == 0) {
+        SetState(ACTOR_DEAD, "stopped: the job went on without this replica after a fault");
+        return absl::OkStatus();
+      }
+      step = resume - 1;
+      continue;
+    }
+    StepFigures figures = *std::move(stepped);
+    // Its checkpoint shards: DiLoCo's group leaders, else the lowest replica present.
+    const bool writer =
+        trainer->outer() != nullptr ? trainer->collectives().diloco_leader : ranks.replica == ranks.lead_replica();
     if (timed) {  // an emulated step: no real loss to report
       figures.set_timed_compute(true);
       figures.set_loss(0);
@@ -300,6 +338,71 @@ bool StageActor::AwaitDrain(int64_t step) {
     probe.set_drain_waiting(true);
     reporter_->Enqueue(probe);
   }
+}
+
+absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks,
+                                                 const absl::Status& failure) {
+  // The head decides once it knows what failed (a worker's death is detected within ~5 s): it names the replicas
+  // whose actors are all alive, each actor rebuilds its groups for them and says which step it completed, and the
+  // head confirms once they all stand at the same one (else it restarts the job from its checkpoint, stopping them).
+  const int64_t failed_in = ranks.epoch;
+  const std::string& id = config_.actor.actor_id();
+  GT_LOG(WARNING) << "actor " << id << ": step " << trainer.completed_step() + 1 << " failed (" << failure.message()
+                  << "); waiting for the head to regroup the job";
+  const auto deadline = Clock::now() + std::chrono::milliseconds(config_.collective_timeout_ms);
+  while (!stop_) {
+    Regroup regroup;
+    {
+      absl::MutexLock lock(&mu_);
+      regroup = regroup_;
+    }
+    if (regroup.epoch() > ranks.epoch) {
+      std::vector<int> replicas(regroup.replicas().begin(), regroup.replicas().end());
+      const bool valid = !replicas.empty() && std::is_sorted(replicas.begin(), replicas.end()) &&
+                         std::adjacent_find(replicas.begin(), replicas.end()) == replicas.end() &&
+                         replicas.front() >= 0 && replicas.back() < ranks.dp;
+      if (!valid) {
+        return absl::InternalError(absl::StrCat("the head named replicas [", absl::StrJoin(replicas, ", "),
+                                                "] for a job of ", ranks.dp, " replicas"));
+      }
+      if (!std::binary_search(replicas.begin(), replicas.end(), ranks.replica)) {
+        GT_LOG(INFO) << "actor " << id << ": the job goes on without replica " << ranks.replica << ": it leaves";
+        return 0;
+      }
+      const std::string old_key = ranks.comm_job_id;
+      ActorRanks next = ranks.Regrouped(regroup.epoch(), std::move(replicas));
+      RETURN_IF_ERROR(trainer.Regroup(next, config_.peers, services_.collectives.get(), config_.device_index));
+      ranks = std::move(next);
+      epoch_ = ranks.epoch;
+      if (services_.mailbox != nullptr) services_.mailbox->DiscardJob(old_key);
+      GT_LOG(INFO) << "actor " << id << ": regrouped with replicas [" << absl::StrJoin(ranks.present, ", ")
+                   << "] (membership " << ranks.epoch << "), at step " << trainer.completed_step();
+    }
+    if (ranks.epoch > failed_in && regroup.epoch() == ranks.epoch && regroup.confirmed()) {
+      if (regroup.resume_step() != trainer.completed_step() + 1) {
+        return absl::InternalError(absl::StrCat("the head resumes the job at step ", regroup.resume_step(),
+                                                " but this actor completed step ", trainer.completed_step()));
+      }
+      return regroup.resume_step();
+    }
+    if (Clock::now() >= deadline) {
+      GT_LOG(WARNING) << "actor " << id << ": no regroup within " << config_.collective_timeout_ms
+                      << " ms; the step's failure stands";
+      return failure;
+    }
+    StepReport probe;
+    probe.set_job_id(config_.actor.job_id());
+    probe.set_actor_id(id);
+    probe.set_attempt(config_.attempt);
+    probe.set_regroup_waiting(true);
+    probe.set_epoch(ranks.epoch);
+    probe.set_completed_step(trainer.completed_step());
+    probe.set_regroup_cause(std::string(failure.message()));
+    reporter_->Enqueue(probe);
+    reporter_->Drain(absl::Milliseconds(config_.collective_timeout_ms));
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return failure;
 }
 
 void StageActor::ReportLeft(int64_t step) {

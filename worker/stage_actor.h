@@ -17,7 +17,10 @@
 // This file is the actor's life: its thread, its state, the step loop, resume, checkpoints and reports, and a drain
 // (head/job_drain.h): when the head's replies name a step the job's actors leave after, the actor writes its
 // checkpoint shard of that step, waits there until the head confirms that every actor stops there (or names a later
-// step), and ends with a last report (drained) that carries its shard.
+// step), and ends with a last report (drained) that carries its shard. And a live regroup (head/job_regroup.h): when a
+// step fails on a peer, the actor waits for the head to name the replicas the job goes on with, rebuilds its
+// collectives for them (its stage, optimizer and data kept) and trains the failed step again, or leaves when its
+// replica is not among them.
 //
 // Threads: Start() runs the whole job on one thread that owns the trainer. Stop() and the accessors may be
 // called from any thread (state_ and message_ are guarded by mu_; the stop flag is atomic and checked
@@ -28,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -99,8 +103,12 @@ class StageActor {
   bool finished() const;
   // Whether no report waits for the head (all delivered, or dropped as undeliverable).
   bool ReportsDelivered() const { return reporter_->queued() == 0; }
-  // The key of this run of the job in the tensor-stream mailbox (worker/actor_ranks.h CommJobId).
-  std::string comm_job_id() const { return CommJobId(config_.actor.job_id(), config_.attempt); }
+  // The key of this run of the job, in its current membership, in the tensor-stream mailbox (worker/actor_ranks.h
+  // CommJobId).
+  std::string comm_job_id() const { return CommJobId(config_.actor.job_id(), config_.attempt, epoch_); }
+  // A live regroup (head/job_regroup.h) to membership `epoch`: ends the step in flight of an actor still in an older
+  // one (its receives cancelled, as failed, not stopped), so that it asks the head for the new membership. Any thread.
+  void Interrupt(int64_t epoch);
   // Waits until the head has taken every report queued so far, or `timeout`; true when none is left.
   bool DrainReports(absl::Duration timeout) { return reporter_->Drain(timeout); }
 
@@ -120,6 +128,14 @@ class StageActor {
   bool AwaitDrain(int64_t step);
   // The last report of an actor that leaves after `step` for a drain, with its checkpoint shard of it.
   void ReportLeft(int64_t step);
+  // After a step failed on a peer (`failure`): waits, probing the head, for the membership the job goes on in, and
+  // rebuilds the trainer's collectives (and `ranks`) for it. Returns the step to train next once the head confirms
+  // that every actor of it stands at the same completed step; 0 when this actor's replica is not in it (it leaves);
+  // `failure` when the head stops the actor (a restart, a cancel) or gives no word within the deadline.
+  absl::StatusOr<int64_t> AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure);
+  // A send could not reach the peer `peer_actor_id` and is retried (a sending thread): tells the head once, so that it
+  // checks that peer's worker now rather than after its heartbeat timeout.
+  void ReportUnreachable(const std::string& peer_actor_id);
 
   const StageActorConfig config_;
   ActorServices services_;
@@ -131,14 +147,17 @@ class StageActor {
   // job's actors leave after (0: none), and that step once the head confirmed it.
   std::atomic<int64_t> drain_at_step_{0};
   std::atomic<int64_t> drain_confirmed_step_{0};
-  bool set_up_ = false;  // written and read by thread_ only: true once the actor has set up and trains
-  std::thread thread_;   // joined by the destructor before the members it uses go
+  std::atomic<int64_t> epoch_{0};  // the membership the actor's collectives are built for (thread_ writes it)
+  bool set_up_ = false;            // written and read by thread_ only: true once the actor has set up and trains
+  std::thread thread_;             // joined by the destructor before the members it uses go
 
   mutable absl::Mutex mu_;
   ActorState state_ ABSL_GUARDED_BY(mu_) = ACTOR_PENDING_CREATION;
   std::string message_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  std::string drain_checkpoint_dir_ ABSL_GUARDED_BY(mu_);  // from the head, for a job without checkpoint.dir
+  std::string drain_checkpoint_dir_ ABSL_GUARDED_BY(mu_);            // from the head, for a job without checkpoint.dir
+  Regroup regroup_ ABSL_GUARDED_BY(mu_);                             // the job's membership, as the latest reply tells
+  std::set<std::string> reported_unreachable_ ABSL_GUARDED_BY(mu_);  // peers ReportUnreachable told the head of
 };
 
 }  // namespace geotrain::worker

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
-#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -126,16 +125,15 @@ constexpr bool kNcclBuiltWhereCudaRuns = true;
 // list alone, so that the members of every data-parallel, tied and tensor-parallel group agree.
 absl::StatusOr<bool> SplitReplicatedTensors(const std::vector<ActorPeer>& actors, const ActorRanks& ranks,
                                             bool diloco) {
-  if (ranks.tp == 1 || ranks.dp == 1 || diloco) return false;
+  if (ranks.tp == 1 || ranks.present.size() == 1 || diloco) return false;
   bool across_sites = false;
   for (int s = 0; s < ranks.pp; ++s) {
     for (int t = 0; t < ranks.tp; ++t) {
       ASSIGN_OR_RETURN(CollectivePlan plan, PlanCollectives(actors, ranks.dp, ranks.pp, ranks.tp, ranks.replica, s, t,
                                                             kNcclBuiltWhereCudaRuns));
       if (plan.dp.use) return false;
-      const std::string& site = ranks.peers[ranks.WorldRank(0, s, t)].site;
-      for (int r = 1; r < ranks.dp; ++r)
-        across_sites = across_sites || ranks.peers[ranks.WorldRank(r, s, t)].site != site;
+      const std::string& site = ranks.peers[ranks.WorldRank(ranks.lead_replica(), s, t)].site;
+      for (int r : ranks.present) across_sites = across_sites || ranks.peers[ranks.WorldRank(r, s, t)].site != site;
     }
   }
   return across_sites;
@@ -307,10 +305,10 @@ absl::StatusOr<InnerGroup> SetUpInnerGroup(const JobSpec& spec, const ActorRanks
                                            const GroupMaker& make, const GroupOptions& options,
                                            GrpcStageCollectives& c) {
   const std::vector<int> dp_group = ranks.DataParallelGroup();
-  c.inner_replicas = ranks.dp;
-  InnerGroup inner{.members = dp_group, .replicas = std::vector<int>(ranks.dp)};
-  std::iota(inner.replicas.begin(), inner.replicas.end(), 0);
-  if (diloco) {
+  // Every present replica (every replica, unless a live regroup left some out).
+  c.inner_replicas = static_cast<int>(ranks.present.size());
+  InnerGroup inner{.members = dp_group, .replicas = ranks.present};
+  if (diloco) {  // never regrouped: every replica is present
     std::vector<std::string> replica_sites;
     for (int r = 0; r < ranks.dp; ++r) replica_sites.push_back(ranks.peers[ranks.WorldRank(r, 0, 0)].site);
     const std::vector<int> group_of = model::DilocoGroups(replica_sites);
@@ -460,7 +458,10 @@ absl::StatusOr<std::unique_ptr<StageCollectives>> GrpcCollectivesFactory::Create
                                                                                  const std::vector<ActorPeer>& actors,
                                                                                  model::Backend* backend,
                                                                                  int device_index) {
-  ASSIGN_OR_RETURN(const GroupOptions options, MakeGroupOptions(spec, ranks, timeout_));
+  ASSIGN_OR_RETURN(GroupOptions options, MakeGroupOptions(spec, ranks, timeout_));
+  for (comm::CommunicatorOptions* o : {&options.coded, &options.activations, &options.exact}) {
+    o->on_peer_unavailable = on_peer_unavailable_;
+  }
   auto out = std::make_unique<GrpcStageCollectives>(token_, LinkStreamOptions(credentials_, links_, ranks, actors),
                                                     ranks, mailbox_, ranks.comm_job_id);
   GrpcStageCollectives& c = *out;

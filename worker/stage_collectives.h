@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -126,6 +127,11 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   GrpcCollectivesFactory(comm::TensorStreamServer* mailbox, std::string token,
                          internal::HeadControl::StubInterface* head, absl::Duration timeout,
                          std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr, LinkMetrics* links = nullptr);
+  // Told (from a sending thread) the actor id of a peer a send could not reach and retries: its process may be gone
+  // (comm::CommunicatorOptions::on_peer_unavailable). Before the first Create.
+  void set_on_peer_unavailable(std::function<void(const std::string& actor_id)> f) {
+    on_peer_unavailable_ = std::move(f);
+  }
 
   absl::StatusOr<std::unique_ptr<StageCollectives>> Create(const ActorRanks& ranks, const JobSpec& spec,
                                                            const std::vector<ActorPeer>& actors,
@@ -138,6 +144,7 @@ class GrpcCollectivesFactory : public CollectivesFactory {
   const absl::Duration timeout_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   LinkMetrics* const links_;
+  std::function<void(const std::string& actor_id)> on_peer_unavailable_;
 };
 
 }  // namespace geotrain::worker

@@ -110,9 +110,9 @@ absl::Status StageTrainer::Initialize(const std::vector<ActorPeer>& actors, Coll
   RETURN_IF_ERROR(CreateStage(precision));
   RETURN_IF_ERROR(OpenData(data));
   RETURN_IF_ERROR(AllocateStepBuffers());
-  const double bucket_bytes = (spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0) * (1 << 20);
-  RETURN_IF_ERROR(CreateGradientBuckets(bucket_bytes));
-  if (collectives_->split_replicated) PrepareReplicatedGather(bucket_bytes);
+  bucket_bytes_ = (spec_.comm().grad_bucket_mb() > 0 ? spec_.comm().grad_bucket_mb() : 25.0) * (1 << 20);
+  RETURN_IF_ERROR(CreateGradientBuckets(bucket_bytes_));
+  if (collectives_->split_replicated) PrepareReplicatedGather(bucket_bytes_);
   if (DilocoOn(spec_)) RETURN_IF_ERROR(CreateOuterOptimizer());
   StartSender();
   return absl::OkStatus();
@@ -314,6 +314,42 @@ void StageTrainer::StartSender() {
       collectives_->pipeline, [c = collectives_.get()] { return c->BytesSent(TrafficClass::kPipeline); }, ranks_.site,
       [c = collectives_.get()](const absl::Status& s) { c->CancelReceives(comm::IsJobStoppedOnReceiver(s)); },
       in_flight);
+}
+
+bool StageTrainer::regroupable() const {
+  return outer_ == nullptr && !collectives_->dp_on_device && !collectives_->tp_nccl;
+}
+
+absl::Status StageTrainer::Regroup(const ActorRanks& ranks, const std::vector<ActorPeer>& actors,
+                                   CollectivesFactory* factory, int device_index) {
+  if (!regroupable()) {
+    return absl::FailedPreconditionError("this stage's collectives cannot be rebuilt (DiLoCo, or NCCL groups)");
+  }
+  // The old membership's threads end first: its receives are cancelled, so a send or an all-reduce in flight fails
+  // at once (its retries see the cancelled key), and nothing uses the old collectives once they are joined.
+  collectives_->CancelReceives();
+  sender_.reset();
+  grad_buckets_.reset();
+  timed_bucket_memory_.reset();
+  tp_gathered_.clear();
+  ranks_ = ranks;
+  ASSIGN_OR_RETURN(collectives_, factory->Create(ranks_, spec_, actors, backend_, device_index));
+  if (!regroupable()) {
+    return absl::FailedPreconditionError("the regrouped collectives use NCCL, which a live regroup does not rebuild");
+  }
+  loss_scale_ = 1.0f / static_cast<float>(ranks_.microbatches * collectives_->inner_replicas);
+  if (on_device_ && (collectives_->dp_all_reduce || collectives_->tied != nullptr) && host_grads_.empty()) {
+    host_grads_.resize(static_cast<size_t>(stage_->num_params()));
+  }
+  RETURN_IF_ERROR(CreateGradientBuckets(bucket_bytes_));
+  if (collectives_->split_replicated) PrepareReplicatedGather(bucket_bytes_);
+  StartSender();
+  // The step that failed is trained again from its first microbatch: its batch is read again.
+  if (loader_ && loaded_step_ > completed_step_) {
+    RETURN_IF_ERROR(loader_->Restore(step_start_position_));
+    loaded_step_ = completed_step_;
+  }
+  return absl::OkStatus();
 }
 
 std::string StageTrainer::Describe() const {
@@ -531,14 +567,8 @@ absl::StatusOr<StepFigures> StageTrainer::Step(int64_t step, const std::atomic<b
   RETURN_IF_ERROR(PaceWarmUp(step));
   RETURN_IF_ERROR(FinishOuterExchanges(step));
 
-  // The job's loss: the mean over replicas of each replica's mean (all replicas' last stages). With DiLoCo
-  // the head averages the replicas' losses: no collective across sites every step.
-  const bool carrier = ranks_.last_stage && ranks_.tp_rank == 0;
-  if (carrier && ranks_.dp > 1 && outer_ == nullptr) {
-    float l = static_cast<float>(loss);
-    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&l, 1), "loss"));
-    loss = l / ranks_.dp;
-  }
+  // The job's loss: synchronous, the mean over the present replicas (InnerStep); with DiLoCo the head averages the
+  // replicas' losses: no collective across sites every step.
   stats_.loss = loss;
   const int every = spec_.train().eval_every();
   if (!spec_.data().val().empty() && every > 0 && (step % every == 0 || step == spec_.train().steps())) {
@@ -552,7 +582,11 @@ absl::StatusOr<double> StageTrainer::InnerStep(int64_t step, const std::atomic<b
   latest_forward_ = -1;
   first_op_ = true;
   const uint64_t dp_bytes_before = collectives_->BytesSent(TrafficClass::kDataParallel);
-  if (loader_) RETURN_IF_ERROR(loader_->Next(inputs_.data(), targets_.data()));
+  if (loader_) {
+    step_start_position_ = loader_->position();
+    loaded_step_ = step;
+    RETURN_IF_ERROR(loader_->Next(inputs_.data(), targets_.data()));
+  }
   stage_->ZeroGrad();
 
   for (const PipelineOp& op : pipeline_) {
@@ -567,10 +601,19 @@ absl::StatusOr<double> StageTrainer::InnerStep(int64_t step, const std::atomic<b
 
   const auto sync_start = Clock::now();
   RETURN_IF_ERROR(SynchronizeGradients(&stats_.traffic, dp_bytes_before));
-  // Global gradient norm: every stage and TP rank of the replica adds its share.
+  // Synchronous: the job's loss, the mean over the present replicas of each one's mean (their last stages), before
+  // the replica's norm. So nothing crosses replicas after the update (an actor that applied it reports its step),
+  // and a carrier whose exchange fails holds its whole replica before the update (a live regroup finds every stage
+  // of a replica at the same step).
   const bool carrier = ranks_.last_stage && ranks_.tp_rank == 0;
-  float norm_share[2] = {static_cast<float>(stage_->GradSquaredNormShare()),
-                         carrier ? static_cast<float>(loss_sum_ / ranks_.microbatches) : 0.0f};
+  float loss = carrier ? static_cast<float>(loss_sum_ / ranks_.microbatches) : 0.0f;
+  const int present = static_cast<int>(ranks_.present.size());
+  if (carrier && present > 1 && outer_ == nullptr) {
+    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(&loss, 1), "loss"));
+    loss /= static_cast<float>(present);
+  }
+  // Global gradient norm: every stage and TP rank of the replica adds its share.
+  float norm_share[2] = {static_cast<float>(stage_->GradSquaredNormShare()), loss};
   if (collectives_->replica->size() > 1) {
     RETURN_IF_ERROR(collectives_->replica->AllReduceSum(absl::MakeSpan(norm_share, 2), "norm"));
   }
@@ -588,116 +631,13 @@ absl::StatusOr<double> StageTrainer::InnerStep(int64_t step, const std::atomic<b
     adam_->Step(stage_->params(), stage_->grads(), static_cast<float>(schedule_.At(static_cast<int>(step) - 1)),
                 model::ClipScale(norm, spec_.train().grad_clip()) / scaler.scale_applied());
   }
+  if (outer_ == nullptr) completed_step_ = step;  // the scaler moved too: a skipped step is complete as well
   stats_.compute_seconds += ComputeSeconds(t0, slowdown_);
   return norm_share[1];
 }
 
-int StageTrainer::InnerStepsOf(int group, int64_t step) const {
-  if (pacing_->plan_from == 0 || step < pacing_->plan_from) return 1;
-  return model::PacedInnerSteps(pacing_->planned[static_cast<size_t>(group)], pacing_->plan_length,
-                                static_cast<int>(step - pacing_->plan_from));
-}
-
-int StageTrainer::PacedInnerSteps(int64_t step) {
-  if (!pacing_) return 1;
-  if (const int64_t start = outer_schedule_.PeriodStart(step); pacing_->period_start != start) {
-    // A period with no plan (the first, or one resumed from a checkpoint): one inner step a step until PaceWarmUp.
-    pacing_->period_start = start;
-    pacing_->first_step = step;
-    pacing_->plan_from = 0;
-    pacing_->counts.assign(static_cast<size_t>(collectives_->diloco_groups), 0);
-  }
-  return InnerStepsOf(collectives_->diloco_group, step);
-}
-
-int64_t StageTrainer::PaceStep(int64_t step) {
-  const int64_t global = static_cast<int64_t>(spec_.train().global_batch()) * ranks_.seq_len;
-  if (!pacing_) return global;
-  int64_t tokens = 0;
-  for (int h = 0; h < collectives_->diloco_groups; ++h) {
-    const int inner = InnerStepsOf(h, step);
-    pacing_->counts[static_cast<size_t>(h)] += inner;
-    if (!pacing_->group_replicas.empty()) {
-      tokens += inner * static_cast<int64_t>(pacing_->group_replicas[static_cast<size_t>(h)]) * ranks_.replica_batch *
-                ranks_.seq_len;
-    }
-  }
-  return pacing_->group_replicas.empty() ? global : tokens;  // none known yet: every group took one inner step
-}
-
-absl::StatusOr<std::vector<double>> StageTrainer::GatherPace() {
-  // Stage 0's tensor rank 0 of every replica adds its median inner-step seconds since the last gathering (robust to a
-  // slow first step or a pause) over its group's replicas, and one replica count, to its group's slots; the replica's
-  // other stages and tensor ranks take its sums, so that every actor of the job plans alike. Only stage 0's tensor
-  // rank 0 crosses the sites (a data-parallel group holds one stage and rank: all of it takes part, or none); the sum
-  // completes when the last group arrives, so its time is this group's wait for the others.
-  const int groups = collectives_->diloco_groups, g = collectives_->diloco_group;
-  std::vector<float> sums(2 * static_cast<size_t>(groups), 0.0f);
-  if (std::vector<double>& s = pacing_->seconds; !s.empty()) {
-    const size_t mid = (s.size() - 1) / 2;  // the lower median: of a warm-up's two steps, not the first, slower one
-    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(mid), s.end());
-    sums[g] = static_cast<float>(s[mid] / collectives_->inner_replicas);
-  }
-  sums[groups + g] = 1;
-  const bool speaks = ranks_.stage == 0 && ranks_.tp_rank == 0;
-  const auto t0 = Clock::now();
-  if (speaks && collectives_->dp_scalars->size() > 1) {
-    RETURN_IF_ERROR(collectives_->dp_scalars->AllReduceSum(absl::MakeSpan(sums), "pace"));
-  }
-  if (collectives_->replica->size() > 1) {
-    if (!speaks) std::fill(sums.begin(), sums.end(), 0.0f);
-    RETURN_IF_ERROR(collectives_->replica->AllReduceSum(absl::MakeSpan(sums), "pace-replica"));
-  }
-  stats_.outer_sync_seconds += SecondsSince(t0);
-  pacing_->group_replicas.assign(sums.begin() + groups, sums.end());
-  pacing_->seconds.clear();
-  return std::vector<double>(sums.begin(), sums.begin() + groups);
-}
-
-void StageTrainer::PlanPacing(int64_t from, int64_t step, const std::vector<double>& seconds) {
-  const int64_t end = pacing_->period_start + outer_schedule_.PeriodLength(pacing_->period_start) - 1;
-  pacing_->plan_from = from;
-  pacing_->plan_length = static_cast<int>(end - from + 1);
-  pacing_->planned = model::PlanPacedPeriod(seconds, pacing_->plan_length);
-  if (ranks_.stage == 0 && ranks_.tp_rank == 0 && collectives_->diloco_leader) {
-    GT_LOG(INFO) << "diloco.sync time after step " << step << ": group " << collectives_->diloco_group << " of "
-                 << collectives_->diloco_groups << "; the groups' median inner steps " << absl::StrJoin(seconds, ", ")
-                 << " s; their inner steps over steps " << from << "-" << end << ": "
-                 << absl::StrJoin(pacing_->planned, ", ");
-  }
-}
-
-absl::Status StageTrainer::PaceWarmUp(int64_t step) {
-  // A period without a plan is paced from its second step on (the first is the slowest to measure): the groups' times
-  // of those two steps plan the rest of it, so a fast site does not wait a whole period.
-  if (!pacing_ || pacing_->plan_from != 0 || step != pacing_->first_step + 1) return absl::OkStatus();
-  if (step >= pacing_->period_start + outer_schedule_.PeriodLength(pacing_->period_start) - 1) {
-    return absl::OkStatus();  // the period ends here: its outer step plans the next
-  }
-  ASSIGN_OR_RETURN(const std::vector<double> seconds, GatherPace());
-  PlanPacing(step + 1, step, seconds);
-  return absl::OkStatus();
-}
-
-absl::Status StageTrainer::PaceOuterStep(int64_t step) {
-  ASSIGN_OR_RETURN(const std::vector<double> seconds, GatherPace());
-  // The outer average weights each group by the tokens it trained over the period: its inner steps times its replicas.
-  const size_t g = static_cast<size_t>(collectives_->diloco_group);
-  double tokens = 0;
-  for (size_t h = 0; h < pacing_->counts.size(); ++h) tokens += pacing_->counts[h] * pacing_->group_replicas[h];
-  outer_weight_ = static_cast<float>(pacing_->counts[g] * pacing_->group_replicas[g] / tokens);
-  // The next period's plan, from the times since the last gathering.
-  if (step < outer_schedule_.total_steps) {
-    pacing_->period_start = step + 1;
-    pacing_->first_step = step + 1;
-    pacing_->counts.assign(pacing_->counts.size(), 0);
-    PlanPacing(step + 1, step, seconds);
-  }
-  return absl::OkStatus();
-}
-
 bool StageTrainer::carries_loss() const {
-  return ranks_.last_stage && ranks_.tp_rank == 0 && (ranks_.replica == 0 || outer_ != nullptr);
+  return ranks_.last_stage && ranks_.tp_rank == 0 && (ranks_.replica == ranks_.lead_replica() || outer_ != nullptr);
 }
 
 StepFigures StageTrainer::Figures(int64_t step) const {

@@ -98,9 +98,23 @@ class StageTrainer {
   // times, WAN bytes by site pair and their compression ratio, fp16's loss scale and skip. The step, checkpoint and
   // timed-compute fields are the actor's to set.
   absl::StatusOr<StepFigures> Step(int64_t step, const std::atomic<bool>& stop);
-  // Whether this actor's loss is one the head averages into the job's: the last stage's tensor rank 0 of replica 0
-  // (the replicas' mean, all-reduced), or of every replica with DiLoCo (each replica's own).
+  // Whether this actor's loss is one the head averages into the job's: the last stage's tensor rank 0 of the lowest
+  // replica present (the present replicas' mean, all-reduced), or of every replica with DiLoCo (each replica's own).
   bool carries_loss() const;
+
+  // Live regroups (head/job_regroup.h). The newest step whose optimizer update this stage applied (0: none; the
+  // step resumed after, on a resume): a step that failed before its update changed no weight and no optimizer state.
+  int64_t completed_step() const { return completed_step_; }
+  // Whether the job's collectives can be rebuilt for fewer replicas while the stages keep their state: synchronous
+  // (no DiLoCo) and every group on gRPC (NCCL's communicators are not rebuilt).
+  bool regroupable() const;
+  // Ends the collectives of the membership it had (after a failed step: their receives cancelled, the sender and
+  // the buckets' threads joined) and builds them for `ranks` (the same actor, another membership) through `factory`.
+  // The data of a step that did not complete is read again by the next Step. Weights and optimizer state stay.
+  absl::Status Regroup(const ActorRanks& ranks, const std::vector<ActorPeer>& actors, CollectivesFactory* factory,
+                       int device_index);
+  // Where a resume sets the step counter: `step` completed.
+  void set_completed_step(int64_t step) { completed_step_ = step; }
 
   model::GPT2Stage& stage() { return *stage_; }
   model::AdamW& optimizer() { return *adam_; }
@@ -185,7 +199,13 @@ class StageTrainer {
   absl::Status GatherReplicated();
 
   const JobSpec spec_;
-  const ActorRanks ranks_;
+  ActorRanks ranks_;            // its membership changes with Regroup (same thread)
+  double bucket_bytes_ = 0;     // comm.grad_bucket_mb in bytes
+  int64_t completed_step_ = 0;  // completed_step()
+  // The train loader's position before the batch of step loaded_step_: a regroup reads that batch again when the
+  // step did not complete.
+  model::DataPosition step_start_position_;
+  int64_t loaded_step_ = 0;
   GPT2Config config_;
   std::unique_ptr<model::Backend> device_backend_;
   model::Backend* backend_ = nullptr;

@@ -118,10 +118,25 @@ class WorkerServer::Service final : public internal::Worker::Service {
     if (!call.authorized()) return call.status();
     absl::MutexLock lock(&worker_->mu_);
     auto it = worker_->actors_.find(request->actor_id());
-    if (it == worker_->actors_.end()) {
-      return call.Fail(absl::NotFoundError(absl::StrCat("no actor ", request->actor_id(), " on this worker")));
+    if (it == worker_->actors_.end()) return call.Fail(NoActor(request->actor_id()));
+    it->second->Stop(request->reason().empty() ? "stopped" : request->reason(),
+                     /*job_stopping=*/!request->job_goes_on());
+    *reply->mutable_actor() = it->second->Record();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status InterruptActor(grpc::ServerContext* context, const InterruptActorRequest* request,
+                              StopActorReply* reply) override {
+    RpcCall call(metrics_, auth_, context, "InterruptActor");
+    if (!call.authorized()) return call.status();
+    absl::MutexLock lock(&worker_->mu_);
+    auto it = worker_->actors_.find(request->actor_id());
+    if (it == worker_->actors_.end()) return call.Fail(NoActor(request->actor_id()));
+    if (request->epoch() <= 0) {
+      return call.Fail(absl::InvalidArgumentError(
+          absl::StrCat("a regroup's membership epoch must be positive, not ", request->epoch())));
     }
-    it->second->Stop(request->reason().empty() ? "stopped" : request->reason());
+    it->second->Interrupt(request->epoch());
     *reply->mutable_actor() = it->second->Record();
     return grpc::Status::OK;
   }
@@ -149,6 +164,10 @@ class WorkerServer::Service final : public internal::Worker::Service {
   }
 
  private:
+  static absl::Status NoActor(const std::string& actor_id) {
+    return absl::NotFoundError(absl::StrCat("no actor ", actor_id, " on this worker"));
+  }
+
   WorkerServer* worker_;
   TokenAuth auth_;
   MetricsServer* metrics_;

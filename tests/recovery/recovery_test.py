@@ -8,12 +8,16 @@ worker, the WAN emulator between the sites).
   `train --local` checkpoint resumes on the cluster: every run ends equal to the uninterrupted one;
 - kill -9 of the head mid-run and a restart on the same state dir: the job goes on to SUCCEEDED, no restart;
 - a 5 s cross-site outage mid-run (the emulator's link down): SUCCEEDED with no restart;
-- a corrupted newest checkpoint: `resume: auto` skips it (a log line says why) and resumes from the older one.
+- a corrupted newest checkpoint: `resume: auto` skips it (a log line says why) and resumes from the older one;
+- kill -9 of a worker of one replica with live regroups on (the default): the other replica trains on without a
+  restart, every step once, and ends with the weights of the one-process simulation that trains that replica alone
+  from the step it went on at.
 
 Usage: recovery_test.py PATH/TO/geotrain TOPOLOGY.yaml
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,7 +104,8 @@ class RecoveryTest(unittest.TestCase):
         return job
 
     def test_1_worker_killed_mid_run_recovers_from_its_checkpoint(self):
-        job_id, ckpt = self.submit("worker-kill", DP2_PP2)
+        # A restart from the checkpoint, the whole plan again (a live regroup would go on with one replica: test_5).
+        job_id, ckpt = self.submit("worker-kill", DP2_PP2, extra="fault_tolerance: {regroup: false}\n")
         self.c.wait_log(job_id, r"checkpoint of step 8 complete")
         victim = next(a["worker_id"] for a in self.c.job(job_id)["actors"] if a["worker_id"].startswith("site-b"))
         self.c.kill(f"worker {victim}")
@@ -184,6 +189,54 @@ class RecoveryTest(unittest.TestCase):
         self.c.netem("link up site-a site-b")
         self.expect_succeeded(job_id, 0)
         self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "DP2 x PP2 across a 5 s outage")
+
+    def test_5_worker_killed_mid_run_the_other_replica_trains_on_without_a_restart(self):
+        job_id, ckpt = self.submit("regroup", DP2_PP2)
+        self.c.wait_log(job_id, r"checkpoint of step 8 complete")
+        actors = self.c.job(job_id)["actors"]
+        victim = next(a["worker_id"] for a in actors if a["worker_id"].startswith("site-b"))
+        lost = next(a.get("replica", 0) for a in actors if a["worker_id"] == victim)
+        kept = 1 - lost
+        self.c.kill(f"worker {victim}")
+        try:
+            job = self.expect_succeeded(job_id, 0)
+            logs = self.c.logs(job_id)
+            self.assertNotIn("RESTARTING", logs)
+            self.assertEqual(job.get("regroups"), 1, logs)
+            self.assertEqual(job["replicas"], {"present": 1, "planned": 2}, logs)
+            self.assertRegex(logs, rf"1 of 2 replicas train on \({kept}\) without a restart: replica {lost} left")
+            resume = int(re.search(r"rebuilt their groups at step (\d+) and train step (\d+) next", logs).group(2))
+            pause = float(re.search(r"stayed healthy paused ([\d.]+) s between two complete steps; no step lost",
+                                    logs).group(1))
+            self.assertGreaterEqual(resume, 9)
+            # Every step once: none lost, none trained twice.
+            steps = [int(m) for m in re.findall(r"^\S+ \S+ step (\d+) loss", logs, re.M)]
+            self.assertEqual(steps, list(range(1, STEPS + 1)), logs)
+            # The survivors' failed sends named the dead worker: the head probed it at once rather than after its
+            # heartbeat timeout.
+            self.assertRegex(logs, rf"fault: worker {victim} .*lost contact with it and its port refuses connections")
+            self.assertLessEqual(pause, 15.0)
+            # The final weights are what the one-process simulation of replica `kept` alone from `resume` on trains.
+            local_ckpt = os.path.join(self.dir, "local-regrouped")
+            path = self.write_spec("local-regrouped", local_ckpt, "{plan: manual, dp: 2, microbatches: 2}")
+            out = subprocess.run([GEOTRAIN, "train", "--local", path, "--regrouped-at", str(resume), "--replicas",
+                                  str(kept)], capture_output=True, text=True, timeout=300)
+            self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
+            step, params = read_step_dir(newest(ckpt))
+            self.assertEqual(step, STEPS)
+            _, simulated = read_step_dir(newest(local_ckpt))
+            worst = max(float(np.max(np.abs(params[k] - v))) / max(1.0, float(np.max(np.abs(v))))
+                        for k, v in simulated.items())
+            self.assertLessEqual(worst, 1e-5, "the regrouped job's weights differ from the simulation without replica "
+                                 f"{lost} from step {resume}")
+            differs = max(float(np.max(np.abs(params[k] - v))) for k, v in self.reference.items())
+            self.assertGreater(differs, 1e-4, "the regrouped job trained as if no replica had left")
+            print(f"worker kill with a live regroup: replica {kept} trained on from step {resume}, no restart, no step "
+                  f"lost; the healthy replica paused {pause:.1f} s; weights equal the simulation (worst {worst:.1e})")
+        finally:
+            self.c.restart(f"worker {victim}")
+            wait_for(lambda: all(w["state"] == "WORKER_ALIVE" for w in json.loads(
+                self.c.cli(["status", "--json"]).stdout)["workers"]), 30, "every worker alive again", 0.3)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from geotrain.errors import (FailedPreconditionError, GeotrainError, InvalidArgu
                              UnauthenticatedError, UnavailableError)
 from geotrain.follow import Follower
 from geotrain.results import (FINAL_STATES, Actor, ClusterStatus, CrossSiteTraffic, Device, Fault, JobEvent, JobStatus,
-                              PlanReply, RankedPlan, Site, SiteLink, StepFigures, Worker, message_to_dict, steps_frame)
+                              PlanReply, RankedPlan, Replicas, Site, SiteLink, StepFigures, Worker, message_to_dict,
+                              steps_frame)
 
 # The names of earlier releases.
 Event = JobEvent
@@ -40,8 +41,9 @@ def proto_dir():
     return _os.path.join(_os.path.dirname(__file__), "proto")
 
 
-__all__ = ["__version__", "Client", "state_name", "Follower", "JobStatus", "JobEvent", "StepFigures", "Fault", "Actor",
-           "ClusterStatus", "Worker", "Device", "Site", "SiteLink", "PlanReply", "RankedPlan", "CrossSiteTraffic",
+__all__ = ["__version__", "Client", "state_name", "Follower", "JobStatus", "JobEvent", "StepFigures", "Fault",
+           "Replicas", "Actor", "ClusterStatus", "Worker", "Device", "Site", "SiteLink", "PlanReply", "RankedPlan",
+           "CrossSiteTraffic",
            "FINAL_STATES", "message_to_dict", "steps_frame", "Event", "Step", "proto_dir", "GeotrainError",
            "InvalidArgumentError", "NotFoundError", "FailedPreconditionError", "UnauthenticatedError",
            "UnavailableError", "Endpoint", "TlsFiles", "resolve_head", "resolve_tls"]

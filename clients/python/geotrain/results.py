@@ -190,6 +190,18 @@ class Actor(_Result):
 
 
 @dataclass(frozen=True)
+class Replicas(_Result):
+    """A job's data-parallel replicas (geotrain.v1.Replicas): fewer present than planned while the replicas a fault left
+    whole train on without a restart."""
+    present: int
+    planned: int
+
+    @staticmethod
+    def from_proto(replicas):
+        return _plain(Replicas, replicas)
+
+
+@dataclass(frozen=True)
 class JobStatus(_Result):
     """A job as the head knows it (geotrain.v1.Job): what status(), cancel(), wait() and jobs() return."""
     job_id: str
@@ -216,6 +228,8 @@ class JobStatus(_Result):
     loss_scale: float  # fp16: the latest step's dynamic loss scale
     skipped_steps: int  # fp16: steps skipped because their gradients overflowed
     leaves: int = 0  # restarts without a worker that left on notice (a drain)
+    replicas: Optional[Replicas] = None  # data-parallel replicas training now and planned
+    regroups: int = 0  # times the job went on with fewer replicas without a restart
 
     @property
     def ended(self):
@@ -227,7 +241,7 @@ class JobStatus(_Result):
         return _plain(JobStatus, job, state=enum_name(jobs_pb2.JobState, job.state, "JOB_"),
                       spec=message_to_dict(job.spec), submitted=_time(job.submitted_unix_ms),
                       updated=_time(job.updated_unix_ms), actors=[Actor.from_proto(a) for a in job.actors],
-                      faults=[Fault.from_proto(f) for f in job.faults],
+                      faults=[Fault.from_proto(f) for f in job.faults], replicas=Replicas.from_proto(job.replicas),
                       submitted_parallel=message_to_dict(job.submitted_parallel))
 
 

@@ -149,6 +149,7 @@ RESULTS = [
     (geotrain.JobEvent, geotrain.v1.jobs_pb2.JobEvent, {"unix_ms": "time"}),
     (geotrain.StepFigures, geotrain.v1.jobs_pb2.StepFigures, {}),
     (geotrain.Fault, geotrain.v1.jobs_pb2.Fault, {"detected_unix_ms": "detected"}),
+    (geotrain.Replicas, geotrain.v1.jobs_pb2.Replicas, {}),
     (geotrain.Actor, geotrain.v1.cluster_pb2.Actor, {}),
     (geotrain.ClusterStatus, geotrain.v1.cluster_pb2.ClusterStatus, {"head_started_unix_ms": "head_started"}),
     (geotrain.Worker, geotrain.v1.cluster_pb2.Worker,

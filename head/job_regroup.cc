@@ -1,0 +1,140 @@
+// Live regroups of a run: the replicas untouched by a fault train on (see job_regroup.h).
+#include "head/job_regroup.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/diloco_spec.h"
+
+namespace geotrain::head {
+
+std::vector<int> PresentReplicas(const JobRun& run) {
+  if (!run.regroup.replicas.empty()) return run.regroup.replicas;
+  std::vector<int> all(static_cast<size_t>(std::max(1, run.spec.parallel().dp())));
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
+bool RegroupEligible(const JobRun& run, const WorkersById& workers, std::string* why) {
+  if (run.spec.parallel().dp() <= 1) {
+    *why = "the job has one data-parallel replica";
+    return false;
+  }
+  if (const FaultToleranceSpec& ft = run.spec.fault_tolerance(); ft.has_regroup() && !ft.regroup()) {
+    *why = "fault_tolerance.regroup is false";
+    return false;
+  }
+  if (DilocoOn(run.spec)) {
+    *why = "DiLoCo groups are not regrouped live";
+    return false;
+  }
+  if (!run.drain.workers.empty()) {
+    *why = "a drain is under way";
+    return false;
+  }
+  for (const ActorPlacement& p : run.actors) {
+    auto w = workers.find(p.actor.worker_id());
+    const int d = p.actor.device_index();
+    if (w != workers.end() && d >= 0 && d < w->second.devices_size() &&
+        w->second.devices(d).kind() == DEVICE_KIND_CUDA) {
+      *why = "its actors on CUDA devices use NCCL groups, which are not rebuilt live";
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<int> RegroupKept(const JobRun& run, const WorkersById& workers, const std::set<std::string>& lost) {
+  std::set<int> broken;
+  for (const ActorPlacement& p : run.actors) {
+    auto w = workers.find(p.actor.worker_id());
+    const bool alive = w != workers.end() && w->second.state() == WORKER_ALIVE;
+    if (!alive || lost.count(p.actor.actor_id())) broken.insert(p.actor.replica());
+  }
+  std::vector<int> kept;
+  for (int r : PresentReplicas(run)) {
+    if (!broken.count(r)) kept.push_back(r);
+  }
+  return kept;
+}
+
+bool RegroupMakesProgress(const JobRun& run, const std::vector<int>& kept) {
+  if (kept.size() < PresentReplicas(run).size()) return true;
+  // The same replicas again: only once a step completed since the last regroup (the step it resumed at).
+  return run.regroup.epoch == 0 || (run.regroup.confirmed && run.last_step >= run.regroup.resume_step);
+}
+
+std::vector<ActorPlacement> BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::string& cause,
+                                         int64_t detected_ms) {
+  std::vector<ActorPlacement> leaving, staying;
+  for (const ActorPlacement& p : run.actors) {
+    (std::binary_search(kept.begin(), kept.end(), p.actor.replica()) ? staying : leaving).push_back(p);
+  }
+  run.actors = std::move(staying);
+  run.phase = RunPhase::kRunning;
+  RunRegroup& g = run.regroup;
+  // The healthy replicas' pause runs from their last complete step before the first fault of a series.
+  if (g.paused_from_ms == 0) g.paused_from_ms = g.last_complete_ms > 0 ? g.last_complete_ms : detected_ms;
+  ++g.epoch;
+  g.replicas = kept;
+  g.confirmed = false;
+  g.resume_step = 0;
+  g.ready.clear();
+  g.cause = cause;
+  g.detected_ms = detected_ms;
+  g.waiting_since_ms = 0;
+  g.waiting_cause.clear();
+  g.lost_actors.clear();
+  run.actor_errors.clear();
+  for (const ActorPlacement& p : leaving) run.done.erase(p.actor.actor_id());
+  return leaving;
+}
+
+RegroupNews ApplyRegroupReport(JobRun& run, const StepReport& report, int64_t now_ms) {
+  RegroupNews news;
+  RunRegroup& g = run.regroup;
+  if (g.confirmed || report.epoch() != g.epoch) {
+    // No regroup forms (or the actor has not rebuilt for it yet): a step failed on a peer; the fault may be unknown.
+    if (g.confirmed && report.epoch() == g.epoch && g.waiting_since_ms == 0) {
+      g.waiting_since_ms = now_ms;
+      g.waiting_cause = absl::StrCat("actor ", report.actor_id(), ": ", report.regroup_cause());
+      news.first_wait = true;
+    }
+    return news;
+  }
+  g.ready[report.actor_id()] = report.completed_step();
+  for (const ActorPlacement& p : run.actors) {
+    if (!g.ready.count(p.actor.actor_id())) return news;  // not every actor yet
+  }
+  std::set<int64_t> steps;
+  for (const auto& [actor, step] : g.ready) steps.insert(step);
+  if (steps.size() == 1) {
+    g.confirmed = true;
+    g.resume_step = *steps.begin() + 1;
+    news.confirmed = true;
+    news.step = *steps.begin();
+    return news;
+  }
+  news.diverged = true;
+  for (const auto& [actor, step] : g.ready)
+    absl::StrAppend(&news.steps, news.steps.empty() ? "" : ", ", actor, " at ", step);
+  return news;
+}
+
+void FillRegroupReply(const JobRun& run, ReportStepReply* reply) {
+  const RunRegroup& g = run.regroup;
+  if (g.epoch == 0) return;
+  Regroup* r = reply->mutable_regroup();
+  r->set_epoch(g.epoch);
+  for (int x : g.replicas) r->add_replicas(x);
+  r->set_confirmed(g.confirmed);
+  r->set_resume_step(g.resume_step);
+}
+
+bool InRun(const JobRun& run, const std::string& actor_id) {
+  return std::any_of(run.actors.begin(), run.actors.end(),
+                     [&](const ActorPlacement& p) { return p.actor.actor_id() == actor_id; });
+}
+
+}  // namespace geotrain::head
