@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "common/codec_spec.h"
+#include "common/diloco_spec.h"
 #include "common/status.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/util/json_util.h"
@@ -594,6 +595,26 @@ std::string ToJson(const google::protobuf::Message& message, bool pretty) {
   std::string out;
   (void)google::protobuf::util::MessageToJsonString(message, &out, options);
   return out;
+}
+
+bool RegroupAllowedBySpec(const JobSpec& spec, std::string* why) {
+  if (spec.parallel().dp() <= 1) {
+    *why = "the job has one data-parallel replica";
+    return false;
+  }
+  if (const FaultToleranceSpec& ft = spec.fault_tolerance(); ft.has_regroup() && !ft.regroup()) {
+    *why = "fault_tolerance.regroup is false";
+    return false;
+  }
+  if (DilocoOn(spec)) {
+    *why = "DiLoCo groups are not regrouped live";
+    return false;
+  }
+  if (spec.parallel().tp() > 1) {
+    *why = "tensor-parallel stages are not regrouped live";
+    return false;
+  }
+  return true;
 }
 
 }  // namespace geotrain

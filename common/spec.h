@@ -73,6 +73,11 @@ void MakeSpecPathsAbsolute(JobSpec* spec, const std::string& base_dir);
 void ApplyJobDefaults(JobSpec* spec);
 // Checks the values of a (defaulted) job spec; errors name the key and the fix.
 absl::Status ValidateJobSpec(const JobSpec& spec);
+
+// Whether a fault may leave the job training on with fewer data-parallel replicas (a live regroup, head/job_regroup.h)
+// as far as its spec tells: dp > 1, tp 1, synchronous (no DiLoCo), fault_tolerance.regroup not false. Else false, with
+// why.
+bool RegroupAllowedBySpec(const JobSpec& spec, std::string* why);
 // Checks a topology: unique site names, links between known sites, non-negative figures; fills
 // tflops and mem_gb of workers from their device names.
 absl::Status ValidateTopology(Topology* topology);

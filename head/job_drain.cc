@@ -81,8 +81,8 @@ void FillDrainReply(const JobRun& run, ReportStepReply* reply) {
 
 bool DrainReady(const JobRun& run) {
   const RunDrain& drain = run.drain;
-  return !drain.workers.empty() && drain.confirmed && !drain.handed_over && drain.left.size() == run.actors.size() &&
-         (drain.committed || !drain.needs_checkpoint);
+  return !drain.workers.empty() && drain.kept.empty() && drain.confirmed && !drain.handed_over &&
+         drain.left.size() == run.actors.size() && (drain.committed || !drain.needs_checkpoint);
 }
 
 std::string DrainingWorkers(const RunDrain& drain) { return absl::StrJoin(drain.workers, ", "); }

@@ -1,7 +1,8 @@
 // Workers that leave on notice (a drain: `geotrain worker drain ID`, or SIGTERM to a worker): the policy that makes
 // every actor of a job leave after one common step T, each with its checkpoint shard of T, so that the job restarts
-// without the draining workers from that checkpoint (resuming at T + 1) and loses no step. Going on with fewer
-// replicas without a restart is not done: every drain restarts the job (docs/reliability.md).
+// without the draining workers from that checkpoint (resuming at T + 1) and loses no step. Where other data-parallel
+// replicas have no actor on the draining workers (and the job can regroup live), they train on after T without a
+// restart instead, and the draining workers' replicas leave (head/job_regroup.h DrainKeeps; docs/reliability.md).
 //
 // Per run (JobRun::drain, under JobRuns::mu):
 //   1. BeginDrain (the control thread, JobRunner::CheckDrains): T = the newest step any actor of the run reported +
@@ -67,7 +68,7 @@ DrainNews ApplyDrainReport(JobRun& run, const StepReport& report);
 void FillDrainReply(const JobRun& run, ReportStepReply* reply);
 
 // The run can restart without the draining workers: confirmed, every actor left, the checkpoint of T committed (or
-// none needed), and not handed over yet.
+// none needed), and not handed over yet. Never for a leave by regroup (RunDrain::kept): that job goes on.
 bool DrainReady(const JobRun& run);
 
 // The draining workers, for log lines: "w-3" or "w-3, w-4"; and as a subject: "worker w-3 drains" or "workers w-3,

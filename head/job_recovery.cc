@@ -87,6 +87,11 @@ void JobRecovery::Restore() {
       run.resumed_from = job.resumed_from();
       run.regroup.epoch = job.epoch();  // the membership its actors train in after live regroups
       run.regroup.replicas.assign(job.present_replicas().begin(), job.present_replicas().end());
+      run.regroup.resume_step = job.regroup_resume_step();
+      if (job.epoch() > 0 && job.regroup_resume_step() == 0) {  // it was forming: its actors report ready again
+        run.regroup.confirmed = false;
+        run.regroup.detected_ms = now;
+      }
       run.launched_ms = now;  // the workers get a grace period to list their actors again
       for (const ActorRecord& a : job.actors()) {
         ActorPlacement p;
@@ -284,25 +289,7 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
     epoch = run.regroup.epoch;
     runs_->kicked = true;
   }
-  const std::string replicas = absl::StrJoin(kept, ", ");
-  const std::string degraded =
-      absl::StrCat(kept.size(), " of ", planned, " replicas train on (", replicas, ") without a restart");
-  std::vector<ActorRecord> records;
-  for (const ActorPlacement& a : staying) records.push_back(a.actor);
-  LogIfFailed(jobs_->SetActors(p.job_id, records), p.job_id, "recording the actors left");
-  LogIfFailed(jobs_
-                  ->Update(p.job_id,
-                           [&](JobInfo& j) {
-                             j.mutable_replicas()->set_present(static_cast<int>(kept.size()));
-                             j.mutable_replicas()->set_planned(planned);
-                             j.set_regroups(j.regroups() + 1);
-                             j.set_epoch(epoch);
-                             j.clear_present_replicas();
-                             for (int r : kept) j.add_present_replicas(r);
-                             j.set_message(absl::StrCat("RUNNING, degraded: ", degraded, "; after: ", p.cause));
-                           })
-                  .status(),
-              p.job_id, "recording the regroup");
+  const std::string degraded = RecordRegroup(p.job_id, staying, kept, planned, epoch, p.cause);
   std::set<int> left_replicas;
   for (const ActorPlacement& a : leaving) left_replicas.insert(a.actor.replica());
   LogIfFailed(jobs_->Log(p.job_id, absl::StrCat("fault: ", p.cause, "; ", degraded, ": replica",
@@ -311,13 +298,38 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
               p.job_id, "logging");
   GT_LOG(WARNING) << "job " << p.job_id << " (run " << p.attempt << "): " << p.cause << "; " << degraded;
   for (const StepAggregate& step : completed) metrics_->RecordStep(p.job_id, step, wan_codec);
-  metrics_->CountRegroup(p.job_id, static_cast<int>(kept.size()));
   // The survivors' step in flight ends (its receives cancelled); the leaving actors still alive stop, their peers told
   // that they failed, not that the job stopped.
   launcher_->InterruptActors(staying, epoch);
   launcher_->StopActors(leaving, absl::StrCat("the job goes on without this replica: ", p.cause), /*wait=*/false,
                         /*job_goes_on=*/true);
   return true;
+}
+
+std::string JobRecovery::RecordRegroup(const std::string& job_id, const std::vector<ActorPlacement>& staying,
+                                       const std::vector<int>& kept, int planned, int64_t epoch,
+                                       const std::string& cause) {
+  const std::string degraded = absl::StrCat(kept.size(), " of ", planned, " replicas train on (",
+                                            absl::StrJoin(kept, ", "), ") without a restart");
+  std::vector<ActorRecord> records;
+  for (const ActorPlacement& a : staying) records.push_back(a.actor);
+  LogIfFailed(jobs_->SetActors(job_id, records), job_id, "recording the actors left");
+  LogIfFailed(jobs_
+                  ->Update(job_id,
+                           [&](JobInfo& j) {
+                             j.mutable_replicas()->set_present(static_cast<int>(kept.size()));
+                             j.mutable_replicas()->set_planned(planned);
+                             j.set_regroups(j.regroups() + 1);
+                             j.set_epoch(epoch);
+                             j.set_regroup_resume_step(0);  // forming
+                             j.clear_present_replicas();
+                             for (int r : kept) j.add_present_replicas(r);
+                             j.set_message(absl::StrCat("RUNNING, degraded: ", degraded, "; after: ", cause));
+                           })
+                  .status(),
+              job_id, "recording the regroup");
+  metrics_->CountRegroup(job_id, static_cast<int>(kept.size()));
+  return degraded;
 }
 
 bool JobRecovery::MoveToRestarting(const PendingFault& p, const std::string& message) {

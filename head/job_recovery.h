@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -88,6 +89,12 @@ class JobRecovery {
   // Where the job's next run starts: its newest complete checkpoint, else what the spec resumes from, else ""
   // (the start). Logs the checkpoints skipped because they do not verify.
   absl::StatusOr<std::string> ResumePoint(const std::string& job_id, const JobSpec& spec);
+
+  // Records a live regroup to `kept` (membership `epoch` of a job of `planned` replicas, `staying` its actors now)
+  // in the job (actors, replicas, regroups, its message naming `cause`) and its metrics. Returns "N of M replicas
+  // train on (...) without a restart", for log lines. Not under JobRuns::mu.
+  std::string RecordRegroup(const std::string& job_id, const std::vector<ActorPlacement>& staying,
+                            const std::vector<int>& kept, int planned, int64_t epoch, const std::string& cause);
 
   // The recovery a complete step ends: its seconds since the fault was detected and the steps lost.
   struct Recovery {

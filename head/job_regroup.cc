@@ -5,7 +5,8 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
-#include "common/diloco_spec.h"
+#include "common/spec.h"
+#include "head/job_drain.h"
 
 namespace geotrain::head {
 
@@ -16,33 +17,46 @@ std::vector<int> PresentReplicas(const JobRun& run) {
   return all;
 }
 
+namespace {
+
+// Some actor of the run is on a CUDA device of `workers`: its groups may be NCCL's, which are not rebuilt live.
+bool OnCudaDevices(const JobRun& run, const WorkersById& workers) {
+  return std::any_of(run.actors.begin(), run.actors.end(), [&](const ActorPlacement& p) {
+    auto w = workers.find(p.actor.worker_id());
+    const int d = p.actor.device_index();
+    return w != workers.end() && d >= 0 && d < w->second.devices_size() &&
+           w->second.devices(d).kind() == DEVICE_KIND_CUDA;
+  });
+}
+
+}  // namespace
+
 bool RegroupEligible(const JobRun& run, const WorkersById& workers, std::string* why) {
-  if (run.spec.parallel().dp() <= 1) {
-    *why = "the job has one data-parallel replica";
-    return false;
-  }
-  if (const FaultToleranceSpec& ft = run.spec.fault_tolerance(); ft.has_regroup() && !ft.regroup()) {
-    *why = "fault_tolerance.regroup is false";
-    return false;
-  }
-  if (DilocoOn(run.spec)) {
-    *why = "DiLoCo groups are not regrouped live";
-    return false;
-  }
+  if (!RegroupAllowedBySpec(run.spec, why)) return false;
   if (!run.drain.workers.empty()) {
     *why = "a drain is under way";
     return false;
   }
-  for (const ActorPlacement& p : run.actors) {
-    auto w = workers.find(p.actor.worker_id());
-    const int d = p.actor.device_index();
-    if (w != workers.end() && d >= 0 && d < w->second.devices_size() &&
-        w->second.devices(d).kind() == DEVICE_KIND_CUDA) {
-      *why = "its actors on CUDA devices use NCCL groups, which are not rebuilt live";
-      return false;
-    }
+  if (OnCudaDevices(run, workers)) {
+    *why = "its actors on CUDA devices use NCCL groups, which are not rebuilt live";
+    return false;
   }
   return true;
+}
+
+std::vector<int> DrainKeeps(const JobRun& run, const WorkersById& workers) {
+  std::string why;
+  if (!RegroupAllowedBySpec(run.spec, &why) || OnCudaDevices(run, workers)) return {};
+  std::set<int> leaving;
+  for (const ActorPlacement& p : run.actors) {
+    if (run.drain.workers.count(p.actor.worker_id())) leaving.insert(p.actor.replica());
+  }
+  std::vector<int> kept;
+  for (int r : PresentReplicas(run)) {
+    if (!leaving.count(r)) kept.push_back(r);
+  }
+  if (leaving.empty() || kept.empty()) return {};
+  return kept;
 }
 
 std::vector<int> RegroupKept(const JobRun& run, const WorkersById& workers, const std::set<std::string>& lost) {
@@ -73,6 +87,10 @@ std::vector<ActorPlacement> BeginRegroup(JobRun& run, const std::vector<int>& ke
   }
   run.actors = std::move(staying);
   run.phase = RunPhase::kRunning;
+  // The steps in flight complete when the actors that stay have reported them (StepAggregator::CompleteAfterLeave).
+  for (auto& [step, agg] : run.steps) {
+    for (const ActorPlacement& p : leaving) agg.reported.erase(p.actor.actor_id());
+  }
   RunRegroup& g = run.regroup;
   // The healthy replicas' pause runs from their last complete step before the first fault of a series.
   if (g.paused_from_ms == 0) g.paused_from_ms = g.last_complete_ms > 0 ? g.last_complete_ms : detected_ms;
@@ -96,7 +114,9 @@ RegroupNews ApplyRegroupReport(JobRun& run, const StepReport& report, int64_t no
   RunRegroup& g = run.regroup;
   if (g.confirmed || report.epoch() != g.epoch) {
     // No regroup forms (or the actor has not rebuilt for it yet): a step failed on a peer; the fault may be unknown.
-    if (g.confirmed && report.epoch() == g.epoch && g.waiting_since_ms == 0) {
+    // A probe an actor sent before it saw the confirmation (it completed no step since) is no new failure.
+    if (g.confirmed && report.epoch() == g.epoch && g.waiting_since_ms == 0 &&
+        report.completed_step() >= g.resume_step) {
       g.waiting_since_ms = now_ms;
       g.waiting_cause = absl::StrCat("actor ", report.actor_id(), ": ", report.regroup_cause());
       news.first_wait = true;
@@ -126,10 +146,16 @@ void FillRegroupReply(const JobRun& run, ReportStepReply* reply) {
   const RunRegroup& g = run.regroup;
   if (g.epoch == 0) return;
   Regroup* r = reply->mutable_regroup();
+  r->Clear();  // filled anew when a report changes the membership
   r->set_epoch(g.epoch);
   for (int x : g.replicas) r->add_replicas(x);
   r->set_confirmed(g.confirmed);
   r->set_resume_step(g.resume_step);
+}
+
+void FillRunReply(const JobRun& run, ReportStepReply* reply) {
+  FillRegroupReply(run, reply);
+  FillDrainReply(run, reply);
 }
 
 bool InRun(const JobRun& run, const std::string& actor_id) {

@@ -46,6 +46,10 @@ std::vector<int> PresentReplicas(const JobRun& run);
 // with `why` for the log.
 bool RegroupEligible(const JobRun& run, const WorkersById& workers, std::string* why);
 
+// A drain's leave by regroup: the present replicas none of whose actors is on a draining worker, when the job can
+// regroup live (as RegroupEligible, a drain aside) and some replica leaves; else empty (the drain restarts the job).
+std::vector<int> DrainKeeps(const JobRun& run, const WorkersById& workers);
+
 // The replicas that train on after a fault that lost `lost` actors (and those on workers not alive in `workers`):
 // the present replicas none of whose actors is lost, ascending. Empty: none is whole.
 std::vector<int> RegroupKept(const JobRun& run, const WorkersById& workers, const std::set<std::string>& lost);
@@ -74,6 +78,9 @@ RegroupNews ApplyRegroupReport(JobRun& run, const StepReport& report, int64_t no
 
 // The membership part of every reply to the run's reports (nothing in epoch 0).
 void FillRegroupReply(const JobRun& run, ReportStepReply* reply);
+// What every reply to the run's reports says of it: the membership and the drain (job_drain.h FillDrainReply). An
+// actor takes both from each reply.
+void FillRunReply(const JobRun& run, ReportStepReply* reply);
 
 // Whether `actor_id` is one of the run's actors now (an actor of a replica that left is not).
 bool InRun(const JobRun& run, const std::string& actor_id);

@@ -92,6 +92,36 @@ TEST(JobRegroupTest, AWorkersDeathKeepsTheOtherReplicasWhichConfirmAtOneStep) {
   EXPECT_TRUE(RegroupMakesProgress(run, {0, 2}));
 }
 
+// A probe sent before its actor saw the confirmation is no new failure; one from an actor that completed the resumed
+// step and failed again is.
+TEST(JobRegroupTest, AProbeAfterTheConfirmationIsNoNewFailure) {
+  JobRun run = RunOf(2);
+  BeginRegroup(run, {0}, "worker w-1 died", 0);
+  ApplyRegroupReport(run, Waiting("r0s0", 1, 5), 10);
+  ASSERT_TRUE(ApplyRegroupReport(run, Waiting("r0s1", 1, 5), 20).confirmed);
+  EXPECT_FALSE(ApplyRegroupReport(run, Waiting("r0s0", 1, 5), 30).first_wait);
+  EXPECT_EQ(run.regroup.waiting_since_ms, 0);
+  EXPECT_TRUE(ApplyRegroupReport(run, Waiting("r0s0", 1, 6), 40).first_wait);
+  EXPECT_EQ(run.regroup.waiting_since_ms, 40);
+}
+
+// A drain of the worker of replica 1: replicas 0 and 2 train on (a leave by regroup); none when every replica has an
+// actor there, or when the job cannot regroup.
+TEST(JobRegroupTest, ADrainKeepsTheReplicasWithNoActorOnTheDrainingWorkers) {
+  JobRun run = RunOf(3);
+  run.drain.workers = {"w-1"};
+  EXPECT_EQ(DrainKeeps(run, Workers(3)), (std::vector<int>{0, 2}));
+  run.drain.workers = {"w-0", "w-1", "w-2"};
+  EXPECT_TRUE(DrainKeeps(run, Workers(3)).empty());
+  JobRun off = RunOf(3);
+  off.drain.workers = {"w-1"};
+  off.spec.mutable_fault_tolerance()->set_regroup(false);
+  EXPECT_TRUE(DrainKeeps(off, Workers(3)).empty());
+  JobRun other = RunOf(3);
+  other.drain.workers = {"w-9"};  // holds none of the run's actors
+  EXPECT_TRUE(DrainKeeps(other, Workers(3)).empty());
+}
+
 TEST(JobRegroupTest, ActorsThatCompletedDifferentStepsDiverge) {
   JobRun run = RunOf(2);
   BeginRegroup(run, RegroupKept(run, Workers(2), {"r1s1"}), "actor r1s1 failed", 0);

@@ -67,7 +67,10 @@ struct RunDrain {
   bool handed_over = false;    // the run went to recovery for its restart without the workers (once)
   bool gave_up = false;        // handed over before every actor left (a timeout): they are stopped
   std::string checkpoint_dir;  // the job's checkpoint.dir, where the actors write T's checkpoint
-  int64_t started_ms = 0;      // clock's monotonic milliseconds: the drain's cost is measured from here
+  // A leave by regroup (head/job_regroup.h DrainKeeps): the replicas that train on after T without a restart, the
+  // draining workers' replicas leaving. Empty: the job restarts without the draining workers from T's checkpoint.
+  std::vector<int> kept;
+  int64_t started_ms = 0;  // clock's monotonic milliseconds: the drain's cost is measured from here
 };
 
 // Replicas as failure domains (head/job_regroup.h): the membership a run trains in after live regroups, and the one

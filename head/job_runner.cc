@@ -457,7 +457,7 @@ ReportStepReply JobRunner::OnRegroupReport(const StepReport& report) {
     JobRun& run = it->second;
     if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled
     if (InRun(run, report.actor_id())) news = ApplyRegroupReport(run, report, clock_->NowMillis());
-    FillRegroupReply(run, &reply);  // an actor of a replica that left learns so from it
+    FillRunReply(run, &reply);  // an actor of a replica that left learns so from it
     attempt = run.attempt;
     if (news.first_wait) {
       for (const ActorPlacement& p : run.actors) suspects.push_back(p.actor.worker_id());
@@ -479,16 +479,31 @@ void JobRunner::AfterRegroupReport(const std::string& job_id, int64_t attempt, c
     return;
   }
   if (!news.confirmed) return;
-  std::string replicas;
+  std::string replicas, leave;  // leave: a drain's leave by regroup, which ends here
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(job_id);
     if (it == runs_.by_job.end()) return;
-    replicas = absl::StrJoin(it->second.regroup.replicas, ", ");
+    JobRun& run = it->second;
+    replicas = absl::StrJoin(run.regroup.replicas, ", ");
+    if (!run.drain.kept.empty()) {
+      leave = DrainSubject(run.drain);
+      run.drain = RunDrain{};  // done: the draining workers hold none of the run's actors now
+    }
   }
+  LogIfFailed(jobs_->Update(job_id, [&](JobInfo& j) { j.set_regroup_resume_step(news.step + 1); }).status(), job_id,
+              "recording the regroup's confirmation");
   LogIfFailed(jobs_->Log(job_id, absl::StrCat("regrouped: replicas ", replicas, " rebuilt their groups at step ",
                                               news.step, " and train step ", news.step + 1, " next")),
               job_id, "logging");
+  if (!leave.empty()) {
+    aggregator_.CountLeave(job_id);
+    LogIfFailed(jobs_->Update(job_id, [](JobInfo& j) { j.set_leaves(j.leaves() + 1); }).status(), job_id,
+                "counting the leave");
+    LogIfFailed(jobs_->Log(job_id, absl::StrCat(leave, ": its replicas left after step ", news.step,
+                                                "; the job goes on without a restart, no step lost")),
+                job_id, "logging");
+  }
 }
 
 void JobRunner::RecordRegroupPause(const std::string& job_id, int64_t step, double pause_seconds) {
@@ -503,12 +518,18 @@ void JobRunner::RecordRegroupPause(const std::string& job_id, int64_t step, doub
 void JobRunner::CheckRegroups() {
   const int64_t now = clock_->NowMillis();
   std::vector<std::tuple<std::string, int64_t, std::string, bool>> faults;  // job, run, cause, no regroup
+  std::vector<std::string> succeeded;
   {
     absl::MutexLock lock(&runs_.mu);
     for (auto& [job_id, run] : runs_.by_job) {
       if (run.phase != RunPhase::kRunning) continue;
       const RunRegroup& g = run.regroup;
-      if (!g.confirmed && now - g.detected_ms > kRegroupFormMs) {
+      const bool all_done =
+          !run.actors.empty() && std::all_of(run.actors.begin(), run.actors.end(),
+                                             [&](const auto& p) { return run.done.count(p.actor.actor_id()) > 0; });
+      if (!g.confirmed && all_done) {
+        succeeded.push_back(job_id);  // the fault came after the last step of the replicas that stay
+      } else if (!g.confirmed && now - g.detected_ms > kRegroupFormMs) {
         faults.push_back(
             {job_id, run.attempt,
              absl::StrCat("the replicas left by a fault did not all rebuild their groups within ",
@@ -522,26 +543,31 @@ void JobRunner::CheckRegroups() {
   for (const auto& [job_id, attempt, cause, no_regroup] : faults) {
     recovery_.Fault(job_id, attempt, cause, /*permanent=*/false, /*lost_actor=*/"", no_regroup);
   }
+  for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor that stayed finished");
+}
+
+ReportStepReply JobRunner::OnUnreachableReport(const StepReport& report) {
+  // A killed worker's peers know first: the detector probes its worker now rather than after its heartbeat timeout
+  // (a refused port is a dead process).
+  std::vector<std::string> suspects;
+  ReportStepReply reply;
+  {
+    absl::MutexLock lock(&runs_.mu);
+    auto it = runs_.by_job.find(report.job_id());
+    if (it != runs_.by_job.end() && it->second.attempt == report.attempt()) {
+      for (const ActorPlacement& p : it->second.actors) {
+        if (p.actor.actor_id() == report.unreachable_peer()) suspects.push_back(p.actor.worker_id());
+      }
+      FillRunReply(it->second, &reply);  // every reply says where the drain and the membership stand
+    }
+  }
+  if (!suspects.empty()) registry_->Suspect(suspects);
+  return reply;
 }
 
 ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   if (report.regroup_waiting()) return OnRegroupReport(report);
-  if (!report.unreachable_peer().empty()) {
-    // A killed worker's peers know first: the detector probes its worker now rather than after its heartbeat timeout
-    // (a refused port is a dead process).
-    std::vector<std::string> suspects;
-    {
-      absl::MutexLock lock(&runs_.mu);
-      auto it = runs_.by_job.find(report.job_id());
-      if (it != runs_.by_job.end() && it->second.attempt == report.attempt()) {
-        for (const ActorPlacement& p : it->second.actors) {
-          if (p.actor.actor_id() == report.unreachable_peer()) suspects.push_back(p.actor.worker_id());
-        }
-      }
-    }
-    if (!suspects.empty()) registry_->Suspect(suspects);
-    return ReportStepReply();
-  }
+  if (!report.unreachable_peer().empty()) return OnUnreachableReport(report);
   ReportStepReply reply;
   bool finished = false, failed = false;
   bool newly_done = false;  // this report is its actor's last
@@ -551,6 +577,13 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   DrainNews drain;
   bool draining = false;
   double healthy_pause = -1;  // the first complete step after a regroup: the healthy replicas' pause
+  struct {
+    std::vector<int> kept;
+    std::vector<ActorPlacement> staying;
+    int64_t epoch = 0;  // > 0: a drain's leave by regroup began with this report
+    int planned = 0;
+    std::string cause;
+  } planned_regroup;
   JobSpec spec;
   int64_t attempt = 0;
   {
@@ -567,7 +600,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       return reply;
     }
     if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled: the actors are being stopped
-    FillRegroupReply(run, &reply);
+    FillRunReply(run, &reply);
     // An actor of a replica that left a live regroup: the membership in the reply tells it to leave. Never `stop`:
     // its peers would take that as the whole job stopping.
     if (!InRun(run, report.actor_id())) return reply;
@@ -587,6 +620,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       if (complete) {
         RunRegroup& g = run.regroup;
         g.last_complete_ms = clock_->NowMillis();
+        g.waiting_since_ms = 0;  // an actor still waiting probes again within 0.1 s
         if (g.paused_from_ms > 0 && g.confirmed) {
           healthy_pause = static_cast<double>(g.last_complete_ms - g.paused_from_ms) / 1000;
           g.paused_from_ms = 0;
@@ -599,7 +633,19 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     gathered = CheckpointCommitter::Gather(run, report);
     draining = !run.drain.workers.empty();
     if (draining && !failed) drain = ApplyDrainReport(run, report);
-    FillDrainReply(run, &reply);
+    if (drain.confirmed && !run.drain.kept.empty()) {
+      // A leave by regroup: every actor stops at T; the kept replicas' actors rebuild for the membership without the
+      // draining workers' replicas (they learn it with the confirmation), the others leave.
+      const std::vector<ActorPlacement> leaving =
+          BeginRegroup(run, run.drain.kept, absl::StrCat(DrainSubject(run.drain), " (a leave)"), clock_->NowMillis());
+      planned_regroup = {run.drain.kept, run.actors, run.regroup.epoch, run.spec.parallel().dp(),
+                         DrainSubject(run.drain)};
+    }
+    FillRunReply(run, &reply);
+  }
+  if (planned_regroup.epoch > 0) {
+    recovery_.RecordRegroup(report.job_id(), planned_regroup.staying, planned_regroup.kept, planned_regroup.planned,
+                            planned_regroup.epoch, planned_regroup.cause);
   }
   // What a restarted head needs to go on: the actors whose last report it has (whether or not their workers still
   // list them) and the shards of checkpoints not yet complete. One write for both.
@@ -691,19 +737,31 @@ void JobRunner::StartDrain(const std::string& job_id, int64_t attempt, const std
   bool fresh = false, ends_first = false;
   int64_t target = 0;
   std::string workers;
+  std::vector<int> kept;  // a leave by regroup: the replicas that train on
+  const WorkersById by_id = ById(registry_->Workers());
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(job_id);
     if (it == runs_.by_job.end() || it->second.attempt != attempt || it->second.phase != RunPhase::kRunning) return;
     JobRun& run = it->second;
     if (!dir.empty()) run.spec.mutable_checkpoint()->set_dir(dir);  // the committer writes the manifest there
-    fresh = BeginDrain(run, worker_id, dir, /*needs_checkpoint=*/!timed && !dir.empty(), clock_->NowMillis());
+    const bool needs_checkpoint = !timed && !dir.empty();
+    fresh = BeginDrain(run, worker_id, dir, needs_checkpoint, clock_->NowMillis());
+    // Other replicas with no actor on a draining worker train on after T without a restart: no checkpoint needed.
+    run.drain.kept = DrainKeeps(run, by_id);
+    run.drain.needs_checkpoint = run.drain.kept.empty() && needs_checkpoint;
+    kept = run.drain.kept;
     ends_first = run.drain.ends_first;
     target = run.drain.target;
     workers = DrainingWorkers(run.drain);
   }
   std::string line;
-  if (!fresh) {
+  if (!kept.empty() && !ends_first) {
+    line = absl::StrCat(
+        fresh ? absl::StrCat("worker ", worker_id, " drains") : absl::StrCat("workers ", workers, " drain"),
+        ": the replicas with an actor there leave after step ", target, "; replicas ", absl::StrJoin(kept, ", "),
+        " train on without a restart");
+  } else if (!fresh) {
     line = absl::StrCat("worker ", worker_id, " drains too: the job restarts without ", workers);
   } else if (ends_first) {
     line = absl::StrCat("worker ", worker_id, " drains: the job ends at step ", job->spec().train().steps(),

@@ -155,6 +155,8 @@ class JobRunner final : private RunControl {
   // A report that waits for a regroup (OnStepReport's part): applied to the run's regroup, the reply with its
   // membership.
   ReportStepReply OnRegroupReport(const StepReport& report);
+  // A report that a peer actor's worker could not be reached: that worker is probed at once (WorkerRegistry::Suspect).
+  ReportStepReply OnUnreachableReport(const StepReport& report);
   // A report's consequences for the run's regroup, outside the lock: logs `news`; a divergence restarts the job.
   void AfterRegroupReport(const std::string& job_id, int64_t attempt, const RegroupNews& news);
   // The first complete step after a regroup: the healthy replicas' pause, logged and in its gauge.

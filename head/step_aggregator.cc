@@ -261,10 +261,7 @@ std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& 
 std::vector<StepAggregate> StepAggregator::CompleteAfterLeave(JobRun& run) {
   std::vector<int64_t> done;
   for (const auto& [step, agg] : run.steps) {
-    if (std::all_of(run.actors.begin(), run.actors.end(),
-                    [&](const ActorPlacement& a) { return agg.reported.count(a.actor.actor_id()) > 0; })) {
-      done.push_back(step);
-    }
+    if (agg.reported.size() == run.actors.size()) done.push_back(step);  // the leaving actors' ids are out
   }
   std::vector<StepAggregate> out;
   for (int64_t step : done) out.push_back(Complete(run, step));

@@ -51,8 +51,9 @@ class StepAggregator {
   // Adds one actor's report of step report.step() (> 0, no error) to the run's aggregate. When it is the last of
   // the run's actors to report that step, returns the step's aggregate, forgets it and moves run.last_step on.
   static std::optional<StepAggregate> Add(JobRun& run, const StepReport& report);
-  // After actors left the run (a live regroup): the steps every actor left has reported, complete now (in order), as
-  // Add returns them. Their figures keep what the actors that left reported.
+  // After actors left the run (a live regroup, which took their ids out of the aggregates): the steps every actor
+  // left has reported, complete now (in order), as Add returns them. Their figures keep what the leaving ones
+  // reported.
   static std::vector<StepAggregate> CompleteAfterLeave(JobRun& run);
   // Forgets the steps more than 100 behind `step`: some report of theirs was lost (e.g. sent to a head that
   // restarted), so they never complete.

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
+#include "common/spec.h"
 #include "common/status.h"
 #include "model/checkpoint.h"
 #include "worker/actor_ranks.h"
@@ -23,6 +24,29 @@ double SecondsSince(Clock::time_point start) { return std::chrono::duration<doub
 
 // Errors in the job itself, which any worker would hit again: a spec it cannot run, data or a checkpoint that is
 // not there or not readable. Transport errors (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED...) are not.
+// A step that failed on a peer (a stream or a collective: the peer's process gone, a link down, receives cancelled by
+// a regroup), which a live regroup may recover from; other errors are this actor's own.
+bool IsPeerFailure(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kAborted:
+      return !comm::IsJobStoppedOnReceiver(s);  // a peer stopped because the job stops: stop too
+    default:
+      return false;
+  }
+}
+
+// Whether a fault may leave this job training on with fewer replicas (the head decides alike, head/job_regroup.h):
+// the spec allows it and no actor runs on a CUDA device (NCCL's groups are not rebuilt live).
+bool RegroupsLive(const JobSpec& spec, const std::vector<ActorPeer>& peers) {
+  std::string why;
+  return RegroupAllowedBySpec(spec, &why) && std::none_of(peers.begin(), peers.end(), [](const ActorPeer& p) {
+           return p.device_kind() == DEVICE_KIND_CUDA;
+         });
+}
+
 bool IsConfigurationError(const absl::Status& s) {
   switch (s.code()) {
     case absl::StatusCode::kInvalidArgument:
@@ -143,10 +167,11 @@ void StageActor::ReportUnreachable(const std::string& peer_actor_id) {
 }
 
 void StageActor::Interrupt(int64_t epoch) {
-  if (epoch <= epoch_ || services_.mailbox == nullptr) return;
+  const int64_t current = epoch_;  // read once: the actor thread may move it on meanwhile
+  if (epoch <= current || services_.mailbox == nullptr) return;
   GT_LOG(INFO) << "actor " << config_.actor.actor_id() << ": the job regroups (membership " << epoch
                << "): the step in flight ends";
-  services_.mailbox->CancelJob(comm_job_id(), /*stopped=*/false);
+  services_.mailbox->CancelJob(CommJobId(config_.actor.job_id(), config_.attempt, current), /*stopped=*/false);
 }
 
 bool StageActor::finished() const {
@@ -176,32 +201,8 @@ absl::Status StageActor::Run() {
                    StageTrainer::Create(spec, ranks, config_.peers, services_.collectives.get(), config_.device,
                                         config_.device_index, services_.data));
   trainer->set_slowdown(config_.slowdown);
-  int64_t first_step = 1;
   const bool timed = trainer->timed();
-  if (timed && !config_.resume_from.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "timed compute cannot resume from ", config_.resume_from,
-        ": its stages have no real weights to load; submit the job again (a timed job starts from step 1)"));
-  }
-  const StageCollectives& collectives = trainer->collectives();
-  if (!config_.resume_from.empty()) {
-    // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part), from a
-    // local copy of the files it needs when the checkpoint is on the head's machine. DiLoCo: its group's
-    // weights and moments (group 0's when the checkpoint holds fewer groups) and the outer state (the
-    // checkpoint's, or the loaded weights').
-    std::string resume_from = config_.resume_from;
-    if (services_.checkpoints) {
-      ASSIGN_OR_RETURN(resume_from, services_.checkpoints->FetchForResume(
-                                        config_.resume_from, trainer->stage().TensorNames(), collectives.diloco_group));
-    }
-    ASSIGN_OR_RETURN(model::CheckpointInfo info,
-                     model::LoadCheckpoint(resume_from, trainer->stage(), trainer->optimizer(),
-                                           {.group = collectives.diloco_group, .outer = trainer->outer()}));
-    if (trainer->loader() != nullptr) RETURN_IF_ERROR(trainer->loader()->Restore(info.data_position));
-    first_step = info.step + 1;
-    trainer->set_completed_step(info.step);
-    GT_LOG(INFO) << "actor " << me.actor_id() << " resumed from " << info.directory << " at step " << info.step;
-  }
+  ASSIGN_OR_RETURN(const int64_t first_step, Resume(*trainer));
   SetState(ACTOR_ALIVE, "training");
   set_up_ = true;
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << ranks.replica << ", stage " << ranks.stage << " of "
@@ -219,21 +220,25 @@ absl::Status StageActor::Run() {
   }
 
   const int64_t steps = spec.train().steps();
+  const bool regroups = RegroupsLive(spec, config_.peers) && trainer->regroupable();
   for (int64_t step = first_step; step <= steps; ++step) {
     const auto step_start = Clock::now();
     absl::StatusOr<StepFigures> stepped = trainer->Step(step, stop_);
+    absl::Status peer_failure;  // a step whose update applied, then something after it failed on a peer
     if (!stepped.ok()) {
       // A peer failed (a stream, a collective): the job may go on without its replica, without a restart.
-      if (stop_ || ranks.dp == 1 || !trainer->regroupable() || comm::IsJobStoppedOnReceiver(stepped.status())) {
-        return stepped.status();
+      if (stop_ || !regroups || !IsPeerFailure(stepped.status())) return stepped.status();
+      peer_failure = stepped.status();
+      if (trainer->completed_step() == step) {
+        stepped = trainer->FiguresSoFar(step);  // reported as trained (its validation failed), then the regroup
+      } else {
+        ASSIGN_OR_RETURN(const int64_t resume,
+                         AwaitRegroup(*trainer, ranks, peer_failure,
+                                      absl::StrCat("step ", step, " failed (", peer_failure.message(), ")")));
+        if (resume == 0) return LeftForRegroup();
+        step = resume - 1;
+        continue;
       }
-      ASSIGN_OR_RETURN(const int64_t resume, AwaitRegroup(*trainer, ranks, stepped.status()));
-      if (resume == 0) {
-        SetState(ACTOR_DEAD, "stopped: the job went on without this replica after a fault");
-        return absl::OkStatus();
-      }
-      step = resume - 1;
-      continue;
     }
     StepFigures figures = *std::move(stepped);
     // Its checkpoint shards: DiLoCo's group leaders, else the lowest replica present.
@@ -267,7 +272,28 @@ absl::Status StageActor::Run() {
     report.mutable_figures()->set_step_seconds(SecondsSince(step_start));
     reporter_->Enqueue(report);
     if (stop_) return absl::CancelledError("stop requested");
+    if (!peer_failure.ok() && !report.done()) {
+      ASSIGN_OR_RETURN(
+          const int64_t resume,
+          AwaitRegroup(*trainer, ranks, peer_failure, absl::StrCat("after step ", step, ": ", peer_failure.message())));
+      if (resume == 0) return LeftForRegroup();
+      step = resume - 1;
+      continue;
+    }
     if (leaving && AwaitDrain(step)) {
+      // A leave by regroup: the head names the replicas that train on, with the confirmation. This actor's among
+      // them: it rebuilds its groups and trains on after `step`; otherwise it leaves.
+      if (regroups && StaysInRegroup(ranks)) {
+        ASSIGN_OR_RETURN(const int64_t resume,
+                         AwaitRegroup(*trainer, ranks,
+                                      absl::AbortedError(absl::StrCat("replicas leave after step ", step,
+                                                                      " for a drain; no membership without them came")),
+                                      absl::StrCat("the replicas on a draining worker leave after step ", step)));
+        if (resume > 0) {
+          step = resume - 1;
+          continue;
+        }
+      }
       ReportLeft(step);
       SetState(ACTOR_DEAD, absl::StrCat("stopped after step ", step,
                                         " for a drain: the job restarts without the draining worker from there"));
@@ -278,6 +304,31 @@ absl::Status StageActor::Run() {
   }
   SetState(ACTOR_DEAD, "finished");
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> StageActor::Resume(StageTrainer& trainer) {
+  if (config_.resume_from.empty()) return 1;
+  if (trainer.timed()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "timed compute cannot resume from ", config_.resume_from,
+        ": its stages have no real weights to load; submit the job again (a timed job starts from step 1)"));
+  }
+  // Any plan's checkpoint: the stage reads the tensors it holds (its layers, its tensor-parallel part), from a local
+  // copy of the files it needs when the checkpoint is on the head's machine. DiLoCo: its group's weights and moments
+  // (group 0's when the checkpoint holds fewer groups) and the outer state (the checkpoint's, or the loaded weights').
+  const int group = trainer.collectives().diloco_group;
+  std::string resume_from = config_.resume_from;
+  if (services_.checkpoints) {
+    ASSIGN_OR_RETURN(resume_from,
+                     services_.checkpoints->FetchForResume(config_.resume_from, trainer.stage().TensorNames(), group));
+  }
+  ASSIGN_OR_RETURN(model::CheckpointInfo info, model::LoadCheckpoint(resume_from, trainer.stage(), trainer.optimizer(),
+                                                                     {.group = group, .outer = trainer.outer()}));
+  if (trainer.loader() != nullptr) RETURN_IF_ERROR(trainer.loader()->Restore(info.data_position));
+  trainer.set_completed_step(info.step);
+  GT_LOG(INFO) << "actor " << config_.actor.actor_id() << " resumed from " << info.directory << " at step "
+               << info.step;
+  return info.step + 1;
 }
 
 absl::StatusOr<double> StageActor::WriteCheckpoint(StageTrainer& trainer, const ActorRanks& ranks, int64_t step,
@@ -340,16 +391,28 @@ bool StageActor::AwaitDrain(int64_t step) {
   }
 }
 
-absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks,
-                                                 const absl::Status& failure) {
+absl::Status StageActor::LeftForRegroup() {
+  SetState(ACTOR_DEAD, "stopped: the job went on without this replica");
+  return absl::OkStatus();
+}
+
+bool StageActor::StaysInRegroup(const ActorRanks& ranks) const {
+  absl::MutexLock lock(&mu_);
+  return regroup_.epoch() > ranks.epoch &&
+         std::find(regroup_.replicas().begin(), regroup_.replicas().end(), ranks.replica) != regroup_.replicas().end();
+}
+
+absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure,
+                                                 const std::string& why) {
   // The head decides once it knows what failed (a worker's death is detected within ~5 s): it names the replicas
   // whose actors are all alive, each actor rebuilds its groups for them and says which step it completed, and the
   // head confirms once they all stand at the same one (else it restarts the job from its checkpoint, stopping them).
   const int64_t failed_in = ranks.epoch;
   const std::string& id = config_.actor.actor_id();
-  GT_LOG(WARNING) << "actor " << id << ": step " << trainer.completed_step() + 1 << " failed (" << failure.message()
-                  << "); waiting for the head to regroup the job";
-  const auto deadline = Clock::now() + std::chrono::milliseconds(config_.collective_timeout_ms);
+  GT_LOG(WARNING) << "actor " << id << ": " << why << "; waiting for the head to regroup the job";
+  // Twice the collective deadline: the head's detection (up to 30 s for an unreachable worker), its grace and the
+  // membership's forming all come before the word; the head restarts the job itself when it forms no membership.
+  const auto deadline = Clock::now() + 2 * std::chrono::milliseconds(config_.collective_timeout_ms);
   while (!stop_) {
     Regroup regroup;
     {
@@ -375,6 +438,10 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
       ranks = std::move(next);
       epoch_ = ranks.epoch;
       if (services_.mailbox != nullptr) services_.mailbox->DiscardJob(old_key);
+      {
+        absl::MutexLock lock(&mu_);
+        reported_unreachable_.clear();  // a peer that fails in the new membership is news again
+      }
       GT_LOG(INFO) << "actor " << id << ": regrouped with replicas [" << absl::StrJoin(ranks.present, ", ")
                    << "] (membership " << ranks.epoch << "), at step " << trainer.completed_step();
     }
@@ -386,7 +453,7 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
       return regroup.resume_step();
     }
     if (Clock::now() >= deadline) {
-      GT_LOG(WARNING) << "actor " << id << ": no regroup within " << config_.collective_timeout_ms
+      GT_LOG(WARNING) << "actor " << id << ": no regroup within " << 2 * config_.collective_timeout_ms
                       << " ms; the step's failure stands";
       return failure;
     }

@@ -114,6 +114,8 @@ class StageActor {
 
  private:
   absl::Status Run();
+  // Loads config_.resume_from into the trainer (nothing when empty); returns the first step to train.
+  absl::StatusOr<int64_t> Resume(StageTrainer& trainer);
   void SetState(ActorState state, const std::string& message);
   // The head's reply to a report (the reporter's thread): where the job's drain stands.
   void OnReply(const ReportStepReply& reply);
@@ -128,11 +130,17 @@ class StageActor {
   bool AwaitDrain(int64_t step);
   // The last report of an actor that leaves after `step` for a drain, with its checkpoint shard of it.
   void ReportLeft(int64_t step);
-  // After a step failed on a peer (`failure`): waits, probing the head, for the membership the job goes on in, and
-  // rebuilds the trainer's collectives (and `ranks`) for it. Returns the step to train next once the head confirms
-  // that every actor of it stands at the same completed step; 0 when this actor's replica is not in it (it leaves);
-  // `failure` when the head stops the actor (a restart, a cancel) or gives no word within the deadline.
-  absl::StatusOr<int64_t> AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure);
+  // After a step failed on a peer (`failure`), or at a drain's step when the job goes on without the draining
+  // workers' replicas (`why` says which, for the log): waits, probing the head, for the membership the job goes on
+  // in, and rebuilds the trainer's collectives (and `ranks`) for it. Returns the step to train next once the head
+  // confirms that every actor of it stands at the same completed step; 0 when this actor's replica is not in it (it
+  // leaves); `failure` when the head stops the actor (a restart, a cancel) or gives no word within the deadline.
+  absl::StatusOr<int64_t> AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure,
+                                       const std::string& why);
+  // Whether the latest reply names a newer membership with this actor's replica in it (a drain's leave by regroup).
+  bool StaysInRegroup(const ActorRanks& ranks) const;
+  // The end of an actor whose replica is not in the job's new membership: it leaves, no error.
+  absl::Status LeftForRegroup();
   // A send could not reach the peer `peer_actor_id` and is retried (a sending thread): tells the head once, so that it
   // checks that peer's worker now rather than after its heartbeat timeout.
   void ReportUnreachable(const std::string& peer_actor_id);

@@ -317,7 +317,8 @@ void StageTrainer::StartSender() {
 }
 
 bool StageTrainer::regroupable() const {
-  return outer_ == nullptr && !collectives_->dp_on_device && !collectives_->tp_nccl;
+  // The stage holds its tensor-parallel communicator (model::GPT2Stage): with tp > 1 it would outlive a regroup.
+  return outer_ == nullptr && ranks_.tp == 1 && !collectives_->dp_on_device && !collectives_->tp_nccl;
 }
 
 absl::Status StageTrainer::Regroup(const ActorRanks& ranks, const std::vector<ActorPeer>& actors,

@@ -106,7 +106,7 @@ class StageTrainer {
   // step resumed after, on a resume): a step that failed before its update changed no weight and no optimizer state.
   int64_t completed_step() const { return completed_step_; }
   // Whether the job's collectives can be rebuilt for fewer replicas while the stages keep their state: synchronous
-  // (no DiLoCo) and every group on gRPC (NCCL's communicators are not rebuilt).
+  // (no DiLoCo), no tensor parallelism, and every group on gRPC (NCCL's communicators are not rebuilt).
   bool regroupable() const;
   // Ends the collectives of the membership it had (after a failed step: their receives cancelled, the sender and
   // the buckets' threads joined) and builds them for `ranks` (the same actor, another membership) through `factory`.
@@ -115,6 +115,9 @@ class StageTrainer {
                        int device_index);
   // Where a resume sets the step counter: `step` completed.
   void set_completed_step(int64_t step) { completed_step_ = step; }
+  // The figures of `step` as far as it went: for a step whose update applied before something after it (validation)
+  // failed on a peer, so that it is reported all the same (without a validation loss).
+  StepFigures FiguresSoFar(int64_t step) const { return Figures(step); }
 
   model::GPT2Stage& stage() { return *stage_; }
   model::AdamW& optimizer() { return *adam_; }
