@@ -524,9 +524,10 @@ void JobRunner::CheckRegroups() {
     for (auto& [job_id, run] : runs_.by_job) {
       if (run.phase != RunPhase::kRunning) continue;
       const RunRegroup& g = run.regroup;
+      const std::set<std::string>& done = run.done;  // (a lambda cannot capture a structured binding in clang 14)
       const bool all_done =
           !run.actors.empty() && std::all_of(run.actors.begin(), run.actors.end(),
-                                             [&](const auto& p) { return run.done.count(p.actor.actor_id()) > 0; });
+                                             [&](const auto& p) { return done.count(p.actor.actor_id()) > 0; });
       if (!g.confirmed && all_done) {
         succeeded.push_back(job_id);  // the fault came after the last step of the replicas that stay
       } else if (!g.confirmed && now - g.detected_ms > kRegroupFormMs) {
