@@ -210,7 +210,17 @@ ReceivedTensor TensorStreamServer::TakeLocked(absl::flat_hash_map<TensorKey, Wai
 
 namespace {
 constexpr absl::string_view kStoppedOnReceiver = " was stopped on the receiver; its tensors are no longer taken";
+constexpr absl::string_view kFailedOnReceiver = " failed on the receiver; its tensors are no longer taken";
 }  // namespace
+
+absl::Status JobFailedOnReceiverError(const std::string& job_id) {
+  return absl::FailedPreconditionError(absl::StrCat("job ", job_id, kFailedOnReceiver));
+}
+
+bool IsJobFailedOnReceiver(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition &&
+         absl::StrContains(status.message(), kFailedOnReceiver);
+}
 
 absl::Status JobStoppedOnReceiverError(const std::string& job_id) {
   return absl::FailedPreconditionError(absl::StrCat("job ", job_id, kStoppedOnReceiver));
@@ -274,10 +284,7 @@ absl::Status TensorStreamServer::Deliver(ReceivedTensor tensor) {
   absl::MutexLock lock(&mu_);
   if (shutdown_) return absl::UnavailableError("tensor stream endpoint is shutting down");
   if (auto cancelled = cancelled_jobs_.find(tensor.key.job_id); cancelled != cancelled_jobs_.end()) {
-    if (!cancelled->second) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", tensor.key.job_id, " failed on the receiver; its tensors are no longer taken"));
-    }
+    if (!cancelled->second) return JobFailedOnReceiverError(tensor.key.job_id);
     return JobStoppedOnReceiverError(tensor.key.job_id);
   }
   const uint64_t bytes = tensor.encoded.size();

@@ -58,6 +58,10 @@ namespace geotrain::comm {
 // after it crossed gRPC (code and message travel; FromGrpc's context prefix is allowed).
 absl::Status JobStoppedOnReceiverError(const std::string& job_id);
 bool IsJobStoppedOnReceiver(const absl::Status& status);
+// The error a receiver answers for a job whose receives it cancelled as failed (CancelJob, not stopped: a peer
+// failed there, or the job regroups live), and its recogniser: the sender's peer is gone, not the job.
+absl::Status JobFailedOnReceiverError(const std::string& job_id);
+bool IsJobFailedOnReceiver(const absl::Status& status);
 
 class TensorStreamServer {
  public:

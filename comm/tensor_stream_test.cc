@@ -553,6 +553,7 @@ TEST(TensorStream, AJobCancelledByAFailureIsRefusedAsAFailure) {
   const absl::Status failed = client.Send(endpoint.address(), Key("a"), {10}, data, Codec{}, Soon());
   EXPECT_EQ(failed.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_FALSE(IsJobStoppedOnReceiver(failed)) << failed;
+  EXPECT_TRUE(IsJobFailedOnReceiver(failed)) << failed;
   EXPECT_THAT(std::string(failed.message()), ::testing::HasSubstr("job job-1 failed on the receiver"));
   EXPECT_EQ(endpoint.streams().Recv(Key("a"), Soon()).status().code(), absl::StatusCode::kCancelled);
 }

@@ -167,6 +167,10 @@ absl::Status HeadServer::Start() {
   auto workers = store_->LoadWorkers();
   if (!workers.ok()) return workers.status();
   registry_->Restore(*workers);
+  registry_->set_on_suspect([this] {
+    absl::MutexLock lock(&stop_mu_);
+    detector_kicked_ = true;
+  });
   jobs_ = std::make_unique<JobManager>(clock_, store_.get());
   if (absl::Status s = jobs_->Restore(); !s.ok()) return s;
   rendezvous_ = std::make_unique<RendezvousTable>([this](const std::string& job_id) -> absl::Status {
@@ -347,8 +351,14 @@ void HeadServer::DetectorLoop() {
   };
   absl::MutexLock lock(&stop_mu_);
   while (!stopping_) {
-    stop_mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(period));
+    stop_mu_.AwaitWithTimeout(absl::Condition(
+                                  +[](HeadServer* h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(h->stop_mu_) {
+                                    return h->stopping_ || h->detector_kicked_;
+                                  },
+                                  this),
+                              absl::Milliseconds(period));
     if (stopping_) break;
+    detector_kicked_ = false;
     stop_mu_.Unlock();
     for (const WorkerInfo& dead : registry_->CheckLiveness(probe)) {
       if (absl::Status s = store_->PutWorker(dead); !s.ok()) {

@@ -140,6 +140,7 @@ class HeadServer {
   std::string scrape_targets_ ABSL_GUARDED_BY(targets_mu_);  // last written prometheus_targets.json
   absl::Mutex stop_mu_;
   bool stopping_ ABSL_GUARDED_BY(stop_mu_) = false;
+  bool detector_kicked_ ABSL_GUARDED_BY(stop_mu_) = false;  // a suspect worker: check liveness now
   std::thread detector_;
 };
 

@@ -110,8 +110,11 @@ absl::StatusOr<WorkerInfo> WorkerRegistry::SetDraining(const std::string& worker
 }
 
 void WorkerRegistry::Suspect(const std::vector<std::string>& worker_ids) {
-  absl::MutexLock lock(&mu_);
-  peer_suspects_.insert(worker_ids.begin(), worker_ids.end());
+  {
+    absl::MutexLock lock(&mu_);
+    peer_suspects_.insert(worker_ids.begin(), worker_ids.end());
+  }
+  if (on_suspect_) on_suspect_();
 }
 
 std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {

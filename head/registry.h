@@ -61,6 +61,8 @@ class WorkerRegistry {
   // CheckLiveness with a probe probes them at once, silent or not, and declares dead one whose port refuses
   // connections (the process is gone), without waiting for its heartbeat timeout. Each is probed once.
   void Suspect(const std::vector<std::string>& worker_ids);
+  // Called (outside the registry's lock) after each Suspect: the detector checks now rather than at its next period.
+  void set_on_suspect(std::function<void()> f) { on_suspect_ = std::move(f); }
 
   // The worker leaves on notice (a drain): it is marked draining (placement skips it, its heartbeats are answered
   // `draining`) until a new process registers under its id. Returns its record, to persist. NOT_FOUND: no such
@@ -89,6 +91,7 @@ class WorkerRegistry {
   // Silent workers that did not refuse the probe, with what it found (logged once per silence).
   std::map<std::string, Reachability> suspected_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> peer_suspects_ ABSL_GUARDED_BY(mu_);  // Suspect's, until the next probe
+  std::function<void()> on_suspect_;                          // set before the registry is shared
   // Latest probe by (src worker, dst worker).
   std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
   // (src worker, dst worker) -> the sender's totals at its last heartbeat, and the goodput their last growth gave.

@@ -27,6 +27,7 @@ double SecondsSince(Clock::time_point start) { return std::chrono::duration<doub
 // A step that failed on a peer (a stream or a collective: the peer's process gone, a link down, receives cancelled by
 // a regroup), which a live regroup may recover from; other errors are this actor's own.
 bool IsPeerFailure(const absl::Status& s) {
+  if (comm::IsJobFailedOnReceiver(s)) return true;  // the peer's receives were cancelled: it failed, or it regroups
   switch (s.code()) {
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kCancelled:
