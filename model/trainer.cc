@@ -198,7 +198,9 @@ absl::Status KeepReplicas(const std::vector<int>& replicas, LocalRun* run) {
   g.microbatch_rows.clear();
   for (int r : replicas) {
     if (r < 0 || r >= run->dp) {
-      return absl::InvalidArgumentError(absl::StrCat("replica ", r, " is not one of the job's ", run->dp));
+      return absl::InvalidArgumentError(absl::StrCat("replica ", r, " is not one of the job's ", run->dp,
+                                                     " replicas (0 to ", run->dp - 1,
+                                                     "); name the ones that trained on"));
     }
     for (int m = 0; m < run->micro; ++m) g.microbatch_rows.push_back(r * run->micro * run->mb + m * run->mb);
   }
