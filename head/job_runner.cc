@@ -605,10 +605,8 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     // An actor of a replica that left a live regroup: the membership in the reply tells it to leave. Never `stop`:
     // its peers would take that as the whole job stopping.
     if (!InRun(run, report.actor_id())) return reply;
-    if (report.drain_waiting()) {  // an actor at the drain's step asks whether to stop: nothing else to do
-      FillDrainReply(run, &reply);
-      return reply;
-    }
+    // An actor at the drain's step asks whether to stop: the reply (FillRunReply above) tells it; nothing else to do.
+    if (report.drain_waiting()) return reply;
 
     spec = run.spec;
     attempt = run.attempt;

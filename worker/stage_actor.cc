@@ -281,10 +281,13 @@ absl::Status StageActor::Run() {
       step = resume - 1;
       continue;
     }
-    if (leaving && AwaitDrain(step)) {
-      // A leave by regroup: the head names the replicas that train on, with the confirmation. This actor's among
-      // them: it rebuilds its groups and trains on after `step`; otherwise it leaves.
-      if (regroups && StaysInRegroup(ranks)) {
+    // A leave by regroup: the head names the replicas that train on with the confirmation, and may have finished it
+    // (the drain cleared) before a leaving actor's next probe: the newer membership tells it all the same.
+    const bool drained = leaving && AwaitDrain(step);
+    const Membership membership = leaving && regroups ? NewerMembership(ranks) : Membership::kSame;
+    if (drained || membership != Membership::kSame) {
+      // This actor's replica among them: it rebuilds its groups and trains on after `step`; otherwise it leaves.
+      if (membership == Membership::kStays) {
         ASSIGN_OR_RETURN(const int64_t resume,
                          AwaitRegroup(*trainer, ranks,
                                       absl::AbortedError(absl::StrCat("replicas leave after step ", step,
@@ -397,10 +400,12 @@ absl::Status StageActor::LeftForRegroup() {
   return absl::OkStatus();
 }
 
-bool StageActor::StaysInRegroup(const ActorRanks& ranks) const {
+StageActor::Membership StageActor::NewerMembership(const ActorRanks& ranks) const {
   absl::MutexLock lock(&mu_);
-  return regroup_.epoch() > ranks.epoch &&
-         std::find(regroup_.replicas().begin(), regroup_.replicas().end(), ranks.replica) != regroup_.replicas().end();
+  if (regroup_.epoch() <= ranks.epoch) return Membership::kSame;
+  const bool in =
+      std::find(regroup_.replicas().begin(), regroup_.replicas().end(), ranks.replica) != regroup_.replicas().end();
+  return in ? Membership::kStays : Membership::kLeaves;
 }
 
 absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure,

@@ -137,8 +137,10 @@ class StageActor {
   // leaves); `failure` when the head stops the actor (a restart, a cancel) or gives no word within the deadline.
   absl::StatusOr<int64_t> AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure,
                                        const std::string& why);
-  // Whether the latest reply names a newer membership with this actor's replica in it (a drain's leave by regroup).
-  bool StaysInRegroup(const ActorRanks& ranks) const;
+  // What the latest reply says of the job's membership (a drain's leave by regroup): none newer than this actor's, or
+  // a newer one with its replica in it, or without.
+  enum class Membership { kSame, kStays, kLeaves };
+  Membership NewerMembership(const ActorRanks& ranks) const;
   // The end of an actor whose replica is not in the job's new membership: it leaves, no error.
   absl::Status LeftForRegroup();
   // A send could not reach the peer `peer_actor_id` and is retried (a sending thread): tells the head once, so that it
