@@ -747,7 +747,10 @@ void JobRunner::StartDrain(const std::string& job_id, int64_t attempt, const std
     const bool needs_checkpoint = !timed && !dir.empty();
     fresh = BeginDrain(run, worker_id, dir, needs_checkpoint, clock_->NowMillis());
     // Other replicas with no actor on a draining worker train on after T without a restart: no checkpoint needed.
-    run.drain.kept = DrainKeeps(run, by_id);
+    // A leave by regroup (DrainKeeps) is off: in one test run in about six a step of the replicas that stayed went
+    // missing from the job's record; every drain restarts the job until that is understood.
+    (void)by_id;
+    run.drain.kept.clear();
     run.drain.needs_checkpoint = run.drain.kept.empty() && needs_checkpoint;
     kept = run.drain.kept;
     ends_first = run.drain.ends_first;
