@@ -93,7 +93,8 @@ std::vector<ActorPlacement> BeginRegroup(JobRun& run, const std::vector<int>& ke
   }
   RunRegroup& g = run.regroup;
   // The healthy replicas' pause runs from their last complete step before the first fault of a series.
-  if (g.paused_from_ms == 0) g.paused_from_ms = g.last_complete_ms > 0 ? g.last_complete_ms : detected_ms;
+  const int64_t last_complete_ms = run.progress.last_complete_ms;
+  if (g.paused_from_ms == 0) g.paused_from_ms = last_complete_ms > 0 ? last_complete_ms : detected_ms;
   ++g.epoch;
   g.replicas = kept;
   g.confirmed = false;

@@ -57,7 +57,7 @@ TEST(JobRegroupTest, AWorkersDeathKeepsTheOtherReplicasWhichConfirmAtOneStep) {
   const std::vector<int> kept = RegroupKept(run, Workers(3, /*dead=*/1), {});
   EXPECT_EQ(kept, (std::vector<int>{0, 2}));
   ASSERT_TRUE(RegroupMakesProgress(run, kept));
-  run.regroup.last_complete_ms = 900;
+  run.progress.last_complete_ms = 900;
   const std::vector<ActorPlacement> leaving = BeginRegroup(run, kept, "worker w-1 died", 1000);
   ASSERT_EQ(leaving.size(), 2u);
   EXPECT_EQ(leaving[0].actor.actor_id(), "r1s0");
@@ -162,6 +162,22 @@ TEST(JobRegroupTest, NoReplicaWholeOrAJobThatCannotRegroup) {
   gpus["w-1"].mutable_devices(0)->set_kind(DEVICE_KIND_CUDA);
   EXPECT_FALSE(RegroupEligible(RunOf(2), gpus, &why));
   EXPECT_NE(why.find("NCCL"), std::string::npos);
+}
+
+// The stall probe: after a run's first complete step, a stall longer than max(1 s, 1.5 step intervals) has its
+// workers probed, at most once a second.
+TEST(JobRegroupTest, AStalledRunIsProbedAfterOneAndAHalfStepIntervalsAtMostOnceASecond) {
+  RunProgress progress;
+  EXPECT_FALSE(StallProbeDue(progress, 100000)) << "no step yet: the run may still be loading";
+  progress.last_complete_ms = 10000;
+  progress.step_interval_ms = 200;
+  EXPECT_FALSE(StallProbeDue(progress, 10999));
+  EXPECT_TRUE(StallProbeDue(progress, 11000)) << "the 1 s floor";
+  EXPECT_FALSE(StallProbeDue(progress, 11500)) << "probed within the last second";
+  EXPECT_TRUE(StallProbeDue(progress, 12000));
+  progress = RunProgress{20000, 2000, 0};
+  EXPECT_FALSE(StallProbeDue(progress, 22999));
+  EXPECT_TRUE(StallProbeDue(progress, 23000)) << "1.5 step intervals of 2 s";
 }
 
 }  // namespace

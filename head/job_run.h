@@ -12,6 +12,7 @@
 // holding it; only logging.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -83,14 +84,37 @@ struct RunRegroup {
   std::map<std::string, int64_t> ready;  // forming: actor -> the step it completed, waiting in `epoch`
   std::string cause;                     // the fault it recovers from
   int64_t detected_ms = 0;               // monotonic: that fault's detection
-  int64_t last_complete_ms = 0;  // monotonic: when the newest complete step was recorded (the healthy pause's start)
-  int64_t paused_from_ms = 0;    // the last complete step before the fault (0: the pause is measured)
+  int64_t paused_from_ms = 0;            // the last complete step before the fault (0: the pause is measured)
   // An actor waits for a regroup that no known fault started (its step failed on a peer): since when (monotonic;
   // 0: none), and its failure. JobRunner::CheckRegroups turns it into a fault after kRegroupGraceMs.
   int64_t waiting_since_ms = 0;
   std::string waiting_cause;
   std::set<std::string> lost_actors;  // actors the fault named as lost (an actor's death or error)
 };
+
+// How a run's steps come (JobRunner::OnStepReport), for the healthy pause and the stall probe: a run with no complete
+// step for longer than StallProbeAfterMs has its workers probed (JobRunner::ProbeStalledRuns), so that a worker
+// killed while its peers were only waiting to receive from it is found by its refused port rather than after its
+// heartbeat timeout.
+struct RunProgress {
+  int64_t last_complete_ms = 0;  // monotonic: when the newest complete step was recorded (0: none in this run yet)
+  int64_t step_interval_ms = 0;  // between the two newest complete steps
+  int64_t probed_ms = 0;         // the stall probe's last probe
+};
+
+// The stall probe's floor: a run is probed after no complete step for max(this, 1.5 step intervals), at most this
+// often.
+inline constexpr int64_t kStallProbeMinMs = 1000;
+
+// Whether a run's workers are due a probe at `now_ms` (a step completed in this run, none since the bound above,
+// none probed within kStallProbeMinMs); marks the probe when they are.
+inline bool StallProbeDue(RunProgress& progress, int64_t now_ms) {
+  if (progress.last_complete_ms == 0) return false;
+  const int64_t after = std::max(kStallProbeMinMs, progress.step_interval_ms * 3 / 2);
+  if (now_ms - progress.last_complete_ms < after || now_ms - progress.probed_ms < kStallProbeMinMs) return false;
+  progress.probed_ms = now_ms;
+  return true;
+}
 
 // A job's current run.
 struct JobRun {
@@ -108,7 +132,8 @@ struct JobRun {
 
   // The step aggregator's (StepAggregator::Add).
   std::map<int64_t, StepAggregate> steps;
-  int64_t last_step = 0;     // the newest step every actor of this run reported
+  int64_t last_step = 0;  // the newest step every actor of this run reported
+  RunProgress progress;
   int64_t resumed_step = 0;  // the step this run started after
   std::string resumed_from;
 

@@ -78,6 +78,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     Reconcile();
     CheckDrains();
     CheckRegroups();
+    ProbeStalledRuns();
     recovery_.RecoverJobs();
     StartPendingJobs();
     aggregator_.ForgetEndedJobSeries();
@@ -223,6 +224,7 @@ absl::Status JobRunner::BeginRun(const JobInfo& job, const std::vector<ActorPlac
     run.waiting_message.clear();
     run.drain = RunDrain{};      // a drain is of one run: the next is placed without the draining workers
     run.regroup = RunRegroup{};  // a new run has every replica of its plan
+    run.progress = RunProgress{};
   }
   const int planned = std::max(1, job.spec().parallel().dp());
   aggregator_.SetReplicas(job.job_id(), planned);
@@ -465,7 +467,7 @@ ReportStepReply JobRunner::OnRegroupReport(const StepReport& report) {
   }
   // A killed worker's peers know first: the detector probes the run's workers now rather than after their heartbeat
   // timeout (a refused port is a dead process).
-  if (!suspects.empty()) registry_->Suspect(suspects);
+  if (!suspects.empty()) registry_->Suspect(suspects, "its job's actors lost contact with it");
   AfterRegroupReport(report.job_id(), attempt, news);
   return reply;
 }
@@ -547,6 +549,25 @@ void JobRunner::CheckRegroups() {
   for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor that stayed finished");
 }
 
+void JobRunner::ProbeStalledRuns() {
+  const int64_t now = clock_->NowMillis();
+  std::vector<std::pair<std::vector<std::string>, std::string>> suspects;  // a run's workers, why
+  {
+    absl::MutexLock lock(&runs_.mu);
+    for (auto& [job_id, run] : runs_.by_job) {
+      if (run.phase != RunPhase::kRunning || !StallProbeDue(run.progress, now)) continue;
+      std::vector<std::string> workers;
+      for (const ActorPlacement& p : run.actors) workers.push_back(p.actor.worker_id());
+      suspects.push_back(
+          {std::move(workers), absl::StrFormat("its job's steps stalled (none complete for %.1f s)",
+                                               static_cast<double>(now - run.progress.last_complete_ms) / 1000)});
+    }
+  }
+  // A worker killed while its peers only waited to receive from it: none of their sends was refused, so no peer
+  // reported it; a refused port on this probe is its dead process, found before its heartbeat timeout.
+  for (const auto& [workers, why] : suspects) registry_->Suspect(workers, why);
+}
+
 ReportStepReply JobRunner::OnUnreachableReport(const StepReport& report) {
   // A killed worker's peers know first: the detector probes its worker now rather than after its heartbeat timeout
   // (a refused port is a dead process).
@@ -562,7 +583,7 @@ ReportStepReply JobRunner::OnUnreachableReport(const StepReport& report) {
       FillRunReply(it->second, &reply);  // every reply says where the drain and the membership stand
     }
   }
-  if (!suspects.empty()) registry_->Suspect(suspects);
+  if (!suspects.empty()) registry_->Suspect(suspects, "its job's actors lost contact with it");
   return reply;
 }
 
@@ -617,11 +638,14 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       complete = StepAggregator::Add(run, report);
       if (complete) recovery = recovery_.MeasureRecovery(run, report.step());
       if (complete) {
+        RunProgress& progress = run.progress;
+        const int64_t now = clock_->NowMillis();
+        if (progress.last_complete_ms > 0) progress.step_interval_ms = now - progress.last_complete_ms;
+        progress.last_complete_ms = now;
         RunRegroup& g = run.regroup;
-        g.last_complete_ms = clock_->NowMillis();
         g.waiting_since_ms = 0;  // an actor still waiting probes again within 0.1 s
         if (g.paused_from_ms > 0 && g.confirmed) {
-          healthy_pause = static_cast<double>(g.last_complete_ms - g.paused_from_ms) / 1000;
+          healthy_pause = static_cast<double>(now - g.paused_from_ms) / 1000;
           g.paused_from_ms = 0;
         }
       }

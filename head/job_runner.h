@@ -152,6 +152,8 @@ class JobRunner final : private RunControl {
   // Live regroups (head/job_regroup.h): an actor's wait that no known fault explains after kRegroupGraceMs becomes a
   // fault; a membership that has not formed within kRegroupFormMs restarts the job.
   void CheckRegroups();
+  // The stall probe (RunProgress): the workers of a run whose steps stalled are probed now (WorkerRegistry::Suspect).
+  void ProbeStalledRuns();
   // A report that waits for a regroup (OnStepReport's part): applied to the run's regroup, the reply with its
   // membership.
   ReportStepReply OnRegroupReport(const StepReport& report);

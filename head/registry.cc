@@ -109,10 +109,10 @@ absl::StatusOr<WorkerInfo> WorkerRegistry::SetDraining(const std::string& worker
   return it->second;
 }
 
-void WorkerRegistry::Suspect(const std::vector<std::string>& worker_ids) {
+void WorkerRegistry::Suspect(const std::vector<std::string>& worker_ids, const std::string& why) {
   {
     absl::MutexLock lock(&mu_);
-    peer_suspects_.insert(worker_ids.begin(), worker_ids.end());
+    for (const std::string& id : worker_ids) peer_suspects_.emplace(id, why);
   }
   if (on_suspect_) on_suspect_();
 }
@@ -120,7 +120,7 @@ void WorkerRegistry::Suspect(const std::vector<std::string>& worker_ids) {
 std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
   // Which silent workers answer a connection, asked without the lock (a probe takes up to a second).
   std::vector<std::string> silent_ids, addresses;
-  std::set<std::string> peer_suspects;  // probed although not silent (Suspect)
+  std::map<std::string, std::string> peer_suspects;  // probed although not silent (Suspect): id -> why
   if (probe) {
     const int64_t now = clock_->NowMillis();
     absl::MutexLock lock(&mu_);
@@ -129,7 +129,7 @@ std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
       if (w.state() == WORKER_ALIVE && (silent || peer_suspects_.count(id))) {
         silent_ids.push_back(id);
         addresses.push_back(w.address());
-        if (!silent) peer_suspects.insert(id);
+        if (!silent && peer_suspects_.count(id)) peer_suspects.emplace(id, peer_suspects_[id]);
       }
     }
     peer_suspects_.clear();
@@ -150,11 +150,10 @@ std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
       suspected_.erase(id);
       // A worker its job's peers lost: dead only if its port refuses connections (a heartbeat may be on its way).
       auto r = reach.find(id);
-      if (!peer_suspects.count(id) || r == reach.end() || r->second != Reachability::kRefused) continue;
-      reason = absl::StrCat(
-          "its job's actors lost contact with it and its port refuses connections: the process is "
-          "gone (last heartbeat ",
-          silent, " ms ago)");
+      auto suspect = peer_suspects.find(id);
+      if (suspect == peer_suspects.end() || r == reach.end() || r->second != Reachability::kRefused) continue;
+      reason = absl::StrCat(suspect->second, " and its port refuses connections: the process is gone (last heartbeat ",
+                            silent, " ms ago)");
     }
     if (probe && silent > options_.timeout_ms) {
       auto r = reach.find(id);

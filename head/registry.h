@@ -57,10 +57,11 @@ class WorkerRegistry {
   // connections, or silent for longer than the unreachable timeout), marks its actors dead, and returns the
   // newly dead workers. The probe runs without the registry's lock.
   std::vector<WorkerInfo> CheckLiveness(const Probe& probe = nullptr);
-  // Workers whose job's actors lost contact with them (a step failed on a peer: head/job_regroup.h): the next
-  // CheckLiveness with a probe probes them at once, silent or not, and declares dead one whose port refuses
-  // connections (the process is gone), without waiting for its heartbeat timeout. Each is probed once.
-  void Suspect(const std::vector<std::string>& worker_ids);
+  // Workers a job suspects (its actors lost contact with them, or it stalled): the next CheckLiveness with a probe
+  // probes them at once, silent or not, and declares dead one whose port refuses connections (the process is gone),
+  // without waiting for its heartbeat timeout. `why` starts the dead reason ("its job's actors lost contact with
+  // it"). Each is probed once.
+  void Suspect(const std::vector<std::string>& worker_ids, const std::string& why);
   // Called (outside the registry's lock) after each Suspect: the detector checks now rather than at its next period.
   void set_on_suspect(std::function<void()> f) { on_suspect_ = std::move(f); }
 
@@ -90,8 +91,9 @@ class WorkerRegistry {
   std::map<std::string, std::vector<ActorRecord>> actors_ ABSL_GUARDED_BY(mu_);
   // Silent workers that did not refuse the probe, with what it found (logged once per silence).
   std::map<std::string, Reachability> suspected_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> peer_suspects_ ABSL_GUARDED_BY(mu_);  // Suspect's, until the next probe
-  std::function<void()> on_suspect_;                          // set before the registry is shared
+  std::map<std::string, std::string> peer_suspects_
+      ABSL_GUARDED_BY(mu_);           // Suspect's (id -> why), until the next probe
+  std::function<void()> on_suspect_;  // set before the registry is shared
   // Latest probe by (src worker, dst worker).
   std::map<std::pair<std::string, std::string>, LinkMeasurement> links_ ABSL_GUARDED_BY(mu_);
   // (src worker, dst worker) -> the sender's totals at its last heartbeat, and the goodput their last growth gave.

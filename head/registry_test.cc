@@ -88,12 +88,12 @@ TEST(RegistryTest, ASuspectWhosePortRefusesIsDeadBeforeItsHeartbeatTimeout) {
   clock.AdvanceMillis(500);
   EXPECT_TRUE(registry.CheckLiveness(probe).empty());
   EXPECT_TRUE(probed.empty()) << "nobody silent, nobody suspected: no probe";
-  registry.Suspect({"w-b"});
+  registry.Suspect({"w-b"}, "its job's actors lost contact with it");
   EXPECT_TRUE(registry.CheckLiveness(probe).empty()) << "its port answers: alive";
   EXPECT_EQ(probed.size(), 1u);
   EXPECT_TRUE(registry.CheckLiveness(probe).empty());
   EXPECT_EQ(probed.size(), 1u) << "a suspect is probed once";
-  registry.Suspect({"w-b"});
+  registry.Suspect({"w-b"}, "its job's actors lost contact with it");
   answer = Reachability::kRefused;
   std::vector<WorkerInfo> dead = registry.CheckLiveness(probe);
   ASSERT_EQ(dead.size(), 1u);
