@@ -282,8 +282,9 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
     kept = RegroupKept(run, workers, lost);
     if (kept.empty() || !RegroupMakesProgress(run, kept)) return false;
     planned = run.spec.parallel().dp();
-    leaving = BeginRegroup(run, kept, p.cause, run.fault_detected_ms);
-    completed = StepAggregator::CompleteAfterLeave(run);
+    RegroupBegun begun = BeginRegroup(run, kept, p.cause, run.fault_detected_ms);
+    leaving = std::move(begun.leaving);
+    completed = std::move(begun.completed);
     wan_codec = run.spec.comm().wan_codec();
     staying = run.actors;
     epoch = run.regroup.epoch;
@@ -325,6 +326,14 @@ std::string JobRecovery::RecordRegroup(const std::string& job_id, const std::vec
                              j.clear_present_replicas();
                              for (int r : kept) j.add_present_replicas(r);
                              j.set_message(absl::StrCat("RUNNING, degraded: ", degraded, "; after: ", cause));
+                             // A leaving actor's last report no longer counts (a restarted head restores these).
+                             std::set<std::string> staying_ids;
+                             for (const ActorRecord& a : records) staying_ids.insert(a.actor_id());
+                             std::vector<std::string> done(j.done_actors().begin(), j.done_actors().end());
+                             j.clear_done_actors();
+                             for (const std::string& id : done) {
+                               if (staying_ids.count(id)) j.add_done_actors(id);
+                             }
                            })
                   .status(),
               job_id, "recording the regroup");

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 #include "head/job_drain.h"
+#include "head/step_aggregator.h"
 
 namespace geotrain::head {
 
@@ -79,15 +80,14 @@ bool RegroupMakesProgress(const JobRun& run, const std::vector<int>& kept) {
   return run.regroup.epoch == 0 || (run.regroup.confirmed && run.last_step >= run.regroup.resume_step);
 }
 
-std::vector<ActorPlacement> BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::string& cause,
-                                         int64_t detected_ms) {
+RegroupBegun BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::string& cause, int64_t detected_ms) {
   std::vector<ActorPlacement> leaving, staying;
   for (const ActorPlacement& p : run.actors) {
     (std::binary_search(kept.begin(), kept.end(), p.actor.replica()) ? staying : leaving).push_back(p);
   }
   run.actors = std::move(staying);
   run.phase = RunPhase::kRunning;
-  // The steps in flight complete when the actors that stay have reported them (StepAggregator::CompleteAfterLeave).
+  // The steps in flight complete when the actors that stay have reported them (CompleteAfterLeave, below).
   for (auto& [step, agg] : run.steps) {
     for (const ActorPlacement& p : leaving) agg.reported.erase(p.actor.actor_id());
   }
@@ -107,7 +107,7 @@ std::vector<ActorPlacement> BeginRegroup(JobRun& run, const std::vector<int>& ke
   g.lost_actors.clear();
   run.actor_errors.clear();
   for (const ActorPlacement& p : leaving) run.done.erase(p.actor.actor_id());
-  return leaving;
+  return {std::move(leaving), StepAggregator::CompleteAfterLeave(run)};
 }
 
 RegroupNews ApplyRegroupReport(JobRun& run, const StepReport& report, int64_t now_ms) {

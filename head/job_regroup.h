@@ -58,11 +58,15 @@ std::vector<int> RegroupKept(const JobRun& run, const WorkersById& workers, cons
 // drops another replica (so that regroups without progress end in a restart).
 bool RegroupMakesProgress(const JobRun& run, const std::vector<int>& kept);
 
-// Moves the run (in kFault) to a new membership of `kept`: running again, the next epoch forming, its actors those of
-// `kept` (the caller completes the steps they all reported: StepAggregator::CompleteAfterLeave). Returns the actors
-// that leave.
-std::vector<ActorPlacement> BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::string& cause,
-                                         int64_t detected_ms);
+// Moves the run (in kFault, or running for a leave by regroup) to a new membership of `kept`: running again, the next
+// epoch forming, its actors those of `kept`. Returns the actors that leave, and the steps in flight that are complete
+// now (every actor that stays reported them; the leaving actors' reports no longer count), for the caller to record
+// in step order.
+struct RegroupBegun {
+  std::vector<ActorPlacement> leaving;
+  std::vector<StepAggregate> completed;
+};
+RegroupBegun BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::string& cause, int64_t detected_ms);
 
 // What one regroup report did, for the caller to log and act on outside the lock.
 struct RegroupNews {

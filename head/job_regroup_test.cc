@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "head/step_aggregator.h"
 
 namespace geotrain::head {
 namespace {
@@ -58,7 +59,7 @@ TEST(JobRegroupTest, AWorkersDeathKeepsTheOtherReplicasWhichConfirmAtOneStep) {
   EXPECT_EQ(kept, (std::vector<int>{0, 2}));
   ASSERT_TRUE(RegroupMakesProgress(run, kept));
   run.progress.last_complete_ms = 900;
-  const std::vector<ActorPlacement> leaving = BeginRegroup(run, kept, "worker w-1 died", 1000);
+  const std::vector<ActorPlacement> leaving = BeginRegroup(run, kept, "worker w-1 died", 1000).leaving;
   ASSERT_EQ(leaving.size(), 2u);
   EXPECT_EQ(leaving[0].actor.actor_id(), "r1s0");
   EXPECT_EQ(run.actors.size(), 4u);
@@ -120,6 +121,32 @@ TEST(JobRegroupTest, ADrainKeepsTheReplicasWithNoActorOnTheDrainingWorkers) {
   JobRun other = RunOf(3);
   other.drain.workers = {"w-9"};  // holds none of the run's actors
   EXPECT_TRUE(DrainKeeps(other, Workers(3)).empty());
+}
+
+// A leave by regroup can be confirmed by the last leaving actor's report while another leaving actor's report of an
+// earlier step is still on its way: that step is complete once the leaving actors no longer count, and BeginRegroup
+// hands it back to be recorded (it would be missing from the job's steps otherwise; the actor's late report is not
+// the run's any more).
+TEST(JobRegroupTest, AStepOnlyALeavingActorHadNotReportedCompletesWhenTheRegroupBegins) {
+  JobRun run = RunOf(2);
+  run.phase = RunPhase::kRunning;
+  auto report = [&](const std::string& actor, int64_t step) {
+    StepReport r;
+    r.set_actor_id(actor);
+    r.set_step(step);
+    r.mutable_figures()->set_step(step);
+    r.mutable_figures()->set_tokens(100);
+    return StepAggregator::Add(run, r);
+  };
+  for (const char* actor : {"r0s0", "r0s1", "r1s1"}) EXPECT_FALSE(report(actor, 9).has_value());
+  EXPECT_FALSE(report("r0s0", 10).has_value());
+  RegroupBegun begun = BeginRegroup(run, {0}, "worker w-1 drains (a leave)", 1000);
+  EXPECT_EQ(begun.leaving.size(), 2u);
+  ASSERT_EQ(begun.completed.size(), 1u) << "step 9: every actor that stays reported it";
+  EXPECT_EQ(begun.completed[0].figures.step(), 9);
+  EXPECT_EQ(run.last_step, 9);
+  EXPECT_TRUE(run.steps.count(10)) << "step 10 waits for r0s1";
+  EXPECT_TRUE(report("r0s1", 10).has_value());
 }
 
 TEST(JobRegroupTest, ActorsThatCompletedDifferentStepsDiverge) {

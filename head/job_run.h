@@ -51,6 +51,7 @@ struct StepAggregate {
   // The step's tokens by the site that trained them: each replica's tokens, split evenly over its actors (stages and
   // tensor ranks), counted at each actor's site. Sums to figures.tokens.
   std::map<std::string, double> site_tokens;
+  int lost_reports = 0;  // actors whose report of the step never came (StepAggregator::CompleteEarlier)
 };
 
 // A drain of a run (head/job_drain.h): its actors leave after one common step T, each with its checkpoint shard

@@ -606,6 +606,9 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     int planned = 0;
     std::string cause;
   } planned_regroup;
+  // The steps this report completed, recorded in step order after the lock: its own, the earlier ones whose other
+  // reports were lost (StepAggregator::CompleteEarlier), and those complete once a leave's actors are out.
+  std::vector<StepAggregate> completed;
   JobSpec spec;
   int64_t attempt = 0;
   {
@@ -638,6 +641,8 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       complete = StepAggregator::Add(run, report);
       if (complete) recovery = recovery_.MeasureRecovery(run, report.step());
       if (complete) {
+        completed = StepAggregator::CompleteEarlier(run, report.step());
+        completed.push_back(*complete);
         RunProgress& progress = run.progress;
         const int64_t now = clock_->NowMillis();
         if (progress.last_complete_ms > 0) progress.step_interval_ms = now - progress.last_complete_ms;
@@ -659,10 +664,11 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     if (drain.confirmed && !run.drain.kept.empty()) {
       // A leave by regroup: every actor stops at T; the kept replicas' actors rebuild for the membership without the
       // draining workers' replicas (they learn it with the confirmation), the others leave.
-      const std::vector<ActorPlacement> leaving =
+      RegroupBegun begun =
           BeginRegroup(run, run.drain.kept, absl::StrCat(DrainSubject(run.drain), " (a leave)"), clock_->NowMillis());
       planned_regroup = {run.drain.kept, run.actors, run.regroup.epoch, run.spec.parallel().dp(),
                          DrainSubject(run.drain)};
+      completed.insert(completed.end(), begun.completed.begin(), begun.completed.end());
     }
     FillRunReply(run, &reply);
   }
@@ -691,7 +697,9 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     return reply;
   }
   committer_.Commit(report.job_id(), spec, gathered);
-  if (complete) aggregator_.RecordStep(report.job_id(), *complete, spec.comm().wan_codec());
+  std::sort(completed.begin(), completed.end(),
+            [](const StepAggregate& a, const StepAggregate& b) { return a.figures.step() < b.figures.step(); });
+  for (const StepAggregate& step : completed) aggregator_.RecordStep(report.job_id(), step, spec.comm().wan_codec());
   if (recovery) recovery_.RecordRecovery(report.job_id(), *recovery);
   if (healthy_pause >= 0) RecordRegroupPause(report.job_id(), report.step(), healthy_pause);
   if (draining) AfterDrainReport(report.job_id(), attempt, drain, gathered);
@@ -771,10 +779,7 @@ void JobRunner::StartDrain(const std::string& job_id, int64_t attempt, const std
     const bool needs_checkpoint = !timed && !dir.empty();
     fresh = BeginDrain(run, worker_id, dir, needs_checkpoint, clock_->NowMillis());
     // Other replicas with no actor on a draining worker train on after T without a restart: no checkpoint needed.
-    // A leave by regroup (DrainKeeps) is off: in one test run in about six a step of the replicas that stayed went
-    // missing from the job's record; every drain restarts the job until that is understood.
-    (void)by_id;
-    run.drain.kept.clear();
+    run.drain.kept = DrainKeeps(run, by_id);
     run.drain.needs_checkpoint = run.drain.kept.empty() && needs_checkpoint;
     kept = run.drain.kept;
     ends_first = run.drain.ends_first;

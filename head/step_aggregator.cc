@@ -242,6 +242,9 @@ StepAggregator::StepAggregator(JobManager* jobs, const WorkerRegistry* registry,
     : jobs_(jobs), registry_(registry), metrics_(metrics), clock_(clock), ended_job_series_ms_(ended_job_series_ms) {}
 
 std::optional<StepAggregate> StepAggregator::Add(JobRun& run, const StepReport& report) {
+  // A step recorded already: a report sent again after its reply was lost (or to a head that restarted after it
+  // recorded the step).
+  if (report.step() <= run.last_step) return std::nullopt;
   StepAggregate& agg = run.steps[report.step()];
   // A report the reporter sent again (its reply was lost) is in already.
   if (!agg.reported.insert(report.actor_id()).second) return std::nullopt;
@@ -268,6 +271,18 @@ std::vector<StepAggregate> StepAggregator::CompleteAfterLeave(JobRun& run) {
   return out;
 }
 
+std::vector<StepAggregate> StepAggregator::CompleteEarlier(JobRun& run, int64_t step) {
+  std::vector<StepAggregate> out;
+  while (!run.steps.empty() && run.steps.begin()->first < step) {
+    const int64_t earlier = run.steps.begin()->first;
+    const int missing =
+        static_cast<int>(run.actors.size()) - static_cast<int>(run.steps.begin()->second.reported.size());
+    out.push_back(Complete(run, earlier));
+    out.back().lost_reports = std::max(missing, 0);
+  }
+  return out;
+}
+
 StepAggregate StepAggregator::Complete(JobRun& run, int64_t step) {
   StepAggregate complete = std::move(run.steps[step]);
   if (complete.figures.loss_scale() <= 0) complete.figures.set_loss_scale(1);  // none reported: not fp16
@@ -284,7 +299,12 @@ void StepAggregator::ForgetStale(JobRun& run, int64_t step) {
 
 void StepAggregator::RecordStep(const std::string& job_id, const StepAggregate& agg, const std::string& wan_codec) {
   const StepFigures& figures = agg.figures;
-  LogIfFailed(jobs_->UpdateProgress(job_id, figures, StepLine(figures)), job_id, "recording progress");
+  std::string line = StepLine(figures);
+  if (agg.lost_reports > 0) {
+    absl::StrAppend(&line, "; the reports of ", agg.lost_reports,
+                    " actor(s) were lost (a head restart?): figures partial");
+  }
+  LogIfFailed(jobs_->UpdateProgress(job_id, figures, line), job_id, "recording progress");
   if (metrics_ == nullptr) return;
   absl::MutexLock series_lock(&series_mu_);
   if (series_removed_.count(job_id) > 0) return;  // a report that came after the job's series were removed

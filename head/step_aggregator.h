@@ -49,14 +49,19 @@ class StepAggregator {
   StepAggregator& operator=(const StepAggregator&) = delete;
 
   // Adds one actor's report of step report.step() (> 0, no error) to the run's aggregate. When it is the last of
-  // the run's actors to report that step, returns the step's aggregate, forgets it and moves run.last_step on.
+  // the run's actors to report that step, returns the step's aggregate, forgets it and moves run.last_step on. A
+  // report of a step at or before run.last_step (recorded already) is ignored.
   static std::optional<StepAggregate> Add(JobRun& run, const StepReport& report);
   // After actors left the run (a live regroup, which took their ids out of the aggregates): the steps every actor
   // left has reported, complete now (in order), as Add returns them. Their figures keep what the leaving ones
   // reported.
   static std::vector<StepAggregate> CompleteAfterLeave(JobRun& run);
-  // Forgets the steps more than 100 behind `step`: some report of theirs was lost (e.g. sent to a head that
-  // restarted), so they never complete.
+  // After Add completed `step`: the steps before it still waiting never get their missing reports. Every actor reports
+  // its steps in order, so each finished them; a missing report was lost (taken by a head that stopped before the
+  // step completed, or dropped from a full queue). Completes them now, in order, with the reports they have
+  // (StepAggregate::lost_reports says how many are missing; their figures are partial).
+  static std::vector<StepAggregate> CompleteEarlier(JobRun& run, int64_t step);
+  // Forgets the steps more than 100 behind `step` (a step whose later steps never complete either).
   static void ForgetStale(JobRun& run, int64_t step);
 
   // Records a complete step (agg.figures.step()): the job's step event and progress, and its series. `wan_codec`

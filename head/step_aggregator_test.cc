@@ -130,5 +130,27 @@ TEST(StepAggregatorTest, SitesGetTheTokensTheirReplicasReport) {
   EXPECT_DOUBLE_EQ(complete->figures.outer_sync_seconds(), 0.05);
 }
 
+// A head that restarted lost the reports the previous one had taken of a step that it did not complete: once a later
+// step completes (every actor reports its steps in order, so each finished the earlier ones), the earlier steps
+// complete with the reports they have, in order, saying how many were lost.
+TEST(StepAggregatorTest, StepsBeforeACompleteOneCompleteWithTheReportsTheyHave) {
+  JobRun run;
+  run.actors = {Actor("a0", 0, 0, "a"), Actor("a1", 1, 0, "a")};
+  EXPECT_FALSE(StepAggregator::Add(run, Report("a1", 31, 1, 0.5, 0.5)));  // a0's report went to the head that stopped
+  EXPECT_FALSE(StepAggregator::Add(run, Report("a0", 32, 1, 0.5, 0.5)));
+  ASSERT_TRUE(StepAggregator::Add(run, Report("a1", 32, 1, 0.5, 0.5)));
+  EXPECT_FALSE(StepAggregator::Add(run, Report("a0", 33, 1, 0.5, 0.5)));
+  const std::vector<StepAggregate> earlier = StepAggregator::CompleteEarlier(run, 32);
+  ASSERT_EQ(earlier.size(), 1u);
+  EXPECT_EQ(earlier[0].figures.step(), 31);
+  EXPECT_EQ(earlier[0].lost_reports, 1);
+  EXPECT_EQ(run.last_step, 32);
+  EXPECT_TRUE(run.steps.count(33)) << "a later step waits for its reports";
+  EXPECT_TRUE(StepAggregator::CompleteEarlier(run, 32).empty());
+  // a0's report of step 32 again (its reply was lost): recorded already, it starts no new aggregate.
+  EXPECT_FALSE(StepAggregator::Add(run, Report("a0", 32, 1, 0.5, 0.5)));
+  EXPECT_FALSE(run.steps.count(32));
+}
+
 }  // namespace
 }  // namespace geotrain::head

@@ -1,12 +1,14 @@
 """Workers that leave on notice (a drain), with real processes: a head and two workers on loopback, one with one
 device (w-1) and one with two (w-2), so that a DP2 job has a replica on each and fits on w-2 alone.
 
-- `geotrain worker drain w-1` mid-job: every actor leaves after one step T with a checkpoint of T, the job restarts
-  on w-2 from T and ends SUCCEEDED; its step events are 1..N, each exactly once (nothing lost, nothing trained
-  again); the final weights equal those of the same job run uninterrupted; the log says each part in one line;
-  `job status --json` counts one leave and no fault; the drained worker exits 0 by itself.
-- SIGTERM to a worker (started again) in a second job without checkpoint.dir: the same drain, the checkpoint in the
-  head's state dir; the worker exits 0 by itself once its actors are gone.
+- `geotrain worker drain w-1` mid-job (`fault_tolerance.regroup: false`): every actor leaves after one step T with a
+  checkpoint of T, the job restarts on w-2 from T and ends SUCCEEDED; its step events are 1..N, each exactly once
+  (nothing lost, nothing trained again); the final weights equal those of the same job run uninterrupted; the log says
+  each part in one line; `job status --json` counts one leave and no fault; the drained worker exits 0 by itself.
+- SIGTERM to a worker (started again) in a second job without checkpoint.dir, live regroups on (the default): the
+  replica on that worker leaves after one step T and the other trains on without a restart (a leave by regroup);
+  every step once, one leave, one regroup, no fault; the final weights equal the one-process simulation that trains
+  the kept replica alone from T + 1; the worker exits 0 by itself once its actors are gone.
 
 It prints the drain's cost (from the drain request to the first step after the restart) for docs/reliability.md.
 Usage: drain_test.py PATH/TO/geotrain
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import unittest
@@ -30,12 +33,15 @@ VOCAB = 512
 STEPS = 150
 
 
-def spec_text(name, data, ckpt, parallel, steps=STEPS):
+def spec_text(name, data, ckpt, parallel, steps=STEPS, extra=""):
     checkpoint = f"checkpoint: {{dir: '{ckpt}', keep: -1}}\n" if ckpt else ""
     return (f"name: {name}\nmodel: {{preset: gpt2-tiny-test}}\ndata: {{train: '{data}'}}\n"
             f"train: {{global_batch: 8, seq_len: 16, steps: {steps}, lr: 1.0e-3, warmup_steps: 2, "
             f"weight_decay: 0.1, grad_clip: 1.0, seed: 11, precision: fp32}}\n"
-            f"parallel: {parallel}\ncomm: {{wan_codec: none, grad_bucket_mb: 0.002}}\n{checkpoint}")
+            f"parallel: {parallel}\ncomm: {{wan_codec: none, grad_bucket_mb: 0.002}}\n{checkpoint}{extra}")
+
+
+RESTART = "fault_tolerance: {regroup: false}\n"  # a drain restarts the job without the worker
 
 
 DP2 = "{plan: manual, dp: 2, microbatches: 2}"
@@ -71,10 +77,10 @@ class DrainTest(unittest.TestCase):
     def worker(cls, name):
         return next((w for w in cls.c.status()["workers"] if w["worker_id"] == name), {})
 
-    def write_spec(self, name, ckpt, parallel=DP2, steps=STEPS):
+    def write_spec(self, name, ckpt, parallel=DP2, steps=STEPS, extra=""):
         path = os.path.join(self.work, f"{name}.yaml")
         with open(path, "w") as f:
-            f.write(spec_text(name, self.data, ckpt, parallel, steps))
+            f.write(spec_text(name, self.data, ckpt, parallel, steps, extra))
         return path
 
     def job(self, job_id):
@@ -136,10 +142,11 @@ class DrainTest(unittest.TestCase):
         # The reference: the same job uninterrupted on the same workers, which sums each step's gradients as the
         # drained job does (`train --local` sums them in another order and drifts from both by 3e-5 in 300 steps).
         reference_ckpt = os.path.join(self.work, "ckpt-reference")
-        reference_id = self.c.cli(["job", "submit", self.write_spec("reference", reference_ckpt)]).stdout.split()[1]
+        reference_id = self.c.cli(["job", "submit", self.write_spec("reference", reference_ckpt, extra=RESTART)]
+                                  ).stdout.split()[1]
         self.wait_end(reference_id)
         ckpt = os.path.join(self.work, "ckpt-cli")
-        job_id = self.c.cli(["job", "submit", self.write_spec("drain-cli", ckpt)]).stdout.split()[1]
+        job_id = self.c.cli(["job", "submit", self.write_spec("drain-cli", ckpt, extra=RESTART)]).stdout.split()[1]
         self.wait_step(job_id, 3)
         self.assertEqual({a["worker_id"] for a in self.job(job_id)["actors"]}, {"w-1", "w-2"})
         requested = time.time()
@@ -168,20 +175,55 @@ class DrainTest(unittest.TestCase):
         m = re.search(rf'^{name}{{job_id="{job_id}"}} (\S+)$', text, re.M)
         return float(m.group(1)) if m else None
 
-    def test_2_sigterm_drains_and_the_worker_exits_by_itself(self):
+    def test_2_sigterm_drains_and_the_other_replica_trains_on_without_a_restart(self):
         proc = self.start_worker("w-1", ["T4"])  # a new process: it joins afresh, not draining
         out = self.c.cli(["job", "submit", self.write_spec("drain-sigterm", None)]).stdout
         job_id = out.split()[1]
         self.wait_step(job_id, 3)
-        self.assertEqual({a["worker_id"] for a in self.job(job_id)["actors"]}, {"w-1", "w-2"})
+        actors = self.job(job_id)["actors"]
+        self.assertEqual({a["worker_id"] for a in actors}, {"w-1", "w-2"})
+        left_replica = next(a.get("replica", 0) for a in actors if a["worker_id"] == "w-1")
+        kept = 1 - left_replica
         requested = time.time()
         proc.send_signal(signal.SIGTERM)
         self.assertEqual(proc.wait(timeout=120), 0, self.c.logs())
         left = time.time() - requested
+        # Its actor leaves at T, not after a collective's 60 s deadline (as when it missed the new membership).
+        self.assertLess(left, 30.0, self.c.logs())
+        job = self.wait_end(job_id)
+        logs = self.logs(job_id)
+        self.assertEqual(int(job.get("leaves", 0)), 1, logs)
+        self.assertEqual(int(job.get("regroups", 0)), 1, logs)
+        self.assertEqual(int(job.get("restarts", 0)), 0, logs)
+        self.assertFalse(job.get("faults"), logs)
+        self.assertEqual(job["replicas"], {"present": 1, "planned": 2}, logs)
+        self.assertNotIn("RESTARTING", logs)
+        self.assertRegex(logs, rf"worker w-1 drains: the replicas with an actor there leave after step \d+; replicas "
+                               rf"{kept} train on without a restart")
+        target = int(re.search(r"regrouped: replicas \d+ rebuilt their groups at step (\d+)", logs).group(1))
+        self.assertIn(f"worker w-1 drains: its replicas left after step {target}; the job goes on without a restart",
+                      logs)
+        self.assertEqual(self.step_events(job_id), list(range(1, STEPS + 1)), logs)
+        pause = float(re.search(r"stayed healthy paused ([\d.]+) s", logs).group(1))
+        self.assertEqual(self.metric("geotrain_job_leaves_total", job_id), 1.0)
+        self.assertEqual(self.metric("geotrain_job_regroups_total", job_id), 1.0)
+        self.assertEqual(self.metric("geotrain_job_replicas", job_id), 1.0)
+        # The final weights: the one-process simulation of both replicas to T, then replica `kept` alone.
         head_dir = os.path.join(self.c.state_dir, "checkpoints", job_id)
-        target, cost = self.expect_drained(job_id, "w-1", requested, head_dir)
-        self.assertIn(f"the job has no checkpoint.dir: its drain's checkpoint goes to {head_dir}", self.logs(job_id))
-        print(f"DRAIN_COST sigterm {cost:.2f} s (step {target}); the worker exited {left:.1f} s after SIGTERM")
+        local_ckpt = os.path.join(self.work, "local-left")
+        path = self.write_spec("local-left", local_ckpt)
+        out = subprocess.run([GEOTRAIN, "train", "--local", path, "--regrouped-at", str(target + 1), "--replicas",
+                              str(kept)], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
+        step, params = read_step_dir(newest(head_dir))
+        self.assertEqual(step, STEPS)
+        simulated = read_step_dir(newest(local_ckpt))[1]
+        worst = max(float(np.max(np.abs(params[k] - v))) / max(1.0, float(np.max(np.abs(v))))
+                    for k, v in simulated.items())
+        self.assertLessEqual(worst, 5e-5, "the job's weights differ from the simulation without the drained replica")
+        print(f"LEAVE_BY_REGROUP sigterm: replica {left_replica} left after step {target}, replica {kept} trained on; "
+              f"the healthy replica paused {pause:.2f} s; the worker exited {left:.1f} s after SIGTERM; weights "
+              f"equal the simulation (worst relative difference {worst:.1e})")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ worker, the WAN emulator between the sites).
 - a corrupted newest checkpoint: `resume: auto` skips it (a log line says why) and resumes from the older one;
 - kill -9 of a worker of one replica with live regroups on (the default): the other replica trains on without a
   restart, every step once, and ends with the weights of the one-process simulation that trains that replica alone
-  from the step it went on at.
+  from the step it went on at; and so across a kill -9 and restart of the head while the job is degraded.
 
 Usage: recovery_test.py PATH/TO/geotrain TOPOLOGY.yaml
 """
@@ -81,9 +81,9 @@ class RecoveryTest(unittest.TestCase):
             f.write(spec_text(name, cls.data, ckpt, parallel, steps, extra))
         return path
 
-    def submit(self, name, parallel, extra="", args=()):
+    def submit(self, name, parallel, extra="", args=(), steps=STEPS):
         ckpt = os.path.join(self.dir, f"ckpt-{name}")
-        out = self.c.cli(["job", "submit", self.write_spec(name, ckpt, parallel, extra=extra)] + list(args)).stdout
+        out = self.c.cli(["job", "submit", self.write_spec(name, ckpt, parallel, steps, extra)] + list(args)).stdout
         return out.split()[1], ckpt
 
     def expect_equal_to_reference(self, params, what):
@@ -178,7 +178,12 @@ class RecoveryTest(unittest.TestCase):
         time.sleep(1.0)
         self.c.restart("head")
         self.expect_succeeded(job_id, 0)
-        self.assertIn("the head restarted: it takes the job over", self.c.logs(job_id))
+        logs = self.c.logs(job_id)
+        self.assertIn("the head restarted: it takes the job over", logs)
+        # Every step in the job's record once: a step whose reports the two heads took between them is recorded once
+        # a later step completes, a report sent again to the new head of a step it has is not counted again.
+        found = [int(m) for m in re.findall(r"^\S+ \S+ step (\d+) loss", logs, re.M)]
+        self.assertEqual(found, list(range(1, STEPS + 1)), logs)
         self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "DP2 x PP2 across a head restart")
 
     def test_4_cross_site_outage(self):
@@ -190,57 +195,92 @@ class RecoveryTest(unittest.TestCase):
         self.expect_succeeded(job_id, 0)
         self.expect_equal_to_reference(read_step_dir(newest(ckpt))[1], "DP2 x PP2 across a 5 s outage")
 
-    def test_5_worker_killed_mid_run_the_other_replica_trains_on_without_a_restart(self):
-        job_id, ckpt = self.submit("regroup", DP2_PP2)
-        self.c.wait_log(job_id, r"checkpoint of step 8 complete")
+    def kill_a_site_b_worker(self, job_id):
+        """kill -9 of the site-b worker of the job's first actor there: (the worker, its replica, the other one)."""
         actors = self.c.job(job_id)["actors"]
         victim = next(a["worker_id"] for a in actors if a["worker_id"].startswith("site-b"))
         lost = next(a.get("replica", 0) for a in actors if a["worker_id"] == victim)
-        kept = 1 - lost
         self.c.kill(f"worker {victim}")
+        return victim, lost, 1 - lost
+
+    def restart_worker(self, victim):
+        self.c.restart(f"worker {victim}")
+        wait_for(lambda: all(w["state"] == "WORKER_ALIVE" for w in json.loads(
+            self.c.cli(["status", "--json"]).stdout)["workers"]), 30, "every worker alive again", 0.3)
+
+    def expect_regrouped(self, job_id, ckpt, victim, lost, kept, steps):
+        """The job lost replica `lost` with `victim` and trained on without a restart: every step once, and the final
+        weights of the one-process simulation of replica `kept` alone from the step it went on at. Returns that step,
+        the healthy replica's pause, how the head found the death and the weights' worst relative difference."""
+        job = self.expect_succeeded(job_id, 0)
+        logs = self.c.logs(job_id)
+        self.assertNotIn("RESTARTING", logs)
+        self.assertEqual(job.get("regroups"), 1, logs)
+        self.assertEqual(job["replicas"], {"present": 1, "planned": 2}, logs)
+        self.assertRegex(logs, rf"1 of 2 replicas train on \({kept}\) without a restart: replica {lost} left")
+        resume = int(re.search(r"rebuilt their groups at step (\d+) and train step (\d+) next", logs).group(2))
+        pause = float(re.search(r"stayed healthy paused ([\d.]+) s between two complete steps; no step lost",
+                                logs).group(1))
+        self.assertGreaterEqual(resume, 9)
+        # Every step once: none lost, none trained twice.
+        found = [int(m) for m in re.findall(r"^\S+ \S+ step (\d+) loss", logs, re.M)]
+        self.assertEqual(found, list(range(1, steps + 1)), logs)
+        # The head probed the dead worker before its heartbeat timeout: the survivors' refused sends named it, or
+        # (when they were only waiting to receive from it) their stalled steps had the job's workers probed.
+        how = re.search(rf"fault: worker {victim} .*(lost contact with it|its job's steps stalled \(none "
+                        r"complete for [\d.]+ s\)) and its port refuses connections", logs)
+        self.assertIsNotNone(how, logs)
+        self.assertLessEqual(pause, 15.0)
+        # The final weights are what the one-process simulation of replica `kept` alone from `resume` on trains.
+        local_ckpt = os.path.join(self.dir, f"local-regrouped-{job_id}")
+        path = self.write_spec(f"local-regrouped-{job_id}", local_ckpt, "{plan: manual, dp: 2, microbatches: 2}",
+                               steps=steps)
+        out = subprocess.run([GEOTRAIN, "train", "--local", path, "--regrouped-at", str(resume), "--replicas",
+                              str(kept)], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
+        step, params = read_step_dir(newest(ckpt))
+        self.assertEqual(step, steps)
+        _, simulated = read_step_dir(newest(local_ckpt))
+        worst = max(float(np.max(np.abs(params[k] - v))) / max(1.0, float(np.max(np.abs(v))))
+                    for k, v in simulated.items())
+        self.assertLessEqual(worst, 1e-5, "the regrouped job's weights differ from the simulation without replica "
+                             f"{lost} from step {resume}")
+        return resume, pause, how.group(1), worst
+
+    def test_5_worker_killed_mid_run_the_other_replica_trains_on_without_a_restart(self):
+        job_id, ckpt = self.submit("regroup", DP2_PP2)
+        self.c.wait_log(job_id, r"checkpoint of step 8 complete")
+        victim, lost, kept = self.kill_a_site_b_worker(job_id)
         try:
-            job = self.expect_succeeded(job_id, 0)
-            logs = self.c.logs(job_id)
-            self.assertNotIn("RESTARTING", logs)
-            self.assertEqual(job.get("regroups"), 1, logs)
-            self.assertEqual(job["replicas"], {"present": 1, "planned": 2}, logs)
-            self.assertRegex(logs, rf"1 of 2 replicas train on \({kept}\) without a restart: replica {lost} left")
-            resume = int(re.search(r"rebuilt their groups at step (\d+) and train step (\d+) next", logs).group(2))
-            pause = float(re.search(r"stayed healthy paused ([\d.]+) s between two complete steps; no step lost",
-                                    logs).group(1))
-            self.assertGreaterEqual(resume, 9)
-            # Every step once: none lost, none trained twice.
-            steps = [int(m) for m in re.findall(r"^\S+ \S+ step (\d+) loss", logs, re.M)]
-            self.assertEqual(steps, list(range(1, STEPS + 1)), logs)
-            # The head probed the dead worker before its heartbeat timeout: the survivors' refused sends named it, or
-            # (when they were only waiting to receive from it) their stalled steps had the job's workers probed.
-            found = re.search(rf"fault: worker {victim} .*(lost contact with it|its job's steps stalled \(none "
-                              r"complete for [\d.]+ s\)) and its port refuses connections", logs)
-            self.assertIsNotNone(found, logs)
-            self.assertLessEqual(pause, 15.0)
-            # The final weights are what the one-process simulation of replica `kept` alone from `resume` on trains.
-            local_ckpt = os.path.join(self.dir, "local-regrouped")
-            path = self.write_spec("local-regrouped", local_ckpt, "{plan: manual, dp: 2, microbatches: 2}")
-            out = subprocess.run([GEOTRAIN, "train", "--local", path, "--regrouped-at", str(resume), "--replicas",
-                                  str(kept)], capture_output=True, text=True, timeout=300)
-            self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
-            step, params = read_step_dir(newest(ckpt))
-            self.assertEqual(step, STEPS)
-            _, simulated = read_step_dir(newest(local_ckpt))
-            worst = max(float(np.max(np.abs(params[k] - v))) / max(1.0, float(np.max(np.abs(v))))
-                        for k, v in simulated.items())
-            self.assertLessEqual(worst, 1e-5, "the regrouped job's weights differ from the simulation without replica "
-                                 f"{lost} from step {resume}")
-            differs = max(float(np.max(np.abs(params[k] - v))) for k, v in self.reference.items())
+            resume, pause, how, worst = self.expect_regrouped(job_id, ckpt, victim, lost, kept, STEPS)
+            differs = max(float(np.max(np.abs(read_step_dir(newest(ckpt))[1][k] - v)))
+                          for k, v in self.reference.items())
             self.assertGreater(differs, 1e-4, "the regrouped job trained as if no replica had left")
             print(f"worker kill with a live regroup: replica {kept} trained on from step {resume}, no restart, no step "
-                  f"lost; the healthy replica paused {pause:.1f} s (found as: {found.group(1)}); weights equal the simulation "
+                  f"lost; the healthy replica paused {pause:.1f} s (found as: {how}); weights equal the simulation "
                   f"(worst {worst:.1e})")
         finally:
-            self.c.restart(f"worker {victim}")
-            wait_for(lambda: all(w["state"] == "WORKER_ALIVE" for w in json.loads(
-                self.c.cli(["status", "--json"]).stdout)["workers"]), 30, "every worker alive again", 0.3)
+            self.restart_worker(victim)
 
+    def test_6_a_degraded_job_goes_on_across_a_head_restart(self):
+        steps = 80
+        job_id, ckpt = self.submit("regroup-head", DP2_PP2, steps=steps)
+        self.c.wait_log(job_id, r"checkpoint of step 8 complete")
+        victim, lost, kept = self.kill_a_site_b_worker(job_id)
+        try:
+            self.c.wait_log(job_id, r"training again without a restart")
+            self.c.kill("head")
+            time.sleep(1.0)
+            self.c.restart("head")
+            resume, pause, _, worst = self.expect_regrouped(job_id, ckpt, victim, lost, kept, steps)
+            logs = self.c.logs(job_id)
+            self.assertIn("the head restarted: it takes the job over", logs)
+            job = self.c.job(job_id)
+            self.assertEqual(job["replicas"], {"present": 1, "planned": 2}, logs)
+            print(f"a degraded job across a head restart: replica {kept} trained on from step {resume} to {steps}, no "
+                  f"restart, no step lost; weights equal the simulation (worst {worst:.1e})")
+        finally:
+            self.restart_worker(victim)
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
