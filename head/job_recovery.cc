@@ -261,8 +261,6 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
   const WorkersById workers = ById(registry_->Workers());
   std::vector<ActorPlacement> leaving, staying;
   std::vector<int> kept;
-  std::vector<StepAggregate> completed;  // steps every actor that stays had reported
-  std::string wan_codec;
   int planned = 0;
   int64_t epoch = 0;
   std::string why;
@@ -284,8 +282,8 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
     planned = run.spec.parallel().dp();
     RegroupBegun begun = BeginRegroup(run, kept, p.cause, run.fault_detected_ms);
     leaving = std::move(begun.leaving);
-    completed = std::move(begun.completed);
-    wan_codec = run.spec.comm().wan_codec();
+    // Recorded by the control thread after HandleFaults (JobRunner::RecordAllSteps), in order with the others.
+    for (StepAggregate& step : begun.completed) run.to_record.push_back(std::move(step));
     staying = run.actors;
     epoch = run.regroup.epoch;
     runs_->kicked = true;
@@ -298,7 +296,6 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
                                                 absl::StrJoin(left_replicas, ", "), " left (membership ", epoch, ")")),
               p.job_id, "logging");
   GT_LOG(WARNING) << "job " << p.job_id << " (run " << p.attempt << "): " << p.cause << "; " << degraded;
-  for (const StepAggregate& step : completed) metrics_->RecordStep(p.job_id, step, wan_codec);
   // The survivors' step in flight ends (its receives cancelled); the leaving actors still alive stop, their peers told
   // that they failed, not that the job stopped.
   launcher_->InterruptActors(staying, epoch);

@@ -110,6 +110,25 @@ RegroupBegun BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::
   return {std::move(leaving), StepAggregator::CompleteAfterLeave(run)};
 }
 
+void NoteCompleteStep(RunProgress& progress, int64_t now_ms) {
+  if (progress.last_complete_ms > 0) {
+    progress.intervals_ms.push_back(now_ms - progress.last_complete_ms);
+    if (progress.intervals_ms.size() > kStallIntervals) progress.intervals_ms.pop_front();
+  }
+  progress.last_complete_ms = now_ms;
+}
+
+bool StallProbeDue(RunProgress& progress, int64_t now_ms) {
+  if (progress.last_complete_ms == 0) return false;
+  std::vector<int64_t> sorted(progress.intervals_ms.begin(), progress.intervals_ms.end());
+  std::sort(sorted.begin(), sorted.end());
+  const int64_t median = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  const int64_t after = std::max(kStallProbeMinMs, median * 3 / 2);
+  if (now_ms - progress.last_complete_ms < after || now_ms - progress.probed_ms < kStallProbeMinMs) return false;
+  progress.probed_ms = now_ms;
+  return true;
+}
+
 RegroupNews ApplyRegroupReport(JobRun& run, const StepReport& report, int64_t now_ms) {
   RegroupNews news;
   RunRegroup& g = run.regroup;

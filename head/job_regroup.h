@@ -68,6 +68,12 @@ struct RegroupBegun {
 };
 RegroupBegun BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::string& cause, int64_t detected_ms);
 
+// The stall probe (RunProgress). NoteCompleteStep: a step of the run completed at `now_ms`. StallProbeDue: whether the
+// run's workers are due a probe at `now_ms` (a step completed in this run, none since max(kStallProbeMinMs, 1.5 median
+// step intervals), none probed within kStallProbeMinMs); marks the probe when they are.
+void NoteCompleteStep(RunProgress& progress, int64_t now_ms);
+bool StallProbeDue(RunProgress& progress, int64_t now_ms);
+
 // What one regroup report did, for the caller to log and act on outside the lock.
 struct RegroupNews {
   bool confirmed = false;   // this report completed the membership: every actor at `step`

@@ -191,20 +191,21 @@ TEST(JobRegroupTest, NoReplicaWholeOrAJobThatCannotRegroup) {
   EXPECT_NE(why.find("NCCL"), std::string::npos);
 }
 
-// The stall probe: after a run's first complete step, a stall longer than max(1 s, 1.5 step intervals) has its
-// workers probed, at most once a second.
-TEST(JobRegroupTest, AStalledRunIsProbedAfterOneAndAHalfStepIntervalsAtMostOnceASecond) {
+// The stall probe: after a run's first complete step, a stall longer than max(1 s, 1.5 median step intervals) has its
+// workers probed, at most once a second; one long step (a pause) does not move the bound.
+TEST(JobRegroupTest, AStalledRunIsProbedAfterOneAndAHalfMedianStepIntervalsAtMostOnceASecond) {
   RunProgress progress;
   EXPECT_FALSE(StallProbeDue(progress, 100000)) << "no step yet: the run may still be loading";
-  progress.last_complete_ms = 10000;
-  progress.step_interval_ms = 200;
+  for (int64_t t = 9000; t <= 10000; t += 200) NoteCompleteStep(progress, t);
   EXPECT_FALSE(StallProbeDue(progress, 10999));
   EXPECT_TRUE(StallProbeDue(progress, 11000)) << "the 1 s floor";
   EXPECT_FALSE(StallProbeDue(progress, 11500)) << "probed within the last second";
   EXPECT_TRUE(StallProbeDue(progress, 12000));
-  progress = RunProgress{20000, 2000, 0};
-  EXPECT_FALSE(StallProbeDue(progress, 22999));
-  EXPECT_TRUE(StallProbeDue(progress, 23000)) << "1.5 step intervals of 2 s";
+  RunProgress slow;
+  for (int64_t t = 0; t <= 8000; t += 2000) NoteCompleteStep(slow, t);
+  NoteCompleteStep(slow, 20000);  // one long step (a regroup's pause)
+  EXPECT_FALSE(StallProbeDue(slow, 22999));
+  EXPECT_TRUE(StallProbeDue(slow, 23000)) << "1.5 median step intervals of 2 s";
 }
 
 }  // namespace

@@ -12,8 +12,8 @@
 // holding it; only logging.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <set>
 #include <string>
@@ -94,28 +94,16 @@ struct RunRegroup {
 };
 
 // How a run's steps come (JobRunner::OnStepReport), for the healthy pause and the stall probe: a run with no complete
-// step for longer than StallProbeAfterMs has its workers probed (JobRunner::ProbeStalledRuns), so that a worker
-// killed while its peers were only waiting to receive from it is found by its refused port rather than after its
-// heartbeat timeout.
+// step for longer than max(kStallProbeMinMs, 1.5 median step intervals) has its workers probed
+// (JobRunner::ProbeStalledRuns; head/job_regroup.h StallProbeDue), so that a worker killed while its peers were only
+// waiting to receive from it is found by its refused port rather than after its heartbeat timeout.
 struct RunProgress {
-  int64_t last_complete_ms = 0;  // monotonic: when the newest complete step was recorded (0: none in this run yet)
-  int64_t step_interval_ms = 0;  // between the two newest complete steps
-  int64_t probed_ms = 0;         // the stall probe's last probe
+  int64_t last_complete_ms = 0;      // monotonic: when the newest complete step was recorded (0: none in this run yet)
+  std::deque<int64_t> intervals_ms;  // between the newest complete steps, at most kStallIntervals
+  int64_t probed_ms = 0;             // the stall probe's last probe
 };
-
-// The stall probe's floor: a run is probed after no complete step for max(this, 1.5 step intervals), at most this
-// often.
 inline constexpr int64_t kStallProbeMinMs = 1000;
-
-// Whether a run's workers are due a probe at `now_ms` (a step completed in this run, none since the bound above,
-// none probed within kStallProbeMinMs); marks the probe when they are.
-inline bool StallProbeDue(RunProgress& progress, int64_t now_ms) {
-  if (progress.last_complete_ms == 0) return false;
-  const int64_t after = std::max(kStallProbeMinMs, progress.step_interval_ms * 3 / 2);
-  if (now_ms - progress.last_complete_ms < after || now_ms - progress.probed_ms < kStallProbeMinMs) return false;
-  progress.probed_ms = now_ms;
-  return true;
-}
+inline constexpr size_t kStallIntervals = 9;
 
 // A job's current run.
 struct JobRun {
@@ -134,6 +122,9 @@ struct JobRun {
   // The step aggregator's (StepAggregator::Add).
   std::map<int64_t, StepAggregate> steps;
   int64_t last_step = 0;  // the newest step every actor of this run reported
+  // Complete steps not recorded yet, in the order they completed (JobRunner::RecordSteps records them in that order,
+  // one thread at a time, so that a step never comes after the next one in the job's record).
+  std::vector<StepAggregate> to_record;
   RunProgress progress;
   int64_t resumed_step = 0;  // the step this run started after
   std::string resumed_from;
@@ -164,6 +155,15 @@ struct JobRun {
   // Live regroups' (JobRecovery::TryRegroup starts one, JobRunner applies the actors' reports; cleared by each launch).
   RunRegroup regroup;
 };
+
+// Whether every actor of the run sent its last report (`done` may hold ids of actors no longer in the run).
+inline bool AllActorsDone(const JobRun& run) {
+  if (run.actors.empty()) return false;
+  for (const ActorPlacement& p : run.actors) {
+    if (!run.done.count(p.actor.actor_id())) return false;
+  }
+  return true;
+}
 
 // The runs, shared by the runner's parts. Any thread; every field under `mu`.
 struct JobRuns {

@@ -3,6 +3,7 @@
 #include "head/job_runner.h"
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <set>
 #include <tuple>
@@ -19,6 +20,14 @@
 #include "model/config.h"
 
 namespace geotrain::head {
+
+namespace {
+
+void AppendSteps(JobRun& run, std::vector<StepAggregate> steps) {
+  for (StepAggregate& step : steps) run.to_record.push_back(std::move(step));
+}
+
+}  // namespace
 
 JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, JobRunnerOptions options,
                      const Clock* clock)
@@ -75,6 +84,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     }
     RetryPendingEnds();
     recovery_.HandleFaults();
+    RecordAllSteps();  // a regroup's, and those completed while a fault was handled
     Reconcile();
     CheckDrains();
     CheckRegroups();
@@ -379,7 +389,8 @@ void JobRunner::Reconcile() {
       // Only a run this pass completes is ended here: one whose last report completed it is ended by
       // OnStepReport, after it records that report's step (ending it here could log SUCCEEDED first).
       bool completed_here = false;
-      if (run.restored && !run.actors.empty() && run.done.size() == run.actors.size()) {
+      if (run.restored && AllActorsDone(run)) {
+        AppendSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
         // Every actor's last report reached the previous head, which stopped before it ended the job.
         succeeded.push_back(job_id);
         continue;
@@ -396,7 +407,7 @@ void JobRunner::Reconcile() {
             const int64_t first = run.finished_seen_ms.emplace(id, now).first->second;
             if (now - first >= options_.final_report_grace_ms) {
               run.done.insert(id);
-              completed_here = run.done.size() == run.actors.size();
+              completed_here = AllActorsDone(run);
             }
           } else if (!absl::StartsWith(it->second.message(), "stopped")) {
             faults.push_back({job_id, run.attempt, absl::StrCat("actor ", id, " died: ", it->second.message()), id});
@@ -414,11 +425,17 @@ void JobRunner::Reconcile() {
           break;
         }
       }
-      if (completed_here) succeeded.push_back(job_id);
+      if (completed_here) {
+        AppendSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
+        succeeded.push_back(job_id);
+      }
     }
   }
   for (const auto& [job_id, attempt, cause, actor] : faults) recovery_.Fault(job_id, attempt, cause, false, actor);
-  for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor finished");
+  for (const std::string& job_id : succeeded) {
+    RecordSteps(job_id);  // before the end: the last steps precede it in the job's record
+    EndJob(job_id, JOB_SUCCEEDED, "every actor finished");
+  }
 }
 
 void JobRunner::StopJob(const std::string& job_id, const std::string& reason) {
@@ -444,147 +461,48 @@ std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
   return out;
 }
 
-ReportStepReply JobRunner::OnRegroupReport(const StepReport& report) {
-  ReportStepReply reply;
-  RegroupNews news;
-  std::vector<std::string> suspects;
-  int64_t attempt = 0;
-  {
-    absl::MutexLock lock(&runs_.mu);
-    auto it = runs_.by_job.find(report.job_id());
-    if (it == runs_.by_job.end() || it->second.phase == RunPhase::kEnded || report.attempt() != it->second.attempt) {
-      reply.set_stop(true);  // as for a step report: an ended job, or an earlier run
-      return reply;
-    }
-    JobRun& run = it->second;
-    if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled
-    if (InRun(run, report.actor_id())) news = ApplyRegroupReport(run, report, clock_->NowMillis());
-    FillRunReply(run, &reply);  // an actor of a replica that left learns so from it
-    attempt = run.attempt;
-    if (news.first_wait) {
-      for (const ActorPlacement& p : run.actors) suspects.push_back(p.actor.worker_id());
-    }
+JobRunner::StepAdded JobRunner::AddStepReport(JobRun& run, const StepReport& report, bool running) {
+  StepAdded out;
+  std::optional<StepAggregate> complete = StepAggregator::Add(run, report);
+  if (!complete) return out;
+  if (running) out.recovery = recovery_.MeasureRecovery(run, report.step());
+  AppendSteps(run, StepAggregator::CompleteEarlier(run, report.step()));
+  run.to_record.push_back(*std::move(complete));
+  const int64_t now = clock_->NowMillis();
+  NoteCompleteStep(run.progress, now);
+  if (!running) return out;
+  RunRegroup& g = run.regroup;
+  g.waiting_since_ms = 0;  // an actor still waiting probes again within 0.1 s
+  if (g.paused_from_ms > 0 && g.confirmed) {
+    out.healthy_pause = static_cast<double>(now - g.paused_from_ms) / 1000;
+    g.paused_from_ms = 0;
   }
-  // A killed worker's peers know first: the detector probes the run's workers now rather than after their heartbeat
-  // timeout (a refused port is a dead process).
-  if (!suspects.empty()) registry_->Suspect(suspects, "its job's actors lost contact with it");
-  AfterRegroupReport(report.job_id(), attempt, news);
-  return reply;
+  return out;
 }
 
-void JobRunner::AfterRegroupReport(const std::string& job_id, int64_t attempt, const RegroupNews& news) {
-  if (news.diverged) {
-    recovery_.Fault(job_id, attempt,
-                    absl::StrCat("the replicas left by a fault completed different steps (", news.steps,
-                                 "): a live regroup would mix parameter versions"),
-                    /*permanent=*/false, /*lost_actor=*/"", /*no_regroup=*/true);
-    return;
-  }
-  if (!news.confirmed) return;
-  std::string replicas, leave;  // leave: a drain's leave by regroup, which ends here
+void JobRunner::RecordSteps(const std::string& job_id) {
+  absl::MutexLock record_lock(&record_mu_);
+  std::vector<StepAggregate> steps;
+  std::string wan_codec;
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(job_id);
     if (it == runs_.by_job.end()) return;
-    JobRun& run = it->second;
-    replicas = absl::StrJoin(run.regroup.replicas, ", ");
-    if (!run.drain.kept.empty()) {
-      leave = DrainSubject(run.drain);
-      run.drain = RunDrain{};  // done: the draining workers hold none of the run's actors now
-    }
+    steps.swap(it->second.to_record);
+    wan_codec = it->second.spec.comm().wan_codec();
   }
-  LogIfFailed(jobs_->Update(job_id, [&](JobInfo& j) { j.set_regroup_resume_step(news.step + 1); }).status(), job_id,
-              "recording the regroup's confirmation");
-  LogIfFailed(jobs_->Log(job_id, absl::StrCat("regrouped: replicas ", replicas, " rebuilt their groups at step ",
-                                              news.step, " and train step ", news.step + 1, " next")),
-              job_id, "logging");
-  if (!leave.empty()) {
-    aggregator_.CountLeave(job_id);
-    LogIfFailed(jobs_->Update(job_id, [](JobInfo& j) { j.set_leaves(j.leaves() + 1); }).status(), job_id,
-                "counting the leave");
-    LogIfFailed(jobs_->Log(job_id, absl::StrCat(leave, ": its replicas left after step ", news.step,
-                                                "; the job goes on without a restart, no step lost")),
-                job_id, "logging");
-  }
+  for (const StepAggregate& step : steps) aggregator_.RecordStep(job_id, step, wan_codec);
 }
 
-void JobRunner::RecordRegroupPause(const std::string& job_id, int64_t step, double pause_seconds) {
-  aggregator_.SetHealthyPause(job_id, pause_seconds);
-  LogIfFailed(
-      jobs_->Log(job_id, absl::StrFormat("training again without a restart: step %d complete; the replicas that "
-                                         "stayed healthy paused %.1f s between two complete steps; no step lost",
-                                         step, pause_seconds)),
-      job_id, "logging");
-}
-
-void JobRunner::CheckRegroups() {
-  const int64_t now = clock_->NowMillis();
-  std::vector<std::tuple<std::string, int64_t, std::string, bool>> faults;  // job, run, cause, no regroup
-  std::vector<std::string> succeeded;
+void JobRunner::RecordAllSteps() {
+  std::vector<std::string> jobs;
   {
     absl::MutexLock lock(&runs_.mu);
-    for (auto& [job_id, run] : runs_.by_job) {
-      if (run.phase != RunPhase::kRunning) continue;
-      const RunRegroup& g = run.regroup;
-      const std::set<std::string>& done = run.done;  // (a lambda cannot capture a structured binding in clang 14)
-      const bool all_done =
-          !run.actors.empty() && std::all_of(run.actors.begin(), run.actors.end(),
-                                             [&](const auto& p) { return done.count(p.actor.actor_id()) > 0; });
-      if (!g.confirmed && all_done) {
-        succeeded.push_back(job_id);  // the fault came after the last step of the replicas that stay
-      } else if (!g.confirmed && now - g.detected_ms > kRegroupFormMs) {
-        faults.push_back(
-            {job_id, run.attempt,
-             absl::StrCat("the replicas left by a fault did not all rebuild their groups within ",
-                          kRegroupFormMs / 1000, " s (", g.ready.size(), " of ", run.actors.size(), " actors did)"),
-             true});
-      } else if (g.confirmed && g.waiting_since_ms > 0 && now - g.waiting_since_ms >= kRegroupGraceMs) {
-        faults.push_back({job_id, run.attempt, g.waiting_cause, false});
-      }
+    for (const auto& [job_id, run] : runs_.by_job) {
+      if (!run.to_record.empty()) jobs.push_back(job_id);
     }
   }
-  for (const auto& [job_id, attempt, cause, no_regroup] : faults) {
-    recovery_.Fault(job_id, attempt, cause, /*permanent=*/false, /*lost_actor=*/"", no_regroup);
-  }
-  for (const std::string& job_id : succeeded) EndJob(job_id, JOB_SUCCEEDED, "every actor that stayed finished");
-}
-
-void JobRunner::ProbeStalledRuns() {
-  const int64_t now = clock_->NowMillis();
-  std::vector<std::pair<std::vector<std::string>, std::string>> suspects;  // a run's workers, why
-  {
-    absl::MutexLock lock(&runs_.mu);
-    for (auto& [job_id, run] : runs_.by_job) {
-      if (run.phase != RunPhase::kRunning || !StallProbeDue(run.progress, now)) continue;
-      std::vector<std::string> workers;
-      for (const ActorPlacement& p : run.actors) workers.push_back(p.actor.worker_id());
-      suspects.push_back(
-          {std::move(workers), absl::StrFormat("its job's steps stalled (none complete for %.1f s)",
-                                               static_cast<double>(now - run.progress.last_complete_ms) / 1000)});
-    }
-  }
-  // A worker killed while its peers only waited to receive from it: none of their sends was refused, so no peer
-  // reported it; a refused port on this probe is its dead process, found before its heartbeat timeout.
-  for (const auto& [workers, why] : suspects) registry_->Suspect(workers, why);
-}
-
-ReportStepReply JobRunner::OnUnreachableReport(const StepReport& report) {
-  // A killed worker's peers know first: the detector probes its worker now rather than after its heartbeat timeout
-  // (a refused port is a dead process).
-  std::vector<std::string> suspects;
-  ReportStepReply reply;
-  {
-    absl::MutexLock lock(&runs_.mu);
-    auto it = runs_.by_job.find(report.job_id());
-    if (it != runs_.by_job.end() && it->second.attempt == report.attempt()) {
-      for (const ActorPlacement& p : it->second.actors) {
-        if (p.actor.actor_id() == report.unreachable_peer()) suspects.push_back(p.actor.worker_id());
-      }
-      FillRunReply(it->second, &reply);  // every reply says where the drain and the membership stand
-    }
-  }
-  if (!suspects.empty()) registry_->Suspect(suspects, "its job's actors lost contact with it");
-  return reply;
+  for (const std::string& job_id : jobs) RecordSteps(job_id);
 }
 
 ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
@@ -593,7 +511,6 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   ReportStepReply reply;
   bool finished = false, failed = false;
   bool newly_done = false;  // this report is its actor's last
-  std::optional<StepAggregate> complete;
   std::optional<JobRecovery::Recovery> recovery;
   CheckpointCommitter::Gathered gathered;
   DrainNews drain;
@@ -606,9 +523,6 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     int planned = 0;
     std::string cause;
   } planned_regroup;
-  // The steps this report completed, recorded in step order after the lock: its own, the earlier ones whose other
-  // reports were lost (StepAggregator::CompleteEarlier), and those complete once a leave's actors are out.
-  std::vector<StepAggregate> completed;
   JobSpec spec;
   int64_t attempt = 0;
   {
@@ -624,7 +538,15 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       reply.set_stop(true);
       return reply;
     }
-    if (run.phase != RunPhase::kRunning) return reply;  // a fault is being handled: the actors are being stopped
+    if (run.phase != RunPhase::kRunning) {
+      // A fault is being handled: the actors are being stopped, or some kept (a live regroup), so a step report still
+      // counts for its step (the control thread records the steps it completes). Nothing else.
+      if (run.phase == RunPhase::kFault && report.error().empty() && report.step() > 0 &&
+          InRun(run, report.actor_id())) {
+        AddStepReport(run, report, /*running=*/false);
+      }
+      return reply;
+    }
     FillRunReply(run, &reply);
     // An actor of a replica that left a live regroup: the membership in the reply tells it to leave. Never `stop`:
     // its peers would take that as the whole job stopping.
@@ -638,26 +560,15 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       failed = true;
       run.actor_errors[report.actor_id()] = report.error();
     } else if (report.step() > 0) {
-      complete = StepAggregator::Add(run, report);
-      if (complete) recovery = recovery_.MeasureRecovery(run, report.step());
-      if (complete) {
-        completed = StepAggregator::CompleteEarlier(run, report.step());
-        completed.push_back(*complete);
-        RunProgress& progress = run.progress;
-        const int64_t now = clock_->NowMillis();
-        if (progress.last_complete_ms > 0) progress.step_interval_ms = now - progress.last_complete_ms;
-        progress.last_complete_ms = now;
-        RunRegroup& g = run.regroup;
-        g.waiting_since_ms = 0;  // an actor still waiting probes again within 0.1 s
-        if (g.paused_from_ms > 0 && g.confirmed) {
-          healthy_pause = static_cast<double>(now - g.paused_from_ms) / 1000;
-          g.paused_from_ms = 0;
-        }
-      }
+      const StepAdded added = AddStepReport(run, report, /*running=*/true);
+      recovery = added.recovery;
+      healthy_pause = added.healthy_pause;
     }
     StepAggregator::ForgetStale(run, report.step());
     if (report.done()) newly_done = run.done.insert(report.actor_id()).second;
-    finished = run.done.size() == run.actors.size();
+    finished = AllActorsDone(run);
+    // The steps whose reports never all came (CompleteEarlier): the last step has no later one to complete them.
+    if (finished) AppendSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
     gathered = CheckpointCommitter::Gather(run, report);
     draining = !run.drain.workers.empty();
     if (draining && !failed) drain = ApplyDrainReport(run, report);
@@ -668,7 +579,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
           BeginRegroup(run, run.drain.kept, absl::StrCat(DrainSubject(run.drain), " (a leave)"), clock_->NowMillis());
       planned_regroup = {run.drain.kept, run.actors, run.regroup.epoch, run.spec.parallel().dp(),
                          DrainSubject(run.drain)};
-      completed.insert(completed.end(), begun.completed.begin(), begun.completed.end());
+      AppendSteps(run, std::move(begun.completed));
     }
     FillRunReply(run, &reply);
   }
@@ -697,9 +608,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     return reply;
   }
   committer_.Commit(report.job_id(), spec, gathered);
-  std::sort(completed.begin(), completed.end(),
-            [](const StepAggregate& a, const StepAggregate& b) { return a.figures.step() < b.figures.step(); });
-  for (const StepAggregate& step : completed) aggregator_.RecordStep(report.job_id(), step, spec.comm().wan_codec());
+  RecordSteps(report.job_id());
   if (recovery) recovery_.RecordRecovery(report.job_id(), *recovery);
   if (healthy_pause >= 0) RecordRegroupPause(report.job_id(), report.step(), healthy_pause);
   if (draining) AfterDrainReport(report.job_id(), attempt, drain, gathered);

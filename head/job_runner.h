@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -154,6 +155,17 @@ class JobRunner final : private RunControl {
   void CheckRegroups();
   // The stall probe (RunProgress): the workers of a run whose steps stalled are probed now (WorkerRegistry::Suspect).
   void ProbeStalledRuns();
+  // One actor's report of a step, added to the run's aggregate; the steps it completes (and earlier ones whose other
+  // reports never came: StepAggregator::CompleteEarlier) go to run.to_record. `running`: the run is running (not in a
+  // fault), so the step may end a recovery (returned, to record) or a live regroup's pause (healthy_pause >= 0).
+  struct StepAdded {
+    std::optional<JobRecovery::Recovery> recovery;
+    double healthy_pause = -1;
+  };
+  StepAdded AddStepReport(JobRun& run, const StepReport& report, bool running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(runs_.mu);
+  // Records the job's complete steps (JobRun::to_record) in the order they completed, one thread at a time.
+  void RecordSteps(const std::string& job_id) ABSL_LOCKS_EXCLUDED(runs_.mu);
+  void RecordAllSteps() ABSL_LOCKS_EXCLUDED(runs_.mu);
   // A report that waits for a regroup (OnStepReport's part): applied to the run's regroup, the reply with its
   // membership.
   ReportStepReply OnRegroupReport(const StepReport& report);
@@ -195,6 +207,9 @@ class JobRunner final : private RunControl {
   JobRecovery recovery_;
 
   bool stopping_ ABSL_GUARDED_BY(runs_.mu) = false;
+  // Held while a job's complete steps are taken from its run and recorded (RecordSteps), so that two report threads
+  // never record them out of order. Taken before runs_.mu, never while holding it.
+  absl::Mutex record_mu_ ABSL_ACQUIRED_BEFORE(runs_.mu);
   // Ends the store refused (UNAVAILABLE), retried by the control thread: job id -> (state, message).
   std::map<std::string, std::pair<JobState, std::string>> pending_ends_ ABSL_GUARDED_BY(runs_.mu);
   std::thread control_;  // the job-control thread (Start, Shutdown)

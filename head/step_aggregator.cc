@@ -301,8 +301,7 @@ void StepAggregator::RecordStep(const std::string& job_id, const StepAggregate& 
   const StepFigures& figures = agg.figures;
   std::string line = StepLine(figures);
   if (agg.lost_reports > 0) {
-    absl::StrAppend(&line, "; the reports of ", agg.lost_reports,
-                    " actor(s) were lost (a head restart?): figures partial");
+    absl::StrAppend(&line, "; the reports of ", agg.lost_reports, " actor(s) never came: figures partial");
   }
   LogIfFailed(jobs_->UpdateProgress(job_id, figures, line), job_id, "recording progress");
   if (metrics_ == nullptr) return;
