@@ -283,7 +283,7 @@ bool JobRecovery::TryRegroup(const PendingFault& p) {
     RegroupBegun begun = BeginRegroup(run, kept, p.cause, run.fault_detected_ms);
     leaving = std::move(begun.leaving);
     // Recorded by the control thread after HandleFaults (JobRunner::RecordAllSteps), in order with the others.
-    for (StepAggregate& step : begun.completed) run.to_record.push_back(std::move(step));
+    QueueSteps(run, std::move(begun.completed));
     staying = run.actors;
     epoch = run.regroup.epoch;
     runs_->kicked = true;

@@ -122,7 +122,7 @@ bool StallProbeDue(RunProgress& progress, int64_t now_ms) {
   if (progress.last_complete_ms == 0) return false;
   std::vector<int64_t> sorted(progress.intervals_ms.begin(), progress.intervals_ms.end());
   std::sort(sorted.begin(), sorted.end());
-  const int64_t median = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  const int64_t median = sorted.empty() ? 0 : sorted[(sorted.size() - 1) / 2];  // the lower one of two
   const int64_t after = std::max(kStallProbeMinMs, median * 3 / 2);
   if (now_ms - progress.last_complete_ms < after || now_ms - progress.probed_ms < kStallProbeMinMs) return false;
   progress.probed_ms = now_ms;

@@ -17,6 +17,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -155,6 +156,11 @@ struct JobRun {
   // Live regroups' (JobRecovery::TryRegroup starts one, JobRunner applies the actors' reports; cleared by each launch).
   RunRegroup regroup;
 };
+
+// Queues complete steps for JobRunner::RecordSteps, after those queued before.
+inline void QueueSteps(JobRun& run, std::vector<StepAggregate> steps) {
+  for (StepAggregate& step : steps) run.to_record.push_back(std::move(step));
+}
 
 // Whether every actor of the run sent its last report (`done` may hold ids of actors no longer in the run).
 inline bool AllActorsDone(const JobRun& run) {

@@ -21,14 +21,6 @@
 
 namespace geotrain::head {
 
-namespace {
-
-void AppendSteps(JobRun& run, std::vector<StepAggregate> steps) {
-  for (StepAggregate& step : steps) run.to_record.push_back(std::move(step));
-}
-
-}  // namespace
-
 JobRunner::JobRunner(JobManager* jobs, WorkerRegistry* registry, MetricsServer* metrics, JobRunnerOptions options,
                      const Clock* clock)
     : jobs_(jobs),
@@ -84,7 +76,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     }
     RetryPendingEnds();
     recovery_.HandleFaults();
-    RecordAllSteps();  // a regroup's, and those completed while a fault was handled
+    RecordAllSteps();  // a regroup's (those complete once the leaving actors are out)
     Reconcile();
     CheckDrains();
     CheckRegroups();
@@ -223,7 +215,8 @@ absl::Status JobRunner::BeginRun(const JobInfo& job, const std::vector<ActorPlac
     run.restored = false;
     run.actor_errors.clear();
     run.steps.clear();
-    run.shards.clear();  // an earlier run's shards never join this run's checkpoints
+    run.to_record.clear();  // recorded before the launch (Launch)
+    run.shards.clear();     // an earlier run's shards never join this run's checkpoints
     run.phase = RunPhase::kRunning;
     run.resumed_step = resumed_step;
     run.resumed_from = resume_from;
@@ -274,6 +267,7 @@ absl::Status JobRunner::Launch(const JobInfo& job, std::vector<ActorPlacement> p
     ASSIGN_OR_RETURN(CheckpointManifest manifest, model::VerifyCheckpoint(resume_from));
     resumed_step = manifest.step();
   }
+  RecordSteps(job.job_id());  // the previous run's last complete steps, before this run's first
   RETURN_IF_ERROR(BeginRun(job, placement, attempt, resume_from, resumed_step));
   if (absl::Status s = launcher_.CreateActors(job.spec(), placement, workers, attempt, resume_from); !s.ok()) {
     // The actors that were made would wait for the missing one: stop them. A first run's failure is a fault
@@ -390,7 +384,7 @@ void JobRunner::Reconcile() {
       // OnStepReport, after it records that report's step (ending it here could log SUCCEEDED first).
       bool completed_here = false;
       if (run.restored && AllActorsDone(run)) {
-        AppendSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
+        QueueSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
         // Every actor's last report reached the previous head, which stopped before it ended the job.
         succeeded.push_back(job_id);
         continue;
@@ -426,7 +420,7 @@ void JobRunner::Reconcile() {
         }
       }
       if (completed_here) {
-        AppendSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
+        QueueSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
         succeeded.push_back(job_id);
       }
     }
@@ -461,16 +455,15 @@ std::vector<ActorRecord> JobRunner::Actors(const std::string& job_id) const {
   return out;
 }
 
-JobRunner::StepAdded JobRunner::AddStepReport(JobRun& run, const StepReport& report, bool running) {
+JobRunner::StepAdded JobRunner::AddStepReport(JobRun& run, const StepReport& report) {
   StepAdded out;
   std::optional<StepAggregate> complete = StepAggregator::Add(run, report);
   if (!complete) return out;
-  if (running) out.recovery = recovery_.MeasureRecovery(run, report.step());
-  AppendSteps(run, StepAggregator::CompleteEarlier(run, report.step()));
+  out.recovery = recovery_.MeasureRecovery(run, report.step());
+  QueueSteps(run, StepAggregator::CompleteEarlier(run, report.step()));
   run.to_record.push_back(*std::move(complete));
   const int64_t now = clock_->NowMillis();
   NoteCompleteStep(run.progress, now);
-  if (!running) return out;
   RunRegroup& g = run.regroup;
   g.waiting_since_ms = 0;  // an actor still waiting probes again within 0.1 s
   if (g.paused_from_ms > 0 && g.confirmed) {
@@ -538,15 +531,9 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       reply.set_stop(true);
       return reply;
     }
-    if (run.phase != RunPhase::kRunning) {
-      // A fault is being handled: the actors are being stopped, or some kept (a live regroup), so a step report still
-      // counts for its step (the control thread records the steps it completes). Nothing else.
-      if (run.phase == RunPhase::kFault && report.error().empty() && report.step() > 0 &&
-          InRun(run, report.actor_id())) {
-        AddStepReport(run, report, /*running=*/false);
-      }
-      return reply;
-    }
+    // A fault is being handled: the actors are being stopped. (A live regroup keeps some: a step report of theirs
+    // missed here is recorded with the others' once a later step completes, StepAggregator::CompleteEarlier.)
+    if (run.phase != RunPhase::kRunning) return reply;
     FillRunReply(run, &reply);
     // An actor of a replica that left a live regroup: the membership in the reply tells it to leave. Never `stop`:
     // its peers would take that as the whole job stopping.
@@ -560,7 +547,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       failed = true;
       run.actor_errors[report.actor_id()] = report.error();
     } else if (report.step() > 0) {
-      const StepAdded added = AddStepReport(run, report, /*running=*/true);
+      const StepAdded added = AddStepReport(run, report);
       recovery = added.recovery;
       healthy_pause = added.healthy_pause;
     }
@@ -568,7 +555,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     if (report.done()) newly_done = run.done.insert(report.actor_id()).second;
     finished = AllActorsDone(run);
     // The steps whose reports never all came (CompleteEarlier): the last step has no later one to complete them.
-    if (finished) AppendSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
+    if (finished) QueueSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
     gathered = CheckpointCommitter::Gather(run, report);
     draining = !run.drain.workers.empty();
     if (draining && !failed) drain = ApplyDrainReport(run, report);
@@ -579,7 +566,7 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
           BeginRegroup(run, run.drain.kept, absl::StrCat(DrainSubject(run.drain), " (a leave)"), clock_->NowMillis());
       planned_regroup = {run.drain.kept, run.actors, run.regroup.epoch, run.spec.parallel().dp(),
                          DrainSubject(run.drain)};
-      AppendSteps(run, std::move(begun.completed));
+      QueueSteps(run, std::move(begun.completed));
     }
     FillRunReply(run, &reply);
   }

@@ -156,13 +156,13 @@ class JobRunner final : private RunControl {
   // The stall probe (RunProgress): the workers of a run whose steps stalled are probed now (WorkerRegistry::Suspect).
   void ProbeStalledRuns();
   // One actor's report of a step, added to the run's aggregate; the steps it completes (and earlier ones whose other
-  // reports never came: StepAggregator::CompleteEarlier) go to run.to_record. `running`: the run is running (not in a
-  // fault), so the step may end a recovery (returned, to record) or a live regroup's pause (healthy_pause >= 0).
+  // reports never came: StepAggregator::CompleteEarlier) go to run.to_record. A complete step may end a recovery
+  // (returned, to record) or a live regroup's pause (healthy_pause >= 0).
   struct StepAdded {
     std::optional<JobRecovery::Recovery> recovery;
     double healthy_pause = -1;
   };
-  StepAdded AddStepReport(JobRun& run, const StepReport& report, bool running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(runs_.mu);
+  StepAdded AddStepReport(JobRun& run, const StepReport& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(runs_.mu);
   // Records the job's complete steps (JobRun::to_record) in the order they completed, one thread at a time.
   void RecordSteps(const std::string& job_id) ABSL_LOCKS_EXCLUDED(runs_.mu);
   void RecordAllSteps() ABSL_LOCKS_EXCLUDED(runs_.mu);

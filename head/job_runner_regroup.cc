@@ -2,6 +2,7 @@
 // the regroups that do not form, the healthy replicas' pause, and the runs whose steps stalled. The rest of the runner
 // is in job_runner.cc.
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -98,6 +99,7 @@ void JobRunner::CheckRegroups() {
       if (run.phase != RunPhase::kRunning) continue;
       const RunRegroup& g = run.regroup;
       if (!g.confirmed && AllActorsDone(run)) {
+        QueueSteps(run, StepAggregator::CompleteEarlier(run, std::numeric_limits<int64_t>::max()));
         succeeded.push_back(job_id);  // the fault came after the last step of the replicas that stay
       } else if (!g.confirmed && now - g.detected_ms > kRegroupFormMs) {
         faults.push_back(

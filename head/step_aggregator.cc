@@ -104,7 +104,7 @@ double Median(std::deque<double> values) {
 }
 
 // The step's line in the job's events.
-std::string StepLine(const StepFigures& f) {
+std::string StepLine(const StepFigures& f, bool loss_known) {
   // After the phases: a checkpoint's time, DiLoCo's outer sync and time-paced inner steps, and a slowed device.
   std::string extra;
   if (f.checkpoint_seconds() > 0) absl::StrAppend(&extra, absl::StrFormat(", checkpoint %.3f", f.checkpoint_seconds()));
@@ -114,8 +114,9 @@ std::string StepLine(const StepFigures& f) {
   std::string wan;
   for (const auto& [pair, bytes] : f.wan_bytes_by_pair()) absl::StrAppend(&wan, " ", pair, " ", bytes);
   // Timed compute: the times are an emulated GPU's and there is no real loss; the line says so first.
-  const std::string loss =
-      f.timed_compute() ? "EMULATED (timed compute) loss n/a" : absl::StrFormat("loss %.6f", f.loss());
+  const std::string loss = f.timed_compute() ? "EMULATED (timed compute) loss n/a"
+                           : loss_known      ? absl::StrFormat("loss %.6f", f.loss())
+                                             : std::string("loss unknown");
   return absl::StrFormat(
       "step %d %s %.0f tokens/s step %.3f s (compute %.3f, comm wait %.3f, bubble %.3f%s) wan bytes %d%s%s", f.step(),
       loss, TokensPerSecond(f), f.step_seconds(), f.compute_seconds(), f.comm_wait_seconds(), f.bubble_seconds(), extra,
@@ -298,8 +299,14 @@ void StepAggregator::ForgetStale(JobRun& run, int64_t step) {
 }
 
 void StepAggregator::RecordStep(const std::string& job_id, const StepAggregate& agg, const std::string& wan_codec) {
-  const StepFigures& figures = agg.figures;
-  std::string line = StepLine(figures);
+  StepFigures figures = agg.figures;
+  // A step whose loss-carrying report never came (CompleteEarlier): its line says so, and the job keeps the loss it
+  // had rather than a 0.
+  const bool loss_known = agg.have_loss || agg.lost_reports == 0;
+  if (!loss_known) {
+    if (absl::StatusOr<JobInfo> job = jobs_->Get(job_id); job.ok()) figures.set_loss(job->loss());
+  }
+  std::string line = StepLine(figures, loss_known);
   if (agg.lost_reports > 0) {
     absl::StrAppend(&line, "; the reports of ", agg.lost_reports, " actor(s) never came: figures partial");
   }
