@@ -15,6 +15,12 @@
 #include "head/job_runner.h"
 
 namespace geotrain::head {
+namespace {
+
+// Why a worker that its job's actors reported is probed (the start of its dead reason when its port refuses).
+constexpr char kPeersLostContact[] = "its job's actors lost contact with it";
+
+}  // namespace
 
 ReportStepReply JobRunner::OnRegroupReport(const StepReport& report) {
   ReportStepReply reply;
@@ -39,7 +45,7 @@ ReportStepReply JobRunner::OnRegroupReport(const StepReport& report) {
   }
   // A killed worker's peers know first: the detector probes the run's workers now rather than after their heartbeat
   // timeout (a refused port is a dead process).
-  if (!suspects.empty()) registry_->Suspect(suspects, "its job's actors lost contact with it");
+  if (!suspects.empty()) registry_->Suspect(suspects, kPeersLostContact);
   AfterRegroupReport(report.job_id(), attempt, news);
   return reply;
 }
@@ -157,7 +163,7 @@ ReportStepReply JobRunner::OnUnreachableReport(const StepReport& report) {
       FillRunReply(it->second, &reply);  // every reply says where the drain and the membership stand
     }
   }
-  if (!suspects.empty()) registry_->Suspect(suspects, "its job's actors lost contact with it");
+  if (!suspects.empty()) registry_->Suspect(suspects, kPeersLostContact);
   return reply;
 }
 

@@ -126,10 +126,11 @@ std::vector<WorkerInfo> WorkerRegistry::CheckLiveness(const Probe& probe) {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, w] : workers_) {
       const bool silent = now - last_seen_ms_[id] > options_.timeout_ms;
-      if (w.state() == WORKER_ALIVE && (silent || peer_suspects_.count(id))) {
+      auto suspect = peer_suspects_.find(id);
+      if (w.state() == WORKER_ALIVE && (silent || suspect != peer_suspects_.end())) {
         silent_ids.push_back(id);
         addresses.push_back(w.address());
-        if (!silent && peer_suspects_.count(id)) peer_suspects.emplace(id, peer_suspects_[id]);
+        if (!silent) peer_suspects.insert(*suspect);
       }
     }
     peer_suspects_.clear();
