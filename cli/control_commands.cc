@@ -477,6 +477,12 @@ void PrintJob(const v1::Job& job) {
     std::printf("  replicas: %d of %d training; %d live regroup%s after faults, without a restart\n",
                 job.replicas().present(), job.replicas().planned(), job.regroups(), job.regroups() == 1 ? "" : "s");
   }
+  if (job.heals() > 0) {
+    std::printf("  heals: %d (replicas back with a live replica's state, no restart); the latest %s\n", job.heals(),
+                job.heal_seconds() > 0
+                    ? absl::StrFormat("trained %.1f s after its fault's detection", job.heal_seconds()).c_str()
+                    : "joins now");
+  }
   for (const v1::Fault& f : job.faults()) {
     std::printf("  fault at %s, step %ld: %s\n    -> %s, %ld step(s) lost, %s\n",
                 FormatTime(f.detected_unix_ms()).c_str(), static_cast<long>(f.step()), f.cause().c_str(),

@@ -1,5 +1,5 @@
 // Model verbs of the geotrain CLI:
-//   geotrain train --local SPEC.yaml [--resume] [--regrouped-at STEP --replicas R,...]   one-process training (the reference run)
+//   geotrain train --local SPEC.yaml [--resume] [--regrouped-at STEP --replicas R,... [--healed-at STEP]]   the reference run
 //   geotrain data prepare INPUT... --out DIR [--val-fraction F]
 //   geotrain model init --config SPEC.yaml --out W.safetensors [--seed S]
 //   geotrain model grad --config SPEC.yaml --weights W.safetensors --tokens X.bin --out G.safetensors
@@ -231,7 +231,11 @@ void AddModelCommands(CLI::App& app, Context& context) {
                     "log says they train next) only --replicas train");
   train->add_option("--replicas", *replicas, "With --regrouped-at: the replicas that trained on (e.g. 0,2)")
       ->delimiter(',');
-  train->callback([&context, train_spec, resume, regrouped_at, replicas]() {
+  auto healed_at = std::make_shared<int>(0);
+  train->add_option("--healed-at", *healed_at,
+                    "With --regrouped-at: the job healed, every replica training again from this step on (the one its "
+                    "log says they train next)");
+  train->callback([&context, train_spec, resume, regrouped_at, replicas, healed_at]() {
     absl::StatusOr<JobSpec> spec = LoadJobSpecFile(*train_spec);
     if (!spec.ok()) {
       context.exit_code = Fail(spec.status());
@@ -245,8 +249,14 @@ void AddModelCommands(CLI::App& app, Context& context) {
           "--regrouped-at and --replicas go together: the step the replicas left trained next, and which they are"));
       return;
     }
+    if (*healed_at > 0 && *healed_at <= *regrouped_at) {
+      context.exit_code = Fail(absl::InvalidArgumentError(
+          "--healed-at comes after --regrouped-at: the step the healed replicas train first, once they left"));
+      return;
+    }
     options.replicas_from_step = *regrouped_at;
     options.replicas = *replicas;
+    options.healed_from_step = *healed_at;
     options.progress_bar = ::isatty(::fileno(stdout));
     // DiLoCo's pseudo-gradients rounded by diloco.codec, as the cluster sends them.
     absl::StatusOr<std::function<absl::Status(int, int, absl::Span<float>)>> outer_codec =

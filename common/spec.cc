@@ -258,6 +258,7 @@ void ApplyJobDefaults(JobSpec* spec) {
   if (!f->has_max_restarts()) f->set_max_restarts(3);
   if (f->wait_for_workers_s() == 0) f->set_wait_for_workers_s(300);
   if (!f->has_regroup()) f->set_regroup(true);
+  if (!f->has_heal()) f->set_heal(true);
   if (spec->diloco().inner_steps() > 0) *spec->mutable_diloco() = EffectiveDiloco(*spec);
 }
 

@@ -23,18 +23,13 @@ const WorkerInfo& WorkerOf(const WorkersById& workers, const std::string& worker
   return it == workers.end() ? *kUnknown : it->second;
 }
 
-// What every actor of the run is told: the spec, where to report, the run, and each peer's place and address.
-CreateActorRequest RunRequest(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
-                              const WorkersById& workers, const std::string& head_address, int64_t attempt,
-                              const std::string& resume_from) {
-  CreateActorRequest request;
-  *request.mutable_spec() = spec;
-  request.set_head_address(head_address);
-  request.set_attempt(attempt);
-  request.set_resume_from(resume_from);
-  for (const ActorPlacement& p : placement) {
+}  // namespace
+
+std::vector<ActorPeer> ActorLauncher::Peers(const std::vector<ActorPlacement>& actors, const WorkersById& workers) {
+  std::vector<ActorPeer> peers;
+  for (const ActorPlacement& p : actors) {
     const WorkerInfo& w = WorkerOf(workers, p.actor.worker_id());
-    ActorPeer* peer = request.add_peers();
+    ActorPeer* peer = &peers.emplace_back();
     peer->set_actor_id(p.actor.actor_id());
     peer->set_replica(p.actor.replica());
     peer->set_stage(p.actor.stage());
@@ -46,10 +41,8 @@ CreateActorRequest RunRequest(const JobSpec& spec, const std::vector<ActorPlacem
     const int d = p.actor.device_index();
     peer->set_device_kind(d >= 0 && d < w.devices_size() ? w.devices(d).kind() : DEVICE_KIND_UNSPECIFIED);
   }
-  return request;
+  return peers;
 }
-
-}  // namespace
 
 ActorLauncher::ActorLauncher(WorkerRegistry* registry, ActorLauncherOptions options)
     : registry_(registry),
@@ -64,8 +57,16 @@ void ActorLauncher::NameForRun(std::vector<ActorPlacement>* placement, int64_t a
 }
 
 absl::Status ActorLauncher::CreateActors(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
-                                         const WorkersById& workers, int64_t attempt, const std::string& resume_from) {
-  const CreateActorRequest request = RunRequest(spec, placement, workers, options_.head_address, attempt, resume_from);
+                                         const WorkersById& workers, int64_t attempt, const std::string& resume_from,
+                                         const std::vector<ActorPeer>* peers, const Regroup* join) {
+  // What every actor of the run is told: the spec, where to report, the run, and each peer's place and address.
+  CreateActorRequest request;
+  *request.mutable_spec() = spec;
+  request.set_head_address(options_.head_address);
+  request.set_attempt(attempt);
+  request.set_resume_from(resume_from);
+  for (const ActorPeer& peer : peers != nullptr ? *peers : Peers(placement, workers)) *request.add_peers() = peer;
+  if (join != nullptr) *request.mutable_join() = *join;
   // Every actor at once: a slow worker costs one deadline, not one per actor.
   std::vector<absl::Status> created = executor_->Map(static_cast<int>(placement.size()), [&](int i) -> absl::Status {
     const ActorPlacement& p = placement[i];

@@ -53,9 +53,13 @@ class ActorLauncher {
 
   // Creates every actor of `placement` (run `attempt` of a job with `spec`, resuming from `resume_from` when not
   // empty) on its worker, all at once, and waits for the answers. `workers` is the registry's view when the run
-  // was placed; it tells each actor where its peers are.
+  // was placed; it tells each actor where its peers are. A heal's new actors (head/job_heal.h) join membership
+  // `join`, their peers every actor of the job (`peers`; by default the placement's).
   absl::Status CreateActors(const JobSpec& spec, const std::vector<ActorPlacement>& placement,
-                            const WorkersById& workers, int64_t attempt, const std::string& resume_from);
+                            const WorkersById& workers, int64_t attempt, const std::string& resume_from,
+                            const std::vector<ActorPeer>* peers = nullptr, const Regroup* join = nullptr);
+  // Every actor's place and the address its worker is reached at (per site), as actors are told of their peers.
+  static std::vector<ActorPeer> Peers(const std::vector<ActorPlacement>& actors, const WorkersById& workers);
 
   // Sends StopActor to every actor whose worker is alive, at once; waits for the answers when `wait`. `job_goes_on`:
   // the actors leave a job that goes on without them (a live regroup): their peers are told they failed.

@@ -23,19 +23,42 @@ bool BeginDrain(JobRun& run, const std::string& worker_id, const std::string& ch
   drain.checkpoint_dir = checkpoint_dir;
   drain.needs_checkpoint = needs_checkpoint;
   drain.started_ms = now_ms;
-  PickDrainTarget(run);
+  PickBoundary(run, drain);
   return true;
 }
 
-void PickDrainTarget(JobRun& run) {
-  RunDrain& drain = run.drain;
-  const int64_t target = NewestReportedStep(run) + kDrainMargin + drain.picks;
-  ++drain.picks;
-  drain.bound.clear();
-  drain.confirmed = false;
-  // The last step ends the job (with its own checkpoint): a target there or beyond is no drain.
-  drain.ends_first = target >= run.spec.train().steps();
-  drain.target = drain.ends_first ? 0 : target;
+void PickBoundary(const JobRun& run, StepBoundary& boundary) {
+  const int64_t target = NewestReportedStep(run) + kDrainMargin + boundary.picks;
+  ++boundary.picks;
+  boundary.bound.clear();
+  boundary.confirmed = false;
+  // The last step ends the job (with its own checkpoint): a target there or beyond is no boundary.
+  boundary.ends_first = target >= run.spec.train().steps();
+  boundary.target = boundary.ends_first ? 0 : target;
+}
+
+BoundaryNews ApplyBoundaryStep(const JobRun& run, StepBoundary& boundary, const std::string& actor_id, int64_t step,
+                               int64_t knew) {
+  BoundaryNews news;
+  if (knew == boundary.target && step <= boundary.target) {
+    boundary.bound.insert(actor_id);
+  } else if (step >= boundary.target) {
+    if (boundary.confirmed) {
+      news.broken = true;
+      return news;
+    }
+    news.repicked = true;
+    news.passed_actor = actor_id;
+    news.passed_step = step;
+    news.old_target = boundary.target;
+    PickBoundary(run, boundary);
+    return news;
+  }
+  if (!boundary.confirmed && boundary.bound.size() == run.actors.size()) {
+    boundary.confirmed = true;
+    news.confirmed = true;
+  }
+  return news;
 }
 
 DrainNews ApplyDrainReport(JobRun& run, const StepReport& report) {
@@ -49,26 +72,7 @@ DrainNews ApplyDrainReport(JobRun& run, const StepReport& report) {
   if (report.drain_waiting() || report.step() <= 0 || !report.error().empty()) return news;
   // Timed compute has no weights to checkpoint (the job's record may not say so yet when the drain starts).
   if (report.figures().timed_compute()) drain.needs_checkpoint = false;
-  const int64_t step = report.step();
-  if (report.drain_at_step() == drain.target && step <= drain.target) {
-    drain.bound.insert(report.actor_id());
-  } else if (step >= drain.target) {
-    if (drain.confirmed) {
-      news.broken = true;
-      return news;
-    }
-    news.repicked = true;
-    news.passed_actor = report.actor_id();
-    news.passed_step = step;
-    news.old_target = drain.target;
-    PickDrainTarget(run);
-    return news;
-  }
-  if (!drain.confirmed && drain.bound.size() == run.actors.size()) {
-    drain.confirmed = true;
-    news.confirmed = true;
-  }
-  return news;
+  return ApplyBoundaryStep(run, drain, report.actor_id(), report.step(), report.drain_at_step());
 }
 
 void FillDrainReply(const JobRun& run, ReportStepReply* reply) {

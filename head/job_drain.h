@@ -49,18 +49,23 @@ int64_t NewestReportedStep(const JobRun& run);
 bool BeginDrain(JobRun& run, const std::string& worker_id, const std::string& checkpoint_dir, bool needs_checkpoint,
                 int64_t now_ms);
 
-// Picks the run's target again: the newest step reported + kDrainMargin + the targets picked before (0 and
-// ends_first when that is not before the job's last step); every binding starts over.
-void PickDrainTarget(JobRun& run);
+// Picks a step boundary's target (again): the newest step reported + kDrainMargin + the targets picked before (0 and
+// ends_first when that is not before the job's last step); every binding starts over. A drain's and a heal's.
+void PickBoundary(const JobRun& run, StepBoundary& boundary);
 
-// What one report did to the run's drain, for the caller to log and act on outside the lock.
-struct DrainNews {
+// What one report did to a step boundary (a drain's or a heal's), for the caller to log and act on outside the lock.
+struct BoundaryNews {
   bool repicked = false;  // passed_actor finished passed_step >= old_target without knowing it
   std::string passed_actor;
   int64_t passed_step = 0, old_target = 0;
   bool confirmed = false;  // this report bound the last actor
   bool broken = false;     // an actor passed a confirmed target (a protocol break): restart the job the usual way
 };
+using DrainNews = BoundaryNews;
+// Applies one actor's step report (`step` > 0, no error), which knew `knew` as the target when it finished the step,
+// to `boundary` (a target picked): binds the actor, or picks a later target when it passed this one without knowing.
+BoundaryNews ApplyBoundaryStep(const JobRun& run, StepBoundary& boundary, const std::string& actor_id, int64_t step,
+                               int64_t knew);
 // Applies one report of the run (current attempt, no error) to its drain: bindings, actors that left, a new target.
 DrainNews ApplyDrainReport(JobRun& run, const StepReport& report);
 

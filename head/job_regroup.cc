@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 #include "head/job_drain.h"
+#include "head/job_heal.h"
 #include "head/step_aggregator.h"
 
 namespace geotrain::head {
@@ -105,8 +106,12 @@ RegroupBegun BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::
   g.waiting_since_ms = 0;
   g.waiting_cause.clear();
   g.lost_actors.clear();
+  g.joining.clear();  // the actors' list (peers) stays: it has the healed replicas' addresses
   run.actor_errors.clear();
   for (const ActorPlacement& p : leaving) run.done.erase(p.actor.actor_id());
+  // A heal under way is given up: its new actors (not in the run until its membership) leave with the others.
+  if (!run.heal.joined) leaving.insert(leaving.end(), run.heal.actors.begin(), run.heal.actors.end());
+  run.heal = RunHeal{};
   return {std::move(leaving), StepAggregator::CompleteAfterLeave(run)};
 }
 
@@ -135,7 +140,10 @@ RegroupNews ApplyRegroupReport(JobRun& run, const StepReport& report, int64_t no
   if (g.confirmed || report.epoch() != g.epoch) {
     // No regroup forms (or the actor has not rebuilt for it yet): a step failed on a peer; the fault may be unknown.
     // A probe an actor sent before it saw the confirmation (it completed no step since) is no new failure.
-    if (g.confirmed && report.epoch() == g.epoch && g.waiting_since_ms == 0 &&
+    // Nor is an actor that waits at a heal's confirmed step for the membership with the joining replicas.
+    const RunHeal& h = run.heal;
+    const bool at_heal = h.confirmed && !h.joined && report.completed_step() == h.target;
+    if (g.confirmed && report.epoch() == g.epoch && g.waiting_since_ms == 0 && !at_heal &&
         report.completed_step() >= g.resume_step) {
       g.waiting_since_ms = now_ms;
       g.waiting_cause = absl::StrCat("actor ", report.actor_id(), ": ", report.regroup_cause());
@@ -171,11 +179,15 @@ void FillRegroupReply(const JobRun& run, ReportStepReply* reply) {
   for (int x : g.replicas) r->add_replicas(x);
   r->set_confirmed(g.confirmed);
   r->set_resume_step(g.resume_step);
+  for (int x : g.joining) r->add_joining(x);
+  r->set_donor(g.donor);
+  for (const ActorPeer& p : g.peers) *r->add_peers() = p;
 }
 
 void FillRunReply(const JobRun& run, ReportStepReply* reply) {
   FillRegroupReply(run, reply);
   FillDrainReply(run, reply);
+  FillHealReply(run, reply);
 }
 
 bool InRun(const JobRun& run, const std::string& actor_id) {

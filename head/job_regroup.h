@@ -59,7 +59,8 @@ std::vector<int> RegroupKept(const JobRun& run, const WorkersById& workers, cons
 bool RegroupMakesProgress(const JobRun& run, const std::vector<int>& kept);
 
 // Moves the run (in kFault, or running for a leave by regroup) to a new membership of `kept`: running again, the next
-// epoch forming, its actors those of `kept`. Returns the actors that leave, and the steps in flight that are complete
+// epoch forming, its actors those of `kept`; a heal under way is given up. Returns the actors that leave (a given-up
+// heal's new actors among them), and the steps in flight that are complete
 // now (every actor that stays reported them; the leaving actors' reports no longer count), for the caller to record
 // in step order.
 struct RegroupBegun {

@@ -55,16 +55,22 @@ struct StepAggregate {
   int lost_reports = 0;  // actors whose report of the step never came (StepAggregator::CompleteEarlier)
 };
 
+// One step T that every actor of a run stops after, agreed without a lock step (head/job_drain.h: a drain's; and a
+// heal's, head/job_heal.h): T is picked ahead of the newest step reported; each actor's step report says which T it
+// knew when it finished the step; once every actor knew T before it passed it, T is confirmed.
+struct StepBoundary {
+  int64_t target = 0;           // T: the actors stop after this step (0 while none is picked)
+  bool ends_first = false;      // the job's last step comes before any target: it ends by itself
+  int picks = 0;                // targets picked (the first, and each one an actor passed before it knew)
+  std::set<std::string> bound;  // actors that knew T before they passed it: they stop there
+  bool confirmed = false;       // every actor is bound: none trains past T
+};
+
 // A drain of a run (head/job_drain.h): its actors leave after one common step T, each with its checkpoint shard
 // of T, and the job restarts without the draining workers from that checkpoint. Empty `workers`: no drain.
-struct RunDrain {
+struct RunDrain : StepBoundary {
   std::set<std::string> workers;  // the draining workers with an actor of the run
-  int64_t target = 0;             // T: the actors leave after this step (0 while none is picked)
-  bool ends_first = false;        // the job's last step comes before any target: it ends by itself
-  int picks = 0;                  // targets picked (the first, and each one an actor passed before it knew)
-  std::set<std::string> bound;    // actors that knew T before they passed it: they stop there
   std::set<std::string> left;     // actors that stopped after T (their last report is in)
-  bool confirmed = false;         // every actor is bound: none trains past T
   bool committed = false;         // the checkpoint of T is committed (or the job needs none: timed compute)
   bool needs_checkpoint = true;
   bool handed_over = false;    // the run went to recovery for its restart without the workers (once)
@@ -92,6 +98,26 @@ struct RunRegroup {
   int64_t waiting_since_ms = 0;
   std::string waiting_cause;
   std::set<std::string> lost_actors;  // actors the fault named as lost (an actor's death or error)
+  // A heal's membership (head/job_heal.h): the replicas that join it, the one whose actors stream them their state,
+  // and every actor of the job with the joining ones' addresses (kept for the memberships after it).
+  std::vector<int> joining;
+  int donor = 0;
+  std::vector<ActorPeer> peers;
+};
+
+// A heal of a degraded run (head/job_heal.h): the actors of replicas that left, created anew on free devices, join
+// the run at a step boundary T with their state streamed from a live replica. Empty `replicas`: no heal.
+struct RunHeal : StepBoundary {
+  std::vector<int> replicas;           // the replicas that join, ascending
+  std::vector<ActorPlacement> actors;  // their new actors
+  int64_t epoch = 0;                   // the membership they join (the run's next)
+  int donor = 0;                       // the replica whose actors stream their state to them
+  std::set<std::string> ready;         // new actors set up, waiting for their state (StepReport.heal_ready)
+  bool joined = false;                 // the membership with them began (BeginHealMembership)
+  int64_t started_ms = 0;              // monotonic: when the heal was placed
+  int64_t fault_detected_ms = 0;       // monotonic: the detection of the fault its replicas left for
+  int64_t first_step = 0;              // joined: the first step the healed replicas train
+  std::vector<ActorPeer> peers;        // every actor once they join, with their workers' addresses
 };
 
 // How a run's steps come (JobRunner::OnStepReport), for the healthy pause and the stall probe: a run with no complete
@@ -155,6 +181,8 @@ struct JobRun {
 
   // Live regroups' (JobRecovery::TryRegroup starts one, JobRunner applies the actors' reports; cleared by each launch).
   RunRegroup regroup;
+  // A heal's (JobRunner with head/job_heal.h; cleared by each launch and when it ends).
+  RunHeal heal;
 };
 
 // Queues complete steps for JobRunner::RecordSteps, after those queued before.

@@ -80,6 +80,7 @@ void JobRunner::ControlLoop(std::function<void()> on_tick) {
     Reconcile();
     CheckDrains();
     CheckRegroups();
+    CheckHeals();
     ProbeStalledRuns();
     recovery_.RecoverJobs();
     StartPendingJobs();
@@ -108,6 +109,7 @@ HeldDevices JobRunner::HeldByOthers(const std::string& job_id) const {
   for (const auto& [id, run] : runs_.by_job) {
     if (id == job_id || (run.phase != RunPhase::kRunning && run.phase != RunPhase::kFault)) continue;
     for (const ActorPlacement& p : run.actors) held[{p.actor.worker_id(), p.actor.device_index()}] = id;
+    for (const ActorPlacement& p : run.heal.actors) held[{p.actor.worker_id(), p.actor.device_index()}] = id;
   }
   return held;
 }
@@ -227,6 +229,7 @@ absl::Status JobRunner::BeginRun(const JobInfo& job, const std::vector<ActorPlac
     run.waiting_message.clear();
     run.drain = RunDrain{};      // a drain is of one run: the next is placed without the draining workers
     run.regroup = RunRegroup{};  // a new run has every replica of its plan
+    run.heal = RunHeal{};        // a heal's joining actors are of the run before: their reports are refused (stop)
     run.progress = RunProgress{};
   }
   const int planned = std::max(1, job.spec().parallel().dp());
@@ -470,6 +473,10 @@ JobRunner::StepAdded JobRunner::AddStepReport(JobRun& run, const StepReport& rep
     out.healthy_pause = static_cast<double>(now - g.paused_from_ms) / 1000;
     g.paused_from_ms = 0;
   }
+  if (run.heal.joined && g.confirmed && report.step() >= run.heal.first_step) {
+    out.heal_seconds = static_cast<double>(now - run.heal.fault_detected_ms) / 1000;
+    run.heal = RunHeal{};  // done: the healed replicas trained their first step
+  }
   return out;
 }
 
@@ -500,6 +507,9 @@ void JobRunner::RecordAllSteps() {
 
 ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   if (report.regroup_waiting()) return OnRegroupReport(report);
+  if (report.heal_ready() || !report.error().empty()) {
+    if (std::optional<ReportStepReply> reply = OnHealReport(report)) return *reply;  // a heal's new actor's
+  }
   if (!report.unreachable_peer().empty()) return OnUnreachableReport(report);
   ReportStepReply reply;
   bool finished = false, failed = false;
@@ -509,6 +519,8 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   DrainNews drain;
   bool draining = false;
   double healthy_pause = -1;  // the first complete step after a regroup: the healthy replicas' pause
+  double heal_seconds = -1;   // the healed replicas' first complete step: the heal's cost
+  HealNews heal;
   struct {
     std::vector<int> kept;
     std::vector<ActorPlacement> staying;
@@ -538,8 +550,9 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
     // An actor of a replica that left a live regroup: the membership in the reply tells it to leave. Never `stop`:
     // its peers would take that as the whole job stopping.
     if (!InRun(run, report.actor_id())) return reply;
-    // An actor at the drain's step asks whether to stop: the reply (FillRunReply above) tells it; nothing else to do.
-    if (report.drain_waiting()) return reply;
+    // An actor at the drain's (or heal's) step asks whether to stop: the reply (FillRunReply above) tells it; nothing
+    // else to do.
+    if (report.drain_waiting() || report.heal_waiting()) return reply;
 
     spec = run.spec;
     attempt = run.attempt;
@@ -550,6 +563,8 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
       const StepAdded added = AddStepReport(run, report);
       recovery = added.recovery;
       healthy_pause = added.healthy_pause;
+      heal_seconds = added.heal_seconds;
+      heal = ApplyHealStep(run, report, clock_->NowMillis());
     }
     StepAggregator::ForgetStale(run, report.step());
     if (report.done()) newly_done = run.done.insert(report.actor_id()).second;
@@ -598,6 +613,8 @@ ReportStepReply JobRunner::OnStepReport(const StepReport& report) {
   RecordSteps(report.job_id());
   if (recovery) recovery_.RecordRecovery(report.job_id(), *recovery);
   if (healthy_pause >= 0) RecordRegroupPause(report.job_id(), report.step(), healthy_pause);
+  if (heal_seconds >= 0) RecordHealSeconds(report.job_id(), report.step(), heal_seconds);
+  AfterHealNews(report.job_id(), heal);
   if (draining) AfterDrainReport(report.job_id(), attempt, drain, gathered);
   if (finished) EndJob(report.job_id(), JOB_SUCCEEDED, absl::StrCat("finished ", report.step(), " steps"));
   return reply;

@@ -71,6 +71,7 @@
 #include "head/actor_launcher.h"
 #include "head/checkpoint_committer.h"
 #include "head/job_drain.h"
+#include "head/job_heal.h"
 #include "head/job_manager.h"
 #include "head/job_recovery.h"
 #include "head/job_regroup.h"
@@ -161,6 +162,7 @@ class JobRunner final : private RunControl {
   struct StepAdded {
     std::optional<JobRecovery::Recovery> recovery;
     double healthy_pause = -1;
+    double heal_seconds = -1;  // the healed replicas' first step: their fault's detection to it
   };
   StepAdded AddStepReport(JobRun& run, const StepReport& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(runs_.mu);
   // Records the job's complete steps (JobRun::to_record) in the order they completed, one thread at a time.
@@ -175,6 +177,22 @@ class JobRunner final : private RunControl {
   void AfterRegroupReport(const std::string& job_id, int64_t attempt, const RegroupNews& news);
   // The first complete step after a regroup: the healthy replicas' pause, logged and in its gauge.
   void RecordRegroupPause(const std::string& job_id, int64_t step, double pause_seconds);
+  // Heals (head/job_heal.h). CheckHeals: starts the heal of each degraded run whose missing replicas fit on the free
+  // devices (LaunchHeal creates their actors), and gives up the heals that cannot finish.
+  void CheckHeals();
+  void LaunchHeal(const std::string& job_id, int64_t attempt, const std::vector<ActorPlacement>& actors,
+                  const JobSpec& spec, const Regroup& join, const std::vector<ActorPeer>& peers);
+  // Gives up the run's heal that has not joined yet (`why` for the log): its new actors are stopped.
+  void GiveUpHeal(const std::string& job_id, int64_t attempt, const std::string& why);
+  // A report of a heal's new actor before it joined: set up (StepReport.heal_ready), or failed (the heal is given
+  // up). Nothing when the report is not such an actor's error (the caller handles it).
+  std::optional<ReportStepReply> OnHealReport(const StepReport& report);
+  // A report's consequences for the run's heal, outside the lock: logs T when picked, records the membership moved.
+  void AfterHealNews(const std::string& job_id, const HealNews& news);
+  // A heal's membership confirmed (every actor at T, the state streamed): logged, counted, the job whole again.
+  void RecordHealed(const std::string& job_id, int64_t step);
+  // The healed replicas' first complete step: the heal's cost, logged and in its histogram.
+  void RecordHealSeconds(const std::string& job_id, int64_t step, double seconds);
 
   // RunControl (JobRecovery calls these too).
   // Chooses the plan and the placement for the job's next run, and launches it. UNAVAILABLE when the

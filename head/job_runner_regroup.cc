@@ -60,12 +60,14 @@ void JobRunner::AfterRegroupReport(const std::string& job_id, int64_t attempt, c
   }
   if (!news.confirmed) return;
   std::string replicas, leave;  // leave: a drain's leave by regroup, which ends here
+  bool healed = false;          // the membership was a heal's: its replicas joined
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(job_id);
     if (it == runs_.by_job.end()) return;
     JobRun& run = it->second;
     replicas = absl::StrJoin(run.regroup.replicas, ", ");
+    healed = !run.regroup.joining.empty();
     if (!run.drain.kept.empty()) {
       leave = DrainSubject(run.drain);
       run.drain = RunDrain{};  // done: the draining workers hold none of the run's actors now
@@ -73,9 +75,13 @@ void JobRunner::AfterRegroupReport(const std::string& job_id, int64_t attempt, c
   }
   LogIfFailed(jobs_->Update(job_id, [&](JobInfo& j) { j.set_regroup_resume_step(news.step + 1); }).status(), job_id,
               "recording the regroup's confirmation");
-  LogIfFailed(jobs_->Log(job_id, absl::StrCat("regrouped: replicas ", replicas, " rebuilt their groups at step ",
-                                              news.step, " and train step ", news.step + 1, " next")),
-              job_id, "logging");
+  if (healed) {
+    RecordHealed(job_id, news.step);
+  } else {
+    LogIfFailed(jobs_->Log(job_id, absl::StrCat("regrouped: replicas ", replicas, " rebuilt their groups at step ",
+                                                news.step, " and train step ", news.step + 1, " next")),
+                job_id, "logging");
+  }
   if (!leave.empty()) {
     aggregator_.CountLeave(job_id);
     LogIfFailed(jobs_->Update(job_id, [](JobInfo& j) { j.set_leaves(j.leaves() + 1); }).status(), job_id,

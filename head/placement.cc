@@ -21,11 +21,12 @@
 #include "scheduler/spec_planning.h"
 
 namespace geotrain::head {
-namespace {
 
 std::string ActorId(const std::string& job_id, int r, int s, int t) {
   return absl::StrCat(job_id, "-r", r, "s", s, "t", t);
 }
+
+namespace {
 
 // Emulated devices (--emulate-device) carry a GPU's figures while the CPU computes: a plan's predicted step
 // time is the GPU's and the measured one the CPU's. Says so, so that nobody reads the gap as a planner error.

@@ -36,6 +36,9 @@ struct ActorPlacement {
   uint64_t device_memory_bytes = 0;  // what its device has
 };
 
+// The id of the actor (replica r, stage s, tensor rank t) of a job's plan: "<job>-r<r>s<s>t<t>".
+std::string ActorId(const std::string& job_id, int r, int s, int t);
+
 // The devices other jobs' actors hold: (worker id, device index) -> the job. A device runs one actor at a
 // time, so a held device is neither planned on nor placed on until its job ends or restarts elsewhere.
 using HeldDevices = std::map<std::pair<std::string, int>, std::string>;

@@ -24,6 +24,11 @@ constexpr JobFamily kLeaves{"geotrain_job_leaves_total",
 constexpr JobFamily kRegroups{"geotrain_job_regroups_total",
                               "Live regroups of a job: a fault left some replicas whole and they trained on without a "
                               "restart"};
+constexpr JobFamily kHeals{"geotrain_job_heals_total",
+                           "Heals of a job: replicas that left came back, their state streamed from a live peer"};
+constexpr JobFamily kHealSeconds{"geotrain_job_heal_seconds",
+                                 "The latest heal's cost: its fault's detection to the healed replicas' first "
+                                 "complete step, by job"};
 constexpr JobFamily kReplicas{"geotrain_job_replicas", "Data-parallel replicas of a job training now"};
 constexpr JobFamily kHealthyPause{"geotrain_job_healthy_pause_seconds",
                                   "The longest gap between two complete steps of the replicas that stayed healthy "
@@ -60,10 +65,10 @@ constexpr JobFamily kJobMfu{"geotrain_job_mfu_ratio",
 constexpr JobFamily kLivenessGauges[] = {kLastStep, kMedianStep, kEta};
 // Families with a label besides job_id: a job's series are found by listing them.
 constexpr JobFamily kMultiLabelJobGauges[] = {kStepPhase, kSiteTokens};
-constexpr JobFamily kJobGauges[] = {kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss, kValLoss,
-                                    kBubble,        kTimedCompute, kLossScale,       kProgress,  kEta,
-                                    kMedianStep,    kLastStep,     kJobMfu,          kReplicas,  kHealthyPause};
-constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps, kLeaves, kRegroups};
+constexpr JobFamily kJobGauges[] = {
+    kPredictedStep, kMeasuredStep, kTokensPerSecond, kTrainLoss, kValLoss, kBubble,   kTimedCompute, kLossScale,
+    kProgress,      kEta,          kMedianStep,      kLastStep,  kJobMfu,  kReplicas, kHealthyPause, kHealSeconds};
+constexpr JobFamily kJobCounters[] = {kRestarts, kStepsLost, kSkippedSteps, kLeaves, kRegroups, kHeals};
 
 // Step times the median and the ETA are taken over.
 constexpr size_t kMedianWindow = 101;
@@ -346,6 +351,17 @@ void StepAggregator::CountRegroup(const std::string& job_id, int present) {
   if (metrics_ == nullptr) return;
   metrics_->Counters(kRegroups.name, kRegroups.help).Add({{"job_id", job_id}}).Increment();
   SetReplicas(job_id, present);
+}
+
+void StepAggregator::CountHeal(const std::string& job_id, int present) {
+  if (metrics_ == nullptr) return;
+  metrics_->Counters(kHeals.name, kHeals.help).Add({{"job_id", job_id}}).Increment();
+  SetReplicas(job_id, present);
+}
+
+void StepAggregator::SetHealSeconds(const std::string& job_id, double seconds) {
+  if (metrics_ == nullptr) return;
+  metrics_->Gauges(kHealSeconds.name, kHealSeconds.help).Add({{"job_id", job_id}}).Set(seconds);
 }
 
 void StepAggregator::SetReplicas(const std::string& job_id, int present) {

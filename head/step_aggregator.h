@@ -78,6 +78,10 @@ class StepAggregator {
   // geotrain_job_healthy_pause_seconds: the gap between the healthy replicas' last step before a fault and their
   // first after the regroup.
   void SetHealthyPause(const std::string& job_id, double seconds);
+  // A heal (head/job_heal.h): geotrain_job_heals_total and geotrain_job_replicas to `present`; and
+  // geotrain_job_heal_seconds, its fault's detection to the healed replicas' first complete step.
+  void CountHeal(const std::string& job_id, int present);
+  void SetHealSeconds(const std::string& job_id, double seconds);
   void ObserveRecovery(double seconds);
 
   // The job ended now: its series are removed ended_job_series_ms from now.

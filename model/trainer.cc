@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -445,6 +446,11 @@ absl::Status LocalTrainer::Run(const JobSpec& spec, const LocalTrainOptions& opt
       ASSIGN_OR_RETURN(pending, StartOuterExchanges(run, options, step));
     }
     if (options.replicas_from_step == step + 1) RETURN_IF_ERROR(KeepReplicas(options.replicas, &run));
+    if (options.healed_from_step == step + 1) {
+      std::vector<int> all(static_cast<size_t>(run.dp));
+      std::iota(all.begin(), all.end(), 0);
+      RETURN_IF_ERROR(KeepReplicas(all, &run));
+    }
     RETURN_IF_ERROR(run.train->Next(inputs.data(), targets.data()));
     StepRecord rec;
     rec.step = step + 1;

@@ -56,6 +56,9 @@ struct LocalTrainOptions {
   // global batch, the loss is theirs, and validation evaluates their rows.
   int replicas_from_step = 0;
   std::vector<int> replicas;
+  // And healed (head/job_heal.h): from step `healed_from_step` (after replicas_from_step; 0: never) on, every replica
+  // trains again.
+  int healed_from_step = 0;
 };
 
 struct StepRecord {

@@ -95,6 +95,8 @@ void StageActor::OnReply(const ReportStepReply& reply) {
   // Every reply says where the job's drain stands now (0: no drain).
   drain_at_step_ = reply.drain_at_step();
   drain_confirmed_step_ = reply.drain_confirmed() ? reply.drain_at_step() : 0;
+  heal_at_step_ = reply.heal_at_step();
+  heal_confirmed_step_ = reply.heal_confirmed() ? reply.heal_at_step() : 0;
   absl::MutexLock lock(&mu_);
   regroup_ = reply.regroup();
   if (!reply.drain_checkpoint_dir().empty()) drain_checkpoint_dir_ = reply.drain_checkpoint_dir();
@@ -194,16 +196,27 @@ void StageActor::SetState(ActorState state, const std::string& message) {
   message_ = message;
 }
 
-absl::Status StageActor::Run() {
+absl::StatusOr<StageActor::SetUp> StageActor::SetUpStage() {
   const JobSpec& spec = config_.spec;
   const ActorRecord& me = config_.actor;
   ASSIGN_OR_RETURN(ActorRanks ranks, ActorRanks::Create(spec, me, config_.peers, config_.site, config_.attempt));
+  const bool joining = config_.join.epoch() > 0;
+  if (joining) {  // a heal: its collectives are those of the membership it joins
+    ranks = ranks.Regrouped(config_.join.epoch(),
+                            std::vector<int>(config_.join.replicas().begin(), config_.join.replicas().end()));
+    epoch_ = ranks.epoch;
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<StageTrainer> trainer,
                    StageTrainer::Create(spec, ranks, config_.peers, services_.collectives.get(), config_.device,
                                         config_.device_index, services_.data));
   trainer->set_slowdown(config_.slowdown);
   const bool timed = trainer->timed();
-  ASSIGN_OR_RETURN(const int64_t first_step, Resume(*trainer));
+  if (joining && (timed || !trainer->regroupable())) {
+    return absl::FailedPreconditionError(
+        "a joining actor needs a stage whose state can be streamed to it: real "
+        "weights (not timed compute) and collectives on gRPC");
+  }
+  ASSIGN_OR_RETURN(const int64_t first_step, joining ? Join(*trainer, ranks) : Resume(*trainer));
   SetState(ACTOR_ALIVE, "training");
   set_up_ = true;
   GT_LOG(INFO) << "actor " << me.actor_id() << " (replica " << ranks.replica << ", stage " << ranks.stage << " of "
@@ -220,6 +233,17 @@ absl::Status StageActor::Run() {
                     "EMULATED, losses real";
   }
 
+  return SetUp{std::move(ranks), std::move(trainer), first_step};
+}
+
+absl::Status StageActor::Run() {
+  const JobSpec& spec = config_.spec;
+  const ActorRecord& me = config_.actor;
+  ASSIGN_OR_RETURN(SetUp set_up, SetUpStage());
+  ActorRanks& ranks = set_up.ranks;
+  std::unique_ptr<StageTrainer>& trainer = set_up.trainer;
+  const int64_t first_step = set_up.first_step;
+  const bool timed = trainer->timed();
   const int64_t steps = spec.train().steps();
   const bool regroups = RegroupsLive(spec, config_.peers) && trainer->regroupable();
   for (int64_t step = first_step; step <= steps; ++step) {
@@ -262,6 +286,10 @@ absl::Status StageActor::Run() {
     const int64_t drain_at = drain_at_step_;
     report.set_drain_at_step(drain_at);
     const bool leaving = drain_at == step && !report.done();
+    // A heal (head/job_heal.h): the step every actor pauses after for the healed replicas to join.
+    const int64_t heal_at = heal_at_step_;
+    report.set_heal_at_step(heal_at);
+    const bool healing = heal_at == step && !report.done() && regroups;
     const int every = spec.checkpoint().every_steps();
     const std::string dir = CheckpointDir();
     if (!timed && !dir.empty() && writer && ((every > 0 && step % every == 0) || report.done() || leaving)) {
@@ -283,7 +311,19 @@ absl::Status StageActor::Run() {
     }
     // A leave by regroup: the head names the replicas that train on with the confirmation, and may have finished it
     // (the drain cleared) before a leaving actor's next probe: the newer membership tells it all the same.
-    const bool drained = leaving && AwaitDrain(step);
+    if (healing && !leaving && AwaitBoundary(step, HealBoundary())) {
+      // Every actor stops after `step`: the membership with the joining replicas forms, this stage's state goes to
+      // theirs from the donor, and all train step + 1 next.
+      ASSIGN_OR_RETURN(const int64_t resume,
+                       AwaitRegroup(*trainer, ranks,
+                                    absl::AbortedError(absl::StrCat("replicas join after step ", step,
+                                                                    " for a heal; no membership with them came")),
+                                    absl::StrCat("replicas join after step ", step, " (a heal)")));
+      if (resume == 0) return LeftForRegroup();
+      step = resume - 1;
+      continue;
+    }
+    const bool drained = leaving && AwaitBoundary(step, DrainBoundary());
     const Membership membership = leaving && regroups ? NewerMembership(ranks) : Membership::kSame;
     if (drained || membership != Membership::kSame) {
       // This actor's replica among them: it rebuilds its groups and trains on after `step`; otherwise it leaves.
@@ -369,7 +409,7 @@ absl::StatusOr<double> StageActor::WriteCheckpoint(StageTrainer& trainer, const 
          absl::ToDoubleSeconds(checkpoint_writer_->Write(std::move(shard), step_dir, suffix, std::move(snapshot)));
 }
 
-bool StageActor::AwaitDrain(int64_t step) {
+bool StageActor::AwaitBoundary(int64_t step, const Boundary& boundary) {
   // Every actor stops after `step` only once each knows it (the head confirms): until then this one waits here,
   // which holds its peers at the next step at the latest, and asks again every 0.1 s. A later step (an actor passed
   // this one before it knew) or none (the head restarted) means training goes on.
@@ -377,22 +417,33 @@ bool StageActor::AwaitDrain(int64_t step) {
   while (true) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     reporter_->Drain(absl::Milliseconds(std::max<int64_t>(0, left.count())));  // the replies so far are in
-    if (drain_confirmed_step_ == step) return true;
-    if (drain_at_step_ != step || stop_) return false;
+    if (boundary.confirmed == step) return true;
+    if (boundary.at != step || stop_) return false;
     if (Clock::now() >= deadline) {
-      GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": the head did not confirm the drain after step "
-                      << step << " within " << config_.collective_timeout_ms << " ms; training goes on";
+      GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": the head did not confirm the " << boundary.what
+                      << " after step " << step << " within " << config_.collective_timeout_ms
+                      << " ms; training goes on";
       return false;
     }
     absl::SleepFor(absl::Milliseconds(100));
-    StepReport probe;
-    probe.set_job_id(config_.actor.job_id());
-    probe.set_actor_id(config_.actor.actor_id());
-    probe.set_attempt(config_.attempt);
-    probe.set_drain_at_step(step);
-    probe.set_drain_waiting(true);
+    StepReport probe = Probe();
+    if (&boundary.at == &drain_at_step_) {
+      probe.set_drain_at_step(step);
+      probe.set_drain_waiting(true);
+    } else {
+      probe.set_heal_at_step(step);
+      probe.set_heal_waiting(true);
+    }
     reporter_->Enqueue(probe);
   }
+}
+
+StepReport StageActor::Probe() const {
+  StepReport probe;
+  probe.set_job_id(config_.actor.job_id());
+  probe.set_actor_id(config_.actor.actor_id());
+  probe.set_attempt(config_.attempt);
+  return probe;
 }
 
 absl::Status StageActor::LeftForRegroup() {
@@ -439,8 +490,11 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
         return 0;
       }
       const std::string old_key = ranks.comm_job_id;
-      ActorRanks next = ranks.Regrouped(regroup.epoch(), std::move(replicas));
-      RETURN_IF_ERROR(trainer.Regroup(next, config_.peers, services_.collectives.get(), config_.device_index));
+      ASSIGN_OR_RETURN(ActorRanks next, MembershipRanks(regroup, ranks));
+      const std::vector<ActorPeer> peers = regroup.peers().empty()
+                                               ? config_.peers
+                                               : std::vector<ActorPeer>(regroup.peers().begin(), regroup.peers().end());
+      RETURN_IF_ERROR(trainer.Regroup(next, peers, services_.collectives.get(), config_.device_index));
       ranks = std::move(next);
       epoch_ = ranks.epoch;
       if (services_.mailbox != nullptr) services_.mailbox->DiscardJob(old_key);
@@ -450,6 +504,14 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
       }
       GT_LOG(INFO) << "actor " << id << ": regrouped with replicas [" << absl::StrJoin(ranks.present, ", ")
                    << "] (membership " << ranks.epoch << "), at step " << trainer.completed_step();
+      if (!regroup.joining().empty() && regroup.donor() == ranks.replica) {
+        // A heal: this stage's state goes to the joining replicas' actors before this one says it is ready.
+        const auto start = Clock::now();
+        ASSIGN_OR_RETURN(const uint64_t bytes,
+                         trainer.SendState(std::vector<int>(regroup.joining().begin(), regroup.joining().end())));
+        GT_LOG(INFO) << "actor " << id << ": sent its stage's state (" << bytes << " bytes) to replicas ["
+                     << absl::StrJoin(regroup.joining(), ", ") << "] in " << SecondsSince(start) << " s";
+      }
     }
     if (ranks.epoch > failed_in && regroup.epoch() == ranks.epoch && regroup.confirmed()) {
       if (regroup.resume_step() != trainer.completed_step() + 1) {
@@ -463,10 +525,7 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
                       << " ms; the step's failure stands";
       return failure;
     }
-    StepReport probe;
-    probe.set_job_id(config_.actor.job_id());
-    probe.set_actor_id(id);
-    probe.set_attempt(config_.attempt);
+    StepReport probe = Probe();
     probe.set_regroup_waiting(true);
     probe.set_epoch(ranks.epoch);
     probe.set_completed_step(trainer.completed_step());

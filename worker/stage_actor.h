@@ -69,6 +69,9 @@ struct StageActorConfig {
   double slowdown = 1;
   int64_t attempt = 0;      // which run of the job this actor belongs to (0 first; raised by each restart)
   std::string resume_from;  // a checkpoint step directory to start from; empty: fresh weights, step 1
+  // A heal (head/job_heal.h): the actor joins a running job in membership join.epoch (> 0) of join.replicas; its
+  // state comes from replica join.donor once that membership forms (no resume_from). Epoch 0: a run's actor.
+  Regroup join;
 };
 
 // What an actor uses from its host. Null members are made from the config: a GrpcHeadClient to
@@ -114,6 +117,14 @@ class StageActor {
 
  private:
   absl::Status Run();
+  // Run's first phase: the actor's ranks, its trainer (the stage, its data and collectives), and the first step to
+  // train: after a resume from config_.resume_from, or once a joining actor has its state (Join); logged.
+  struct SetUp {
+    ActorRanks ranks;
+    std::unique_ptr<StageTrainer> trainer;
+    int64_t first_step = 1;
+  };
+  absl::StatusOr<SetUp> SetUpStage();
   // Loads config_.resume_from into the trainer (nothing when empty); returns the first step to train.
   absl::StatusOr<int64_t> Resume(StageTrainer& trainer);
   void SetState(ActorState state, const std::string& message);
@@ -125,9 +136,17 @@ class StageActor {
   // `dir`; returns the training thread's seconds.
   absl::StatusOr<double> WriteCheckpoint(StageTrainer& trainer, const ActorRanks& ranks, int64_t step,
                                          const std::string& dir);
-  // At the drain's step: true once the head confirms that every actor stops after it; false when it names another
+  // At a drain's (or heal's) step: true once the head confirms that every actor stops after it; false when it names another
   // step (or none), the actor is stopped, or no answer came within the collective deadline (training goes on).
-  bool AwaitDrain(int64_t step);
+  // A step boundary's fields as a reply tells them: a drain's, or a heal's.
+  struct Boundary {
+    const std::atomic<int64_t>& at;
+    const std::atomic<int64_t>& confirmed;
+    const char* what;  // "drain", "heal"
+  };
+  Boundary DrainBoundary() const { return {drain_at_step_, drain_confirmed_step_, "drain"}; }
+  Boundary HealBoundary() const { return {heal_at_step_, heal_confirmed_step_, "heal"}; }
+  bool AwaitBoundary(int64_t step, const Boundary& boundary);
   // The last report of an actor that leaves after `step` for a drain, with its checkpoint shard of it.
   void ReportLeft(int64_t step);
   // After a step failed on a peer (`failure`), or at a drain's step when the job goes on without the draining
@@ -135,8 +154,19 @@ class StageActor {
   // in, and rebuilds the trainer's collectives (and `ranks`) for it. Returns the step to train next once the head
   // confirms that every actor of it stands at the same completed step; 0 when this actor's replica is not in it (it
   // leaves); `failure` when the head stops the actor (a restart, a cancel) or gives no word within the deadline.
+  // In a heal's membership the donor replica's actor sends its stage's state to the joining replicas' before it says
+  // it is ready.
   absl::StatusOr<int64_t> AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure,
                                        const std::string& why);
+  // The actor's place in membership `g`: its ranks rebuilt from g's actor list when it has one (a heal: the joining
+  // actors' addresses), else `ranks` with g's replicas.
+  absl::StatusOr<ActorRanks> MembershipRanks(const Regroup& g, const ActorRanks& ranks) const;
+  // A joining actor (config_.join): says it is set up, waits for its membership to form, receives its state from the
+  // donor and says it is ready; returns the step to train next once the head confirms the membership. An error
+  // when the head stops it (the heal was given up), the membership moves on without it, or no word comes in time.
+  absl::StatusOr<int64_t> Join(StageTrainer& trainer, const ActorRanks& ranks);
+  // A probe of an actor that waits at a boundary or for a membership: the job, the actor and the run filled in.
+  StepReport Probe() const;
   // What the latest reply says of the job's membership (a drain's leave by regroup): none newer than this actor's, or
   // a newer one with its replica in it, or without.
   enum class Membership { kSame, kStays, kLeaves };
@@ -157,6 +187,9 @@ class StageActor {
   // job's actors leave after (0: none), and that step once the head confirmed it.
   std::atomic<int64_t> drain_at_step_{0};
   std::atomic<int64_t> drain_confirmed_step_{0};
+  // A heal, likewise: the step the job's actors pause after for the healed replicas to join, and once confirmed.
+  std::atomic<int64_t> heal_at_step_{0};
+  std::atomic<int64_t> heal_confirmed_step_{0};
   std::atomic<int64_t> epoch_{0};  // the membership the actor's collectives are built for (thread_ writes it)
   bool set_up_ = false;            // written and read by thread_ only: true once the actor has set up and trains
   std::thread thread_;             // joined by the destructor before the members it uses go

@@ -262,6 +262,18 @@ class StageActorTest : public ::testing::Test {
     return out;
   }
 
+  // A mailbox of its own on a loopback port (mailboxes_.back()), served until TearDown; returns the port (0: none).
+  int StartMailbox() {
+    auto mailbox = std::make_unique<comm::TensorStreamServer>(kToken);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    mailbox->Register(&builder);
+    servers_.push_back(builder.BuildAndStart());
+    mailboxes_.push_back(std::move(mailbox));
+    return port;
+  }
+
   // Starts every actor of `spec` in this process, two "sites" (replicas alternate between them);
   // `factory_for` may inject collectives per world rank.
   void StartJob(
@@ -272,14 +284,8 @@ class StageActorTest : public ::testing::Test {
     for (int r = 0; r < dp; ++r) {
       for (int s = 0; s < pp; ++s) {
         for (int t = 0; t < tp; ++t) {
-          auto mailbox = std::make_unique<comm::TensorStreamServer>(kToken);
-          grpc::ServerBuilder builder;
-          int port = 0;
-          builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-          mailbox->Register(&builder);
-          servers_.push_back(builder.BuildAndStart());
+          const int port = StartMailbox();
           ASSERT_NE(port, 0);
-          mailboxes_.push_back(std::move(mailbox));
           ActorPeer p;
           p.set_actor_id(absl::StrCat("job-1-r", r, "s", s, "t", t));
           p.set_replica(r);

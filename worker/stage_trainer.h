@@ -115,6 +115,14 @@ class StageTrainer {
                        int device_index);
   // Where a resume sets the step counter: `step` completed.
   void set_completed_step(int64_t step) { completed_step_ = step; }
+  // Heals (head/job_heal.h), after Regroup to the membership the healed replicas join: the donor (the lowest replica
+  // that stays) sends this stage's whole training state to the same stage of each joining replica, which receives
+  // it: the weights, AdamW's moments and step, fp16's loss scale, the completed step and the data position. Over the
+  // data-parallel group's exact communicator (StageCollectives::dp_scalars), lossless whatever the codecs, so that
+  // the copies are bit-identical. Returns the bytes sent or received. A joiner's state is checked (its model's size,
+  // the scale) before any of it is used.
+  absl::StatusOr<uint64_t> SendState(const std::vector<int>& joining);
+  absl::StatusOr<uint64_t> ReceiveState(int donor);
   // The figures of `step` as far as it went: for a step whose update applied before something after it (validation)
   // failed on a peer, so that it is reported all the same (without a validation loss).
   StepFigures FiguresSoFar(int64_t step) const { return Figures(step); }

@@ -73,6 +73,22 @@ class WorkerServer::Service final : public internal::Worker::Service {
     if (request->attempt() < 0) return invalid("attempt must not be negative");
     config.attempt = request->attempt();
     config.resume_from = request->resume_from();
+    if (request->has_join()) {
+      const Regroup& join = request->join();
+      const int dp = config.spec.parallel().dp();
+      const auto& replicas = join.replicas();
+      const bool sorted = std::is_sorted(replicas.begin(), replicas.end()) &&
+                          std::adjacent_find(replicas.begin(), replicas.end()) == replicas.end();
+      const auto in = [&](int r) { return std::find(replicas.begin(), replicas.end(), r) != replicas.end(); };
+      if (join.epoch() <= 0 || replicas.empty() || !sorted || replicas[0] < 0 || replicas[replicas.size() - 1] >= dp ||
+          !in(a.replica()) || !in(join.donor()) || join.donor() == a.replica() || !config.resume_from.empty()) {
+        return invalid(
+            absl::StrCat("a joining actor needs a positive epoch, its membership's replicas (ascending, "
+                         "below dp = ",
+                         dp, ", its own and the donor's among them) and no resume_from"));
+      }
+      config.join = join;
+    }
     const Device& device = worker_->devices_[a.device_index()];
     config.slowdown = device.slowdown() > 1 ? device.slowdown() : 1;
     if (device.kind() == DEVICE_KIND_CUDA) {

@@ -1,7 +1,9 @@
-"""What a live regroup costs the replicas that stay, on the chaos benchmark's cluster and demo job: the healthy
-replicas' pause between two complete steps around (1) kill -9 of a worker that hosts an actor of one replica, and
-(2) `geotrain worker drain` of a worker that hosts an actor of one replica (a leave by regroup), each against the
-job's median step time before it (docs/reliability.md: the goal is a pause of at most two median steps).
+"""What a live regroup and a heal cost, on the chaos benchmark's cluster and demo job: the healthy replicas' pause
+between two complete steps around (1) kill -9 of a worker that hosts an actor of one replica, and (2) `geotrain worker
+drain` of a worker that hosts an actor of one replica (a leave by regroup), each against the job's median step time
+before it (docs/reliability.md: the goal is a pause of at most two median steps); and after the kill, the heal of the
+lost replica onto the spares: its cost (the fault's detection to the healed replica's first step; goal: within 10 s)
+and the healthy replica's pause while it joins.
 
 One `cluster up bench/chaos/two-sites-spares.yaml` (two sites 30 ms apart, three emulated RTX 6000 workers each), the
 demo job of bench/chaos/chaos.py (gpt2-demo, DP2 x PP2 across the sites, bf16 on the WAN). Each case runs its own job
@@ -52,6 +54,16 @@ def run_case(c, kind, data, out, warm_steps, index):
     if m.group(1) is None:
         raise RuntimeError(f"{kind}: the job restarted instead of regrouping: {m.group(0)}")
     pause = float(m.group(1))
+    heal = {}
+    if kind == "kill":  # the lost replica comes back on the spares, its state streamed from the live one
+        h = c.wait_log(job_id, r"healed replicas trained their first step \((\d+)\): ([\d.]+) s after|RESTARTING: .*",
+                       timeout=300)
+        if h.group(1) is None:
+            raise RuntimeError(f"heal: the job restarted instead: {h.group(0)}")
+        after = c.logs(job_id).split("healed: ", 1)[1]
+        joined = re.search(r"stayed healthy paused ([\d.]+) s", after)
+        heal = {"heal_s": float(h.group(2)), "healed_first_step": int(h.group(1)),
+                "heal_pause_s": float(joined.group(1)) if joined else None}
     logs = c.logs(job_id)
     job = c.job(job_id)
     c.cli(["job", "cancel", job_id], check=False)
@@ -62,9 +74,13 @@ def run_case(c, kind, data, out, warm_steps, index):
             "pause_in_median_steps": pause / median, "restarts": int(job.get("restarts", 0)),
             "regroups": int(job.get("regroups", 0)), "replicas": job.get("replicas"),
             "fault_line": next((l for l in logs.splitlines() if "without a restart" in l), ""),
-            "seconds_from_fault_to_log_end": time.time() - t}
+            "heals": int(job.get("heals", 0)), **heal, "seconds_from_fault_to_log_end": time.time() - t}
     print(f"{kind}: healthy pause {pause:.1f} s = {pause / median:.2f} median steps ({median:.2f} s); "
           f"restarts {case['restarts']}, regroups {case['regroups']}, replicas {case['replicas']}", flush=True)
+    if heal:
+        print(f"heal: the lost replica trained again {heal['heal_s']:.1f} s after the fault's detection (step "
+              f"{heal['healed_first_step']}); the healthy replica paused {heal['heal_pause_s']:.1f} s = "
+              f"{heal['heal_pause_s'] / median:.2f} median steps while it joined", flush=True)
     # The next case's job gets every worker back.
     wait_for(lambda: all(w["state"] == "WORKER_ALIVE" and not w.get("draining") for w in json.loads(
         c.cli(["status", "--json"]).stdout)["workers"] if w["worker_id"] != victim or kind == "kill"), 60,

@@ -42,6 +42,7 @@ def spec_text(name, data, ckpt, parallel, steps=STEPS, extra=""):
 
 
 RESTART = "fault_tolerance: {regroup: false}\n"  # a drain restarts the job without the worker
+NO_HEAL = "fault_tolerance: {heal: false}\n"  # the replica that left stays away (its simulation has it leave)
 
 
 DP2 = "{plan: manual, dp: 2, microbatches: 2}"
@@ -177,7 +178,7 @@ class DrainTest(unittest.TestCase):
 
     def test_2_sigterm_drains_and_the_other_replica_trains_on_without_a_restart(self):
         proc = self.start_worker("w-1", ["T4"])  # a new process: it joins afresh, not draining
-        out = self.c.cli(["job", "submit", self.write_spec("drain-sigterm", None)]).stdout
+        out = self.c.cli(["job", "submit", self.write_spec("drain-sigterm", None, extra=NO_HEAL)]).stdout
         job_id = out.split()[1]
         self.wait_step(job_id, 3)
         actors = self.job(job_id)["actors"]

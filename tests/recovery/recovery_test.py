@@ -9,9 +9,12 @@ worker, the WAN emulator between the sites).
 - kill -9 of the head mid-run and a restart on the same state dir: the job goes on to SUCCEEDED, no restart;
 - a 5 s cross-site outage mid-run (the emulator's link down): SUCCEEDED with no restart;
 - a corrupted newest checkpoint: `resume: auto` skips it (a log line says why) and resumes from the older one;
-- kill -9 of a worker of one replica with live regroups on (the default): the other replica trains on without a
+- kill -9 of a worker of one replica with live regroups on and heals off: the other replica trains on without a
   restart, every step once, and ends with the weights of the one-process simulation that trains that replica alone
-  from the step it went on at; and so across a kill -9 and restart of the head while the job is degraded.
+  from the step it went on at; and so across a kill -9 and restart of the head while the job is degraded;
+- the same kill with heals on (the default): the lost replica comes back on the free devices (the spare and its
+  other stage's) with the live replica's state streamed to it, no restart, no step lost, and the job ends with the
+  weights of the simulation that trains the live replica alone between the regroup and the heal.
 
 Usage: recovery_test.py PATH/TO/geotrain TOPOLOGY.yaml
 """
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import time
 import unittest
+import urllib.request
 
 import numpy as np
 
@@ -50,6 +54,7 @@ def spec_text(name, data, ckpt, parallel, steps=STEPS, extra=""):
 
 
 DP2_PP2 = "{plan: manual, dp: 2, pp: 2, microbatches: 2, schedule: 1f1b}"
+NO_HEAL = "fault_tolerance: {heal: false}\n"  # a replica that left stays away, free devices or not
 
 
 class RecoveryTest(unittest.TestCase):
@@ -232,23 +237,27 @@ class RecoveryTest(unittest.TestCase):
         self.assertIsNotNone(how, logs)
         self.assertLessEqual(pause, 15.0)
         # The final weights are what the one-process simulation of replica `kept` alone from `resume` on trains.
-        local_ckpt = os.path.join(self.dir, f"local-regrouped-{job_id}")
-        path = self.write_spec(f"local-regrouped-{job_id}", local_ckpt, "{plan: manual, dp: 2, microbatches: 2}",
-                               steps=steps)
-        out = subprocess.run([GEOTRAIN, "train", "--local", path, "--regrouped-at", str(resume), "--replicas",
-                              str(kept)], capture_output=True, text=True, timeout=300)
+        worst = self.expect_simulated(job_id, ckpt, steps, ["--regrouped-at", str(resume), "--replicas", str(kept)],
+                                      tolerance, f"without replica {lost} from step {resume}")
+        return resume, pause, how.group(1), worst
+
+    def expect_simulated(self, job_id, ckpt, steps, args, tolerance, what):
+        """The job's final weights are those of `train --local` of its spec (dp 2, one process) with `args`, within
+        `tolerance` relative; returns the worst relative difference."""
+        local_ckpt = os.path.join(self.dir, f"local-{job_id}")
+        path = self.write_spec(f"local-{job_id}", local_ckpt, "{plan: manual, dp: 2, microbatches: 2}", steps=steps)
+        out = subprocess.run([GEOTRAIN, "train", "--local", path] + args, capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr + out.stdout)
         step, params = read_step_dir(newest(ckpt))
         self.assertEqual(step, steps)
         _, simulated = read_step_dir(newest(local_ckpt))
         worst = max(float(np.max(np.abs(params[k] - v))) / max(1.0, float(np.max(np.abs(v))))
                     for k, v in simulated.items())
-        self.assertLessEqual(worst, tolerance, "the regrouped job's weights differ from the simulation without replica "
-                             f"{lost} from step {resume}")
-        return resume, pause, how.group(1), worst
+        self.assertLessEqual(worst, tolerance, f"the job's weights differ from the simulation {what}")
+        return worst
 
     def test_5_worker_killed_mid_run_the_other_replica_trains_on_without_a_restart(self):
-        job_id, ckpt = self.submit("regroup", DP2_PP2)
+        job_id, ckpt = self.submit("regroup", DP2_PP2, extra=NO_HEAL)
         self.c.wait_log(job_id, r"checkpoint of step 8 complete")
         victim, lost, kept = self.kill_a_site_b_worker(job_id)
         try:
@@ -264,7 +273,7 @@ class RecoveryTest(unittest.TestCase):
 
     def test_6_a_degraded_job_goes_on_across_a_head_restart(self):
         steps = 80
-        job_id, ckpt = self.submit("regroup-head", DP2_PP2, steps=steps)
+        job_id, ckpt = self.submit("regroup-head", DP2_PP2, extra=NO_HEAL, steps=steps)
         self.c.wait_log(job_id, r"checkpoint of step 8 complete")
         victim, lost, kept = self.kill_a_site_b_worker(job_id)
         try:
@@ -282,6 +291,54 @@ class RecoveryTest(unittest.TestCase):
                   f"restart, no step lost; weights equal the simulation (worst {worst:.1e})")
         finally:
             self.restart_worker(victim)
+
+    def test_7_a_lost_replica_is_healed_from_the_live_one(self):
+        steps = 40
+        job_id, ckpt = self.submit("heal", DP2_PP2, steps=steps)
+        self.c.wait_log(job_id, r"checkpoint of step 8 complete")
+        victim, lost, kept = self.kill_a_site_b_worker(job_id)
+        try:
+            job = self.expect_succeeded(job_id, 0)
+            logs = self.c.logs(job_id)
+            self.assertNotIn("RESTARTING", logs)
+            self.assertEqual((job.get("regroups"), job.get("heals")), (1, 1), logs)
+            self.assertEqual(job["replicas"], {"present": 2, "planned": 2}, logs)
+            resume = int(re.search(r"rebuilt their groups at step (\d+) and train step (\d+) next", logs).group(2))
+            joined = re.search(rf"healed: replica {lost} joined at step (\d+) with replica {kept}'s weights and "
+                               r"optimizer state \(no checkpoint read, no step lost\); replicas 0, 1 train step (\d+)",
+                               logs)
+            self.assertIsNotNone(joined, logs)
+            healed_at = int(joined.group(2))
+            self.assertLess(resume, healed_at)
+            self.assertLess(healed_at, steps)
+            heal_seconds = float(re.search(r"healed replicas trained their first step \(\d+\): ([\d.]+) s after", logs)
+                                 .group(1))
+            self.assertGreater(job.get("heal_seconds", 0), 0, logs)
+            # The head's /metrics (served with the dashboard) counts the heal and its cost.
+            url = json.loads(self.c.cli(["status", "--json"]).stdout)["dashboard_url"]
+            with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
+                metrics = r.read().decode()
+            for name, value in (("geotrain_job_heals_total", 1.0), ("geotrain_job_replicas", 2.0),
+                                ("geotrain_job_heal_seconds", job["heal_seconds"])):
+                m = re.search(rf'^{name}{{job_id="{job_id}"}} (\S+)$', metrics, re.M)
+                self.assertIsNotNone(m, f"{name} of {job_id} not on /metrics")
+                self.assertAlmostEqual(float(m.group(1)), value, places=3, msg=name)
+            # Every step once: none lost, none trained twice.
+            found = [int(m) for m in re.findall(r"^\S+ \S+ step (\d+) loss", logs, re.M)]
+            self.assertEqual(found, list(range(1, steps + 1)), logs)
+            # The weights are the one-process simulation's: both replicas, then replica `kept` alone from `resume`,
+            # then both again from `healed_at`. The healed replica trained on the state streamed to it: had any of its
+            # weights or AdamW moments differed from the live replica's, its gradients (half of each update) would.
+            worst = self.expect_simulated(
+                job_id, ckpt, steps,
+                ["--regrouped-at", str(resume), "--replicas", str(kept), "--healed-at", str(healed_at)], 5e-5,
+                f"with replica {lost} away from step {resume} to {healed_at - 1}")
+            print(f"heal: replica {lost} left at step {resume}, came back with replica {kept}'s state and trained "
+                  f"from step {healed_at}, {heal_seconds:.1f} s after the fault was detected; no restart, no step "
+                  f"lost; weights equal the simulation (worst {worst:.1e})")
+        finally:
+            self.restart_worker(victim)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

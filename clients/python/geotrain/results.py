@@ -230,6 +230,8 @@ class JobStatus(_Result):
     leaves: int = 0  # restarts without a worker that left on notice (a drain)
     replicas: Optional[Replicas] = None  # data-parallel replicas training now and planned
     regroups: int = 0  # times the job went on with fewer replicas without a restart
+    heals: int = 0  # times a lost replica came back, its state streamed from a live one (no restart)
+    heal_seconds: float = 0.0  # the latest heal: its fault's detection to the healed replica's first step
 
     @property
     def ended(self):
