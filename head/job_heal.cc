@@ -35,19 +35,31 @@ absl::StatusOr<std::vector<ActorPlacement>> PlaceHeal(const JobInfo& job, const 
   JobInfo part = job;
   ParallelSpec* parallel = part.mutable_spec()->mutable_parallel();
   parallel->set_dp(static_cast<int>(replicas.size()));
+  // Each replica's share of the batch as in the plan (the memory each stage needs depends on it).
+  const int dp = std::max(1, job.spec().parallel().dp());
+  part.mutable_spec()->mutable_train()->set_global_batch(job.spec().train().global_batch() / dp *
+                                                         static_cast<int>(replicas.size()));
   std::vector<PlacementSpec> pins;
   for (const PlacementSpec& pin : job.spec().parallel().placement()) {
     auto r = std::find(replicas.begin(), replicas.end(), pin.replica());
     const bool alive = std::any_of(workers.begin(), workers.end(), [&](const WorkerInfo& w) {
       return w.worker_id() == pin.worker() && w.state() == WORKER_ALIVE;
     });
-    if (r == replicas.end() || (!pin.worker().empty() && !alive)) continue;
+    if (r == replicas.end() || (!pin.worker().empty() && !alive && pin.site().empty())) continue;
     PlacementSpec& kept = pins.emplace_back(pin);
     kept.set_replica(static_cast<int>(r - replicas.begin()));
+    if (!alive) kept.clear_worker();  // its site stays
   }
   parallel->clear_placement();
   for (const PlacementSpec& pin : pins) *parallel->add_placement() = pin;
-  ASSIGN_OR_RETURN(std::vector<ActorPlacement> placed, PlaceActors(part, workers, held));
+  // Not on a CUDA device: its groups would be NCCL's, which a live membership change does not rebuild.
+  HeldDevices unusable = held;
+  for (const WorkerInfo& w : workers) {
+    for (int d = 0; d < w.devices_size(); ++d) {
+      if (w.devices(d).kind() == DEVICE_KIND_CUDA) unusable.emplace(std::make_pair(w.worker_id(), d), "NCCL");
+    }
+  }
+  ASSIGN_OR_RETURN(std::vector<ActorPlacement> placed, PlaceActors(part, workers, unusable));
   for (ActorPlacement& p : placed) {
     const int r = replicas[static_cast<size_t>(p.actor.replica())];
     p.actor.set_replica(r);
@@ -62,7 +74,8 @@ void BeginHeal(JobRun& run, std::vector<int> replicas, std::vector<ActorPlacemen
   h = RunHeal{};
   h.replicas = std::move(replicas);
   h.actors = std::move(actors);
-  h.epoch = run.regroup.epoch + 1;
+  h.epoch = NextEpoch(run.regroup);
+  run.regroup.reserved_epoch = h.epoch;
   h.donor = PresentReplicas(run).front();
   h.started_ms = now_ms;
   h.fault_detected_ms = run.regroup.detected_ms;
@@ -133,6 +146,7 @@ bool JoinHeal(JobRun& run, int64_t now_ms) {
   g.joining = h.replicas;
   g.donor = h.donor;
   g.peers = h.peers;
+  g.heal_backoff_ms = 0;
   return true;
 }
 

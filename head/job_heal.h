@@ -37,22 +37,28 @@ namespace geotrain::head {
 
 // How long the new actors of a heal may take to set up (create their stage, open their data) before it is given up.
 inline constexpr int64_t kHealSetUpMs = 120000;
+// How often the head tries to place a degraded run's missing replicas; after a heal given up, the wait before the
+// next (doubling with each give-up, up to the maximum).
+inline constexpr int64_t kHealLookMs = 1000;
+inline constexpr int64_t kHealRetryMs = 10000;
+inline constexpr int64_t kHealRetryMaxMs = 300000;
 
 // The replicas of the plan a heal would bring back: those not in the run's membership, when the run may heal now:
 // running, its membership a confirmed regroup's with a step completed since it resumed, no drain or heal under way,
 // a job that regroups live (RegroupEligible). Empty otherwise.
 std::vector<int> MissingReplicas(const JobRun& run, const WorkersById& workers);
 
-// Places the actors of `replicas` (the plan's stages and tensor ranks; their pins kept where they name a site or an
-// alive worker: a pinned worker may be the one that died) on the free devices of `workers` less `held`, as PlaceActors does (UNAVAILABLE when they do not all fit
-// now). Their ids are the plan's, with the run ("-a<attempt>") and the heal ("-h<epoch>"), so that a worker still
-// finishing an earlier actor of the same place takes the new one at once.
+// Places the actors of `replicas` (the plan's stages and tensor ranks, each replica's share of the batch; their pins
+// kept where they name a site or an alive worker: a pinned worker may be the one that died) on the free devices of
+// `workers` less `held` and less every CUDA device (NCCL groups are not rebuilt live), as PlaceActors does
+// (UNAVAILABLE when they do not all fit now). Their ids are the plan's, with the run ("-a<attempt>") and the heal
+// ("-h<epoch>", an epoch never used again).
 absl::StatusOr<std::vector<ActorPlacement>> PlaceHeal(const JobInfo& job, const std::vector<int>& replicas,
                                                       const std::vector<WorkerInfo>& workers, const HeldDevices& held,
                                                       int64_t attempt, int64_t epoch);
 
 // Starts a heal of `replicas` with their new `actors` (placed, not yet created) at `now_ms`: its membership is the
-// run's next epoch, its donor the lowest replica present.
+// run's next epoch (reserved: a membership after a give-up takes a later one), its donor the lowest replica present.
 void BeginHeal(JobRun& run, std::vector<int> replicas, std::vector<ActorPlacement> actors, int64_t now_ms);
 
 // The membership the heal's new actors are created in (CreateActorRequest.join) and the run moves to (JoinHeal):

@@ -204,5 +204,26 @@ TEST(JobHealTest, AnActorThatPassedTheStepUnawareMovesItAndARegroupGivesTheHealU
   EXPECT_TRUE(run.heal.replicas.empty());
 }
 
+TEST(JobHealTest, AHealGivenUpUsesUpItsEpochAndTheActorsListGoesWithAFormingMembershipOnly) {
+  JobRun run = DegradedRun();
+  ASSERT_EQ(run.regroup.epoch, 1);
+  BeginHeal(run, {1}, std::vector<ActorPlacement>(2), 2000);
+  EXPECT_EQ(run.heal.epoch, 2);
+  run.heal = RunHeal{};  // given up before it joined
+  // The next heal, and any membership after it, take a later epoch: the given-up actors' workers refuse epoch 2.
+  BeginHeal(run, {1}, std::vector<ActorPlacement>(2), 3000);
+  EXPECT_EQ(run.heal.epoch, 3);
+  BeginRegroup(run, {0, 2}, "a heal given up: its worker died", 4000);
+  EXPECT_EQ(run.regroup.epoch, 4);
+  run.regroup.peers.resize(6);
+  ReportStepReply forming;
+  FillRunReply(run, &forming);
+  EXPECT_EQ(forming.regroup().peers_size(), 6);
+  run.regroup.confirmed = true;
+  ReportStepReply confirmed;
+  FillRunReply(run, &confirmed);
+  EXPECT_EQ(confirmed.regroup().peers_size(), 0);
+}
+
 }  // namespace
 }  // namespace geotrain::head

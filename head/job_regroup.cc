@@ -96,7 +96,7 @@ RegroupBegun BeginRegroup(JobRun& run, const std::vector<int>& kept, const std::
   // The healthy replicas' pause runs from their last complete step before the first fault of a series.
   const int64_t last_complete_ms = run.progress.last_complete_ms;
   if (g.paused_from_ms == 0) g.paused_from_ms = last_complete_ms > 0 ? last_complete_ms : detected_ms;
-  ++g.epoch;
+  g.epoch = NextEpoch(g);
   g.replicas = kept;
   g.confirmed = false;
   g.resume_step = 0;
@@ -181,7 +181,10 @@ void FillRegroupReply(const JobRun& run, ReportStepReply* reply) {
   r->set_resume_step(g.resume_step);
   for (int x : g.joining) r->add_joining(x);
   r->set_donor(g.donor);
-  for (const ActorPeer& p : g.peers) *r->add_peers() = p;
+  // The actors' list while a membership forms (its actors keep the latest they were told).
+  if (!g.confirmed) {
+    for (const ActorPeer& p : g.peers) *r->add_peers() = p;
+  }
 }
 
 void FillRunReply(const JobRun& run, ReportStepReply* reply) {

@@ -12,6 +12,7 @@
 // holding it; only logging.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -103,7 +104,16 @@ struct RunRegroup {
   std::vector<int> joining;
   int donor = 0;
   std::vector<ActorPeer> peers;
+  int64_t heal_looked_ms = 0;  // monotonic: when JobRunner::CheckHeals last tried to place the missing replicas
+  // A heal takes its membership's epoch when it begins (head/job_heal.h): a heal given up has used it, and no later
+  // membership or heal takes it again (its stopped actors' workers refuse that epoch's tensors).
+  int64_t reserved_epoch = 0;
+  // After a heal was given up, the next is not tried before heal_retry_ms (monotonic), each give-up doubling the wait.
+  int64_t heal_retry_ms = 0;
+  int64_t heal_backoff_ms = 0;
 };
+// The next membership epoch of a run: above every epoch used or reserved.
+inline int64_t NextEpoch(const RunRegroup& g) { return std::max(g.epoch, g.reserved_epoch) + 1; }
 
 // A heal of a degraded run (head/job_heal.h): the actors of replicas that left, created anew on free devices, join
 // the run at a step boundary T with their state streamed from a live replica. Empty `replicas`: no heal.
@@ -113,7 +123,7 @@ struct RunHeal : StepBoundary {
   int64_t epoch = 0;                   // the membership they join (the run's next)
   int donor = 0;                       // the replica whose actors stream their state to them
   std::set<std::string> ready;         // new actors set up, waiting for their state (StepReport.heal_ready)
-  bool joined = false;                 // the membership with them began (BeginHealMembership)
+  bool joined = false;                 // the membership with them began (JoinHeal)
   int64_t started_ms = 0;              // monotonic: when the heal was placed
   int64_t fault_detected_ms = 0;       // monotonic: the detection of the fault its replicas left for
   int64_t first_step = 0;              // joined: the first step the healed replicas train

@@ -182,8 +182,10 @@ class JobRunner final : private RunControl {
   void CheckHeals();
   void LaunchHeal(const std::string& job_id, int64_t attempt, const std::vector<ActorPlacement>& actors,
                   const JobSpec& spec, const Regroup& join, const std::vector<ActorPeer>& peers);
-  // Gives up the run's heal that has not joined yet (`why` for the log): its new actors are stopped.
-  void GiveUpHeal(const std::string& job_id, int64_t attempt, const std::string& why);
+  // Gives up the run's heal that has not joined yet (`why` for the log): its new actors are stopped; when the others
+  // stop at its confirmed step, a membership of them alone lets them go on. The next heal waits (doubling). False
+  // when there was none to give up (it joined, or a fault is being handled).
+  bool GiveUpHeal(const std::string& job_id, int64_t attempt, const std::string& why);
   // A report of a heal's new actor before it joined: set up (StepReport.heal_ready), or failed (the heal is given
   // up). Nothing when the report is not such an actor's error (the caller handles it).
   std::optional<ReportStepReply> OnHealReport(const StepReport& report);

@@ -1,5 +1,6 @@
 // JobRunner's heals (head/job_heal.h): a degraded run's missing replicas placed on free devices, their actors created
 // to join it, the step they join after, and the heal's record. The rest of the runner is in job_runner.cc.
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,7 +57,7 @@ void JobRunner::CheckHeals() {
   std::vector<std::tuple<std::string, int64_t, std::string>> give_ups;  // job, run, why
   {
     absl::MutexLock lock(&runs_.mu);
-    for (const auto& [job_id, run] : runs_.by_job) {
+    for (auto& [job_id, run] : runs_.by_job) {
       if (run.phase != RunPhase::kRunning) continue;
       if (!run.heal.replicas.empty()) {
         if (run.heal.joined) continue;  // a failure now is the run's fault like any other
@@ -64,14 +65,19 @@ void JobRunner::CheckHeals() {
           give_ups.push_back({job_id, run.attempt, why});
         continue;
       }
+      // Placing reads the job's record and the cluster: once a second is often enough for devices to come free; and
+      // not before the wait after a heal given up.
+      if (now - run.regroup.heal_looked_ms < kHealLookMs || now < run.regroup.heal_retry_ms) continue;
       std::vector<int> missing = MissingReplicas(run, by_id);
-      if (!missing.empty()) candidates.push_back({job_id, run.attempt, run.regroup.epoch + 1, std::move(missing)});
+      if (missing.empty()) continue;
+      run.regroup.heal_looked_ms = now;
+      candidates.push_back({job_id, run.attempt, NextEpoch(run.regroup), std::move(missing)});
     }
   }
   for (const auto& [job_id, attempt, why] : give_ups) GiveUpHeal(job_id, attempt, why);
   for (const Candidate& c : candidates) {
     absl::StatusOr<JobInfo> job = jobs_->Get(c.job_id);
-    if (!job.ok()) continue;
+    if (!job.ok() || job->timed_compute()) continue;  // timed compute has no weights to stream
     HeldDevices held = HeldByOthers(c.job_id);
     for (const ActorRecord& a : Actors(c.job_id)) held[{a.worker_id(), a.device_index()}] = c.job_id;
     // Not every missing replica fits now: the job trains on degraded and tries again on the next look.
@@ -84,7 +90,7 @@ void JobRunner::CheckHeals() {
       absl::MutexLock lock(&runs_.mu);
       auto it = runs_.by_job.find(c.job_id);
       if (it == runs_.by_job.end() || it->second.attempt != c.attempt ||
-          MissingReplicas(it->second, by_id) != c.missing || it->second.regroup.epoch + 1 != c.epoch) {
+          MissingReplicas(it->second, by_id) != c.missing || NextEpoch(it->second.regroup) != c.epoch) {
         continue;  // the run moved on meanwhile
       }
       JobRun& run = it->second;
@@ -113,7 +119,7 @@ void JobRunner::LaunchHeal(const std::string& job_id, int64_t attempt, const std
   if (!created.ok()) GiveUpHeal(job_id, attempt, std::string(created.message()));
 }
 
-void JobRunner::GiveUpHeal(const std::string& job_id, int64_t attempt, const std::string& why) {
+bool JobRunner::GiveUpHeal(const std::string& job_id, int64_t attempt, const std::string& why) {
   std::vector<ActorPlacement> stop;
   std::vector<int> replicas;
   std::string present;
@@ -125,13 +131,18 @@ void JobRunner::GiveUpHeal(const std::string& job_id, int64_t attempt, const std
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(job_id);
+    // A fault being handled (not kRunning) ends the heal itself: its regroup stops the new actors, a restart's run
+    // refuses their reports.
     if (it == runs_.by_job.end() || it->second.attempt != attempt || it->second.heal.replicas.empty() ||
-        it->second.heal.joined) {
-      return;
+        it->second.heal.joined || it->second.phase != RunPhase::kRunning) {
+      return false;
     }
     JobRun& run = it->second;
     replicas = run.heal.replicas;
     planned = run.spec.parallel().dp();
+    RunRegroup& g = run.regroup;
+    g.heal_backoff_ms = g.heal_backoff_ms == 0 ? kHealRetryMs : std::min(2 * g.heal_backoff_ms, kHealRetryMaxMs);
+    g.heal_retry_ms = clock_->NowMillis() + g.heal_backoff_ms;
     if (run.heal.confirmed) {
       kept = PresentReplicas(run);
       RegroupBegun begun = BeginRegroup(run, kept, absl::StrCat("a heal given up: ", why), clock_->NowMillis());
@@ -149,11 +160,15 @@ void JobRunner::GiveUpHeal(const std::string& job_id, int64_t attempt, const std
   launcher_.StopActors(stop, absl::StrCat("the heal was given up: ", why), /*wait=*/false, /*job_goes_on=*/true);
   if (regroup) {
     recovery_.RecordRegroup(job_id, staying, kept, planned, epoch, absl::StrCat("a heal given up: ", why));
+    // The others stopped after the heal's step, or (if the word had not reached them) train on: either way they
+    // rebuild for the membership without the new actors and resume after that step.
+    launcher_.InterruptActors(staying, epoch);
   }
   RecordSteps(job_id);
   LogIfFailed(jobs_->Log(job_id, absl::StrCat("heal of ", Replicas(replicas), " given up: ", why,
                                               "; the job trains on with replicas ", present)),
               job_id, "logging");
+  return true;
 }
 
 std::optional<ReportStepReply> JobRunner::OnHealReport(const StepReport& report) {
@@ -179,8 +194,11 @@ std::optional<ReportStepReply> JobRunner::OnHealReport(const StepReport& report)
     FillRunReply(run, &reply);
   }
   if (!report.error().empty()) {
-    GiveUpHeal(report.job_id(), attempt,
-               absl::StrCat("its new actor ", report.actor_id(), " failed: ", report.error()));
+    // Joined meanwhile (or a fault is being handled): the error is the run's, as any actor's.
+    if (!GiveUpHeal(report.job_id(), attempt,
+                    absl::StrCat("its new actor ", report.actor_id(), " failed: ", report.error()))) {
+      return std::nullopt;
+    }
     reply.set_stop(true);
     return reply;
   }
@@ -191,19 +209,23 @@ std::optional<ReportStepReply> JobRunner::OnHealReport(const StepReport& report)
 void JobRunner::AfterHealNews(const std::string& job_id, const HealNews& news) {
   if (!news.picked && !news.joined && !news.boundary.repicked && !news.boundary.broken) return;
   int64_t target = 0, attempt = 0, epoch = 0;
-  std::vector<int> replicas;
+  std::vector<int> replicas, present;
   int donor = 0;
+  bool joined = false;  // the heal's membership is still the run's (no regroup replaced it meanwhile)
   std::vector<ActorRecord> actors;
   {
     absl::MutexLock lock(&runs_.mu);
     auto it = runs_.by_job.find(job_id);
     if (it == runs_.by_job.end()) return;
     const JobRun& run = it->second;
+    const RunRegroup& g = run.regroup;
     target = run.heal.target;
     attempt = run.attempt;
     replicas = run.heal.replicas;
     donor = run.heal.donor;
-    epoch = run.heal.epoch;
+    joined = news.joined && run.heal.joined && g.epoch == run.heal.epoch;
+    epoch = g.epoch;
+    present = g.replicas;
     for (const ActorPlacement& p : run.actors) actors.push_back(p.actor);
   }
   if (news.boundary.broken) {
@@ -225,11 +247,19 @@ void JobRunner::AfterHealNews(const std::string& job_id, const HealNews& news) {
                                         "; the replicas join after step ", target, " instead")),
         job_id, "logging");
   }
-  if (news.joined) {
-    // A restarted head takes the run over with its new actors.
+  if (joined) {
+    // A restarted head takes the forming membership over with its new actors (they report ready again).
     LogIfFailed(jobs_->SetActors(job_id, actors), job_id, "recording the healed run's actors");
-    LogIfFailed(jobs_->Update(job_id, [&](JobInfo& j) { j.set_epoch(epoch); }).status(), job_id,
-                "recording the heal's membership");
+    LogIfFailed(jobs_
+                    ->Update(job_id,
+                             [&](JobInfo& j) {
+                               j.set_epoch(epoch);
+                               j.set_regroup_resume_step(0);  // forming
+                               j.clear_present_replicas();
+                               for (int r : present) j.add_present_replicas(r);
+                             })
+                    .status(),
+                job_id, "recording the heal's membership");
     LogIfFailed(jobs_->Log(job_id, absl::StrCat("healing: every actor stopped after step ", target, "; replica ", donor,
                                                 "'s actors stream their state to ", Replicas(replicas))),
                 job_id, "logging");

@@ -64,6 +64,7 @@ bool IsConfigurationError(const absl::Status& s) {
 
 StageActor::StageActor(StageActorConfig config, ActorServices services)
     : config_(std::move(config)), services_(std::move(services)) {
+  peers_ = config_.peers;
   if (!services_.head) {
     if (auto channel = MakeChannel(config_.head_address, config_.tls); channel.ok()) {
       services_.head = std::make_unique<GrpcHeadClient>(*channel, config_.token);
@@ -490,11 +491,10 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
         return 0;
       }
       const std::string old_key = ranks.comm_job_id;
-      ASSIGN_OR_RETURN(ActorRanks next, MembershipRanks(regroup, ranks));
-      const std::vector<ActorPeer> peers = regroup.peers().empty()
-                                               ? config_.peers
-                                               : std::vector<ActorPeer>(regroup.peers().begin(), regroup.peers().end());
-      RETURN_IF_ERROR(trainer.Regroup(next, peers, services_.collectives.get(), config_.device_index));
+      // A heal's membership names every actor with the joining ones' addresses: the list from now on.
+      if (!regroup.peers().empty()) peers_.assign(regroup.peers().begin(), regroup.peers().end());
+      ASSIGN_OR_RETURN(ActorRanks next, MembershipRanks(regroup));
+      RETURN_IF_ERROR(trainer.Regroup(next, peers_, services_.collectives.get(), config_.device_index));
       ranks = std::move(next);
       epoch_ = ranks.epoch;
       if (services_.mailbox != nullptr) services_.mailbox->DiscardJob(old_key);
@@ -507,10 +507,18 @@ absl::StatusOr<int64_t> StageActor::AwaitRegroup(StageTrainer& trainer, ActorRan
       if (!regroup.joining().empty() && regroup.donor() == ranks.replica) {
         // A heal: this stage's state goes to the joining replicas' actors before this one says it is ready.
         const auto start = Clock::now();
-        ASSIGN_OR_RETURN(const uint64_t bytes,
-                         trainer.SendState(std::vector<int>(regroup.joining().begin(), regroup.joining().end())));
-        GT_LOG(INFO) << "actor " << id << ": sent its stage's state (" << bytes << " bytes) to replicas ["
-                     << absl::StrJoin(regroup.joining(), ", ") << "] in " << SecondsSince(start) << " s";
+        const absl::StatusOr<uint64_t> sent =
+            trainer.SendState(std::vector<int>(regroup.joining().begin(), regroup.joining().end()));
+        if (!sent.ok() && !IsPeerFailure(sent.status())) return sent.status();
+        // A joining actor that failed or whose worker died: the head goes on without its replica (a fault).
+        if (!sent.ok()) {
+          GT_LOG(WARNING) << "actor " << id << ": could not send its stage's state to replicas ["
+                          << absl::StrJoin(regroup.joining(), ", ") << "]: " << sent.status()
+                          << "; waiting for the head to go on without them";
+        } else {
+          GT_LOG(INFO) << "actor " << id << ": sent its stage's state (" << *sent << " bytes) to replicas ["
+                       << absl::StrJoin(regroup.joining(), ", ") << "] in " << SecondsSince(start) << " s";
+        }
       }
     }
     if (ranks.epoch > failed_in && regroup.epoch() == ranks.epoch && regroup.confirmed()) {

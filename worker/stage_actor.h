@@ -158,9 +158,9 @@ class StageActor {
   // it is ready.
   absl::StatusOr<int64_t> AwaitRegroup(StageTrainer& trainer, ActorRanks& ranks, const absl::Status& failure,
                                        const std::string& why);
-  // The actor's place in membership `g`: its ranks rebuilt from g's actor list when it has one (a heal: the joining
-  // actors' addresses), else `ranks` with g's replicas.
-  absl::StatusOr<ActorRanks> MembershipRanks(const Regroup& g, const ActorRanks& ranks) const;
+  // The actor's place in membership `g`: its ranks from the job's actors' list as it knows it (peers_) and g's
+  // replicas.
+  absl::StatusOr<ActorRanks> MembershipRanks(const Regroup& g) const;
   // A joining actor (config_.join): says it is set up, waits for its membership to form, receives its state from the
   // donor and says it is ready; returns the step to train next once the head confirms the membership. An error
   // when the head stops it (the heal was given up), the membership moves on without it, or no word comes in time.
@@ -191,8 +191,10 @@ class StageActor {
   std::atomic<int64_t> heal_at_step_{0};
   std::atomic<int64_t> heal_confirmed_step_{0};
   std::atomic<int64_t> epoch_{0};  // the membership the actor's collectives are built for (thread_ writes it)
-  bool set_up_ = false;            // written and read by thread_ only: true once the actor has set up and trains
-  std::thread thread_;             // joined by the destructor before the members it uses go
+  // Every actor of the job as this actor knows it: config_.peers, then each heal's list (thread_ only).
+  std::vector<ActorPeer> peers_;
+  bool set_up_ = false;  // written and read by thread_ only: true once the actor has set up and trains
+  std::thread thread_;   // joined by the destructor before the members it uses go
 
   mutable absl::Mutex mu_;
   ActorState state_ ABSL_GUARDED_BY(mu_) = ACTOR_PENDING_CREATION;

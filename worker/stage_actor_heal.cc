@@ -13,14 +13,11 @@
 
 namespace geotrain::worker {
 
-absl::StatusOr<ActorRanks> StageActor::MembershipRanks(const Regroup& g, const ActorRanks& ranks) const {
-  std::vector<int> replicas(g.replicas().begin(), g.replicas().end());
-  if (g.peers().empty()) return ranks.Regrouped(g.epoch(), std::move(replicas));
-  // The actors' list of a heal: the joining replicas' actors are new, on other workers.
-  const std::vector<ActorPeer> peers(g.peers().begin(), g.peers().end());
+absl::StatusOr<ActorRanks> StageActor::MembershipRanks(const Regroup& g) const {
+  // After a heal, the joining replicas' actors are new, on other workers: the ranks are made from the list again.
   ASSIGN_OR_RETURN(ActorRanks fresh,
-                   ActorRanks::Create(config_.spec, config_.actor, peers, config_.site, config_.attempt));
-  return fresh.Regrouped(g.epoch(), std::move(replicas));
+                   ActorRanks::Create(config_.spec, config_.actor, peers_, config_.site, config_.attempt));
+  return fresh.Regrouped(g.epoch(), std::vector<int>(g.replicas().begin(), g.replicas().end()));
 }
 
 absl::StatusOr<int64_t> StageActor::Join(StageTrainer& trainer, const ActorRanks& ranks) {

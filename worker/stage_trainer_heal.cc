@@ -114,6 +114,11 @@ absl::StatusOr<uint64_t> StageTrainer::ReceiveState(int donor) {
                                             Get(header, kNumParams), " parameters for this stage of ", n,
                                             ": the replicas' plans differ"));
   }
+  const int64_t completed = Get(header, kCompletedStep), adam_step = Get(header, kAdamStep);
+  const model::DataPosition position{Get(header, kShard), Get(header, kOffset), Get(header, kEpoch)};
+  if (completed < 0 || adam_step < 0 || position.shard < 0 || position.offset < 0 || position.epoch < 0) {
+    return absl::DataLossError(absl::StrCat("replica ", donor, " sent a state with a negative step or data position"));
+  }
   model::LossScaleState scale;
   const int64_t scale_bits = Get(header, kScaleBits);
   std::memcpy(&scale.scale, &scale_bits, sizeof(scale.scale));
@@ -123,19 +128,18 @@ absl::StatusOr<uint64_t> StageTrainer::ReceiveState(int donor) {
   RETURN_IF_ERROR(comm->Recv(peer, absl::MakeSpan(params), "heal/params"));
   RETURN_IF_ERROR(comm->Recv(peer, absl::MakeSpan(m), "heal/m"));
   RETURN_IF_ERROR(comm->Recv(peer, absl::MakeSpan(v), "heal/v"));
-  // Every part is in and checked: only now does any of it replace this stage's state.
+  // Every part is in and checked (the data position by the loader itself): only now does any of it replace this
+  // stage's state.
+  if (loader_) RETURN_IF_ERROR(loader_->Restore(position));
   RETURN_IF_ERROR(adam_->loss_scaler().Restore(scale));
   ASSIGN_OR_RETURN(float* host, HostParams());
   std::memcpy(host, params.data(), params.size() * sizeof(float));
   RETURN_IF_ERROR(ParamsToDevice());
   RETURN_IF_ERROR(adam_->CopyMomentsFromHost(m, v));
-  adam_->set_step(Get(header, kAdamStep));
-  completed_step_ = Get(header, kCompletedStep);
+  adam_->set_step(adam_step);
+  completed_step_ = completed;
   loaded_step_ = completed_step_;
-  if (loader_) {
-    step_start_position_ = {Get(header, kShard), Get(header, kOffset), Get(header, kEpoch)};
-    RETURN_IF_ERROR(loader_->Restore(step_start_position_));
-  }
+  step_start_position_ = position;
   return (header.size() + 3 * params.size()) * sizeof(float);
 }
 

@@ -105,8 +105,6 @@ TEST_F(HealTransferTest, TheJoiningReplicaIsBitIdenticalToItsDonorAndStaysSo) {
   sender.join();
   ASSERT_TRUE(sent.ok()) << sent.status();
   ASSERT_TRUE(received.ok()) << received.status();
-  EXPECT_EQ(*sent, *received);
-  EXPECT_GE(*received, 3 * static_cast<uint64_t>(donor->stage().num_params()) * sizeof(float));
   EXPECT_EQ(joiner->completed_step(), 3);
   EXPECT_EQ(joiner->optimizer().step(), 3);
   ExpectBitIdentical(*donor, *joiner, "after the transfer");

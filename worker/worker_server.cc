@@ -80,12 +80,19 @@ class WorkerServer::Service final : public internal::Worker::Service {
       const bool sorted = std::is_sorted(replicas.begin(), replicas.end()) &&
                           std::adjacent_find(replicas.begin(), replicas.end()) == replicas.end();
       const auto in = [&](int r) { return std::find(replicas.begin(), replicas.end(), r) != replicas.end(); };
+      const auto joining = [&](int r) {
+        return std::find(join.joining().begin(), join.joining().end(), r) != join.joining().end();
+      };
+      const bool joining_in = std::all_of(join.joining().begin(), join.joining().end(), in);
       if (join.epoch() <= 0 || replicas.empty() || !sorted || replicas[0] < 0 || replicas[replicas.size() - 1] >= dp ||
-          !in(a.replica()) || !in(join.donor()) || join.donor() == a.replica() || !config.resume_from.empty()) {
+          !in(join.donor()) || joining(join.donor()) || !joining(a.replica()) || !joining_in ||
+          !config.resume_from.empty()) {
         return invalid(
             absl::StrCat("a joining actor needs a positive epoch, its membership's replicas (ascending, "
                          "below dp = ",
-                         dp, ", its own and the donor's among them) and no resume_from"));
+                         dp,
+                         "), the joining ones among them (its own included), a donor that is not "
+                         "joining, and no resume_from"));
       }
       config.join = join;
     }

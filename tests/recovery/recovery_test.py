@@ -314,6 +314,13 @@ class RecoveryTest(unittest.TestCase):
             heal_seconds = float(re.search(r"healed replicas trained their first step \(\d+\): ([\d.]+) s after", logs)
                                  .group(1))
             self.assertGreater(job.get("heal_seconds", 0), 0, logs)
+            self.assertLess(heal_seconds, 30.0, logs)  # about 1 s here: the new actors set up while the other trains
+            # Replica `lost` is back on new actors (the status lists the ones that left too), none on the killed worker:
+            # on the spare and on the device its other stage left.
+            back = [a for a in job["actors"] if re.search(r"-h\d+$", a["actor_id"])]
+            self.assertEqual(sorted((a.get("replica", 0), a.get("stage", 0)) for a in back), [(lost, 0), (lost, 1)],
+                             job["actors"])
+            self.assertNotIn(victim, [a["worker_id"] for a in back])
             # The head's /metrics (served with the dashboard) counts the heal and its cost.
             url = json.loads(self.c.cli(["status", "--json"]).stdout)["dashboard_url"]
             with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
