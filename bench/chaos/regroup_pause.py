@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chaos import ROOT, job_spec  # noqa: E402  (the chaos benchmark's job)
 from geotrain_testing.clusters import ClusterUp, wait_for  # noqa: E402
 
+SENT_LINE = re.compile(r"sent its stage's state \((\d+) bytes\) to replicas \[[\d, ]*\] in ([\d.e-]+) s")
 STEP_LINE = re.compile(r"^(\S+ \S+) step (\d+) loss \S+ \S+ tokens/s step ([\d.]+) s", re.M)
 
 
@@ -62,8 +63,15 @@ def run_case(c, kind, data, out, warm_steps, index):
             raise RuntimeError(f"heal: the job restarted instead: {h.group(0)}")
         after = c.logs(job_id).split("healed: ", 1)[1]
         joined = re.search(r"stayed healthy paused ([\d.]+) s", after)
+        # Each donor actor's transfer, from the workers' logs: bytes and seconds.
+        sent = []
+        logs_dir = os.path.join(c.state, "logs")
+        for name in sorted(os.listdir(logs_dir)):
+            with open(os.path.join(logs_dir, name), errors="replace") as f:
+                sent += [(int(b), float(s)) for b, s in SENT_LINE.findall(f.read())]
         heal = {"heal_s": float(h.group(2)), "healed_first_step": int(h.group(1)),
-                "heal_pause_s": float(joined.group(1)) if joined else None}
+                "heal_pause_s": float(joined.group(1)) if joined else None,
+                "state_sent": [{"bytes": b, "seconds": s} for b, s in sent]}
     logs = c.logs(job_id)
     job = c.job(job_id)
     c.cli(["job", "cancel", job_id], check=False)
@@ -80,7 +88,8 @@ def run_case(c, kind, data, out, warm_steps, index):
     if heal:
         print(f"heal: the lost replica trained again {heal['heal_s']:.1f} s after the fault's detection (step "
               f"{heal['healed_first_step']}); the healthy replica paused {heal['heal_pause_s']:.1f} s = "
-              f"{heal['heal_pause_s'] / median:.2f} median steps while it joined", flush=True)
+              f"{heal['heal_pause_s'] / median:.2f} median steps while it joined; state sent: " +
+              ", ".join(f"{x['bytes'] / 1e6:.1f} MB in {x['seconds']:.2f} s" for x in heal["state_sent"]), flush=True)
     # The next case's job gets every worker back.
     wait_for(lambda: all(w["state"] == "WORKER_ALIVE" and not w.get("draining") for w in json.loads(
         c.cli(["status", "--json"]).stdout)["workers"] if w["worker_id"] != victim or kind == "kill"), 60,
