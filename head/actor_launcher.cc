@@ -97,13 +97,14 @@ void ActorLauncher::StopActors(const std::vector<ActorPlacement>& actors, const 
   StopActorRequest request;
   request.set_reason(reason);
   request.set_job_goes_on(job_goes_on);
-  OnAliveWorkers(
-      actors, wait, "stopping",
-      [request](internal::Worker::Stub& stub, grpc::ClientContext& ctx, const std::string& actor_id) mutable {
-        request.set_actor_id(actor_id);
-        StopActorReply reply;
-        return stub.StopActor(&ctx, request, &reply);
-      });
+  OnAliveWorkers(actors, wait, "stopping",
+                 [request](internal::Worker::Stub& stub, grpc::ClientContext& ctx, const std::string& actor_id) {
+                   // One copy per call: the executor's threads run this same function for several actors at once.
+                   StopActorRequest one = request;
+                   one.set_actor_id(actor_id);
+                   StopActorReply reply;
+                   return stub.StopActor(&ctx, one, &reply);
+                 });
 }
 
 void ActorLauncher::InterruptActors(const std::vector<ActorPlacement>& actors, int64_t epoch) {
