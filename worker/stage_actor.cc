@@ -421,19 +421,19 @@ bool StageActor::AwaitBoundary(int64_t step, const Boundary& boundary) {
     if (boundary.confirmed == step) return true;
     if (boundary.at != step || stop_) return false;
     if (Clock::now() >= deadline) {
-      GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": the head did not confirm the " << boundary.what
-                      << " after step " << step << " within " << config_.collective_timeout_ms
-                      << " ms; training goes on";
+      GT_LOG(WARNING) << "actor " << config_.actor.actor_id() << ": the head did not confirm the "
+                      << (boundary.heal ? "heal" : "drain") << " after step " << step << " within "
+                      << config_.collective_timeout_ms << " ms; training goes on";
       return false;
     }
     absl::SleepFor(absl::Milliseconds(100));
     StepReport probe = Probe();
-    if (&boundary.at == &drain_at_step_) {
-      probe.set_drain_at_step(step);
-      probe.set_drain_waiting(true);
-    } else {
+    if (boundary.heal) {
       probe.set_heal_at_step(step);
       probe.set_heal_waiting(true);
+    } else {
+      probe.set_drain_at_step(step);
+      probe.set_drain_waiting(true);
     }
     reporter_->Enqueue(probe);
   }

@@ -142,10 +142,10 @@ class StageActor {
   struct Boundary {
     const std::atomic<int64_t>& at;
     const std::atomic<int64_t>& confirmed;
-    const char* what;  // "drain", "heal"
+    bool heal;  // a heal's (its probes say heal_waiting), else a drain's (drain_waiting)
   };
-  Boundary DrainBoundary() const { return {drain_at_step_, drain_confirmed_step_, "drain"}; }
-  Boundary HealBoundary() const { return {heal_at_step_, heal_confirmed_step_, "heal"}; }
+  Boundary DrainBoundary() const { return {drain_at_step_, drain_confirmed_step_, false}; }
+  Boundary HealBoundary() const { return {heal_at_step_, heal_confirmed_step_, true}; }
   bool AwaitBoundary(int64_t step, const Boundary& boundary);
   // The last report of an actor that leaves after `step` for a drain, with its checkpoint shard of it.
   void ReportLeft(int64_t step);
